@@ -1,0 +1,125 @@
+"""Tiny models, tokenizers and data shared by the test suite (CPU, no network)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+from torch import nn
+
+WORDS = (
+    "the a good bad movie film great awful plot actor loved hated boring fun long short "
+    "story ending music scene slow fast best worst funny sad happy dull bright dark"
+).split()
+
+
+class OneWeight(nn.Module):
+    """y = w * x with a single scalar weight: the analytic oracle for the loop's update."""
+
+    def __init__(self, w: float = 0.0):
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor(float(w)))
+
+    def forward(self, x):
+        return self.w * x
+
+
+class SmallMLP(nn.Module):
+    """Two-layer MLP classifier returning an object with `.loss` and `.logits`, like HF models."""
+
+    def __init__(self, in_features: int = 8, hidden: int = 16, num_labels: int = 3):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, num_labels))
+
+    def forward(self, x, labels=None):
+        logits = self.net(x)
+        loss = None if labels is None else nn.functional.cross_entropy(logits, labels)
+        return {"loss": loss, "logits": logits}
+
+
+def make_tiny_bert(num_labels: int = 3, num_layers: int = 2, seed: int = 0, **overrides):
+    """A tiny BertForSequenceClassification with dropout off (deterministic)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(
+        vocab_size=len(WORDS) + 5,
+        hidden_size=32,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        intermediate_size=37,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=num_labels,
+        **overrides,
+    )
+    torch.manual_seed(seed)
+    return BertForSequenceClassification(config)
+
+
+def make_tiny_tokenizer():
+    """A fast WordPiece tokenizer over WORDS, built in memory with the `tokenizers` library."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab = {token: index for index, token in enumerate(specials + WORDS)}
+    backend = Tokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]"))
+    backend.normalizer = normalizers.BertNormalizer(lowercase=True)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_max_length=64,
+    )
+
+
+def random_token_batches(lengths, vocab_size: int, num_labels: int = 3, seed: int = 0):
+    """One padded batch per list of lengths: dicts of input_ids, attention_mask, labels."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for batch_lengths in lengths:
+        width = max(batch_lengths)
+        input_ids = torch.zeros(len(batch_lengths), width, dtype=torch.long)
+        attention_mask = torch.zeros(len(batch_lengths), width, dtype=torch.long)
+        for row, length in enumerate(batch_lengths):
+            input_ids[row, :length] = torch.randint(5, vocab_size, (length,), generator=generator)
+            attention_mask[row, :length] = 1
+        labels = torch.randint(0, num_labels, (len(batch_lengths),), generator=generator)
+        batches.append({"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels})
+    return batches
+
+
+@pytest.fixture
+def tiny_bert():
+    return make_tiny_bert()
+
+
+@pytest.fixture
+def tiny_tokenizer():
+    return make_tiny_tokenizer()
+
+
+@pytest.fixture(autouse=True)
+def _reset_bnb_overrides():
+    """bitsandbytes' GlobalOptimManager is process-global: start and end every test clean."""
+    yield
+    try:
+        from bitsandbytes.optim import GlobalOptimManager
+    except Exception:  # bitsandbytes missing or unloadable: nothing to reset
+        return
+    manager = GlobalOptimManager.get_instance()
+    manager.initialize()
