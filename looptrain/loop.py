@@ -1,0 +1,609 @@
+"""`Loop`: the training loop, written out so that a reader can follow every step.
+
+`fit()` owns all control flow. One optimizer update ("step") is made of one accumulation window of
+`accum_steps` micro-batches ("micro_steps"); the last window of an epoch may hold fewer and is stepped
+all the same. Per window, in this order:
+
+    count the window's items (labels that are not -100, else rows)
+    for each micro-batch:  forward under autocast -> loss sum / window items -> scaled backward
+    unscale (fp16) -> clip -> step -> update -> zero
+
+Dividing each micro-batch's loss *sum* by the whole window's item count (samples, or tokens for
+token-level losses) makes accumulation exact: `B x 1` and any split of the same `B` items over
+micro-batches of unequal sizes give the same update, the partial last window included. Dividing each
+micro-batch's *mean* by `accum_steps` (the common recipe) is not: it over-weights small micro-batches
+and the short last window.
+
+Researchers subclass `Loop` and override a hook: `compute_loss`, `eval_step`, `compute_metrics`,
+`on_step_end`. Each is called on one visible line of `fit()` or `evaluate()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from looptrain import memory, metrics, state
+from looptrain.config import LoopConfig
+from looptrain.gradient_checkpointing import enable_gradient_checkpointing
+from looptrain.optim import OptimizerInBackward
+from looptrain.precision import autocast, make_grad_scaler, resolve_device
+from looptrain.seeding import seed_everything
+
+
+class Loop:
+    """An explicit training loop: exact accumulation, autocast + GradScaler, clipping after unscale.
+
+    Args:
+        model: the module to train. HF models work as they are (the default `compute_loss` reads
+            `outputs.loss`); anything else needs `compute_loss` overridden.
+        optimizer: an optimizer over the model's trainable parameters (see `looptrain.optim`).
+        train_loader: an iterable of batches (dicts of tensors for the default hooks).
+        eval_loader: optional batches for `evaluate()`.
+        scheduler: optional LR scheduler, stepped once per optimizer update (never for skipped ones).
+        config: a `LoopConfig`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        train_loader,
+        *,
+        eval_loader=None,
+        scheduler=None,
+        config: Optional[LoopConfig] = None,
+    ):
+        self.config = config if config is not None else LoopConfig()
+        self.device = resolve_device(self.config.device)
+        seed_everything(self.config.seed)
+        self.model = model.to(self.device)
+        if self.config.gradient_checkpointing:
+            enable_gradient_checkpointing(self.model)
+        if self.config.optimizer_in_backward:
+            optimizer = OptimizerInBackward(
+                self.model, optimizer, max_grad_norm=self.config.max_grad_norm, clip=self.config.effective_clip_mode
+            )
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.train_loader = train_loader
+        self.eval_loader = eval_loader
+        self.scaler = make_grad_scaler(self.device, self.config.precision)
+        self.trainable_parameters = [p for p in self.model.parameters() if p.requires_grad]
+        if not self.trainable_parameters:
+            raise ValueError("the model has no trainable parameters: unfreeze some (see looptrain.freeze)")
+        self.meter = memory.make_meter(self.device) if self.config.track_memory else None
+        self.output_dir = Path(self.config.output_dir) if self.config.output_dir else None
+        # Counters with fixed meanings: `step` counts optimizer updates, `micro_step` counts
+        # forward/backward passes; `batch_in_epoch` is the position an exact resume continues from.
+        self.step = 0
+        self.micro_step = 0
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self.skipped_steps = 0
+        self.samples_seen = 0
+        self.tokens_seen = 0
+        self.train_seconds = 0.0
+        self.best = state.BestTracker(self.config.metric_for_best)
+        self.last_eval: Optional[dict] = None
+        self.last_eval_step = -1
+        self.epoch_rng_state: Optional[torch.Tensor] = None
+        self.resume_rng_state: Optional[dict] = None
+        self.progress = None
+        self._interval = _Interval()
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict:
+        """Trains for `epochs` (or until `max_steps` updates), evaluating and saving on schedule.
+
+        Returns:
+            The run's summary, the same dict that is written to `output_dir/summary.json`.
+        """
+        config = self.config
+        fit_started = time.perf_counter()
+        if config.resume is not None:
+            self.restore(config.resume)
+        if self.meter is not None:
+            self.meter.start(self.model, self.optimizer)
+        self.progress = self.make_progress_bar()
+        self._interval.restart_clock()
+        while self.epoch < config.epochs and not self.reached_max_steps():
+            for window in self.accumulation_windows():
+                self.model.train()
+                window_loss = torch.zeros((), device=self.device, dtype=torch.float64)
+                window_items = 0
+                # Counted before the first forward (HF's num_items_in_batch), so every micro-batch can
+                # backward its share of the window's mean and gradients keep the scale of a mean.
+                counted_items = sum(count_items(batch) for batch in window)
+                for index, batch in enumerate(window):
+                    samples, tokens = batch_sizes(batch)
+                    batch = self.to_device(batch)
+                    with self.backward_context(is_last=index == len(window) - 1):
+                        self.mark("forward")
+                        with autocast(self.device, config.precision):
+                            loss_sum, num_items = self.loss_sum_and_items(self.compute_loss(batch), batch)
+                        self.mark("backward")
+                        divisor = num_items if config.optimizer_in_backward else counted_items
+                        self.scaler.scale(loss_sum / max(divisor, 1)).backward()
+                    window_loss += loss_sum.detach().double()
+                    window_items += num_items
+                    self.micro_step += 1
+                    self.batch_in_epoch += 1
+                    self.samples_seen += samples
+                    self.tokens_seen += tokens
+                    self._interval.add(samples, tokens)
+                self.mark("optimizer")
+                grad_norm, stepped = self.optimizer_step(counted_items, window_items)
+                if stepped:
+                    self.step += 1
+                    if self.scheduler is not None:
+                        self.scheduler.step()  # never advanced for a step the scaler skipped
+                else:
+                    self.skipped_steps += 1
+                self._interval.add_window(window_loss, window_items)
+                self.on_step_end(step=self.step, loss_sum=window_loss, num_items=window_items, grad_norm=grad_norm)
+                if stepped and self.step % config.log_every == 0:
+                    self.log_train(grad_norm)
+                if stepped and isinstance(config.eval_every, int) and self.step % config.eval_every == 0:
+                    self.evaluate_and_save()
+                if self.reached_max_steps():
+                    break
+            else:  # the epoch ran to its end (not stopped by max_steps)
+                self.epoch += 1
+                self.batch_in_epoch = 0
+                if config.eval_every == "epoch":
+                    self.evaluate_and_save()
+        self.close_progress_bar()
+        if self.meter is not None:
+            self.meter.stop()
+        if self.eval_loader is not None and self.last_eval_step != self.step:
+            self.last_eval = self.evaluate()
+            self.last_eval_step = self.step
+        if config.load_best_at_end and self.best.best_checkpoint is not None:
+            self.load_best()
+        summary = self.summary(time.perf_counter() - fit_started)
+        if self.output_dir is not None:
+            _write_json(self.output_dir / "summary.json", summary)
+        return summary
+
+    def optimizer_step(self, counted_items: int, num_items: int) -> tuple[torch.Tensor, bool]:
+        """Turns the window's accumulated gradients into one update.
+
+        Args:
+            counted_items: the items counted before the forward passes, which the losses were divided by.
+            num_items: the items `compute_loss` reported; when it differs (a custom token-level loss),
+                the gradients are rescaled once so the update is the exact mean over `num_items`.
+
+        Returns:
+            The gradient norm (after unscaling, before clipping) and whether the update was applied.
+        """
+        if self.config.optimizer_in_backward:
+            # Every parameter already stepped inside backward (and was clipped per parameter there).
+            return self.optimizer.grad_norm, True
+        self.scaler.unscale_(self.optimizer)  # fp16: back to true gradients *before* clipping
+        scale_gradients_(self.trainable_parameters, max(counted_items, 1) / max(num_items, 1))  # exact mean
+        max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
+        grad_norm = nn.utils.clip_grad_norm_(self.trainable_parameters, max_norm, error_if_nonfinite=False)
+        if self.scaler.is_enabled():
+            scale_before = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)  # the scaler skips the step when fp16 gradients overflowed
+            self.scaler.update()
+            stepped = self.scaler.get_scale() >= scale_before  # the scale only shrinks after a skip
+        else:
+            stepped = bool(torch.isfinite(grad_norm))  # a non-finite fp32/bf16 window is skipped, not applied
+            if stepped:
+                self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, stepped
+
+    # ------------------------------------------------------------------ hooks
+    def compute_loss(self, batch) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        """Returns the micro-batch's mean loss, or `(loss_sum, num_items)` for exact token-level losses.
+
+        The default calls `model(**batch)` and reads `.loss` (HF models compute it when the batch has
+        `labels`). A mean is weighted by the batch's item count: its labels that are not -100, or its
+        number of rows when it has no labels.
+        """
+        outputs = self.model(**batch)
+        loss = outputs["loss"] if isinstance(outputs, Mapping) else outputs.loss
+        if loss is None:
+            raise ValueError("the model returned no loss: pass `labels` in the batch or override Loop.compute_loss")
+        return loss
+
+    def eval_step(self, batch) -> dict:
+        """Runs one evaluation batch; returns `loss_sum`, `num_items`, `predictions` and `labels`.
+
+        The default is for sequence classification: argmax of `outputs.logits`, mean loss times rows.
+        """
+        outputs = self.model(**batch)
+        logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs.logits
+        loss = outputs["loss"] if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
+        labels = batch["labels"]
+        return {
+            "loss_sum": None if loss is None else loss.float() * labels.shape[0],
+            "num_items": labels.shape[0],
+            "predictions": logits.argmax(dim=-1),
+            "labels": labels,
+        }
+
+    def compute_metrics(self, predictions: torch.Tensor, labels: torch.Tensor) -> dict:
+        """Metrics over the whole evaluation set (CPU tensors). The default: accuracy and F1."""
+        scores = metrics.f1_scores(predictions, labels)
+        result = {"accuracy": metrics.accuracy(predictions, labels), "f1": scores["f1_macro"]}
+        if "f1_binary" in scores:
+            result["f1_binary"] = scores["f1_binary"]
+        return result
+
+    def on_step_end(self, *, step: int, loss_sum: torch.Tensor, num_items: int, grad_norm: torch.Tensor) -> None:
+        """Called after every accumulation window (also when its update was skipped). Does nothing."""
+
+    # ------------------------------------------------------------------ evaluation and checkpoints
+    @torch.inference_mode()
+    def evaluate(self, loader=None) -> dict:
+        """Evaluates on `loader` (default: the eval loader) and returns loss and `compute_metrics`.
+
+        Only predictions and labels (one int each per sample) are kept, on the CPU.
+        """
+        loader = loader if loader is not None else self.eval_loader
+        if loader is None:
+            raise ValueError("evaluate() needs an eval_loader: pass one to Loop(...) or to evaluate(loader)")
+        was_training = self.model.training
+        self.model.eval()
+        self.mark("eval")
+        predictions, labels, loss_sum, num_items = [], [], 0.0, 0
+        for batch in loader:
+            batch = self.to_device(batch)
+            with autocast(self.device, self.config.precision):
+                output = self.eval_step(batch)
+            predictions.append(output["predictions"].to("cpu", torch.int64))
+            labels.append(output["labels"].to("cpu", torch.int64))
+            if output.get("loss_sum") is not None:
+                loss_sum += float(output["loss_sum"])
+            num_items += int(output["num_items"])
+        self.model.train(was_training)
+        if not predictions:
+            raise ValueError("the eval loader yielded no batches: check the evaluation data")
+        result = {"loss": loss_sum / max(num_items, 1)}
+        result.update(self.compute_metrics(torch.cat(predictions), torch.cat(labels)))
+        return result
+
+    def evaluate_and_save(self) -> None:
+        """The evaluation point: evaluate (when there is eval data), log, and write a checkpoint."""
+        if self.eval_loader is not None:
+            self.last_eval = self.evaluate()
+            self.last_eval_step = self.step
+            self.log_event({"event": "eval", "step": self.step, "epoch": self.epoch_progress(), **self.last_eval})
+        if self.output_dir is not None:
+            self.save_checkpoint(self.last_eval if self.eval_loader is not None else None)
+        self._interval.restart_clock()  # evaluation and saving are not training time
+
+    def save_checkpoint(self, eval_metrics: Optional[dict]) -> Path:
+        """Writes `checkpoint-<step>/` atomically, updates the best, rotates old checkpoints."""
+        name = f"checkpoint-{self.step}"
+        if eval_metrics is not None:
+            self.best.update(eval_metrics, name, step=self.step)
+        path = state.save_checkpoint(
+            self.output_dir,
+            self.step,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            scaler=self.scaler,
+            trainer_state=self.trainer_state(),
+            metrics=eval_metrics,
+        )
+        state.rotate_checkpoints(self.output_dir, self.config.save_total_limit, best_checkpoint=self.best.best_checkpoint)
+        return path
+
+    def trainer_state(self) -> dict:
+        """The counters and positions an exact resume needs (JSON-ready)."""
+        return {
+            "step": self.step,
+            "micro_step": self.micro_step,
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "skipped_steps": self.skipped_steps,
+            "samples_seen": self.samples_seen,
+            "tokens_seen": self.tokens_seen,
+            "best": self.best.state_dict(),
+            "last_eval": self.last_eval,
+            "last_eval_step": self.last_eval_step,
+            # The data order of an epoch is drawn from torch's RNG when its iterator starts: keep the
+            # state of that moment so a resume in mid-epoch replays the same order.
+            "epoch_rng_state": None if self.epoch_rng_state is None else self.epoch_rng_state.tolist(),
+        }
+
+    def restore(self, resume: str) -> None:
+        """Restores weights, optimizer, scheduler, scaler, RNG and position from a checkpoint.
+
+        Args:
+            resume: "auto" (the newest complete checkpoint in `output_dir`; none there: start fresh)
+                or the path of a checkpoint directory.
+        """
+        path = state.resolve_resume_checkpoint(resume, self.output_dir)
+        if path is None:
+            self.echo(f"resume=auto: no checkpoint in {self.output_dir}, starting from scratch")
+            return
+        saved = state.load_checkpoint(
+            path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
+            map_location=self.device,
+        )
+        self.step, self.micro_step, self.epoch = saved["step"], saved["micro_step"], saved["epoch"]
+        self.batch_in_epoch, self.skipped_steps = saved["batch_in_epoch"], saved["skipped_steps"]
+        self.samples_seen, self.tokens_seen = saved["samples_seen"], saved["tokens_seen"]
+        self.best.load_state_dict(saved["best"])
+        self.last_eval, self.last_eval_step = saved["last_eval"], saved["last_eval_step"]
+        if saved["epoch_rng_state"] is not None:
+            self.epoch_rng_state = torch.tensor(saved["epoch_rng_state"], dtype=torch.uint8)
+        self.resume_rng_state = state.capture_rng_state()  # what the checkpoint restored; re-applied after the skip
+        self.echo(f"resumed from {path} at step {self.step} (epoch {self.epoch}, micro-batch {self.batch_in_epoch})")
+
+    def load_best(self) -> None:
+        """Loads the best checkpoint's weights into the model (`load_best_at_end`)."""
+        path = self.output_dir / self.best.best_checkpoint
+        saved = state.load_checkpoint(path, model=self.model, map_location=self.device, restore_rng=False)
+        self.last_eval = saved.get("last_eval")
+        self.echo(f"loaded the best checkpoint {path.name} ({self.config.metric_for_best}={self.best.best_metric:.4f})")
+
+    # ------------------------------------------------------------------ data and devices
+    def accumulation_windows(self) -> Iterator[list]:
+        """Yields the current epoch's micro-batches in windows of `accum_steps`; the last may be shorter.
+
+        Windows never cross an epoch boundary. On resume in mid-epoch, the epoch's data order is
+        replayed from the RNG state saved at its start and the consumed micro-batches are skipped.
+        """
+        sampler = getattr(self.train_loader, "batch_sampler", None)
+        for source in (sampler, getattr(self.train_loader, "sampler", None), self.train_loader):
+            if hasattr(source, "set_epoch"):
+                source.set_epoch(self.epoch)
+                break
+        skip = self.batch_in_epoch
+        if skip and self.epoch_rng_state is not None:
+            torch.set_rng_state(self.epoch_rng_state)
+        self.epoch_rng_state = torch.get_rng_state()
+        batches = iter(self.train_loader)
+        for _ in range(skip):
+            next(batches)
+        if self.resume_rng_state is not None:
+            state.restore_rng_state(self.resume_rng_state)
+            self.resume_rng_state = None
+        window = []
+        for batch in batches:
+            window.append(batch)
+            if len(window) == self.config.accum_steps:
+                yield window
+                window = []
+        if window:
+            yield window  # the partial last window: stepped, normalised by the items it holds
+
+    def to_device(self, batch):
+        """Moves a batch (tensor, mapping, list or tuple of them) to the loop's device."""
+        if isinstance(batch, torch.Tensor):
+            return batch.to(self.device, non_blocking=True)
+        if isinstance(batch, Mapping):
+            return {key: self.to_device(value) for key, value in batch.items()}
+        if isinstance(batch, (list, tuple)):
+            return type(batch)(self.to_device(value) for value in batch)
+        return batch
+
+    def backward_context(self, is_last: bool):
+        """Skips DDP's gradient all-reduce on every micro-step of a window but the last."""
+        if not is_last and hasattr(self.model, "no_sync"):
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+    def loss_sum_and_items(self, loss, batch) -> tuple[torch.Tensor, int]:
+        """Turns `compute_loss`'s result into `(loss_sum, num_items)`."""
+        if isinstance(loss, tuple):
+            loss_sum, num_items = loss
+            return loss_sum.float(), int(num_items)
+        num_items = count_items(batch)
+        return loss.float() * num_items, num_items
+
+    def reached_max_steps(self) -> bool:
+        return 0 < self.config.max_steps <= self.step
+
+    def mark(self, phase: str) -> None:
+        if self.meter is not None:
+            self.meter.mark(phase)
+
+    # ------------------------------------------------------------------ logging and summary
+    def log_train(self, grad_norm: torch.Tensor) -> None:
+        interval = self._interval.pop()
+        record = {
+            "event": "train",
+            "step": self.step,
+            "micro_step": self.micro_step,
+            "epoch": self.epoch_progress(),
+            "loss": interval["loss"],
+            "lr": self.current_lr(),
+            "grad_norm": float(grad_norm),
+            "samples_per_s": interval["samples_per_s"],
+            "tokens_per_s": interval["tokens_per_s"],
+            "skipped_steps": self.skipped_steps,
+        }
+        if self.meter is not None:
+            record["peak_memory_bytes"] = self.meter.peak_bytes()
+        if self.progress is not None:
+            self.progress.set_postfix(
+                loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", samples_s=f"{record['samples_per_s']:.1f}"
+            )
+        self.log_event(record)
+
+    def log_event(self, record: dict) -> None:
+        """Appends one event to `metrics.jsonl` and prints it as one line."""
+        if self.output_dir is not None:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(record) + "\n")
+        self.echo(format_record(record))
+
+    def echo(self, line: str) -> None:
+        tqdm.write(line, file=sys.stdout)
+
+    def make_progress_bar(self):
+        if not (self.config.progress_bar and sys.stderr.isatty()):
+            return None  # not a terminal: the log lines are the progress report
+        total = self.config.max_steps if self.config.max_steps > 0 else self.estimated_total_steps()
+        return tqdm(total=total, initial=self.step, unit="step", dynamic_ncols=True)
+
+    def close_progress_bar(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
+
+    def estimated_total_steps(self) -> Optional[int]:
+        try:
+            windows = math.ceil(len(self.train_loader) / self.config.accum_steps)
+        except TypeError:
+            return None
+        return windows * self.config.epochs
+
+    def epoch_progress(self) -> float:
+        try:
+            return round(self.epoch + self.batch_in_epoch / len(self.train_loader), 4)
+        except (TypeError, ZeroDivisionError):
+            return float(self.epoch)
+
+    def current_lr(self) -> float:
+        groups = self.optimizer.param_groups
+        return float(groups[0]["lr"]) if groups else 0.0
+
+    def summary(self, runtime_seconds: float) -> dict:
+        """The run's summary: throughput, counters, memory, final evaluation, best checkpoint."""
+        train_seconds = max(self._interval.total_seconds, 1e-9)
+        result = {
+            "train_runtime_s": round(runtime_seconds, 3),
+            "train_samples_per_s": round(self._interval.total_samples / train_seconds, 3),
+            "train_tokens_per_s": round(self._interval.total_tokens / train_seconds, 3),
+            "train_loss": self._interval.total_loss(),
+            "optimizer_steps": self.step,
+            "skipped_steps": self.skipped_steps,
+            "micro_steps": self.micro_step,
+            "epochs_completed": self.epoch,
+            "device": str(self.device),
+            "precision": self.config.precision,
+            "final_eval": self.last_eval,
+            "best_metric": self.best.best_metric,
+            "best_checkpoint": self.best.best_checkpoint,
+            "config": self.config.to_dict(),
+        }
+        if self.meter is not None:
+            result.update(self.meter.summary(self.model, self.optimizer))
+        else:
+            result.update({"peak_memory_bytes": None, "memory_meter": None, "peak_rss_bytes": memory.peak_rss_bytes(),
+                           "memory_breakdown": None})
+        return result
+
+
+# ---------------------------------------------------------------------- small helpers
+def count_items(batch) -> int:
+    """Items a mean loss was taken over: labels that are not -100, else the batch's rows."""
+    if isinstance(batch, Mapping) and isinstance(batch.get("labels"), torch.Tensor):
+        return int((batch["labels"] != -100).sum())
+    return first_dimension(batch)
+
+
+def batch_sizes(batch) -> tuple[int, int]:
+    """(samples, real tokens) of a batch, for throughput: tokens are the attention mask's ones."""
+    samples = first_dimension(batch)
+    if isinstance(batch, Mapping) and isinstance(batch.get("attention_mask"), torch.Tensor):
+        return samples, int(batch["attention_mask"].sum())
+    if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):
+        return samples, batch["input_ids"].numel()
+    return samples, 0
+
+
+def first_dimension(batch) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    values = batch.values() if isinstance(batch, Mapping) else batch
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.dim():
+            return value.shape[0]
+    raise ValueError("cannot tell the batch size: the batch holds no tensor with a batch dimension")
+
+
+@torch.no_grad()
+def scale_gradients_(parameters, factor: float) -> None:
+    """Multiplies every existing gradient by `factor`, in place."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if grads and factor != 1.0:
+        torch._foreach_mul_(grads, factor)
+
+
+def format_record(record: dict) -> str:
+    parts = []
+    for key, value in record.items():
+        if isinstance(value, float):
+            parts.append(f"{key}={value:.4g}")
+        elif value is not None and not isinstance(value, (dict, list)):
+            parts.append(f"{key}={value}")
+    return " ".join(parts)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".json.tmp")
+    temporary.write_text(json.dumps(data, indent=2, default=str), encoding="utf-8")
+    temporary.replace(path)
+
+
+class _Interval:
+    """Sums of samples, tokens, loss and training seconds, per log interval and for the whole run."""
+
+    def __init__(self):
+        self.samples = self.tokens = 0
+        self.loss_sum = 0.0
+        self.items = 0
+        self.seconds = 0.0
+        self.total_samples = self.total_tokens = 0
+        self.total_seconds = 0.0
+        self.total_loss_sum = 0.0
+        self.total_items = 0
+        self.clock = time.perf_counter()
+
+    def add(self, samples: int, tokens: int) -> None:
+        self.samples += samples
+        self.tokens += tokens
+        self.total_samples += samples
+        self.total_tokens += tokens
+
+    def restart_clock(self) -> None:
+        self.clock = time.perf_counter()
+
+    def add_window(self, loss_sum: torch.Tensor, items: int) -> None:
+        """Closes one accumulation window: its loss, items, and the seconds since the clock's last tick."""
+        now = time.perf_counter()
+        seconds, self.clock = now - self.clock, now
+        value = float(loss_sum)
+        self.loss_sum += value
+        self.items += items
+        self.seconds += seconds
+        self.total_loss_sum += value
+        self.total_items += items
+        self.total_seconds += seconds
+
+    def pop(self) -> dict:
+        seconds = max(self.seconds, 1e-9)
+        result = {
+            "loss": self.loss_sum / max(self.items, 1),
+            "samples_per_s": self.samples / seconds,
+            "tokens_per_s": self.tokens / seconds,
+        }
+        self.samples = self.tokens = self.items = 0
+        self.loss_sum = self.seconds = 0.0
+        return result
+
+    def total_loss(self) -> Optional[float]:
+        return self.total_loss_sum / self.total_items if self.total_items else None
