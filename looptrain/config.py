@@ -133,3 +133,16 @@ def _valid_eval_every(value) -> bool:
     if value in ("epoch", "no"):
         return True
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def field_help() -> dict:
+    """Each field's one-line comment in the class body, for help texts (empty when no source is available)."""
+    import inspect
+    import re
+
+    try:
+        source = inspect.getsource(LoopConfig)
+    except (OSError, TypeError):
+        return {}
+    pattern = re.compile(r"^\s+(\w+): [^=]+=.*?#\s*(.+)$")
+    return {match.group(1): match.group(2).strip() for match in map(pattern.match, source.splitlines()) if match}

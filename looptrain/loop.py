@@ -21,6 +21,7 @@ Researchers subclass `Loop` and override a hook: `compute_loss`, `eval_step`, `c
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import sys
@@ -117,6 +118,25 @@ class Loop:
             self.meter.start(self.model, self.optimizer)
         self.progress = self.make_progress_bar()
         self._interval.restart_clock()
+        try:
+            self.train_epochs()
+        finally:  # an exception must not leave the memory tracker installed or the bar open
+            self.close_progress_bar()
+            if self.meter is not None:
+                self.meter.stop()
+        if self.eval_loader is not None and self.last_eval_step != self.step:
+            self.last_eval = self.evaluate()
+            self.last_eval_step = self.step
+        if config.load_best_at_end and self.best.best_checkpoint is not None:
+            self.load_best()
+        summary = self.summary(time.perf_counter() - fit_started)
+        if self.output_dir is not None:
+            _write_json(self.output_dir / "summary.json", summary)
+        return summary
+
+    def train_epochs(self) -> None:
+        """The training loop proper: epochs of accumulation windows, each ending in one optimizer step."""
+        config = self.config
         while self.epoch < config.epochs and not self.reached_max_steps():
             for window in self.accumulation_windows():
                 self.model.train()
@@ -163,18 +183,6 @@ class Loop:
                 self.batch_in_epoch = 0
                 if config.eval_every == "epoch":
                     self.evaluate_and_save()
-        self.close_progress_bar()
-        if self.meter is not None:
-            self.meter.stop()
-        if self.eval_loader is not None and self.last_eval_step != self.step:
-            self.last_eval = self.evaluate()
-            self.last_eval_step = self.step
-        if config.load_best_at_end and self.best.best_checkpoint is not None:
-            self.load_best()
-        summary = self.summary(time.perf_counter() - fit_started)
-        if self.output_dir is not None:
-            _write_json(self.output_dir / "summary.json", summary)
-        return summary
 
     def optimizer_step(self, counted_items: int, num_items: int) -> tuple[torch.Tensor, bool]:
         """Turns the window's accumulated gradients into one update.
@@ -238,7 +246,8 @@ class Loop:
 
     def compute_metrics(self, predictions: torch.Tensor, labels: torch.Tensor) -> dict:
         """Metrics over the whole evaluation set (CPU tensors). The default: accuracy and F1."""
-        scores = metrics.f1_scores(predictions, labels)
+        num_labels = getattr(getattr(self.model, "config", None), "num_labels", None)
+        scores = metrics.f1_scores(predictions, labels, num_labels=num_labels)
         result = {"accuracy": metrics.accuracy(predictions, labels), "f1": scores["f1_macro"]}
         if "f1_binary" in scores:
             result["f1_binary"] = scores["f1_binary"]
@@ -289,9 +298,10 @@ class Loop:
 
     def save_checkpoint(self, eval_metrics: Optional[dict]) -> Path:
         """Writes `checkpoint-<step>/` atomically, updates the best, rotates old checkpoints."""
-        name = f"checkpoint-{self.step}"
+        # The best moves to this checkpoint only once it is safely on disk.
+        best = copy.deepcopy(self.best)
         if eval_metrics is not None:
-            self.best.update(eval_metrics, name, step=self.step)
+            best.update(eval_metrics, state.checkpoint_name(self.step), step=self.step)
         path = state.save_checkpoint(
             self.output_dir,
             self.step,
@@ -299,9 +309,10 @@ class Loop:
             optimizer=self.optimizer,
             scheduler=self.scheduler,
             scaler=self.scaler,
-            trainer_state=self.trainer_state(),
+            trainer_state={**self.trainer_state(), "best": best.state_dict()},
             metrics=eval_metrics,
         )
+        self.best = best
         state.rotate_checkpoints(self.output_dir, self.config.save_total_limit, best_checkpoint=self.best.best_checkpoint)
         return path
 
@@ -371,6 +382,9 @@ class Loop:
         if skip and self.epoch_rng_state is not None:
             torch.set_rng_state(self.epoch_rng_state)
         self.epoch_rng_state = torch.get_rng_state()
+        if skip and hasattr(sampler, "skip_batches"):
+            sampler.skip_batches(skip)  # the sampler knows its epoch's order: no batch is loaded to skip it
+            skip = 0
         batches = iter(self.train_loader)
         for _ in range(skip):
             next(batches)
@@ -433,7 +447,7 @@ class Loop:
             "skipped_steps": self.skipped_steps,
         }
         if self.meter is not None:
-            record["peak_memory_bytes"] = self.meter.peak_bytes()
+            record["peak_memory_bytes"] = self.meter.summary(self.model, self.optimizer)["peak_memory_bytes"]
         if self.progress is not None:
             self.progress.set_postfix(
                 loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", samples_s=f"{record['samples_per_s']:.1f}"

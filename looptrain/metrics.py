@@ -1,0 +1,387 @@
+"""Classification metrics: accuracy, F1, a streaming evaluation accumulator, a majority baseline.
+
+Everything is computed from a confusion matrix (rows: true class, columns: predicted class), so the
+streaming accumulator only ever keeps a `num_labels x num_labels` table of counts on the CPU, never
+the logits of the whole evaluation set.
+
+Conventions (the same as scikit-learn's with `zero_division=0`):
+
+* Which classes count. With `num_labels` given, the classes are `range(num_labels)` and the macro
+  average is over all of them. Without it, the classes are those that appear in labels or
+  predictions (labels ∪ predictions), sorted.
+* A class with no true and no predicted items (possible only when `num_labels` is given) has
+  precision, recall and F1 of 0, is included in the macro average, and raises an
+  `UndefinedF1Warning`: a small evaluation set that misses a class scores lower on macro F1 for it,
+  exactly as `sklearn.metrics.f1_score(..., labels=range(num_labels), average="macro")` does.
+* Precision of a class never predicted, or recall of a class never true, is 0 (no warning: its F1
+  is then well defined, `2·tp / (2·tp + fp + fn)`).
+* `f1_binary` (F1 of the positive class 1) is reported when the classes are exactly {0, 1}.
+* Labels equal to `ignore_index` (default -100, the token-classification padding label) are skipped.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+__all__ = [
+    "UndefinedF1Warning",
+    "accuracy",
+    "confusion_matrix",
+    "f1_scores",
+    "ClassificationMetrics",
+    "majority_baseline",
+]
+
+IGNORE_INDEX = -100
+
+ArrayLike = torch.Tensor | np.ndarray | Sequence[int]
+
+
+class UndefinedF1Warning(UserWarning):
+    """A class has no true and no predicted items: its F1 is set to 0."""
+
+
+def _to_int64_numpy(values: ArrayLike, name: str) -> np.ndarray:
+    """Flattens a tensor, array or sequence of class ids to a 1-D int64 numpy array."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach().to("cpu", torch.int64).numpy()
+    array = np.asarray(values)
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        if np.issubdtype(array.dtype, np.floating) and np.all(np.mod(array, 1) == 0):
+            array = array.astype(np.int64)
+        else:
+            raise ValueError(
+                f"{name} must hold integer class ids, got dtype {array.dtype}; "
+                "pass argmax predictions (or logits to ClassificationMetrics.update)."
+            )
+    return array.astype(np.int64, copy=False).reshape(-1)
+
+
+def _paired(predictions: ArrayLike, labels: ArrayLike, ignore_index: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Converts both inputs, checks their lengths match and drops ignored labels."""
+    prediction_array = _to_int64_numpy(predictions, "predictions")
+    label_array = _to_int64_numpy(labels, "labels")
+    if prediction_array.shape != label_array.shape:
+        raise ValueError(
+            f"predictions and labels differ in size ({prediction_array.size} vs {label_array.size}); "
+            "pass one prediction per label."
+        )
+    if ignore_index is not None:
+        keep = label_array != ignore_index
+        prediction_array, label_array = prediction_array[keep], label_array[keep]
+    return prediction_array, label_array
+
+
+def _check_range(values: np.ndarray, num_labels: int, name: str) -> None:
+    if values.size and (values.min() < 0 or values.max() >= num_labels):
+        raise ValueError(
+            f"{name} hold class ids outside [0, {num_labels}): min {values.min()}, max {values.max()}; "
+            "check num_labels and the label column."
+        )
+
+
+def confusion_matrix(predictions: ArrayLike, labels: ArrayLike, num_labels: int | None = None) -> np.ndarray:
+    """Counts items per (true class, predicted class).
+
+    Args:
+        predictions: Predicted class ids (any shape; flattened).
+        labels: True class ids, same size; items labelled -100 are skipped.
+        num_labels: Number of classes; inferred as `max(id) + 1` when omitted.
+
+    Returns:
+        An int64 array `matrix[true, predicted]` of shape `(num_labels, num_labels)`.
+
+    Raises:
+        ValueError: Sizes differ, ids are negative, or ids reach `num_labels`.
+    """
+    prediction_array, label_array = _paired(predictions, labels, IGNORE_INDEX)
+    if num_labels is None:
+        largest = max(int(prediction_array.max(initial=-1)), int(label_array.max(initial=-1)))
+        num_labels = largest + 1
+    _check_range(prediction_array, num_labels, "predictions")
+    _check_range(label_array, num_labels, "labels")
+    flat = np.bincount(label_array * num_labels + prediction_array, minlength=num_labels * num_labels)
+    return flat.reshape(num_labels, num_labels).astype(np.int64)
+
+
+def _classes_in_use(matrix: np.ndarray, num_labels: int | None) -> list[int]:
+    """`range(num_labels)` when given, else the classes seen as a label or a prediction."""
+    if num_labels is not None:
+        return list(range(num_labels))
+    seen = (matrix.sum(axis=0) + matrix.sum(axis=1)) > 0
+    return [int(index) for index in np.flatnonzero(seen)]
+
+
+def _safe_divide(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
+    """Elementwise division that yields 0 where the denominator is 0 (zero_division=0)."""
+    result = np.zeros(numerator.shape, dtype=np.float64)
+    nonzero = denominator > 0
+    result[nonzero] = numerator[nonzero] / denominator[nonzero]
+    return result
+
+
+def _scores_from_confusion(matrix: np.ndarray, num_labels: int | None) -> dict[str, Any]:
+    """Per-class precision, recall, F1 and their macro average from a confusion matrix."""
+    classes = _classes_in_use(matrix, num_labels)
+    if num_labels is not None and matrix.shape[0] < num_labels:
+        padded = np.zeros((num_labels, num_labels), dtype=np.int64)
+        padded[: matrix.shape[0], : matrix.shape[1]] = matrix
+        matrix = padded
+    # Column / row totals over the whole matrix: mass outside `classes` still counts as fp / fn.
+    true_positive = np.array([matrix[index, index] for index in classes], dtype=np.float64)
+    predicted_total = np.array([matrix[:, index].sum() for index in classes], dtype=np.float64)
+    true_total = np.array([matrix[index, :].sum() for index in classes], dtype=np.float64)
+    false_positive = predicted_total - true_positive
+    false_negative = true_total - true_positive
+    precision = _safe_divide(true_positive, predicted_total)
+    recall = _safe_divide(true_positive, true_total)
+    f1 = _safe_divide(2 * true_positive, 2 * true_positive + false_positive + false_negative)
+    absent = [classes[index] for index in np.flatnonzero(predicted_total + true_total == 0)]
+    if absent:
+        warnings.warn(
+            f"F1 is undefined for classes {absent} (no true and no predicted items) and is set to 0 "
+            "in the macro average; evaluate on more data or pass num_labels=None to average only "
+            "over the classes present.",
+            UndefinedF1Warning,
+            stacklevel=3,
+        )
+    scores: dict[str, Any] = {
+        "f1_macro": float(f1.mean()) if len(classes) else 0.0,
+        "classes": classes,
+        "f1_per_class": [float(value) for value in f1],
+        "precision_per_class": [float(value) for value in precision],
+        "recall_per_class": [float(value) for value in recall],
+        "support_per_class": [int(value) for value in true_total],
+    }
+    if classes == [0, 1]:
+        scores["f1_binary"] = float(f1[1])
+    return scores
+
+
+def accuracy(predictions: ArrayLike, labels: ArrayLike) -> float:
+    """Fraction of items whose prediction equals the label.
+
+    Args:
+        predictions: Predicted class ids.
+        labels: True class ids, same size; items labelled -100 are skipped.
+
+    Returns:
+        Accuracy in [0, 1].
+
+    Raises:
+        ValueError: No items, or sizes differ.
+    """
+    prediction_array, label_array = _paired(predictions, labels, IGNORE_INDEX)
+    if label_array.size == 0:
+        raise ValueError("accuracy of zero items is undefined; pass at least one labelled item.")
+    return float(np.mean(prediction_array == label_array))
+
+
+def f1_scores(predictions: ArrayLike, labels: ArrayLike, num_labels: int | None = None) -> dict[str, Any]:
+    """F1 per class, macro F1 and (for two classes) binary F1, with precision and recall.
+
+    See the module docstring for which classes are averaged and how undefined values are set.
+
+    Args:
+        predictions: Predicted class ids.
+        labels: True class ids, same size; items labelled -100 are skipped.
+        num_labels: Number of classes; when given, the macro average is over `range(num_labels)`,
+            else over the classes present in labels ∪ predictions.
+
+    Returns:
+        A dict with `f1_macro`, `classes` (the class ids averaged over, ascending),
+        `f1_per_class`, `precision_per_class`, `recall_per_class`, `support_per_class` (lists
+        aligned with `classes`), and `f1_binary` (F1 of class 1) when the classes are {0, 1}.
+    """
+    matrix = confusion_matrix(predictions, labels, num_labels)
+    return _scores_from_confusion(matrix, num_labels)
+
+
+def _predictions_from_outputs(logits_or_predictions: torch.Tensor) -> torch.Tensor:
+    """Argmax over the last dim for logits, a threshold at 0 for one logit, ids unchanged."""
+    if not logits_or_predictions.is_floating_point():
+        return logits_or_predictions
+    if logits_or_predictions.ndim >= 2 and logits_or_predictions.shape[-1] > 1:
+        return logits_or_predictions.argmax(dim=-1)
+    # One logit per item (sigmoid head): positive logit means class 1.
+    return (logits_or_predictions.reshape(logits_or_predictions.shape[0], -1) > 0).reshape(-1)
+
+
+class ClassificationMetrics:
+    """Streaming accuracy / F1 / loss over an evaluation set, holding only a confusion matrix.
+
+    Each `update` takes the argmax on the logits' own device and moves only the int64 predictions
+    (and labels) to the CPU, so the evaluation set's logits are never kept.
+
+    Example:
+        metrics = ClassificationMetrics(num_labels=3)
+        for batch in eval_loader:
+            output = model(**batch)
+            metrics.update(output.logits, batch["labels"],
+                           loss_sum=output.loss * len(batch["labels"]), count=len(batch["labels"]))
+        scores = metrics.compute()  # {"accuracy", "f1", "loss", "count"}
+    """
+
+    def __init__(self, num_labels: int | None = None, ignore_index: int | None = IGNORE_INDEX):
+        """Creates an empty accumulator.
+
+        Args:
+            num_labels: Number of classes. When omitted, it is taken from the logits' last dim on the
+                first update (2 for a single logit); with class-id predictions only, the macro
+                average is over the classes seen.
+            ignore_index: Label value to skip (token-classification padding), or None.
+        """
+        self.num_labels = num_labels
+        self.ignore_index = ignore_index
+        self._num_labels_from_user = num_labels is not None
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets all updates (keeps num_labels)."""
+        size = self.num_labels or 0
+        self._matrix = torch.zeros(size, size, dtype=torch.int64)
+        self._loss_sum = 0.0
+        self._loss_count = 0
+        self._updates_with_loss = 0
+        self._updates = 0
+
+    @property
+    def confusion_matrix(self) -> np.ndarray:
+        """The accumulated counts, `matrix[true, predicted]`, as an int64 numpy array."""
+        return self._matrix.numpy().copy()
+
+    def _grow(self, size: int) -> None:
+        if self.num_labels is not None and size > self.num_labels:
+            raise ValueError(
+                f"class id {size - 1} is outside [0, {self.num_labels}); "
+                "check num_labels and the label column."
+            )
+        if size <= self._matrix.shape[0]:
+            return
+        grown = torch.zeros(size, size, dtype=torch.int64)
+        old = self._matrix.shape[0]
+        grown[:old, :old] = self._matrix
+        self._matrix = grown
+
+    def update(
+        self,
+        logits_or_predictions: torch.Tensor,
+        labels: torch.Tensor,
+        loss_sum: float | torch.Tensor | None = None,
+        count: int | None = None,
+    ) -> None:
+        """Adds one evaluation batch.
+
+        Args:
+            logits_or_predictions: Float logits `[..., num_labels]` (argmax taken), a single logit per
+                item `[N]` or `[N, 1]` (positive means class 1), or integer class ids.
+            labels: True class ids, one per prediction; `ignore_index` items are skipped.
+            loss_sum: Sum (not mean) of the per-item losses of this batch; for a mean loss pass
+                `mean_loss * count`. Give it on every update or on none.
+            count: Number of items `loss_sum` covers; defaults to the number of non-ignored labels.
+
+        Raises:
+            ValueError: Sizes differ, ids out of range, or loss given on only some updates.
+        """
+        with torch.no_grad():
+            if self.num_labels is None and logits_or_predictions.is_floating_point():
+                last_dim = logits_or_predictions.shape[-1] if logits_or_predictions.ndim >= 2 else 1
+                self.num_labels = max(last_dim, 2)
+                self._grow(self.num_labels)
+            predictions = _predictions_from_outputs(logits_or_predictions)
+            # Only the int64 ids cross to the CPU; the logits stay (and are freed) on their device.
+            predictions = predictions.detach().reshape(-1).to("cpu", torch.int64)
+            label_ids = torch.as_tensor(labels).detach().reshape(-1).to("cpu", torch.int64)
+        if predictions.numel() != label_ids.numel():
+            raise ValueError(
+                f"got {predictions.numel()} predictions for {label_ids.numel()} labels; "
+                "pass logits whose leading dims match the labels."
+            )
+        if self.ignore_index is not None:
+            keep = label_ids != self.ignore_index
+            predictions, label_ids = predictions[keep], label_ids[keep]
+        if label_ids.numel():
+            smallest = min(int(label_ids.min()), int(predictions.min()))
+            if smallest < 0:
+                raise ValueError(f"class ids must be >= 0, got {smallest}; check the label column.")
+            self._grow(max(int(label_ids.max()), int(predictions.max())) + 1)
+            size = self._matrix.shape[0]
+            counts = torch.bincount(label_ids * size + predictions, minlength=size * size)
+            self._matrix += counts.reshape(size, size)
+        self._updates += 1
+        if loss_sum is not None:
+            self._updates_with_loss += 1
+            self._loss_sum += float(loss_sum)
+            self._loss_count += int(count) if count is not None else int(label_ids.numel())
+        if self._updates_with_loss not in (0, self._updates):
+            raise ValueError(
+                "loss_sum was given on some updates and not on others; pass it on every update "
+                "(or on none) so that the mean loss covers the same items as the scores."
+            )
+
+    def compute(self) -> dict[str, float]:
+        """Scores over everything seen since the last reset.
+
+        Returns:
+            `accuracy`, `f1` (macro), `f1_binary` when the classes are {0, 1}, `loss` (the exact mean
+            Σ loss_sum / Σ count, only when losses were given) and `count` (items scored).
+
+        Raises:
+            ValueError: Nothing was scored yet.
+        """
+        matrix = self._matrix.numpy()
+        total = int(matrix.sum())
+        if total == 0:
+            raise ValueError("no labelled items were scored; call update() with evaluation batches first.")
+        scores = _scores_from_confusion(matrix, self.num_labels)
+        result: dict[str, float] = {
+            "accuracy": float(np.trace(matrix) / total),
+            "f1": scores["f1_macro"],
+        }
+        if "f1_binary" in scores:
+            result["f1_binary"] = scores["f1_binary"]
+        if self._updates_with_loss:
+            result["loss"] = self._loss_sum / self._loss_count if self._loss_count else math.nan
+        result["count"] = total
+        return result
+
+
+def majority_baseline(labels: ArrayLike, num_labels: int | None = None) -> dict[str, float]:
+    """Scores of always predicting the most frequent class of `labels` (ties: the smallest id).
+
+    The command line prints this beside the model's scores: a model that does not beat it has
+    learned nothing beyond the class balance.
+
+    Args:
+        labels: True class ids; -100 items are skipped.
+        num_labels: Number of classes, as for `f1_scores` (changes which classes macro F1 averages).
+
+    Returns:
+        `accuracy`, `f1` (macro), `f1_binary` when the classes are {0, 1}, and `majority_class`.
+
+    Raises:
+        ValueError: No labelled items.
+    """
+    label_array = _to_int64_numpy(labels, "labels")
+    label_array = label_array[label_array != IGNORE_INDEX]
+    if label_array.size == 0:
+        raise ValueError("majority baseline of zero labels is undefined; pass at least one label.")
+    majority_class = int(np.argmax(np.bincount(label_array)))
+    predictions = np.full_like(label_array, majority_class)
+    with warnings.catch_warnings():
+        # A constant predictor leaves classes unpredicted by design; the warning would be noise.
+        warnings.simplefilter("ignore", UndefinedF1Warning)
+        scores = f1_scores(predictions, label_array, num_labels)
+    result: dict[str, float] = {
+        "accuracy": float(np.mean(predictions == label_array)),
+        "f1": scores["f1_macro"],
+        "majority_class": majority_class,
+    }
+    if "f1_binary" in scores:
+        result["f1_binary"] = scores["f1_binary"]
+    return result

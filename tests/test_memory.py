@@ -1,0 +1,180 @@
+"""Tests for looptrain.memory: the CPU tensor tracker, the meters' breakdown and the estimator."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import SmallMLP
+from torch import nn
+
+from looptrain import memory
+
+# Estimate vs measured CPU tensor peak: the estimator runs the same tracker on fake tensors, so the
+# differences are what fake execution cannot see (the 8-bit optimizer is modelled). Aim: 10%.
+ESTIMATE_TOLERANCE = 0.10
+
+
+def small_bert(seed: int = 0) -> nn.Module:
+    """A small BERT whose linear layers reach bitsandbytes' 4096-element 8-bit threshold."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(
+        vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+        max_position_embeddings=64, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    torch.manual_seed(seed)
+    return BertForSequenceClassification(config)
+
+
+def test_tracker_peak_equals_arithmetic():
+    tracker = memory.StorageTracker()
+    with tracker:
+        first = torch.empty(1000)  # 4000 B
+        second = torch.empty(2000)  # 8000 B
+        third = torch.empty(500, dtype=torch.float64)  # 4000 B -> 16000 live
+        del second  # 8000 live
+        fourth = torch.empty(1500)  # 6000 B -> 14000 live
+    assert tracker.peak_bytes == 16000
+    assert tracker.current_bytes == 14000
+    del first, third, fourth
+    assert tracker.current_bytes == 0
+
+
+def test_views_and_in_place_ops_count_once():
+    tracker = memory.StorageTracker()
+    with tracker:
+        base = torch.zeros(256)
+        view = base.view(16, 16)
+        transposed = view.t()
+        view.add_(1.0)
+        sliced = base[:10]
+    assert tracker.peak_bytes == 1024
+    assert tracker.current_bytes == 1024
+    del base, view, transposed
+    assert tracker.current_bytes == 1024  # the slice keeps the storage alive
+    del sliced
+    assert tracker.current_bytes == 0
+
+
+def run_steps(model: nn.Module, optimizer, meter, steps: int = 2) -> None:
+    inputs, labels = torch.randn(4, model.net[0].in_features), torch.tensor([0, 1, 2, 0])
+    for _ in range(steps):
+        meter.mark("forward")
+        loss = model(inputs, labels)["loss"]
+        meter.mark("backward")
+        loss.backward()
+        meter.mark("optimizer")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+
+
+def test_adamw_persistent_state_is_16_bytes_per_parameter():
+    model = SmallMLP(in_features=64, hidden=256, num_labels=3)
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=False)
+    meter = memory.make_meter("cpu")
+    with meter.tracking(model, optimizer):
+        run_steps(model, optimizer, meter)
+    summary = meter.summary(model, optimizer)
+    num_parameters = sum(p.numel() for p in model.parameters())
+    step_tensors = 4 * len(list(model.parameters()))  # AdamW's float32 "step" scalars
+    breakdown = summary["memory_breakdown"]
+    assert breakdown["params"] == 4 * num_parameters
+    assert breakdown["grads"] == 4 * num_parameters
+    assert breakdown["optimizer_state"] == 8 * num_parameters + step_tensors
+    assert memory.optimizer_state_bytes(optimizer) == 8 * num_parameters + step_tensors
+    assert summary["memory_meter"] == "cpu_tensor_tracker"
+    assert summary["peak_memory_bytes"] >= 16 * num_parameters
+    assert summary["peak_rss_bytes"] > 0 and summary["rss_baseline_bytes"] > 0
+    assert "optimizer state" in memory.format_memory_table(summary)
+
+
+def test_peak_phase_is_backward_for_a_wide_activation_with_no_optimizer_state():
+    # Forward ends with every activation saved for backward. Backward's first ops then allocate
+    # gradients of the same size as those activations before any saved tensor is released, so the
+    # peak lies at the start of backward, not at the end of forward.
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    meter = memory.make_meter("cpu")
+    with meter.tracking(model, optimizer):
+        meter.mark("forward")
+        loss = model(torch.randn(4096, 16)).square().mean()
+        meter.mark("backward")
+        loss.backward()
+        meter.mark("optimizer")
+        optimizer.step()
+    summary = meter.summary()
+    assert summary["memory_breakdown"]["peak_phase"] == "backward"
+    assert summary["phase_peak_bytes"]["backward"] > summary["phase_peak_bytes"]["forward"]
+
+
+def test_eight_bit_state_is_under_a_third_of_adamw():
+    bitsandbytes = pytest.importorskip("bitsandbytes")
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256))
+    adamw = torch.optim.AdamW(model.parameters())
+    eight_bit = bitsandbytes.optim.AdamW8bit(model.parameters())
+    for optimizer in (adamw, eight_bit):
+        model(torch.randn(2, 256)).sum().backward()
+        optimizer.step()
+    assert memory.optimizer_state_bytes(eight_bit) < memory.optimizer_state_bytes(adamw) / 3
+
+
+def test_cuda_meter_is_chosen_for_cuda_and_rss_meter_without_tracking():
+    assert isinstance(memory.make_meter("cuda"), memory.CudaMeter)
+    meter = memory.make_meter("cpu", track_tensors=False)
+    model = SmallMLP()
+    optimizer = torch.optim.AdamW(model.parameters())
+    meter.start(model, optimizer)
+    run_steps(model, optimizer, meter, steps=1)
+    meter.stop()
+    summary = meter.summary(model, optimizer)
+    assert summary["memory_meter"] == "cpu_rss_delta"
+    assert summary["peak_memory_bytes"] >= memory.parameter_bytes(model)
+
+
+MIXES = {
+    "fp32 adamw": {},
+    "bf16": {"precision": "bf16"},
+    "checkpointing": {"gradient_checkpointing": True},
+    "frozen encoder": {"freeze_encoder": True},
+    "adafactor": {"optimizer": "adafactor"},
+    "fused step": {"optimizer_in_backward": True},
+    "foreach=False": {"foreach": False},
+    "adamw8bit": {"optimizer": "adamw8bit"},
+    "accumulation 4 + checkpointing": {"accum_steps": 4, "gradient_checkpointing": True},
+}
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_estimate_matches_measured_peak(mix):
+    options = MIXES[mix]
+    if options.get("optimizer") == "adamw8bit":
+        pytest.importorskip("bitsandbytes")
+    estimated = memory.estimate(small_bert(), 4, 32, **options)
+    measured = memory.measure(small_bert(), 4, 32, **options)
+    error = abs(estimated["peak_memory_bytes"] - measured["peak_memory_bytes"]) / measured["peak_memory_bytes"]
+    assert error <= ESTIMATE_TOLERANCE, (mix, estimated["peak_memory_bytes"], measured["peak_memory_bytes"])
+    assert estimated["memory_breakdown"]["params"] == measured["memory_breakdown"]["params"]
+
+
+def test_estimate_leaves_the_model_untouched():
+    model = small_bert()
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    memory.estimate(model, 2, 16, freeze_encoder=True)
+    assert all(p.requires_grad for p in model.parameters())
+    assert all(torch.equal(before[name], p) for name, p in model.named_parameters())
+
+
+def test_invalid_mix_names_the_option():
+    with pytest.raises(ValueError, match="accum_steps=1"):
+        memory.estimate(small_bert(), 2, 16, optimizer_in_backward=True, accum_steps=2)
+    with pytest.raises(ValueError, match="unknown preset"):
+        memory.preset_config("bert-huge")
+
+
+def test_command_line_bert_large_persistent_state(capsys):
+    assert memory.main(["--preset", "bert-large", "--batch-size", "1", "--seq-len", "8"]) == 0
+    output = capsys.readouterr().out
+    assert "335.1M parameters" in output
+    row = next(line for line in output.splitlines() if line.startswith("| as given"))
+    params, grads, optimizer_state = (float(cell) for cell in row.split("|")[3:6])  # GiB
+    assert params + grads + optimizer_state == pytest.approx(16 * 335.1e6 / 1024**3, rel=0.01)
