@@ -1,8 +1,63 @@
-"""looptrain: a memory-lean, hand-written PyTorch training loop for transformer fine-tuning."""
+"""looptrain: a memory-lean, hand-written PyTorch training loop for transformer fine-tuning.
+
+The loop is `Loop` + `LoopConfig`; the strategies live in small modules: `looptrain.freeze`,
+`looptrain.gradient_checkpointing`, `looptrain.optim`, `looptrain.data`, `looptrain.memory`,
+`looptrain.metrics`, `looptrain.state`.
+"""
 
 from looptrain.config import ConfigError, LoopConfig
+from looptrain.data import (
+    DataError,
+    DynamicPaddingCollator,
+    LengthGroupedSampler,
+    TokenBudgetBatchSampler,
+    make_eval_loader,
+    make_train_loader,
+    read_classification_data,
+    tokenize,
+)
+from looptrain.freeze import (
+    freeze_by_pattern,
+    freeze_embeddings,
+    freeze_encoder,
+    freeze_layers,
+    freeze_report,
+    trainable_parameters,
+)
+from looptrain.gradient_checkpointing import disable_gradient_checkpointing, enable_gradient_checkpointing
 from looptrain.loop import Loop
+from looptrain.memory import estimate, format_memory_table, make_meter
+from looptrain.optim import OptimizerInBackward, build_optimizer, optimizer_state_bytes
 from looptrain.seeding import seed_everything
+from looptrain.state import CheckpointError
 
-__all__ = ["ConfigError", "Loop", "LoopConfig", "seed_everything"]
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "DataError",
+    "DynamicPaddingCollator",
+    "LengthGroupedSampler",
+    "Loop",
+    "LoopConfig",
+    "OptimizerInBackward",
+    "TokenBudgetBatchSampler",
+    "build_optimizer",
+    "disable_gradient_checkpointing",
+    "enable_gradient_checkpointing",
+    "estimate",
+    "format_memory_table",
+    "freeze_by_pattern",
+    "freeze_embeddings",
+    "freeze_encoder",
+    "freeze_layers",
+    "freeze_report",
+    "make_eval_loader",
+    "make_meter",
+    "make_train_loader",
+    "optimizer_state_bytes",
+    "read_classification_data",
+    "seed_everything",
+    "tokenize",
+    "trainable_parameters",
+]
 __version__ = "0.1.0"

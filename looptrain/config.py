@@ -48,7 +48,7 @@ class LoopConfig:
     metric_for_best: str = "f1"  # eval metric that picks the best checkpoint: f1, accuracy or loss
     load_best_at_end: bool = False  # reload the best checkpoint's weights when training ends
     resume: Optional[str] = None  # "auto" (newest checkpoint in output_dir, if any) or a checkpoint directory
-    track_memory: bool = True  # measure the peak and its breakdown (CPU: a tensor tracker, ~few % slower)
+    track_memory: bool = True  # CPU: count every tensor for an exact peak and breakdown (slower); False: RSS only
     extra: dict = field(default_factory=dict)  # free-form values recorded in summary.json (e.g. CLI options)
 
     def __post_init__(self) -> None:

@@ -83,7 +83,7 @@ class Loop:
         self.trainable_parameters = [p for p in self.model.parameters() if p.requires_grad]
         if not self.trainable_parameters:
             raise ValueError("the model has no trainable parameters: unfreeze some (see looptrain.freeze)")
-        self.meter = memory.make_meter(self.device) if self.config.track_memory else None
+        self.meter = memory.make_meter(self.device, track_tensors=self.config.track_memory)
         self.output_dir = Path(self.config.output_dir) if self.config.output_dir else None
         # Counters with fixed meanings: `step` counts optimizer updates, `micro_step` counts
         # forward/backward passes; `batch_in_epoch` is the position an exact resume continues from.
@@ -114,16 +114,14 @@ class Loop:
         fit_started = time.perf_counter()
         if config.resume is not None:
             self.restore(config.resume)
-        if self.meter is not None:
-            self.meter.start(self.model, self.optimizer)
+        self.meter.start(self.model, self.optimizer)
         self.progress = self.make_progress_bar()
         self._interval.restart_clock()
         try:
             self.train_epochs()
         finally:  # an exception must not leave the memory tracker installed or the bar open
             self.close_progress_bar()
-            if self.meter is not None:
-                self.meter.stop()
+            self.meter.stop()
         if self.eval_loader is not None and self.last_eval_step != self.step:
             self.last_eval = self.evaluate()
             self.last_eval_step = self.step
@@ -428,8 +426,8 @@ class Loop:
         return 0 < self.config.max_steps <= self.step
 
     def mark(self, phase: str) -> None:
-        if self.meter is not None:
-            self.meter.mark(phase)
+        """Tells the memory meter which phase starts now, so the peak can be attributed to one."""
+        self.meter.mark(phase)
 
     # ------------------------------------------------------------------ logging and summary
     def log_train(self, grad_norm: torch.Tensor) -> None:
@@ -446,8 +444,7 @@ class Loop:
             "tokens_per_s": interval["tokens_per_s"],
             "skipped_steps": self.skipped_steps,
         }
-        if self.meter is not None:
-            record["peak_memory_bytes"] = self.meter.summary(self.model, self.optimizer)["peak_memory_bytes"]
+        record["peak_memory_bytes"] = self.meter.summary(self.model, self.optimizer)["peak_memory_bytes"]
         if self.progress is not None:
             self.progress.set_postfix(
                 loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", samples_s=f"{record['samples_per_s']:.1f}"
@@ -512,11 +509,7 @@ class Loop:
             "best_checkpoint": self.best.best_checkpoint,
             "config": self.config.to_dict(),
         }
-        if self.meter is not None:
-            result.update(self.meter.summary(self.model, self.optimizer))
-        else:
-            result.update({"peak_memory_bytes": None, "memory_meter": None, "peak_rss_bytes": memory.peak_rss_bytes(),
-                           "memory_breakdown": None})
+        result.update(self.meter.summary(self.model, self.optimizer))
         return result
 
 

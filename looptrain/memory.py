@@ -31,6 +31,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from looptrain.optim import inner_optimizers, optimizer_state_bytes
+
 PHASES = ("forward", "backward", "optimizer", "eval")
 CATEGORY_PARAMS = "params"
 CATEGORY_GRADS = "grads"
@@ -81,27 +83,8 @@ def gradient_bytes(model: nn.Module) -> int:
 
 
 def iter_optimizers(optimizer: Any) -> Iterator[torch.optim.Optimizer]:
-    """Yield every ``torch.optim.Optimizer`` inside ``optimizer``.
-
-    Handles a plain optimizer and wrappers such as ``looptrain.optim.OptimizerInBackward`` that hold
-    one optimizer per parameter (in ``optimizers`` / ``optimizer_per_parameter`` / ``optimizer``).
-    """
-    if optimizer is None:
-        return
-    if isinstance(optimizer, torch.optim.Optimizer):
-        yield optimizer
-        return
-    for attribute in ("optimizers", "optimizer_per_parameter", "per_parameter_optimizers", "_optimizers", "optimizer"):
-        inner = getattr(optimizer, attribute, None)
-        if inner is None or inner is optimizer:
-            continue
-        if isinstance(inner, dict):
-            inner = list(inner.values())
-        if isinstance(inner, (list, tuple)):
-            for item in inner:
-                yield from iter_optimizers(item)
-        else:
-            yield from iter_optimizers(inner)
+    """Yield every ``torch.optim.Optimizer`` that holds state inside ``optimizer`` (see ``inner_optimizers``)."""
+    yield from inner_optimizers(optimizer)
 
 
 def optimizer_state_tensors(optimizer: Any) -> list[torch.Tensor]:
@@ -112,14 +95,6 @@ def optimizer_state_tensors(optimizer: Any) -> list[torch.Tensor]:
             leaves, _ = tree_flatten(state)
             tensors.extend(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
     return tensors
-
-
-def optimizer_state_bytes(optimizer: Any) -> int:
-    """Bytes of the optimizer's state tensors, measured from the tensors (8-bit shows as 8-bit).
-
-    Shared tensors (bitsandbytes' quantization maps) count once.
-    """
-    return tensor_bytes(optimizer_state_tensors(optimizer))
 
 
 # --------------------------------------------------------------------------------------------

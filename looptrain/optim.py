@@ -200,9 +200,23 @@ def optimizer_state_bytes(optimizer: Any) -> int:
     Returns:
         The number of bytes.
     """
+    return _state_bytes(inner_optimizers(optimizer))
+
+
+def inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers that hold the state: an `OptimizerInBackward`'s per-parameter ones, else itself.
+
+    Args:
+        optimizer: A torch optimizer, an `OptimizerInBackward`, or None.
+
+    Returns:
+        A list of optimizers (empty for None).
+    """
+    if optimizer is None:
+        return []
     if isinstance(optimizer, OptimizerInBackward):
-        return optimizer.optimizer_state_bytes
-    return _state_bytes([optimizer])
+        return list(optimizer._per_parameter.values())
+    return [optimizer]
 
 
 def _state_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:
@@ -359,11 +373,6 @@ class OptimizerInBackward:
     def param_groups(self) -> list[dict[str, Any]]:
         """The original optimizer's param groups (what schedulers and loggers read)."""
         return self.optimizer.param_groups
-
-    @property
-    def optimizer_state_bytes(self) -> int:
-        """Bytes of all per-parameter optimizer states."""
-        return _state_bytes(self._per_parameter.values())
 
     def _clip_scale(self, parameter_norm: torch.Tensor) -> torch.Tensor | None:
         if self.max_grad_norm is None:

@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-tokens", type=int, default=None,
         help="token budget per batch (default: batch-size x max-length, the baseline's padded batch)",
     )
-    parser.add_argument("--repeats", type=int, default=3, help="timed passes per mode; the median is reported")
+    parser.add_argument("--repeats", type=int, default=5, help="timed passes per mode; the median is reported")
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)

@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="batch by a padded-token budget instead of --batch-size: bounded memory per micro-batch")
 
     evaluation.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
+    evaluation.add_argument("--no-track-memory", action="store_true",
+                            help="CPU: measure memory by process RSS only instead of counting every tensor "
+                                 "(the tensor tracker gives the exact peak and breakdown but slows each step)")
     evaluation.add_argument("--no-progress-bar", action="store_true", help="plain log lines even on a terminal")
 
     # The loop's own options, generated from LoopConfig: one source of defaults and help.
@@ -205,6 +208,7 @@ def loop_config(args, device_precision: str):
     fields = {name: getattr(args, name) for name in LOOP_FLAGS}
     fields["precision"] = device_precision
     fields["progress_bar"] = not args.no_progress_bar
+    fields["track_memory"] = not args.no_track_memory
     fields["extra"] = {"command_line": args._argv}
     return LoopConfig(**fields)
 

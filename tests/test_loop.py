@@ -24,6 +24,7 @@ def quiet(**fields) -> LoopConfig:
     fields.setdefault("log_every", 1000)
     fields.setdefault("eval_every", "no")
     fields.setdefault("device", "cpu")
+    fields.setdefault("track_memory", False)  # the tensor tracker has its own tests; it slows every op
     return LoopConfig(**fields)
 
 
