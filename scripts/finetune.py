@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--optim", choices=("adamw", "adamw8bit", "paged_adamw8bit", "adafactor", "sgd"),
                         default="adamw",
                         help="adamw: 8 B/param of state; adamw8bit: 2 B/param (embeddings kept 32-bit); "
-                             "adafactor: factored, ~0 B/param; sgd: 4 B/param (momentum)")
+                             "adafactor: factored, ~0 B/param; sgd: no state (plain SGD)")
     memory.add_argument("--no-foreach", action="store_true",
                         help="AdamW steps one tensor at a time: lower optimizer-step peak, a little slower")
     memory.add_argument("--freeze-embeddings", action="store_true",
@@ -141,9 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         flag, group = LOOP_FLAGS[field.name]
         default = getattr(defaults, field.name)
+        help_text = helps.get(field.name, "").replace("%", "%%")
         if field.name == "output_dir":
             default = DEFAULT_OUTPUT_DIR
-        options = {"dest": field.name, "default": default, "help": helps.get(field.name, "")}
+            help_text = "metrics.jsonl, summary.json, run_config.json, checkpoint-<step>/ and final/ go here"
+        options = {"dest": field.name, "default": default, "help": help_text}
         if hints[field.name] is bool:
             options["action"] = "store_true"
         else:
@@ -186,8 +188,8 @@ def check_flags(args, parser: argparse.ArgumentParser) -> None:
     if args.max_tokens is not None and args.max_tokens < args.max_length and args.padding == "max_length":
         raise UsageError(f"--max-tokens {args.max_tokens} is smaller than one --max-length {args.max_length} "
                          "sample padded with --padding max_length; raise --max-tokens or use --padding dynamic")
-    if args.no_foreach and args.optim != "adamw":
-        raise UsageError(f"--no-foreach applies to --optim adamw (got --optim {args.optim}); drop it")
+    if args.no_foreach and args.optim not in ("adamw", "sgd"):
+        raise UsageError(f"--no-foreach applies to --optim adamw and sgd (got --optim {args.optim}); drop it")
     for flag, value in (("--batch-size", args.batch_size), ("--eval-batch-size", args.eval_batch_size),
                         ("--max-length", args.max_length)):
         if value < 1:

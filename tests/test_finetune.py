@@ -1,0 +1,214 @@
+"""scripts/finetune.py end to end, in-process through main(argv), on a tiny BERT and a generated CSV."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import WORDS, make_tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("finetune_script", ROOT / "scripts" / "finetune.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+finetune = load_script()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny BERT encoder (dropout off) and its fast tokenizer, saved like a hub checkpoint."""
+    from transformers import BertConfig, BertModel
+
+    directory = tmp_path_factory.mktemp("tiny-bert")
+    config = BertConfig(vocab_size=len(WORDS) + 5, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=37, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    BertModel(config).save_pretrained(directory)
+    make_tiny_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def write_csv(path: Path, rows: int, seed: int = 0) -> Path:
+    generator = random.Random(seed)
+    with open(path, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["text", "label"])
+        for _ in range(rows):
+            label = generator.choice(["pos", "neg"])
+            cue = generator.choice(["good great loved fun", "bad awful hated dull"][label == "neg"].split())
+            words = [generator.choice(WORDS) for _ in range(generator.randint(2, 12))] + [cue]
+            generator.shuffle(words)
+            writer.writerow([" ".join(words), label])
+    return path
+
+
+@pytest.fixture(scope="module")
+def train_csv(tmp_path_factory):
+    return write_csv(tmp_path_factory.mktemp("data") / "train.csv", 48)
+
+
+@pytest.fixture(scope="module")
+def eval_csv(tmp_path_factory):
+    return write_csv(tmp_path_factory.mktemp("data") / "eval.csv", 24, seed=1)
+
+
+def run(model_dir, data, output_dir, *extra, eval_data=None):
+    argv = ["--model", str(model_dir), "--data", str(data), "--output-dir", str(output_dir), "--max-length", "32",
+            "--lr", "1e-3", "--no-track-memory", "--no-progress-bar", *extra]
+    if eval_data is not None:
+        argv += ["--eval-data", str(eval_data)]
+    return finetune.main(argv)
+
+
+def final_weights(output_dir) -> dict:
+    return load_file(str(Path(output_dir) / "final" / "model.safetensors"))
+
+
+def assert_same(first: dict, second: dict, **tolerance) -> None:
+    assert first.keys() == second.keys()
+    for key in first:
+        torch.testing.assert_close(first[key], second[key], msg=lambda m: f"{key}: {m}", **tolerance)
+
+
+def test_outputs_and_summary(model_dir, train_csv, eval_csv, tmp_path):
+    assert run(model_dir, train_csv, tmp_path, "--epochs", "2", "--batch-size", "8", "--log-every", "2",
+               eval_data=eval_csv) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for key in ("train_runtime_s", "train_samples_per_s", "train_tokens_per_s", "optimizer_steps", "skipped_steps",
+                "peak_memory_bytes", "memory_meter", "peak_rss_bytes", "memory_breakdown", "final_eval",
+                "best_metric", "best_checkpoint", "config", "majority_baseline"):
+        assert key in summary, key
+    assert summary["optimizer_steps"] == 12  # 48 samples / 8 per batch x 2 epochs
+    assert set(summary["final_eval"]) >= {"accuracy", "f1", "loss"}
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-6"]
+    events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "eval"] == [6, 12]
+    assert [e["step"] for e in events if e["event"] == "train"] == [2, 4, 6, 8, 10, 12]
+    resolved = json.loads((tmp_path / "run_config.json").read_text())
+    assert resolved["loop_config"]["accum_steps"] == 1 and resolved["arguments"]["batch_size"] == 8
+    # final/ is a regular HF checkpoint with the label maps of the string labels.
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "final")
+    assert model.config.id2label == {0: "neg", 1: "pos"}
+    assert AutoTokenizer.from_pretrained(tmp_path / "final").is_fast
+
+
+def test_accum_4_batch_2_equals_batch_8(model_dir, tmp_path):
+    data = write_csv(tmp_path / "eight.csv", 8, seed=3)
+    assert run(model_dir, data, tmp_path / "a", "--batch-size", "8", "--epochs", "3", "--eval-every", "no") == 0
+    assert run(model_dir, data, tmp_path / "b", "--batch-size", "2", "--accum", "4", "--epochs", "3",
+               "--eval-every", "no") == 0
+    assert_same(final_weights(tmp_path / "a"), final_weights(tmp_path / "b"), rtol=1e-5, atol=1e-6)
+
+
+def test_freeze_encoder_leaves_the_encoder_unchanged(model_dir, train_csv, tmp_path):
+    assert run(model_dir, train_csv, tmp_path, "--freeze-encoder", "--eval-every", "no") == 0
+    trained = final_weights(tmp_path)
+    initial = load_file(str(model_dir / "model.safetensors"))
+    encoder_keys = [key for key in trained if key.startswith("bert.")]
+    assert len(encoder_keys) > 10
+    for key in encoder_keys:
+        assert torch.equal(trained[key], initial[key.removeprefix("bert.")]), key
+    # The head did train (initialised with the seed, then moved).
+    assert run(model_dir, train_csv, tmp_path / "untrained", "--freeze-encoder", "--eval-every", "no",
+               "--max-steps", "1", "--lr", "1e-12") == 0
+    assert not torch.allclose(trained["classifier.weight"], final_weights(tmp_path / "untrained")["classifier.weight"])
+
+
+def test_rotation_keeps_the_limit_plus_the_best(model_dir, train_csv, eval_csv, tmp_path):
+    assert run(model_dir, train_csv, tmp_path, "--batch-size", "4", "--epochs", "2", "--eval-every", "2",
+               "--save-total-limit", "2", "--metric-for-best", "loss", eval_data=eval_csv) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    kept = sorted((p.name for p in tmp_path.glob("checkpoint-*")), key=lambda name: int(name.split("-")[1]))
+    assert kept[-2:] == ["checkpoint-22", "checkpoint-24"]
+    assert set(kept) == {"checkpoint-22", "checkpoint-24", summary["best_checkpoint"]}
+    events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = {f"checkpoint-{e['step']}": e["loss"] for e in events if e["event"] == "eval"}
+    assert summary["best_checkpoint"] == min(losses, key=losses.get)
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("resume_from", ["checkpoint-3", "checkpoint-9"])
+def test_resume_equals_uninterrupted(model_dir, train_csv, eval_csv, tmp_path, resume_from):
+    # 48 samples, batch 4, accum 2: 6 updates an epoch. checkpoint-3 is mid epoch 0 (micro-batch 6 of 12),
+    # checkpoint-9 mid epoch 1: the resumed run must replay the data order and skip exactly what was done.
+    flags = ["--batch-size", "4", "--accum", "2", "--epochs", "2", "--eval-every", "3", "--seed", "7"]
+    assert run(model_dir, train_csv, tmp_path / "full", *flags, eval_data=eval_csv) == 0
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(tmp_path / "full" / resume_from, resumed / resume_from)
+    assert run(model_dir, train_csv, resumed, *flags, "--resume", "auto", eval_data=eval_csv) == 0
+    assert_same(final_weights(tmp_path / "full"), final_weights(resumed), rtol=0, atol=0)
+    full = json.loads((tmp_path / "full" / "summary.json").read_text())
+    again = json.loads((resumed / "summary.json").read_text())
+    assert again["optimizer_steps"] == full["optimizer_steps"] == 12
+    assert again["final_eval"] == full["final_eval"]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--text-column", "sentence"], r"sentence"),
+        (["--optim-in-backward", "--accum", "4"], r"optimizer_in_backward=True cannot be combined with accum_steps > 1"),
+        (["--max-length", "512"], r"--max-length 512 is longer than the model's 64 positions"),
+        (["--freeze-encoder", "--freeze-layers", "1"], r"--freeze-encoder already freezes"),
+        (["--no-foreach", "--optim", "adafactor"], r"--no-foreach applies to --optim adamw and sgd"),
+        (["--precision", "fp8"], r"invalid choice: 'fp8'"),
+        (["--resume", "/nonexistent/checkpoint-3"], r"checkpoint"),
+    ],
+)
+def test_user_errors_exit_2_with_a_message_and_no_traceback(model_dir, train_csv, tmp_path, capsys, flags, message):
+    try:
+        code = run(model_dir, train_csv, tmp_path, *flags)
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert pytest.importorskip("re").search(message, err), err
+
+
+def test_empty_data_file_is_a_clear_error(model_dir, tmp_path, capsys):
+    empty = tmp_path / "empty.csv"
+    empty.write_text("")
+    assert run(model_dir, empty, tmp_path / "out") == 2
+    assert "empty" in capsys.readouterr().err
+
+
+def test_label_out_of_range_in_eval_data(model_dir, train_csv, tmp_path, capsys):
+    bad = tmp_path / "bad_eval.csv"
+    bad.write_text("text,label\ngood movie,pos\nbad plot,meh\n")
+    assert run(model_dir, train_csv, tmp_path / "out", eval_data=bad) == 2
+    assert "meh" in capsys.readouterr().err
+
+
+def test_debug_shows_the_traceback(model_dir, train_csv, tmp_path):
+    with pytest.raises(Exception, match="sentence"):
+        run(model_dir, train_csv, tmp_path, "--text-column", "sentence", "--debug")
+
+
+def test_help_groups_the_flags(capsys):
+    with pytest.raises(SystemExit):
+        finetune.main(["--help"])
+    text = capsys.readouterr().out
+    for group in ("inputs:", "training:", "memory/speed:", "evaluation/state:"):
+        assert group in text
+    for flag in ("--amp", "--accum", "--grad-checkpoint", "--optim-in-backward", "--group-by-length",
+                 "--resume", "--save-total-limit", "--load-best-at-end", "--metric-for-best", "--eval-every"):
+        assert flag in text
