@@ -27,7 +27,7 @@ import math
 import os
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,6 +44,7 @@ __all__ = [
     "TokenizedDataset",
     "tokenize",
     "DynamicPaddingCollator",
+    "ShardedBatchSampler",
     "RandomBatchSampler",
     "LengthGroupedSampler",
     "TokenBudgetBatchSampler",
@@ -621,7 +622,7 @@ def _default_world() -> tuple[int, int]:
     return 1, 0
 
 
-class _ShardedBatchSampler:
+class ShardedBatchSampler:
     """Shared machinery: per-epoch deterministic global batches, rank sharding, resume.
 
     Subclasses build the epoch's *global* batch list (identical on every rank, since it depends only
@@ -774,7 +775,7 @@ class _ShardedBatchSampler:
         return max(range(len(groups)), key=lambda index: cost(groups[index]))
 
 
-class RandomBatchSampler(_ShardedBatchSampler):
+class RandomBatchSampler(ShardedBatchSampler):
     """Shuffled fixed-size batches with the same epoch / resume / rank interface as the others.
 
     Use as ``DataLoader(dataset, batch_sampler=RandomBatchSampler(len(dataset), 8))``.
@@ -822,7 +823,7 @@ class RandomBatchSampler(_ShardedBatchSampler):
         return batches
 
 
-class LengthGroupedSampler(_ShardedBatchSampler):
+class LengthGroupedSampler(ShardedBatchSampler):
     """Uniform dynamic padding that still shuffles.
 
     Each epoch: shuffle all indices; cut them into mega-batches of
@@ -888,7 +889,7 @@ class LengthGroupedSampler(_ShardedBatchSampler):
         return _chunk(sorted_order, self.batch_size, self.drop_last)
 
 
-class TokenBudgetBatchSampler(_ShardedBatchSampler):
+class TokenBudgetBatchSampler(ShardedBatchSampler):
     """Batches by padded-token budget: ``longest length in batch × batch size ≤ max_tokens``.
 
     Short samples get big batches, long ones small batches, so every step costs about the same
@@ -1050,7 +1051,7 @@ def make_train_loader(
         DataError: On an unknown grouping or ``"tokens"`` without ``max_tokens``.
     """
     if grouping == "random":
-        sampler: _ShardedBatchSampler = RandomBatchSampler(
+        sampler: ShardedBatchSampler = RandomBatchSampler(
             len(dataset), batch_size, seed=seed, drop_last=drop_last, num_replicas=num_replicas, rank=rank
         )
     elif grouping == "length":
@@ -1074,18 +1075,34 @@ def make_train_loader(
 
 
 def make_eval_loader(
-    dataset: Any, batch_size: int, collator: Any, sort_by_length: bool = True, num_workers: int = 0
+    dataset: Any,
+    batch_size: int,
+    collator: Any,
+    sort_by_length: bool = True,
+    num_workers: int = 0,
+    *,
+    num_replicas: int | None = None,
+    rank: int | None = None,
 ) -> DataLoader:
     """Builds an evaluation DataLoader; sorted by length (uniform padding) unless told otherwise.
 
     Order does not change metrics, so evaluation can sort globally and pad least. Predictions come
     out in batch order: use ``loader.batch_sampler`` (a list of index lists) to map them back.
+    Under several ranks each takes every ``num_replicas``-th batch: every sample is evaluated exactly
+    once across ranks (ranks may get one batch more or less; evaluation needs no lock-step).
+
+    Args:
+        num_replicas: World size (default: torch.distributed's, else 1).
+        rank: This rank (default: torch.distributed's, else 0).
     """
+    default_replicas, default_rank = _default_world()
+    num_replicas = default_replicas if num_replicas is None else int(num_replicas)
+    rank = default_rank if rank is None else int(rank)
     if sort_by_length:
         batches = _chunk(_sort_by_length(np.arange(len(dataset)), np.asarray(_dataset_lengths(dataset))), batch_size)
     else:
         batches = _chunk(list(range(len(dataset))), batch_size)
-    return DataLoader(dataset, batch_sampler=batches, collate_fn=collator, num_workers=num_workers)
+    return DataLoader(dataset, batch_sampler=batches[rank::num_replicas], collate_fn=collator, num_workers=num_workers)
 
 
 # --------------------------------------------------------------------------------------------------

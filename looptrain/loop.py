@@ -34,8 +34,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from looptrain import memory, metrics, state
-from looptrain.config import LoopConfig
+from looptrain import distributed, memory, metrics, state
+from looptrain.config import ConfigError, LoopConfig
 from looptrain.gradient_checkpointing import enable_gradient_checkpointing
 from looptrain.optim import OptimizerInBackward
 from looptrain.precision import autocast, make_grad_scaler, resolve_device
@@ -66,21 +66,25 @@ class Loop:
         config: Optional[LoopConfig] = None,
     ):
         self.config = config if config is not None else LoopConfig()
+        self.dist = distributed.init_distributed(self.config.device)  # torchrun's group, if launched by it
         self.device = resolve_device(self.config.device)
+        if self.dist.is_distributed and self.device.type == "cuda":
+            self.device = torch.device("cuda", self.dist.local_rank)
         seed_everything(self.config.seed)
-        self.model = model.to(self.device)
+        self.module = model.to(self.device)  # the model itself: configs, saving, evaluation
         if self.config.gradient_checkpointing:
-            enable_gradient_checkpointing(self.model)
+            enable_gradient_checkpointing(self.module)
+        self.model = self.wrap_for_distributed(self.module)  # what forward and backward run through
         if self.config.optimizer_in_backward:
             optimizer = OptimizerInBackward(
-                self.model, optimizer, max_grad_norm=self.config.max_grad_norm, clip=self.config.effective_clip_mode
+                self.module, optimizer, max_grad_norm=self.config.max_grad_norm, clip=self.config.effective_clip_mode
             )
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.train_loader = train_loader
         self.eval_loader = eval_loader
         self.scaler = make_grad_scaler(self.device, self.config.precision)
-        self.trainable_parameters = [p for p in self.model.parameters() if p.requires_grad]
+        self.trainable_parameters = [p for p in self.module.parameters() if p.requires_grad]
         if not self.trainable_parameters:
             raise ValueError("the model has no trainable parameters: unfreeze some (see looptrain.freeze)")
         self.meter = memory.make_meter(self.device, track_tensors=self.config.track_memory)
@@ -114,7 +118,7 @@ class Loop:
         fit_started = time.perf_counter()
         if config.resume is not None:
             self.restore(config.resume)
-        self.meter.start(self.model, self.optimizer)
+        self.meter.start(self.module, self.optimizer)
         self.progress = self.make_progress_bar()
         self._interval.restart_clock()
         try:
@@ -128,7 +132,7 @@ class Loop:
         if config.load_best_at_end and self.best.best_checkpoint is not None:
             self.load_best()
         summary = self.summary(time.perf_counter() - fit_started)
-        if self.output_dir is not None:
+        if self.output_dir is not None and self.dist.is_main:
             _write_json(self.output_dir / "summary.json", summary)
         return summary
 
@@ -140,9 +144,10 @@ class Loop:
                 self.model.train()
                 window_loss = torch.zeros((), device=self.device, dtype=torch.float64)
                 window_items = 0
-                # Counted before the first forward (HF's num_items_in_batch), so every micro-batch can
-                # backward its share of the window's mean and gradients keep the scale of a mean.
-                counted_items = sum(count_items(batch) for batch in window)
+                # Counted before the first forward (HF's num_items_in_batch) and summed over ranks, so
+                # every micro-batch backwards its share of the *global* window mean.
+                counted_items = self.global_sum(sum(count_items(batch) for batch in window))
+                window_samples = window_tokens = 0
                 for index, batch in enumerate(window):
                     samples, tokens = batch_sizes(batch)
                     batch = self.to_device(batch)
@@ -151,24 +156,29 @@ class Loop:
                         with autocast(self.device, config.precision):
                             loss_sum, num_items = self.loss_sum_and_items(self.compute_loss(batch), batch)
                         self.mark("backward")
-                        divisor = num_items if config.optimizer_in_backward else counted_items
-                        self.scaler.scale(loss_sum / max(divisor, 1)).backward()
+                        # DDP averages gradients over ranks: scale the divisor down by the world size.
+                        divisor = num_items if config.optimizer_in_backward else counted_items / self.dist.world_size
+                        self.scaler.scale(loss_sum / max(divisor, 1e-12)).backward()
                     window_loss += loss_sum.detach().double()
                     window_items += num_items
                     self.micro_step += 1
                     self.batch_in_epoch += 1
-                    self.samples_seen += samples
-                    self.tokens_seen += tokens
-                    self._interval.add(samples, tokens)
+                    window_samples += samples
+                    window_tokens += tokens
+                window_loss, window_items, window_samples, window_tokens = distributed.all_reduce_sum(
+                    [float(window_loss), window_items, window_samples, window_tokens], self.device)
+                self.samples_seen += int(window_samples)
+                self.tokens_seen += int(window_tokens)
+                self._interval.add(int(window_samples), int(window_tokens))
                 self.mark("optimizer")
-                grad_norm, stepped = self.optimizer_step(counted_items, window_items)
+                grad_norm, stepped = self.optimizer_step(counted_items, int(window_items))
                 if stepped:
                     self.step += 1
                     if self.scheduler is not None:
                         self.scheduler.step()  # never advanced for a step the scaler skipped
                 else:
                     self.skipped_steps += 1
-                self._interval.add_window(window_loss, window_items)
+                self._interval.add_window(window_loss, int(window_items))
                 self.on_step_end(step=self.step, loss_sum=window_loss, num_items=window_items, grad_norm=grad_norm)
                 if stepped and self.step % config.log_every == 0:
                     self.log_train(grad_norm)
@@ -244,7 +254,7 @@ class Loop:
 
     def compute_metrics(self, predictions: torch.Tensor, labels: torch.Tensor) -> dict:
         """Metrics over the whole evaluation set (CPU tensors). The default: accuracy and F1."""
-        num_labels = getattr(getattr(self.model, "config", None), "num_labels", None)
+        num_labels = getattr(getattr(self.module, "config", None), "num_labels", None)
         scores = metrics.f1_scores(predictions, labels, num_labels=num_labels)
         result = {"accuracy": metrics.accuracy(predictions, labels), "f1": scores["f1_macro"]}
         if "f1_binary" in scores:
@@ -278,8 +288,14 @@ class Loop:
                 loss_sum += float(output["loss_sum"])
             num_items += int(output["num_items"])
         self.model.train(was_training)
+        # Under DDP each rank evaluated its own shard: gather them (every sample exactly once).
+        shards = distributed.all_gather_objects(
+            (torch.cat(predictions) if predictions else None, torch.cat(labels) if labels else None, loss_sum, num_items))
+        predictions = [shard[0] for shard in shards if shard[0] is not None]
         if not predictions:
             raise ValueError("the eval loader yielded no batches: check the evaluation data")
+        labels = [shard[1] for shard in shards if shard[1] is not None]
+        loss_sum, num_items = sum(shard[2] for shard in shards), sum(shard[3] for shard in shards)
         result = {"loss": loss_sum / max(num_items, 1)}
         result.update(self.compute_metrics(torch.cat(predictions), torch.cat(labels)))
         return result
@@ -292,6 +308,7 @@ class Loop:
             self.log_event({"event": "eval", "step": self.step, "epoch": self.epoch_progress(), **self.last_eval})
         if self.output_dir is not None:
             self.save_checkpoint(self.last_eval if self.eval_loader is not None else None)
+            distributed.barrier()  # no rank runs ahead of a checkpoint that rank 0 is still writing
         self._interval.restart_clock()  # evaluation and saving are not training time
 
     def save_checkpoint(self, eval_metrics: Optional[dict]) -> Path:
@@ -300,18 +317,22 @@ class Loop:
         best = copy.deepcopy(self.best)
         if eval_metrics is not None:
             best.update(eval_metrics, state.checkpoint_name(self.step), step=self.step)
-        path = state.save_checkpoint(
-            self.output_dir,
-            self.step,
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            scaler=self.scaler,
-            trainer_state={**self.trainer_state(), "best": best.state_dict()},
-            metrics=eval_metrics,
-        )
+        # Every rank's torch RNG (dropout differs per rank); rank 0 alone writes.
+        rank_rng_states = distributed.all_gather_objects(torch.get_rng_state().tolist())
+        path = self.output_dir / state.checkpoint_name(self.step)
+        if self.dist.is_main:
+            state.save_checkpoint(
+                self.output_dir,
+                self.step,
+                model=self.module,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                scaler=self.scaler,
+                trainer_state={**self.trainer_state(), "best": best.state_dict(), "rank_rng_states": rank_rng_states},
+                metrics=eval_metrics,
+            )
+            state.rotate_checkpoints(self.output_dir, self.config.save_total_limit, best_checkpoint=best.best_checkpoint)
         self.best = best
-        state.rotate_checkpoints(self.output_dir, self.config.save_total_limit, best_checkpoint=self.best.best_checkpoint)
         return path
 
     def trainer_state(self) -> dict:
@@ -344,7 +365,7 @@ class Loop:
             self.echo(f"resume=auto: no checkpoint in {self.output_dir}, starting from scratch")
             return
         saved = state.load_checkpoint(
-            path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
+            path, model=self.module, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
             map_location=self.device,
         )
         self.step, self.micro_step, self.epoch = saved["step"], saved["micro_step"], saved["epoch"]
@@ -354,13 +375,16 @@ class Loop:
         self.last_eval, self.last_eval_step = saved["last_eval"], saved["last_eval_step"]
         if saved["epoch_rng_state"] is not None:
             self.epoch_rng_state = torch.tensor(saved["epoch_rng_state"], dtype=torch.uint8)
+        rank_rng_states = saved.get("rank_rng_states")
+        if rank_rng_states and len(rank_rng_states) == self.dist.world_size:
+            torch.set_rng_state(torch.tensor(rank_rng_states[self.dist.rank], dtype=torch.uint8))
         self.resume_rng_state = state.capture_rng_state()  # what the checkpoint restored; re-applied after the skip
         self.echo(f"resumed from {path} at step {self.step} (epoch {self.epoch}, micro-batch {self.batch_in_epoch})")
 
     def load_best(self) -> None:
         """Loads the best checkpoint's weights into the model (`load_best_at_end`)."""
         path = self.output_dir / self.best.best_checkpoint
-        saved = state.load_checkpoint(path, model=self.model, map_location=self.device, restore_rng=False)
+        saved = state.load_checkpoint(path, model=self.module, map_location=self.device, restore_rng=False)
         self.last_eval = saved.get("last_eval")
         self.echo(f"loaded the best checkpoint {path.name} ({self.config.metric_for_best}={self.best.best_metric:.4f})")
 
@@ -422,6 +446,25 @@ class Loop:
         num_items = count_items(batch)
         return loss.float() * num_items, num_items
 
+    def wrap_for_distributed(self, module: nn.Module) -> nn.Module:
+        """Wraps the model in DistributedDataParallel when running under torchrun; else returns it."""
+        if not self.dist.is_distributed:
+            return module
+        if self.config.optimizer_in_backward:
+            raise ConfigError(
+                "optimizer_in_backward=True cannot run under DistributedDataParallel: each parameter would "
+                "step on its local gradient before the all-reduce; turn it off for multi-process runs"
+            )
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        # Buffers (position ids) never change in training: no need to broadcast them every forward.
+        return DistributedDataParallel(module, device_ids=device_ids, broadcast_buffers=False)
+
+    def global_sum(self, value: int) -> int:
+        """`value` summed over every rank (itself in a single process)."""
+        return int(distributed.all_reduce_sum([value], self.device)[0])
+
     def reached_max_steps(self) -> bool:
         return 0 < self.config.max_steps <= self.step
 
@@ -444,7 +487,7 @@ class Loop:
             "tokens_per_s": interval["tokens_per_s"],
             "skipped_steps": self.skipped_steps,
         }
-        record["peak_memory_bytes"] = self.meter.summary(self.model, self.optimizer)["peak_memory_bytes"]
+        record["peak_memory_bytes"] = self.meter.summary(self.module, self.optimizer)["peak_memory_bytes"]
         if self.progress is not None:
             self.progress.set_postfix(
                 loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", samples_s=f"{record['samples_per_s']:.1f}"
@@ -452,7 +495,9 @@ class Loop:
         self.log_event(record)
 
     def log_event(self, record: dict) -> None:
-        """Appends one event to `metrics.jsonl` and prints it as one line."""
+        """Appends one event to `metrics.jsonl` and prints it as one line (rank 0 only)."""
+        if not self.dist.is_main:
+            return
         if self.output_dir is not None:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             with open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
@@ -460,10 +505,11 @@ class Loop:
         self.echo(format_record(record))
 
     def echo(self, line: str) -> None:
-        tqdm.write(line, file=sys.stdout)
+        if self.dist.is_main:
+            tqdm.write(line, file=sys.stdout)
 
     def make_progress_bar(self):
-        if not (self.config.progress_bar and sys.stderr.isatty()):
+        if not (self.config.progress_bar and sys.stderr.isatty() and self.dist.is_main):
             return None  # not a terminal: the log lines are the progress report
         total = self.config.max_steps if self.config.max_steps > 0 else self.estimated_total_steps()
         return tqdm(total=total, initial=self.step, unit="step", dynamic_ncols=True)
@@ -509,7 +555,7 @@ class Loop:
             "best_checkpoint": self.best.best_checkpoint,
             "config": self.config.to_dict(),
         }
-        result.update(self.meter.summary(self.model, self.optimizer))
+        result.update(self.meter.summary(self.module, self.optimizer))
         return result
 
 

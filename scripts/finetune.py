@@ -11,6 +11,7 @@ are generated from `LoopConfig`, so their defaults and help come from one place.
 from __future__ import annotations
 
 import argparse
+import builtins
 import dataclasses
 import importlib.util
 import json
@@ -369,11 +370,13 @@ def run(args) -> dict:
 
     from looptrain import Loop, seed_everything
     from looptrain import data as data_module
-    from looptrain import memory, metrics
+    from looptrain import distributed, memory, metrics
     from looptrain.optim import build_optimizer
 
     precision = resolve_precision(args)
     config = loop_config(args, precision)  # validates every loop option before any work
+    place = distributed.init_distributed(config.device)  # under torchrun: join the group before building samplers
+    print = builtins.print if place.is_main else _silent  # one process speaks
     if args.amp:
         scaler_note = " with a GradScaler" if precision == "fp16" else ""
         print(f"--amp: {precision} autocast{scaler_note} on {config.device}")
@@ -402,7 +405,9 @@ def run(args) -> dict:
         seed=config.seed, num_workers=args.num_workers, pin_memory=torch.cuda.is_available())
     eval_loader = None
     if eval_set is not None:
-        eval_loader = data_module.make_eval_loader(eval_set, args.eval_batch_size, collator, num_workers=args.num_workers)
+        eval_loader = data_module.make_eval_loader(
+            eval_set, args.eval_batch_size, collator, num_workers=args.num_workers,
+            num_replicas=place.world_size, rank=place.rank)
     _, padding_line = data_module.padding_stats(
         train_loader, train_set.lengths, padding=args.padding, max_length=args.max_length,
         pad_to_multiple_of=args.pad_to_multiple_of)
@@ -415,24 +420,31 @@ def run(args) -> dict:
                                 foreach=False if args.no_foreach else None)
     scheduler = build_scheduler(optimizer, args, total_updates(train_loader, config))
 
-    output_dir.mkdir(parents=True, exist_ok=True)
-    resolved = {"arguments": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-                "model_path": model_path, "loop_config": config.to_dict()}
-    (output_dir / "run_config.json").write_text(json.dumps(resolved, indent=2, default=str), encoding="utf-8")
+    if place.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        resolved = {"arguments": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+                    "model_path": model_path, "loop_config": config.to_dict(), "world_size": place.world_size}
+        (output_dir / "run_config.json").write_text(json.dumps(resolved, indent=2, default=str), encoding="utf-8")
 
     loop = Loop(model, optimizer, train_loader, eval_loader=eval_loader, scheduler=scheduler, config=config)
     summary = loop.fit()
 
     final_dir = output_dir / "final"
-    model.save_pretrained(final_dir, safe_serialization=True)
-    tokenizer.save_pretrained(final_dir)
     baseline = metrics.majority_baseline(eval_set.labels) if eval_set is not None else None
     summary["majority_baseline"] = baseline
     summary["final_dir"] = str(final_dir)
-    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
+    if place.is_main:
+        model.save_pretrained(final_dir)  # safetensors
+        tokenizer.save_pretrained(final_dir)
+        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
+    distributed.barrier()
     print(final_table(summary, baseline, output_dir))
     print(memory.format_memory_table(summary))
     return summary
+
+
+def _silent(*args, **kwargs) -> None:
+    """print() on ranks other than 0."""
 
 
 def final_table(summary: dict, baseline: dict | None, output_dir: Path) -> str:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import csv
 import os
+import random
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -123,3 +126,32 @@ def _reset_bnb_overrides():
         return
     manager = GlobalOptimManager.get_instance()
     manager.initialize()
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """A tiny BERT encoder (dropout off) and its fast tokenizer, saved like a hub checkpoint."""
+    from transformers import BertConfig, BertModel
+
+    directory = tmp_path_factory.mktemp("tiny-bert")
+    config = BertConfig(vocab_size=len(WORDS) + 5, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=37, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    BertModel(config).save_pretrained(directory)
+    make_tiny_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def write_csv(path: Path, rows: int, seed: int = 0) -> Path:
+    generator = random.Random(seed)
+    with open(path, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["text", "label"])
+        for _ in range(rows):
+            label = generator.choice(["pos", "neg"])
+            cue = generator.choice(["good great loved fun", "bad awful hated dull"][label == "neg"].split())
+            words = [generator.choice(WORDS) for _ in range(generator.randint(2, 12))] + [cue]
+            generator.shuffle(words)
+            writer.writerow([" ".join(words), label])
+    return path

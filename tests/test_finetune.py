@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import csv
 import importlib.util
 import json
-import random
 import shutil
 from pathlib import Path
 
@@ -13,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import WORDS, make_tiny_tokenizer
+from conftest import write_csv
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,35 +24,6 @@ def load_script():
 
 
 finetune = load_script()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A tiny BERT encoder (dropout off) and its fast tokenizer, saved like a hub checkpoint."""
-    from transformers import BertConfig, BertModel
-
-    directory = tmp_path_factory.mktemp("tiny-bert")
-    config = BertConfig(vocab_size=len(WORDS) + 5, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=37, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0)
-    torch.manual_seed(0)
-    BertModel(config).save_pretrained(directory)
-    make_tiny_tokenizer().save_pretrained(directory)
-    return directory
-
-
-def write_csv(path: Path, rows: int, seed: int = 0) -> Path:
-    generator = random.Random(seed)
-    with open(path, "w", newline="", encoding="utf-8") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(["text", "label"])
-        for _ in range(rows):
-            label = generator.choice(["pos", "neg"])
-            cue = generator.choice(["good great loved fun", "bad awful hated dull"][label == "neg"].split())
-            words = [generator.choice(WORDS) for _ in range(generator.randint(2, 12))] + [cue]
-            generator.shuffle(words)
-            writer.writerow([" ".join(words), label])
-    return path
 
 
 @pytest.fixture(scope="module")
