@@ -25,7 +25,7 @@ from looptrain.freeze import (
     trainable_parameters,
 )
 from looptrain.gradient_checkpointing import disable_gradient_checkpointing, enable_gradient_checkpointing
-from looptrain.loop import Loop
+from looptrain.loop import Loop, TrainingDiverged
 from looptrain.memory import estimate, format_memory_table, make_meter
 from looptrain.optim import OptimizerInBackward, build_optimizer, optimizer_state_bytes
 from looptrain.seeding import seed_everything
@@ -41,6 +41,7 @@ __all__ = [
     "LoopConfig",
     "OptimizerInBackward",
     "TokenBudgetBatchSampler",
+    "TrainingDiverged",
     "build_optimizer",
     "disable_gradient_checkpointing",
     "enable_gradient_checkpointing",

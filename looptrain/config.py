@@ -48,6 +48,8 @@ class LoopConfig:
     metric_for_best: str = "f1"  # eval metric that picks the best checkpoint: f1, accuracy or loss
     load_best_at_end: bool = False  # reload the best checkpoint's weights when training ends
     resume: Optional[str] = None  # "auto" (newest checkpoint in output_dir, if any) or a checkpoint directory
+    max_bad_windows: int = 5  # stop after this many consecutive windows with a non-finite loss or gradient
+    auto_batch: bool = False  # on out-of-memory, halve the micro-batch and double accumulation, then retry
     track_memory: bool = True  # CPU: count every tensor for an exact peak and breakdown (slower); False: RSS only
     extra: dict = field(default_factory=dict)  # free-form values recorded in summary.json (e.g. CLI options)
 
@@ -94,6 +96,13 @@ class LoopConfig:
             problems.append(
                 f"clip_mode={self.clip_mode!r} only applies with optimizer_in_backward=True; "
                 "use clip_mode='global' (or 'auto')"
+            )
+        if self.max_bad_windows < 1:
+            problems.append(f"max_bad_windows must be >= 1 (got {self.max_bad_windows})")
+        if self.auto_batch and self.optimizer_in_backward:
+            problems.append(
+                "auto_batch=True splits a micro-batch into an accumulation window, which "
+                "optimizer_in_backward=True cannot accumulate; lower the batch size instead"
             )
         if self.load_best_at_end and self.output_dir is None:
             problems.append("load_best_at_end=True needs output_dir: the best checkpoint is saved there")

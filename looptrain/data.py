@@ -209,19 +209,20 @@ def _decode_file(path: str, encoding: str, encoding_errors: str) -> str:
         line = raw.count(b"\n", 0, error.start) + 1
         raise DataError(
             f"{path}:{line}: bytes {raw[error.start:error.end]!r} are not valid {encoding} ({error.reason}); "
-            f"re-save the file as {encoding}, pass the right encoding=..., or pass encoding_errors='replace'"
+            f"re-save the file as {encoding}, pass the right encoding=..., or pass encoding_errors='replace' "
+            "(--encoding-errors replace)"
         ) from error
 
 
 def _delimited_rows(text: str, delimiter: str, path: str) -> tuple[_Rows, list[str]]:
     reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
-    header = next(reader, None)
+    header = _next_record(reader, path)
     if not header:
         raise DataError(f"{path} has no header row; the first line must name the columns")
     header = [name.strip() for name in header]
 
     def rows() -> _Rows:
-        for values in reader:
+        while (values := _next_record(reader, path)) is not None:
             if not values or all(not value.strip() for value in values):
                 continue  # blank lines are formatting, not samples
             # Short rows leave missing columns as None, which the null-text check then reports.
@@ -231,8 +232,19 @@ def _delimited_rows(text: str, delimiter: str, path: str) -> tuple[_Rows, list[s
     return rows(), header
 
 
+def _next_record(reader: Any, path: str) -> list[str] | None:
+    """The next CSV record, None at the end; csv.Error (a field over csv.field_size_limit()) becomes DataError."""
+    try:
+        return next(reader, None)
+    except csv.Error as error:
+        raise DataError(
+            f"{path}:{reader.line_num}: cannot parse this line ({error}); check its quotes, or split the field"
+        ) from error
+
+
 def _jsonl_rows(text: str, path: str) -> tuple[_Rows, list[str]]:
-    lines = text.splitlines()
+    # Only CR / LF end a line: str.splitlines() also splits at U+2028, U+0085 ..., legal inside JSON strings.
+    lines = re.split(r"\r\n|\r|\n", text)
     first = next((number for number, line in enumerate(lines, 1) if line.strip()), None)
     columns = list(_parse_json_line(lines[first - 1], path, first).keys()) if first else []
 
@@ -252,6 +264,10 @@ def _parse_json_line(line: str, path: str, number: int) -> dict[str, Any]:
             f"{path}:{number}: not valid JSON ({error.msg} at column {error.colno}); "
             "fix the line: JSONL needs one JSON object per line"
         ) from error
+    except RecursionError as error:
+        raise DataError(f"{path}:{number}: JSON nested too deeply to read; flatten the line") from error
+    except ValueError as error:  # an integer longer than sys.get_int_max_str_digits()
+        raise DataError(f"{path}:{number}: cannot read this JSON line ({error}); fix the value") from error
     if not isinstance(value, dict):
         raise DataError(f"{path}:{number}: expected a JSON object per line, got {type(value).__name__}")
     return value
@@ -334,7 +350,10 @@ def _map_labels(
         return [label2id[str(label)] for label in raw_labels], list(map(str, label_names))
 
     if all(isinstance(label, int) or _INTEGER_PATTERN.match(label) for label in raw_labels):
-        labels = [int(label) for label in raw_labels]
+        try:
+            labels = [int(label) for label in raw_labels]
+        except ValueError as error:  # more digits than sys.get_int_max_str_digits() converts
+            raise DataError(f"{source_name}: an integer label is too long ({error}); fix the label") from error
         for index, label in enumerate(labels):
             if label < 0 or (num_labels is not None and label >= num_labels):
                 upper = f"{num_labels - 1}" if num_labels is not None else "..."
@@ -381,9 +400,17 @@ def load_tokenizer(path: str | os.PathLike, use_fast: bool = True, allow_slow: b
     """
     from transformers import AutoTokenizer
 
+    # Never None: transformers then asks "Do you wish to run the custom code? [y/N]" on stdin, and a "y"
+    # runs code shipped with the checkpoint that nobody opted in to. Callers pass True to opt in.
+    kwargs.setdefault("trust_remote_code", False)
     try:
         tokenizer = AutoTokenizer.from_pretrained(os.fspath(path), use_fast=use_fast, **kwargs)
     except (OSError, ValueError) as error:
+        if "trust_remote_code" in str(error):
+            raise DataError(
+                f"{os.fspath(path)!r} ships its own Python code (auto_map in its config), which is not run "
+                "unless you ask: pass trust_remote_code=True (--trust-remote-code) only if you trust that code"
+            ) from error
         raise DataError(
             f"could not load a tokenizer from {os.fspath(path)!r} ({error}); pass a directory with "
             "tokenizer files (tokenizer.json) or a hub id that is in the local cache"
@@ -749,19 +776,7 @@ class ShardedBatchSampler:
             return batches
         if self.uneven == "drop":
             return batches[: len(batches) - len(batches) % replicas]
-        if sum(len(batch) for batch in batches) < replicas:
-            raise DataError(
-                f"{sum(len(batch) for batch in batches)} samples cannot give each of {replicas} ranks a batch; "
-                "use fewer ranks or more data"
-            )
-        batches = list(batches)
-        while len(batches) % replicas:
-            largest = max(range(len(batches)), key=lambda index: len(batches[index]))
-            batch = batches[largest]
-            half = len(batch) // 2
-            # Halves stay adjacent so the group structure (similar lengths) is preserved.
-            batches[largest : largest + 1] = [batch[:half], batch[half:]]
-        return batches
+        return _split_until_divisible(batches, replicas)
 
     def _longest_group(self, groups: list[list[list[int]]]) -> int:
         assert self.lengths is not None
@@ -990,6 +1005,25 @@ class TokenBudgetBatchSampler(ShardedBatchSampler):
         return batches
 
 
+def _split_until_divisible(batches: list[list[int]], replicas: int) -> list[list[int]]:
+    """Halves the largest batches until their count divides by `replicas` (every sample kept once)."""
+    if len(batches) % replicas == 0:
+        return batches
+    if sum(len(batch) for batch in batches) < replicas:
+        raise DataError(
+            f"{sum(len(batch) for batch in batches)} samples cannot give each of {replicas} ranks a batch; "
+            "use fewer ranks or more data"
+        )
+    batches = list(batches)
+    while len(batches) % replicas:
+        largest = max(range(len(batches)), key=lambda index: len(batches[index]))
+        batch = batches[largest]
+        half = len(batch) // 2
+        # Halves stay adjacent so the group structure (similar lengths) is preserved.
+        batches[largest : largest + 1] = [batch[:half], batch[half:]]
+    return batches
+
+
 def _sort_by_length(indices: np.ndarray, lengths: np.ndarray) -> list[int]:
     # Stable sort keeps the shuffled order among equal lengths, so ties still vary by epoch.
     indices = np.asarray(indices)
@@ -1088,8 +1122,8 @@ def make_eval_loader(
 
     Order does not change metrics, so evaluation can sort globally and pad least. Predictions come
     out in batch order: use ``loader.batch_sampler`` (a list of index lists) to map them back.
-    Under several ranks each takes every ``num_replicas``-th batch: every sample is evaluated exactly
-    once across ranks (ranks may get one batch more or less; evaluation needs no lock-step).
+    Under several ranks each takes every ``num_replicas``-th batch, after the largest batches are
+    halved until every rank has as many: every sample is evaluated exactly once across ranks.
 
     Args:
         num_replicas: World size (default: torch.distributed's, else 1).
@@ -1102,6 +1136,9 @@ def make_eval_loader(
         batches = _chunk(_sort_by_length(np.arange(len(dataset)), np.asarray(_dataset_lengths(dataset))), batch_size)
     else:
         batches = _chunk(list(range(len(dataset))), batch_size)
+    # Every rank runs the same number of eval batches: sharded models (FSDP2) gather parameters in every
+    # forward, a collective that all ranks must join.
+    batches = _split_until_divisible(batches, num_replicas)
     return DataLoader(dataset, batch_sampler=batches[rank::num_replicas], collate_fn=collator, num_workers=num_workers)
 
 

@@ -99,3 +99,106 @@ def barrier() -> None:
     """Waits for every rank (nothing to wait for in a single process)."""
     if current().is_distributed:
         dist.barrier()
+
+
+# ---------------------------------------------------------------------- FSDP2
+def shard_model(model: torch.nn.Module, *, reshard_after_forward: bool = True) -> torch.nn.Module:
+    """Shards a model with FSDP2 (`fully_shard`): each transformer block, then the root.
+
+    Call it under torchrun, after moving the model to its device and freezing, and **before**
+    building the optimizer: `fully_shard` replaces the parameters with sharded ones.
+
+    Args:
+        model: the model; its transformer blocks are found with `looptrain.freeze.find_transformer_blocks`
+            (a model without recognisable blocks is sharded as one unit).
+        reshard_after_forward: free the gathered parameters after each block's forward (less memory,
+            one more all-gather in backward).
+
+    Raises:
+        ValueError: no process group (one process has nothing to shard across).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    from looptrain.freeze import find_transformer_blocks
+
+    if not current().is_distributed:
+        raise ValueError("shard_model needs several processes: launch with torchrun --nproc_per_node N")
+    try:
+        blocks = list(find_transformer_blocks(model))
+    except ValueError:
+        blocks = []
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def is_fsdp(module: torch.nn.Module) -> bool:
+    """True for a model sharded with FSDP2's `fully_shard`."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def _full_options(cpu_offload: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
+
+
+class FullStateModel(torch.nn.Module):
+    """A sharded model seen through its *full* state dict, for `looptrain.state`'s save and load.
+
+    Saving: build it on every rank (gathering is collective), then rank 0 hands it to
+    `save_checkpoint`. Loading: every rank passes it to `load_checkpoint`, which loads the full
+    tensors into each rank's shards.
+    """
+
+    def __init__(self, module: torch.nn.Module, gather: bool = True):
+        super().__init__()
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        self.__dict__["sharded"] = module  # not registered as a child: its own state_dict is sharded
+        self.__dict__["full"] = get_model_state_dict(module, options=_full_options(cpu_offload=False)) if gather else {}
+
+    def state_dict(self, *args, **kwargs):
+        return dict(self.full)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, strict=strict)
+        return set_model_state_dict(self.sharded, state_dict, options=options)
+
+    def save_pretrained(self, directory, **kwargs):
+        """HF models: `save_pretrained` with the gathered weights (config and all)."""
+        return self.sharded.save_pretrained(directory, state_dict=self.full, **kwargs)
+
+
+class FullStateOptimizer:
+    """The optimizer of a sharded model seen through its full state dict (see `FullStateModel`)."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, gather: bool = True):
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        self.module, self.optimizer = module, optimizer
+        self.full = get_optimizer_state_dict(module, optimizer, options=_full_options(cpu_offload=False)) if gather else None
+
+    def state_dict(self):
+        return self.full
+
+    def load_state_dict(self, state_dict):
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.module, self.optimizer, state_dict, options=_full_options(cpu_offload=False))
+
+
+def save_pretrained(model: torch.nn.Module, directory) -> None:
+    """`model.save_pretrained(directory)` from rank 0, gathering a sharded model's weights first (all ranks call it)."""
+    if is_fsdp(model):
+        model = FullStateModel(model)
+    if current().is_main:
+        model.save_pretrained(directory)
+    barrier()

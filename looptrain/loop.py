@@ -24,7 +24,9 @@ import contextlib
 import copy
 import json
 import math
+import signal
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -37,7 +39,7 @@ from tqdm.auto import tqdm
 from looptrain import distributed, memory, metrics, state
 from looptrain.config import ConfigError, LoopConfig
 from looptrain.gradient_checkpointing import enable_gradient_checkpointing
-from looptrain.optim import OptimizerInBackward
+from looptrain.optim import OptimizerInBackward, optimizer_state_bytes
 from looptrain.precision import autocast, make_grad_scaler, resolve_device
 from looptrain.seeding import seed_everything
 
@@ -67,11 +69,10 @@ class Loop:
     ):
         self.config = config if config is not None else LoopConfig()
         self.dist = distributed.init_distributed(self.config.device)  # torchrun's group, if launched by it
-        self.device = resolve_device(self.config.device)
-        if self.dist.is_distributed and self.device.type == "cuda":
-            self.device = torch.device("cuda", self.dist.local_rank)
+        self.device = self.device_for(self.config, self.dist)
         seed_everything(self.config.seed)
         self.module = model.to(self.device)  # the model itself: configs, saving, evaluation
+        self.fsdp = distributed.is_fsdp(self.module)
         if self.config.gradient_checkpointing:
             enable_gradient_checkpointing(self.module)
         self.model = self.wrap_for_distributed(self.module)  # what forward and backward run through
@@ -106,6 +107,19 @@ class Loop:
         self.resume_rng_state: Optional[dict] = None
         self.progress = None
         self._interval = _Interval()
+        self.micro_batch_splits = 1  # auto_batch doubles it after an out-of-memory
+        self.bad_windows = 0  # consecutive windows with a non-finite loss or gradient
+        self.stop_signal: Optional[str] = None  # set by SIGTERM / SIGINT
+        self.interrupted: Optional[str] = None
+        self.last_checkpoint_step = -1
+
+    @staticmethod
+    def device_for(config: LoopConfig, place: distributed.DistributedInfo) -> torch.device:
+        """The device a process trains on: the config's, with each rank on its own GPU under torchrun."""
+        device = resolve_device(config.device)
+        if place.is_distributed and device.type == "cuda":
+            return torch.device("cuda", place.local_rank)
+        return device
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
@@ -122,15 +136,17 @@ class Loop:
         self.progress = self.make_progress_bar()
         self._interval.restart_clock()
         try:
-            self.train_epochs()
+            with self.signals_caught():
+                self.train_epochs()
         finally:  # an exception must not leave the memory tracker installed or the bar open
             self.close_progress_bar()
             self.meter.stop()
-        if self.eval_loader is not None and self.last_eval_step != self.step:
-            self.last_eval = self.evaluate()
-            self.last_eval_step = self.step
-        if config.load_best_at_end and self.best.best_checkpoint is not None:
-            self.load_best()
+        if self.interrupted is None:
+            if self.eval_loader is not None and self.last_eval_step != self.step:
+                self.last_eval = self.evaluate()
+                self.last_eval_step = self.step
+            if config.load_best_at_end and self.best.best_checkpoint is not None:
+                self.load_best()
         summary = self.summary(time.perf_counter() - fit_started)
         if self.output_dir is not None and self.dist.is_main:
             _write_json(self.output_dir / "summary.json", summary)
@@ -141,49 +157,26 @@ class Loop:
         config = self.config
         while self.epoch < config.epochs and not self.reached_max_steps():
             for window in self.accumulation_windows():
-                self.model.train()
-                window_loss = torch.zeros((), device=self.device, dtype=torch.float64)
-                window_items = 0
-                # Counted before the first forward (HF's num_items_in_batch) and summed over ranks, so
-                # every micro-batch backwards its share of the *global* window mean.
-                counted_items = self.global_sum(sum(count_items(batch) for batch in window))
-                window_samples = window_tokens = 0
-                for index, batch in enumerate(window):
-                    samples, tokens = batch_sizes(batch)
-                    batch = self.to_device(batch)
-                    with self.backward_context(is_last=index == len(window) - 1):
-                        self.mark("forward")
-                        with autocast(self.device, config.precision):
-                            loss_sum, num_items = self.loss_sum_and_items(self.compute_loss(batch), batch)
-                        self.mark("backward")
-                        # DDP averages gradients over ranks: scale the divisor down by the world size.
-                        divisor = num_items if config.optimizer_in_backward else counted_items / self.dist.world_size
-                        self.scaler.scale(loss_sum / max(divisor, 1e-12)).backward()
-                    window_loss += loss_sum.detach().double()
-                    window_items += num_items
-                    self.micro_step += 1
-                    self.batch_in_epoch += 1
-                    window_samples += samples
-                    window_tokens += tokens
-                window_loss, window_items, window_samples, window_tokens = distributed.all_reduce_sum(
-                    [float(window_loss), window_items, window_samples, window_tokens], self.device)
-                self.samples_seen += int(window_samples)
-                self.tokens_seen += int(window_tokens)
-                self._interval.add(int(window_samples), int(window_tokens))
+                window_loss, window_items, counted_items, stop = self.accumulate_with_retry(window)
+                self.batch_in_epoch += len(window)
                 self.mark("optimizer")
-                grad_norm, stepped = self.optimizer_step(counted_items, int(window_items))
+                grad_norm, stepped = self.optimizer_step(counted_items, window_items)
                 if stepped:
                     self.step += 1
                     if self.scheduler is not None:
                         self.scheduler.step()  # never advanced for a step the scaler skipped
                 else:
                     self.skipped_steps += 1
-                self._interval.add_window(window_loss, int(window_items))
+                self._interval.add_window(window_loss, window_items)
+                self.check_window(window_loss, window_items, grad_norm, stepped)  # counts bad windows, may stop
                 self.on_step_end(step=self.step, loss_sum=window_loss, num_items=window_items, grad_norm=grad_norm)
                 if stepped and self.step % config.log_every == 0:
                     self.log_train(grad_norm)
                 if stepped and isinstance(config.eval_every, int) and self.step % config.eval_every == 0:
                     self.evaluate_and_save()
+                if stop:
+                    self.save_on_interrupt()
+                    return
                 if self.reached_max_steps():
                     break
             else:  # the epoch ran to its end (not stopped by max_steps)
@@ -191,6 +184,147 @@ class Loop:
                 self.batch_in_epoch = 0
                 if config.eval_every == "epoch":
                     self.evaluate_and_save()
+
+    def accumulate(self, window: list) -> tuple[float, int, int, bool]:
+        """Forward and backward over one window's micro-batches, gradients left summed in `.grad`.
+
+        Returns:
+            The window's loss sum, its item count as `compute_loss` reported, the item count counted
+            before the forwards (all summed over ranks), and whether any rank was asked to stop.
+        """
+        config = self.config
+        self.model.train()
+        # Counted before the first forward (HF's num_items_in_batch) and summed over ranks, so every
+        # micro-batch backwards its share of the *global* window mean.
+        counted_items = self.global_sum(sum(count_items(batch) for batch in window))
+        micro_batches = [piece for batch in window for piece in split_batch(batch, self.micro_batch_splits)]
+        window_loss = torch.zeros((), device=self.device, dtype=torch.float64)
+        window_items = window_samples = window_tokens = 0
+        for index, batch in enumerate(micro_batches):
+            samples, tokens = batch_sizes(batch)
+            batch = self.to_device(batch)
+            with self.backward_context(is_last=index == len(micro_batches) - 1):
+                self.mark("forward")
+                with autocast(self.device, config.precision):
+                    loss_sum, num_items = self.loss_sum_and_items(self.compute_loss(batch), batch)
+                self.mark("backward")
+                # DDP averages gradients over ranks: scale the divisor down by the world size.
+                divisor = num_items if config.optimizer_in_backward else counted_items / self.dist.world_size
+                self.scaler.scale(loss_sum / max(divisor, 1e-12)).backward()
+            window_loss += loss_sum.detach().double()
+            window_items += num_items
+            window_samples += samples
+            window_tokens += tokens
+        self.micro_step += len(micro_batches)
+        # One collective per window: the global loss and counts, and whether a rank caught a signal.
+        window_loss, window_items, window_samples, window_tokens, stops = distributed.all_reduce_sum(
+            [float(window_loss), window_items, window_samples, window_tokens, float(self.stop_signal is not None)],
+            self.device)
+        self.samples_seen += int(window_samples)
+        self.tokens_seen += int(window_tokens)
+        self._interval.add(int(window_samples), int(window_tokens))
+        return window_loss, int(window_items), counted_items, stops > 0
+
+    def accumulate_with_retry(self, window: list) -> tuple[float, int, int, bool]:
+        """`accumulate`, retried with micro-batches split in halves after an out-of-memory (`auto_batch`)."""
+        while True:
+            try:
+                return self.accumulate(window)
+            except OUT_OF_MEMORY_ERRORS as error:
+                self.recover_from_out_of_memory(window, error)
+
+    def recover_from_out_of_memory(self, window: list, error: BaseException) -> None:
+        """Drops the failed window's gradients and doubles the micro-batch split, or re-raises.
+
+        Splitting keeps the window (the effective batch) and its item count, so the update stays the
+        exact mean over the same items; only the number of forward/backward passes doubles.
+        """
+        for parameter in self.trainable_parameters:
+            parameter.grad = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        rows = min(first_dimension(batch) for batch in window)
+        if not self.config.auto_batch or self.micro_batch_splits * 2 > rows:
+            raise type(error)(self.out_of_memory_message(error, rows)) from error
+        self.micro_batch_splits *= 2
+        self.log_event({
+            "event": "auto_batch", "step": self.step, "micro_batch_splits": self.micro_batch_splits,
+            "micro_batch_rows": math.ceil(rows / self.micro_batch_splits),
+            "message": f"out of memory: each micro-batch now runs in {self.micro_batch_splits} pieces "
+                       f"(accumulation x{self.micro_batch_splits}, same effective batch); retrying the window",
+        })
+
+    def out_of_memory_message(self, error: BaseException, rows: int) -> str:
+        """The error text for an out-of-memory the loop cannot recover from: what held the memory, what to try."""
+        params = memory.parameter_bytes(self.module)
+        grads = memory.gradient_bytes(self.module)
+        optimizer_state = optimizer_state_bytes(self.optimizer)
+        lines = [
+            f"out of memory at step {self.step} (micro-batch of {math.ceil(rows / self.micro_batch_splits)} rows): {error}",
+            f"  held at the failure: params {params / 2**20:.1f} MiB, grads {grads / 2**20:.1f} MiB, "
+            f"optimizer state {optimizer_state / 2**20:.1f} MiB",
+        ]
+        if self.device.type == "cuda":
+            lines.append(f"  CUDA allocated {torch.cuda.memory_allocated(self.device) / 2**20:.1f} MiB of "
+                         f"{torch.cuda.get_device_properties(self.device).total_memory / 2**20:.0f} MiB")
+        lines.append(
+            "  try: auto_batch=True (--auto-batch) to halve the micro-batch and double accumulation; "
+            "gradient_checkpointing=True (--grad-checkpoint); an 8-bit optimizer (--optim adamw8bit); "
+            "bf16 (--amp); a shorter --max-length"
+        )
+        return "\n".join(lines)
+
+    def check_window(self, window_loss: float, window_items: int, grad_norm, stepped: bool) -> None:
+        """Logs a skipped window and stops the run after `max_bad_windows` non-finite ones in a row.
+
+        A window is bad when its loss is not finite, or (fp32/bf16) its gradient norm is not. An fp16
+        overflow with a finite loss is not bad: the GradScaler lowers its scale and the next window
+        usually steps.
+        """
+        bad = not math.isfinite(window_loss) or (not stepped and not self.scaler.is_enabled())
+        self.bad_windows = self.bad_windows + 1 if bad else 0
+        if not stepped:
+            reason = "non-finite loss or gradients" if bad else "fp16 gradients overflowed: the GradScaler lowered its scale"
+            self.log_event({"event": "skipped", "step": self.step, "micro_step": self.micro_step,
+                            "skipped_steps": self.skipped_steps, "reason": reason})
+        if self.bad_windows >= self.config.max_bad_windows:
+            last_good = state.latest_checkpoint(self.output_dir) if self.output_dir is not None else None
+            raise TrainingDiverged(
+                f"the loss or gradients were not finite for {self.bad_windows} windows in a row, up to step "
+                f"{self.step} (micro-step {self.micro_step}); none of them was applied. Last good checkpoint: "
+                f"{last_good if last_good is not None else 'none saved'}. Lower the learning rate, use "
+                "precision='bf16' or 'fp32', check the data for extreme values, or raise max_bad_windows"
+            )
+
+    def save_on_interrupt(self) -> None:
+        """A signal asked the run to stop: save where it stands so `resume='auto'` continues from here."""
+        self.interrupted = self.stop_signal or "signal"
+        if self.output_dir is not None and self.last_checkpoint_step != self.step:
+            self.save_checkpoint(None)
+            distributed.barrier()
+        where = f"saved checkpoint-{self.step}" if self.output_dir is not None else "nothing saved (no output_dir)"
+        self.echo(f"interrupted by {self.interrupted} at step {self.step}: {where}; continue with resume='auto' (--resume auto)")
+
+    @contextlib.contextmanager
+    def signals_caught(self):
+        """SIGTERM and SIGINT (Ctrl-C) ask the loop to stop after the current window; a second one stops at once."""
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signal handlers can only be installed from the main thread
+            return
+
+        def request_stop(signal_number, frame):
+            if self.stop_signal is not None:  # asked twice: stop now
+                signal.signal(signal_number, previous[signal_number])
+                raise KeyboardInterrupt
+            self.stop_signal = signal.Signals(signal_number).name
+            self.echo(f"{self.stop_signal} received: stopping after this window and saving a checkpoint")
+
+        previous = {number: signal.signal(number, request_stop) for number in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for number, handler in previous.items():
+                signal.signal(number, handler)
 
     def optimizer_step(self, counted_items: int, num_items: int) -> tuple[torch.Tensor, bool]:
         """Turns the window's accumulated gradients into one update.
@@ -210,6 +344,8 @@ class Loop:
         scale_gradients_(self.trainable_parameters, max(counted_items, 1) / max(num_items, 1))  # exact mean
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
         grad_norm = nn.utils.clip_grad_norm_(self.trainable_parameters, max_norm, error_if_nonfinite=False)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: the norm of sharded gradients is a DTensor
+            grad_norm = grad_norm.full_tensor()
         if self.scaler.is_enabled():
             scale_before = self.scaler.get_scale()
             self.scaler.step(self.optimizer)  # the scaler skips the step when fp16 gradients overflowed
@@ -320,12 +456,16 @@ class Loop:
         # Every rank's torch RNG (dropout differs per rank); rank 0 alone writes.
         rank_rng_states = distributed.all_gather_objects(torch.get_rng_state().tolist())
         path = self.output_dir / state.checkpoint_name(self.step)
+        model, optimizer = self.module, self.optimizer
+        if self.fsdp:  # gather the full weights and optimizer state (a collective: every rank takes part)
+            model = distributed.FullStateModel(self.module)
+            optimizer = distributed.FullStateOptimizer(self.module, self.optimizer)
         if self.dist.is_main:
             state.save_checkpoint(
                 self.output_dir,
                 self.step,
-                model=self.module,
-                optimizer=self.optimizer,
+                model=model,
+                optimizer=optimizer,
                 scheduler=self.scheduler,
                 scaler=self.scaler,
                 trainer_state={**self.trainer_state(), "best": best.state_dict(), "rank_rng_states": rank_rng_states},
@@ -333,6 +473,7 @@ class Loop:
             )
             state.rotate_checkpoints(self.output_dir, self.config.save_total_limit, best_checkpoint=best.best_checkpoint)
         self.best = best
+        self.last_checkpoint_step = self.step
         return path
 
     def trainer_state(self) -> dict:
@@ -365,8 +506,8 @@ class Loop:
             self.echo(f"resume=auto: no checkpoint in {self.output_dir}, starting from scratch")
             return
         saved = state.load_checkpoint(
-            path, model=self.module, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
-            map_location=self.device,
+            path, model=self.loadable_model(), optimizer=self.loadable_optimizer(), scheduler=self.scheduler,
+            scaler=self.scaler, map_location=self.device,
         )
         self.step, self.micro_step, self.epoch = saved["step"], saved["micro_step"], saved["epoch"]
         self.batch_in_epoch, self.skipped_steps = saved["batch_in_epoch"], saved["skipped_steps"]
@@ -381,10 +522,17 @@ class Loop:
         self.resume_rng_state = state.capture_rng_state()  # what the checkpoint restored; re-applied after the skip
         self.echo(f"resumed from {path} at step {self.step} (epoch {self.epoch}, micro-batch {self.batch_in_epoch})")
 
+    def loadable_model(self) -> nn.Module:
+        """What checkpoint weights load into: the model, or a full-state view of an FSDP2-sharded one."""
+        return distributed.FullStateModel(self.module) if self.fsdp else self.module
+
+    def loadable_optimizer(self):
+        return distributed.FullStateOptimizer(self.module, self.optimizer, gather=False) if self.fsdp else self.optimizer
+
     def load_best(self) -> None:
         """Loads the best checkpoint's weights into the model (`load_best_at_end`)."""
         path = self.output_dir / self.best.best_checkpoint
-        saved = state.load_checkpoint(path, model=self.module, map_location=self.device, restore_rng=False)
+        saved = state.load_checkpoint(path, model=self.loadable_model(), map_location=self.device, restore_rng=False)
         self.last_eval = saved.get("last_eval")
         self.echo(f"loaded the best checkpoint {path.name} ({self.config.metric_for_best}={self.best.best_metric:.4f})")
 
@@ -433,7 +581,10 @@ class Loop:
         return batch
 
     def backward_context(self, is_last: bool):
-        """Skips DDP's gradient all-reduce on every micro-step of a window but the last."""
+        """Skips the gradient all-reduce (DDP) or reduce-scatter (FSDP2) on every micro-step but the last."""
+        if self.fsdp:
+            self.module.set_requires_gradient_sync(is_last)
+            return contextlib.nullcontext()
         if not is_last and hasattr(self.model, "no_sync"):
             return self.model.no_sync()
         return contextlib.nullcontext()
@@ -452,9 +603,18 @@ class Loop:
             return module
         if self.config.optimizer_in_backward:
             raise ConfigError(
-                "optimizer_in_backward=True cannot run under DistributedDataParallel: each parameter would "
+                "optimizer_in_backward=True cannot run with several processes: each parameter would "
                 "step on its local gradient before the all-reduce; turn it off for multi-process runs"
             )
+        if self.config.auto_batch:
+            raise ConfigError(
+                "auto_batch=True cannot run with several processes: one rank would retry a window while the "
+                "others wait in its all-reduce; set the micro-batch size by hand (--batch-size, --accum)"
+            )
+        if self.fsdp:
+            if self.config.precision == "fp16":
+                raise ConfigError("precision='fp16' is not supported with FSDP2 sharding: use precision='bf16'")
+            return module  # already sharded by looptrain.distributed.shard_model
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [self.device.index] if self.device.type == "cuda" else None
@@ -553,6 +713,8 @@ class Loop:
             "final_eval": self.last_eval,
             "best_metric": self.best.best_metric,
             "best_checkpoint": self.best.best_checkpoint,
+            "interrupted": self.interrupted,
+            "micro_batch_splits": self.micro_batch_splits,
             "config": self.config.to_dict(),
         }
         result.update(self.meter.summary(self.module, self.optimizer))
@@ -560,6 +722,36 @@ class Loop:
 
 
 # ---------------------------------------------------------------------- small helpers
+# torch < 2.5 has only the CUDA-specific class.
+OUT_OF_MEMORY_ERRORS = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), torch.cuda.OutOfMemoryError)
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive windows had a non-finite loss or gradient (`LoopConfig.max_bad_windows`)."""
+
+
+def split_batch(batch, parts: int) -> list:
+    """Cuts a batch (tensor, mapping, list or tuple of tensors) into `parts` row-wise pieces.
+
+    Every tensor whose first dimension is the batch's row count is split; anything else is shared.
+    """
+    if parts == 1:
+        return [batch]
+    rows = first_dimension(batch)
+    bounds = [round(rows * index / parts) for index in range(parts + 1)]
+
+    def piece(value, start, stop):
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows:
+            return value[start:stop]
+        if isinstance(value, Mapping):
+            return {key: piece(item, start, stop) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(piece(item, start, stop) for item in value)
+        return value
+
+    return [piece(batch, start, stop) for start, stop in zip(bounds, bounds[1:]) if stop > start]
+
+
 def count_items(batch) -> int:
     """Items a mean loss was taken over: labels that are not -100, else the batch's rows."""
     if isinstance(batch, Mapping) and isinstance(batch.get("labels"), torch.Tensor):

@@ -42,6 +42,8 @@ LOOP_FLAGS = {
     "clip_mode": ("--clip-mode", "memory/speed"),
     "gradient_checkpointing": ("--grad-checkpoint", "memory/speed"),
     "optimizer_in_backward": ("--optim-in-backward", "memory/speed"),
+    "auto_batch": ("--auto-batch", "memory/speed"),
+    "max_bad_windows": ("--max-bad-windows", "training"),
     "eval_every": ("--eval-every", "evaluation/state"),
     "metric_for_best": ("--metric-for-best", "evaluation/state"),
     "save_total_limit": ("--save-total-limit", "evaluation/state"),
@@ -50,6 +52,7 @@ LOOP_FLAGS = {
     "log_every": ("--log-every", "evaluation/state"),
 }
 DEFAULT_OUTPUT_DIR = "runs/finetune"  # the command line always writes final/ somewhere
+INTERRUPTED_EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}  # the shell's 128 + signal number
 
 
 class UsageError(Exception):
@@ -123,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="round padded widths up to a multiple of this (8 for tensor cores)")
     memory.add_argument("--group-by-length", action="store_true",
                         help="batch samples of similar length together (still shuffled): less padding")
+    memory.add_argument("--fsdp", action="store_true",
+                        help="under torchrun: shard parameters, gradients and optimizer state across ranks (FSDP2) "
+                             "instead of replicating them (DDP)")
     memory.add_argument("--max-tokens", type=int, default=None,
                         help="batch by a padded-token budget instead of --batch-size: bounded memory per micro-batch")
 
@@ -203,6 +209,15 @@ def check_flags(args, parser: argparse.ArgumentParser) -> None:
         raise UsageError("--eval-data and --eval-split both choose the evaluation set; pass one")
     if args.freeze_layers < 0:
         raise UsageError(f"--freeze-layers must be >= 0 (got {args.freeze_layers})")
+    if args.fsdp:
+        from looptrain.distributed import launched_by_torchrun
+
+        if not launched_by_torchrun():
+            raise UsageError("--fsdp shards across processes: launch with torchrun --nproc_per_node N "
+                             "scripts/finetune.py ... (one process has nothing to shard across)")
+        if args.optim in ("adamw8bit", "paged_adamw8bit"):
+            raise UsageError(f"--fsdp does not support --optim {args.optim} (bitsandbytes cannot step sharded "
+                             "parameters); use --optim adamw or adafactor")
 
 
 def loop_config(args, device_precision: str):
@@ -416,6 +431,9 @@ def run(args) -> dict:
     report = apply_freezing(model, args)
     if report:
         print(report)
+    if args.fsdp:  # shard before the optimizer is built: fully_shard replaces the parameters
+        model.to(Loop.device_for(config, place))
+        distributed.shard_model(model)
     optimizer = build_optimizer(model, args.optim, args.lr, weight_decay=args.weight_decay,
                                 foreach=False if args.no_foreach else None)
     scheduler = build_scheduler(optimizer, args, total_updates(train_loader, config))
@@ -428,13 +446,15 @@ def run(args) -> dict:
 
     loop = Loop(model, optimizer, train_loader, eval_loader=eval_loader, scheduler=scheduler, config=config)
     summary = loop.fit()
+    if summary["interrupted"]:
+        return summary  # a checkpoint was saved; no final/ for an unfinished run
 
     final_dir = output_dir / "final"
     baseline = metrics.majority_baseline(eval_set.labels) if eval_set is not None else None
     summary["majority_baseline"] = baseline
     summary["final_dir"] = str(final_dir)
+    distributed.save_pretrained(model, final_dir)  # safetensors; gathers a sharded model's weights first
     if place.is_main:
-        model.save_pretrained(final_dir)  # safetensors
         tokenizer.save_pretrained(final_dir)
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
     distributed.barrier()
@@ -478,15 +498,19 @@ def main(argv: list[str] | None = None) -> int:
     from looptrain.data import DataError
     from looptrain.state import CheckpointError
 
-    user_errors = (UsageError, ConfigError, DataError, CheckpointError)
+    from looptrain.loop import OUT_OF_MEMORY_ERRORS, TrainingDiverged
+
+    user_errors = (UsageError, ConfigError, DataError, CheckpointError, TrainingDiverged) + OUT_OF_MEMORY_ERRORS
     try:
         check_flags(args, parser)
-        run(args)
+        summary = run(args)
     except user_errors as error:
         if args.debug:
             raise
         print(f"finetune.py: error: {error}", file=sys.stderr)
         return 2
+    if summary["interrupted"]:
+        return INTERRUPTED_EXIT_CODES.get(summary["interrupted"], 1)
     return 0
 
 

@@ -8,7 +8,6 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
 from looptrain.data import (
     DataError,

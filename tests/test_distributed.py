@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -45,7 +46,19 @@ def runs(model_dir, tmp_path_factory):
               "--log-every", "1"]
     single = launch(1, root / "one", *common, "--batch-size", "8")
     double = launch(2, root / "two", *common, "--batch-size", "4")
+    # FSDP2 (sharded parameters, gradients and optimizer state) with gradient checkpointing.
+    launch(2, root / "fsdp", *common, "--batch-size", "4", "--fsdp", "--grad-checkpoint")
+    # Resumes from the mid-run checkpoint (end of epoch 0: step 3), under DDP and under FSDP2.
+    for name, extra in (("two", []), ("fsdp", ["--fsdp", "--grad-checkpoint"])):
+        resumed = root / f"{name}-resumed"
+        resumed.mkdir()
+        shutil.copytree(root / name / "checkpoint-3", resumed / "checkpoint-3")
+        launch(2, resumed, *common, "--batch-size", "4", *extra, "--resume", "auto")
     return root, single, double
+
+
+def final_weights(directory: Path) -> dict:
+    return load_file(str(directory / "final" / "model.safetensors"))
 
 
 def test_two_ranks_equal_one_rank_with_the_same_global_batch(runs):
@@ -73,3 +86,20 @@ def test_only_rank_zero_writes(runs):
     assert losses_two == pytest.approx(losses_one, rel=1e-5)  # the logged loss is the global window mean
     assert sorted(p.name for p in (root / "two").iterdir()) == sorted(p.name for p in (root / "one").iterdir())
     assert double.stdout.count("looptrain run in") == 1  # the final table is printed by rank 0 alone
+
+
+def test_fsdp2_with_checkpointing_equals_one_rank(runs):
+    root, _, _ = runs
+    one, sharded = final_weights(root / "one"), final_weights(root / "fsdp")
+    assert sharded.keys() == one.keys()  # the full (gathered) weights, under their usual names
+    for key in one:
+        torch.testing.assert_close(sharded[key], one[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    assert json.loads((root / "fsdp" / "summary.json").read_text())["optimizer_steps"] == 6
+
+
+@pytest.mark.parametrize("name", ["two", "fsdp"])
+def test_resume_under_ddp_and_fsdp2_equals_uninterrupted(runs, name):
+    root, _, _ = runs
+    uninterrupted, resumed = final_weights(root / name), final_weights(root / f"{name}-resumed")
+    for key in uninterrupted:
+        assert torch.equal(resumed[key], uninterrupted[key]), key
