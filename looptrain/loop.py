@@ -88,7 +88,8 @@ class Loop:
         self.trainable_parameters = [p for p in self.module.parameters() if p.requires_grad]
         if not self.trainable_parameters:
             raise ValueError("the model has no trainable parameters: unfreeze some (see looptrain.freeze)")
-        self.meter = memory.make_meter(self.device, track_tensors=self.config.track_memory)
+        # The tensor tracker is not built for DTensors: sharded runs measure RSS (CPU) or the allocator (CUDA).
+        self.meter = memory.make_meter(self.device, track_tensors=self.config.track_memory and not self.fsdp)
         self.output_dir = Path(self.config.output_dir) if self.config.output_dir else None
         # Counters with fixed meanings: `step` counts optimizer updates, `micro_step` counts
         # forward/backward passes; `batch_in_epoch` is the position an exact resume continues from.

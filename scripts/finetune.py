@@ -282,6 +282,10 @@ def load_data(args):
         train, eval_data = split(everything, eval_fraction, TextClassificationData)
     else:
         train, eval_data = everything, None
+    if train.label_names is None and train.num_labels > 2 * len(set(train.labels)) + 10:
+        raise UsageError(f"the labels of {description} are integers up to {train.num_labels - 1} but only "
+                         f"{len(set(train.labels))} distinct values: class ids must be 0..N-1; if these are "
+                         "codes rather than class indices, write them as strings (e.g. \"c17\") to map them")
     if args.max_train_samples is not None:
         train = take(train, args.max_train_samples, TextClassificationData)
     if eval_data is not None and args.max_eval_samples is not None:
@@ -321,6 +325,9 @@ def load_model(model_path: str, train, args):
     try:
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError) as error:
+        if "trust_remote_code" in str(error):
+            raise UsageError(f"--model {model_path!r} ships its own model code, which looptrain does not run "
+                             "unless asked: pass --trust-remote-code only if you trust that code") from error
         raise UsageError(f"cannot load a model config from --model {model_path!r} ({error}); pass a local "
                          "model directory or a hub id that is in the local cache") from error
     limit = getattr(config, "max_position_embeddings", None)
@@ -388,6 +395,9 @@ def run(args) -> dict:
     from looptrain import distributed, memory, metrics
     from looptrain.optim import build_optimizer
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no "Loading weights" / "Writing model shards" bars: the loop reports progress
     precision = resolve_precision(args)
     config = loop_config(args, precision)  # validates every loop option before any work
     place = distributed.init_distributed(config.device)  # under torchrun: join the group before building samplers
@@ -403,7 +413,8 @@ def run(args) -> dict:
         model_path = str(embedded_model_path())
         os.environ["HF_HUB_OFFLINE"] = "1"  # the embedded model is loaded by path, never from a hub
     train_data, eval_data, data_description = load_data(args)
-    tokenizer = data_module.load_tokenizer(model_path, allow_slow=args.allow_slow_tokenizer)
+    tokenizer = data_module.load_tokenizer(model_path, allow_slow=args.allow_slow_tokenizer,
+                                           trust_remote_code=args.trust_remote_code)
     model = load_model(model_path, train_data, args)
     print(f"model {model_path} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params), "
           f"data {data_description}: {len(train_data)} train / {len(eval_data) if eval_data else 0} eval samples")
@@ -488,6 +499,13 @@ def final_table(summary: dict, baseline: dict | None, output_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def flag_names_for(message: str) -> str:
+    """For a LoopConfig error: which command-line flag sets each field the message names."""
+    named = [f"{field} is {flag}" for field, (flag, _) in LOOP_FLAGS.items() if f"{field}=" in message
+             or f"{field} " in message]
+    return f"\n  (on the command line: {'; '.join(named)})" if named else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line; returns the exit code (0 ok, 2 for a user error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -507,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     except user_errors as error:
         if args.debug:
             raise
-        print(f"finetune.py: error: {error}", file=sys.stderr)
+        print(f"finetune.py: error: {error}{flag_names_for(str(error))}", file=sys.stderr)
         return 2
     if summary["interrupted"]:
         return INTERRUPTED_EXIT_CODES.get(summary["interrupted"], 1)
