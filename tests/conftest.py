@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import os
 import random
 from pathlib import Path
@@ -155,3 +156,12 @@ def write_csv(path: Path, rows: int, seed: int = 0) -> Path:
             generator.shuffle(words)
             writer.writerow([" ".join(words), label])
     return path
+
+
+def load_finetune_script(module_name: str = "finetune_script"):
+    """scripts/finetune.py as a module, so tests call its main(argv) in-process."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / "finetune.py"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

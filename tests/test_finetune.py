@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
@@ -12,19 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import write_csv
+from conftest import load_finetune_script, write_csv
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("finetune_script", ROOT / "scripts" / "finetune.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-finetune = load_script()
+finetune = load_finetune_script("finetune_script")
 
 
 @pytest.fixture(scope="module")
@@ -192,3 +184,16 @@ def test_sparse_integer_labels_are_refused(model_dir, tmp_path, capsys):
     assert run(model_dir, codes, tmp_path / "out") == 2
     assert re.search(r"integers up to 1000 but only 2 distinct values: class ids must be 0..N-1",
                      capsys.readouterr().err)
+
+
+def test_load_best_at_end_puts_the_best_checkpoint_in_final(model_dir, train_csv, eval_csv, tmp_path):
+    assert run(model_dir, train_csv, tmp_path, "--batch-size", "4", "--epochs", "2", "--eval-every", "3",
+               "--metric-for-best", "accuracy", "--load-best-at-end", "--lr", "5e-3", eval_data=eval_csv) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    best = summary["best_checkpoint"]
+    events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    scores = [(e["accuracy"], -e["step"]) for e in events if e["event"] == "eval"]
+    assert best == f"checkpoint-{-max(scores)[1]}"  # the first evaluation with the highest accuracy
+    assert best != "checkpoint-24"  # so final/ differs from the last step's weights: the reload is exercised
+    assert summary["final_eval"]["accuracy"] == max(scores)[0]
+    assert_same(final_weights(tmp_path), load_file(str(tmp_path / best / "model.safetensors")), rtol=0, atol=0)

@@ -7,7 +7,6 @@ lists every fault with the test that proves what happens.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -24,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import write_csv
+from conftest import load_finetune_script, write_csv
 from looptrain import state
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,14 +39,7 @@ TRAINING = ["--batch-size", "2", "--epochs", "3", "--eval-every", "2", "--save-t
             "--no-track-memory", "--no-progress-bar"]
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("finetune_script_reliability", ROOT / "scripts" / "finetune.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-finetune = load_script()
+finetune = load_finetune_script("finetune_script_reliability")
 
 
 @pytest.fixture(scope="module")
