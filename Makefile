@@ -8,7 +8,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.looptrain-installed
-DEMO_ARGS ?= --amp --accum 32 --max-train-samples 3000 --max-eval-samples 1000 --epochs 1
+DEMO_ARGS ?= --amp --accum 32 --batch-size 4 --lr 2e-4 --max-train-samples 4000 --max-eval-samples 1000 --log-every 8
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 

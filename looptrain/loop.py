@@ -100,7 +100,6 @@ class Loop:
         self.skipped_steps = 0
         self.samples_seen = 0
         self.tokens_seen = 0
-        self.train_seconds = 0.0
         self.best = state.BestTracker(self.config.metric_for_best)
         self.last_eval: Optional[dict] = None
         self.last_eval_step = -1

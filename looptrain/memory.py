@@ -17,13 +17,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import math
 import os
 import resource
 import sys
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -83,7 +84,14 @@ def gradient_bytes(model: nn.Module) -> int:
 
 
 def iter_optimizers(optimizer: Any) -> Iterator[torch.optim.Optimizer]:
-    """Yield every ``torch.optim.Optimizer`` that holds state inside ``optimizer`` (see ``inner_optimizers``)."""
+    """Yield every ``torch.optim.Optimizer`` that holds state inside ``optimizer`` (see ``inner_optimizers``).
+
+    The estimator's fused 8-bit stand-in (``_SimulatedInBackward``) keeps its per-parameter
+    optimizers in ``optimizers``; it is handled here because ``looptrain.optim`` does not know it.
+    """
+    if isinstance(optimizer, _SimulatedInBackward):
+        yield from optimizer.optimizers.values()
+        return
     yield from inner_optimizers(optimizer)
 
 
@@ -102,11 +110,14 @@ def optimizer_state_tensors(optimizer: Any) -> list[torch.Tensor]:
 # --------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=None)
 def _bnb_python_kernels() -> dict[str, Callable[..., Any]]:
     """bitsandbytes' CPU optimizer kernels, which are Python functions built from torch ops.
 
     Called directly (instead of through the dispatcher, which runs them with the mode popped), their
     fp32 temporaries (dequantized states, grad copies) reach the tracker. Empty if bnb is absent.
+    Looked up only when a ``bitsandbytes::`` op is first dispatched (such an op exists only once
+    bitsandbytes is imported), so tracking a run without it never pays bitsandbytes' import.
     """
     try:
         from bitsandbytes.backends.cpu import ops as bnb_cpu_ops
@@ -123,12 +134,35 @@ def _bnb_python_kernels() -> dict[str, Callable[..., Any]]:
     return kernels
 
 
-@dataclass
 class _StorageRecord:
-    nbytes: int
-    category: str
-    birth: int
-    reference: weakref.ref = field(repr=False)
+    """What the tracker knows about one live storage (a plain slotted class: one is made per new storage)."""
+
+    __slots__ = ("nbytes", "category", "birth", "reference")
+
+    def __init__(self, nbytes: int, category: str, birth: int, reference: weakref.ref) -> None:
+        self.nbytes = nbytes
+        self.category = category
+        self.birth = birth
+        self.reference = reference
+
+
+_NO_KERNEL = object()
+
+
+def _append_tensors(value: Any, tensors: list) -> None:
+    """Append the tensors in an op argument or result: a tensor, or (nested) lists / tuples of them.
+
+    ATen schemas only nest tensors in lists (``Tensor[]``, ``Tensor?[]``) and results in tuples, so
+    this scan sees every tensor ``tree_flatten`` would, at a fraction of its per-op cost.
+    """
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                tensors.append(item)
+            elif isinstance(item, (list, tuple)):
+                _append_tensors(item, tensors)
 
 
 class StorageTracker(TorchDispatchMode):
@@ -139,6 +173,11 @@ class StorageTracker(TorchDispatchMode):
     subtracts its bytes when torch frees it, whoever frees it (Python, autograd, an optimizer).
     Not seen: memory an op allocates and frees internally (kernel workspaces), allocator caching
     and fragmentation, and non-tensor memory (the interpreter, libraries).
+
+    The per-op path (``__torch_dispatch__``) is kept lean because it runs for every ATen op of a
+    training step: a direct scan of the arguments instead of ``tree_flatten``, one dict lookup per
+    tensor already known, a size check only for outputs (an op that resizes a storage in place,
+    ``resize_`` or ``out=``, returns it), and a cached per-op lookup of the bitsandbytes kernels.
     """
 
     def __init__(self) -> None:
@@ -153,7 +192,9 @@ class StorageTracker(TorchDispatchMode):
         self.peak_sequence = -1
         self.peak_category_bytes = dict(self.category_bytes)
         self.phase_peak_bytes: dict[str, int] = {}
-        self._python_kernels = _bnb_python_kernels()
+        self._current_phase_peak = -1  # phase_peak_bytes[phase], cached: update_peak runs after every op
+        self._kernel_of_op: dict[Any, Any] = {}  # op -> bitsandbytes Python kernel or None
+        self._self_reference = weakref.ref(self)
 
     # -- registration ------------------------------------------------------------------------
     def _forget(self, key: int) -> None:
@@ -161,6 +202,21 @@ class StorageTracker(TorchDispatchMode):
         if record is not None:
             self.current_bytes -= record.nbytes
             self.category_bytes[record.category] -= record.nbytes
+
+    def _register(self, storage: torch.UntypedStorage, key: int, category: str) -> _StorageRecord:
+        nbytes = storage.nbytes()
+        tracker_reference = self._self_reference
+        reference = weakref.ref(storage, lambda _, key=key: _on_free(tracker_reference, key))
+        record = _StorageRecord(nbytes, category, self._sequence, reference)
+        self._records[key] = record
+        self.current_bytes += nbytes
+        self.category_bytes[category] += nbytes
+        return record
+
+    def _resized(self, record: _StorageRecord, nbytes: int) -> None:
+        self.current_bytes += nbytes - record.nbytes
+        self.category_bytes[record.category] += nbytes - record.nbytes
+        record.nbytes = nbytes
 
     def track(self, tensor: torch.Tensor, category: str | None = None) -> None:
         """Register ``tensor``'s storage; with ``category``, (re)classify it.
@@ -175,18 +231,11 @@ class StorageTracker(TorchDispatchMode):
         key = id(storage)
         record = self._records.get(key)
         if record is None:
-            nbytes = storage.nbytes()
-            chosen = category or CATEGORY_OTHER
-            reference = weakref.ref(storage, lambda _, key=key, tracker=weakref.ref(self): _on_free(tracker, key))
-            self._records[key] = _StorageRecord(nbytes, chosen, self._sequence, reference)
-            self.current_bytes += nbytes
-            self.category_bytes[chosen] += nbytes
+            self._register(storage, key, category or CATEGORY_OTHER)
             return
         nbytes = storage.nbytes()
         if nbytes != record.nbytes:  # resized in place (resize_, out= ops)
-            self.current_bytes += nbytes - record.nbytes
-            self.category_bytes[record.category] += nbytes - record.nbytes
-            record.nbytes = nbytes
+            self._resized(record, nbytes)
         if category is not None and category != record.category:
             self.category_bytes[record.category] -= record.nbytes
             self.category_bytes[category] += record.nbytes
@@ -213,12 +262,15 @@ class StorageTracker(TorchDispatchMode):
     def set_phase(self, phase: str) -> None:
         """Name the phase that the following ops belong to."""
         self.phase = phase
+        self._current_phase_peak = self.phase_peak_bytes.get(phase, -1)
 
     def update_peak(self) -> None:
         """Record the current live bytes as the peak if they exceed it."""
         current = self.current_bytes
-        if current > self.phase_peak_bytes.get(self.phase, -1):
-            self.phase_peak_bytes[self.phase] = current
+        if current <= self._current_phase_peak:  # the common case: nothing new, checked in one compare
+            return
+        self._current_phase_peak = current
+        self.phase_peak_bytes[self.phase] = current
         if current > self.peak_bytes:
             self.peak_bytes = current
             self.peak_phase = self.phase
@@ -230,26 +282,48 @@ class StorageTracker(TorchDispatchMode):
         self.peak_bytes = 0
         self.peak_sequence = -1
         self.phase_peak_bytes = {}
+        self._current_phase_peak = -1
         self.update_peak()
 
     # -- dispatch ------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self._sequence += 1
-        kernel = self._python_kernels.get(func._schema.name) if self._python_kernels else None
+        kernel = self._kernel_of_op.get(func, _NO_KERNEL)
+        if kernel is _NO_KERNEL:
+            name = func._schema.name
+            kernel = _bnb_python_kernels().get(name) if name.startswith("bitsandbytes::") else None
+            self._kernel_of_op[func] = kernel
         if kernel is not None and not _has_fake(args):
             with self:  # re-enter so the kernel's own torch ops (its temporaries) are seen
                 output = kernel(*args, **kwargs)
         else:
             output = func(*args, **kwargs)
-        inputs, _ = tree_flatten((args, kwargs))
-        outputs, _ = tree_flatten(output)
-        for value in inputs:
-            if isinstance(value, torch.Tensor):
-                self.track(value)
-        for value in outputs:
-            if isinstance(value, torch.Tensor):
-                self.track(value)
+        records = self._records
+        # Inputs: only storages never seen before need work (tensors made before tracking began).
+        inputs: list[torch.Tensor] = []
+        _append_tensors(args, inputs)
+        if kwargs:
+            _append_tensors(tuple(kwargs.values()), inputs)
+        for tensor in inputs:
+            storage = _storage_of(tensor)
+            if storage is not None and id(storage) not in records:
+                self._register(storage, id(storage), CATEGORY_OTHER)
+        # Outputs: new storages, and storages an op resized in place (it returns them).
+        outputs: list[torch.Tensor] = []
+        _append_tensors(output, outputs)
+        for tensor in outputs:
+            storage = _storage_of(tensor)
+            if storage is None:
+                continue
+            key = id(storage)
+            record = records.get(key)
+            if record is None:
+                self._register(storage, key, CATEGORY_OTHER)
+            else:
+                nbytes = storage.nbytes()
+                if nbytes != record.nbytes:
+                    self._resized(record, nbytes)
         self.update_peak()
         return output
 
@@ -319,6 +393,7 @@ class CpuTensorMeter:
         self._model: nn.Module | None = None
         self._optimizer: Any = None
         self._active = False
+        self._classify_on_mark = False
 
     @property
     def name(self) -> str:
@@ -350,15 +425,26 @@ class CpuTensorMeter:
             if parameter.requires_grad:
                 self._hooks.append(parameter.register_post_accumulate_grad_hook(on_grad))
         # Optimizer state is created inside the first step(); classify it as soon as step returns.
+        # An optimizer without step hooks (not a torch.optim.Optimizer) is classified at every mark.
+        self._classify_on_mark = False
         for inner in iter_optimizers(optimizer):
+            if not hasattr(inner, "register_step_post_hook"):
+                self._classify_on_mark = True
+                continue
             self._hooks.append(
                 inner.register_step_post_hook(lambda opt, args, kwargs: tracker.track_all(optimizer_state_tensors(opt), CATEGORY_OPTIMIZER))
             )
 
     def mark(self, phase: str) -> None:
-        """Name the phase that starts now ("forward", "backward", "optimizer", "eval")."""
+        """Name the phase that starts now ("forward", "backward", "optimizer", "eval").
+
+        Cheap (the Loop marks twice per micro-batch): grads and optimizer state are classified by
+        the hooks installed at ``start`` the moment they appear, so nothing is rescanned here unless
+        some optimizer had no step hook to install (then the full classification runs, as at ``stop``).
+        """
         if self.tracker is not None:
-            self.tracker.classify(self._model, self._optimizer)
+            if self._classify_on_mark:
+                self.tracker.classify(self._model, self._optimizer)
             self.tracker.set_phase(phase)
 
     def stop(self) -> None:
@@ -869,6 +955,11 @@ class _SimulatedInBackward:
         optimizer = self.optimizers[id(parameter)]
         optimizer.step()
         parameter.grad = None
+
+    @property
+    def state(self) -> dict:
+        """Every per-parameter optimizer's state, merged (what ``optimizer_state_bytes`` reads)."""
+        return {key: value for optimizer in self.optimizers.values() for key, value in optimizer.state.items()}
 
     def step(self) -> None:
         """Nothing: the steps happened in backward."""

@@ -141,6 +141,8 @@ MIXES = {
     "foreach=False": {"foreach": False},
     "adamw8bit": {"optimizer": "adamw8bit"},
     "accumulation 4 + checkpointing": {"accum_steps": 4, "gradient_checkpointing": True},
+    # The estimator's fused 8-bit stand-in (_SimulatedInBackward) once crashed on `.state`.
+    "adamw8bit fused step": {"optimizer": "adamw8bit", "optimizer_in_backward": True},
 }
 
 
