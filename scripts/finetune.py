@@ -326,8 +326,9 @@ def load_model(model_path: str, train, args):
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError) as error:
         if "trust_remote_code" in str(error):
-            raise UsageError(f"--model {model_path!r} ships its own model code, which looptrain does not run "
-                             "unless asked: pass --trust-remote-code only if you trust that code") from error
+            raise UsageError(f"--model {model_path!r} ships custom code (its own model classes), which looptrain "
+                             "never runs unless asked (trust_remote_code): pass --trust-remote-code only if you "
+                             "trust that code") from error
         raise UsageError(f"cannot load a model config from --model {model_path!r} ({error}); pass a local "
                          "model directory or a hub id that is in the local cache") from error
     limit = getattr(config, "max_position_embeddings", None)
