@@ -1,11 +1,10 @@
-"""Estimator accuracy and tracker overhead on a small BERT: prints two markdown tables.
+"""Estimator accuracy on a small BERT: prints a markdown table (the tracker's overhead is timed by
+`scripts/bench_ladder.py --tracker-overhead`).
 
 Run: PYTHONPATH=. python scripts/estimate_accuracy.py
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 from transformers import BertConfig, BertForSequenceClassification
@@ -35,34 +34,5 @@ def accuracy_table() -> None:
         print(f"| {name} | {estimated / 1024:.1f} | {measured / 1024:.1f} | {(estimated - measured) / measured:+.1%} |")
 
 
-def overhead_table(repeats: int = 5) -> None:
-    model = small_bert(hidden=256, layers=4, vocab=8000)
-    optimizer = torch.optim.AdamW(model.parameters())
-    batch = {"input_ids": torch.randint(0, 8000, (8, 128)), "attention_mask": torch.ones(8, 128, dtype=torch.long), "labels": torch.zeros(8, dtype=torch.long)}
-
-    def step(meter) -> None:
-        meter.mark("forward")
-        loss = model(**batch).loss
-        meter.mark("backward")
-        loss.backward()
-        meter.mark("optimizer")
-        optimizer.step()
-        optimizer.zero_grad()
-
-    timings = {}
-    for track in (False, True, False, True):
-        meter = memory.make_meter("cpu", track_tensors=track)
-        with meter.tracking(model, optimizer):
-            step(meter)  # warm-up
-            started = time.perf_counter()
-            for _ in range(repeats):
-                step(meter)
-            timings[track] = (time.perf_counter() - started) / repeats
-    print(f"\nsmall BERT (hidden 256, 4 layers, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params), batch 8 x 128, AdamW, 2 threads")
-    print(f"| meter | s/step |\n|---|---|\n| untracked (track_tensors=False) | {timings[False]:.3f} |\n| cpu_tensor_tracker | {timings[True]:.3f} |")
-    print(f"overhead ratio tracked/untracked: {timings[True] / timings[False]:.2f}")
-
-
 if __name__ == "__main__":
     accuracy_table()
-    overhead_table()

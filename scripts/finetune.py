@@ -391,6 +391,8 @@ def total_updates(loader, config) -> int:
 def run(args) -> dict:
     import torch
 
+    from looptrain.loop import OUT_OF_MEMORY_ERRORS
+
     from looptrain import Loop, seed_everything
     from looptrain import data as data_module
     from looptrain import distributed, memory, metrics
@@ -457,7 +459,10 @@ def run(args) -> dict:
         (output_dir / "run_config.json").write_text(json.dumps(resolved, indent=2, default=str), encoding="utf-8")
 
     loop = Loop(model, optimizer, train_loader, eval_loader=eval_loader, scheduler=scheduler, config=config)
-    summary = loop.fit()
+    try:
+        summary = loop.fit()
+    except OUT_OF_MEMORY_ERRORS as error:
+        raise OutOfMemory(f"{error}\n{what_would_fit(model.config, args, precision, loop.device)}") from error
     if summary["interrupted"]:
         return summary  # a checkpoint was saved; no final/ for an unfinished run
 
@@ -477,6 +482,43 @@ def run(args) -> dict:
 
 def _silent(*args, **kwargs) -> None:
     """print() on ranks other than 0."""
+
+
+class OutOfMemory(Exception):
+    """Training ran out of memory and `--auto-batch` could not (or was not asked to) recover."""
+
+
+def what_would_fit(model_config, args, precision: str, device) -> str:
+    """Estimated peaks (looptrain.memory.estimate) of this run and of a few lighter flag sets."""
+    import torch
+
+    from looptrain import memory
+
+    current = {"precision": precision, "optimizer": args.optim, "gradient_checkpointing": args.gradient_checkpointing,
+               "freeze_embeddings": args.freeze_embeddings, "freeze_layers": args.freeze_layers,
+               "freeze_encoder": args.freeze_encoder, "num_labels": model_config.num_labels}
+    batch, accum = args.batch_size, args.accum_steps
+    candidates = [("these flags", batch, current)]
+    if batch > 1:
+        candidates.append((f"--batch-size {batch // 2} --accum {accum * 2} (or --auto-batch)", batch // 2, current))
+    if not args.gradient_checkpointing:
+        candidates.append(("+ --grad-checkpoint", batch, {**current, "gradient_checkpointing": True}))
+    if args.optim == "adamw":
+        candidates.append(("+ --optim adamw8bit", batch, {**current, "optimizer": "adamw8bit"}))
+    if precision == "fp32":
+        candidates.append(("+ --amp", batch, {**current, "precision": "bf16"}))
+    budget = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    lines = [f"  estimated peak of live tensors at --max-length {args.max_length} (looptrain.memory.estimate"
+             + (f"; this GPU has {budget / 2**30:.1f} GiB)" if budget else ")") + ":"]
+    for label, micro_batch, options in candidates:
+        try:
+            peak = memory.estimate(model_config, micro_batch, args.max_length, **options)["peak_memory_bytes"]
+        except Exception as error:  # an estimate is advice; never hide the out-of-memory behind it
+            lines.append(f"    {label}: no estimate ({type(error).__name__}: {error})")
+            continue
+        verdict = "" if budget is None else ("  fits" if peak < 0.9 * budget else "  does not fit")
+        lines.append(f"    {label}: {peak / 2**20:.1f} MiB{verdict}")
+    return "\n".join(lines)
 
 
 def final_table(summary: dict, baseline: dict | None, output_dir: Path) -> str:
@@ -515,11 +557,10 @@ def main(argv: list[str] | None = None) -> int:
     args._argv = argv
     from looptrain.config import ConfigError
     from looptrain.data import DataError
+    from looptrain.loop import TrainingDiverged
     from looptrain.state import CheckpointError
 
-    from looptrain.loop import OUT_OF_MEMORY_ERRORS, TrainingDiverged
-
-    user_errors = (UsageError, ConfigError, DataError, CheckpointError, TrainingDiverged) + OUT_OF_MEMORY_ERRORS
+    user_errors = (UsageError, ConfigError, DataError, CheckpointError, TrainingDiverged, OutOfMemory)
     try:
         check_flags(args, parser)
         summary = run(args)

@@ -197,3 +197,21 @@ def test_load_best_at_end_puts_the_best_checkpoint_in_final(model_dir, train_csv
     assert best != "checkpoint-24"  # so final/ differs from the last step's weights: the reload is exercised
     assert summary["final_eval"]["accuracy"] == max(scores)[0]
     assert_same(final_weights(tmp_path), load_file(str(tmp_path / best / "model.safetensors")), rtol=0, atol=0)
+
+
+def test_out_of_memory_reports_estimates_of_lighter_flag_sets(model_dir, train_csv, tmp_path, capsys, monkeypatch):
+    from looptrain.loop import OUT_OF_MEMORY_ERRORS, Loop
+
+    def out_of_memory(self, window):
+        raise OUT_OF_MEMORY_ERRORS[0]("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(Loop, "accumulate", out_of_memory)
+    assert run(model_dir, train_csv, tmp_path, "--batch-size", "8") == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert re.search(r"out of memory at step 0 \(micro-batch of 8 rows\)", err), err
+    estimates = dict(re.findall(r"\n    (.+?): (\d+\.\d) MiB", err))
+    assert set(estimates) == {"these flags", "--batch-size 4 --accum 2 (or --auto-batch)", "+ --grad-checkpoint",
+                              "+ --optim adamw8bit", "+ --amp"}
+    # Halving the micro-batch cannot raise the estimated peak.
+    assert float(estimates["--batch-size 4 --accum 2 (or --auto-batch)"]) <= float(estimates["these flags"])
