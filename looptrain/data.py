@@ -664,6 +664,8 @@ class ShardedBatchSampler:
     4. gives rank ``r`` the ``r``-th batch of every group, and skips ``skip_batches(n)`` batches.
     """
 
+    shuffle_batch_order = True  # shuffle the order of the (groups of) batches each epoch
+
     def __init__(
         self,
         *,
@@ -763,7 +765,7 @@ class ShardedBatchSampler:
         batches = self._equalize(self._global_batches(rng))
         replicas = self.num_replicas
         groups = [batches[start : start + replicas] for start in range(0, len(batches), replicas)]
-        if self.shuffle:
+        if self.shuffle and self.shuffle_batch_order:
             order = rng.permutation(len(groups))
             groups = [groups[index] for index in order]
         if epoch == 0 and self.longest_first and groups:
@@ -794,7 +796,13 @@ class RandomBatchSampler(ShardedBatchSampler):
     """Shuffled fixed-size batches with the same epoch / resume / rank interface as the others.
 
     Use as ``DataLoader(dataset, batch_sampler=RandomBatchSampler(len(dataset), 8))``.
+
+    The samples are shuffled once and cut into consecutive batches, in that order: `k` consecutive
+    batches of size `b` hold exactly the samples of one batch of size `k × b`. So batch 2 with
+    accumulation 4 trains on the same windows as batch 8 (and N ranks × b as one rank × N·b).
     """
+
+    shuffle_batch_order = False  # the samples are already in random order; a second shuffle would break the above
 
     def __init__(
         self,

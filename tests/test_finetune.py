@@ -72,10 +72,12 @@ def test_outputs_and_summary(model_dir, train_csv, eval_csv, tmp_path):
 
 
 def test_accum_4_batch_2_equals_batch_8(model_dir, tmp_path):
-    data = write_csv(tmp_path / "eight.csv", 8, seed=3)
-    assert run(model_dir, data, tmp_path / "a", "--batch-size", "8", "--epochs", "3", "--eval-every", "no") == 0
-    assert run(model_dir, data, tmp_path / "b", "--batch-size", "2", "--accum", "4", "--epochs", "3",
+    # 44 samples: 6 windows an epoch, the last one partial (4 samples); shuffled anew each epoch.
+    data = write_csv(tmp_path / "forty-four.csv", 44, seed=3)
+    assert run(model_dir, data, tmp_path / "a", "--batch-size", "8", "--epochs", "2", "--eval-every", "no") == 0
+    assert run(model_dir, data, tmp_path / "b", "--batch-size", "2", "--accum", "4", "--epochs", "2",
                "--eval-every", "no") == 0
+    assert json.loads((tmp_path / "b" / "summary.json").read_text())["optimizer_steps"] == 12
     assert_same(final_weights(tmp_path / "a"), final_weights(tmp_path / "b"), rtol=1e-5, atol=1e-6)
 
 
