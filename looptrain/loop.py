@@ -149,7 +149,7 @@ class Loop:
                 self.load_best()
         summary = self.summary(time.perf_counter() - fit_started)
         if self.output_dir is not None and self.dist.is_main:
-            _write_json(self.output_dir / "summary.json", summary)
+            state.write_json_atomic(self.output_dir / "summary.json", summary)
         return summary
 
     def train_epochs(self) -> None:
@@ -168,7 +168,7 @@ class Loop:
                 else:
                     self.skipped_steps += 1
                 self._interval.add_window(window_loss, window_items)
-                self.check_window(window_loss, window_items, grad_norm, stepped)  # counts bad windows, may stop
+                self.check_window(window_loss, stepped)  # counts bad windows, may stop the run
                 self.on_step_end(step=self.step, loss_sum=window_loss, num_items=window_items, grad_norm=grad_norm)
                 if stepped and self.step % config.log_every == 0:
                     self.log_train(grad_norm)
@@ -274,7 +274,7 @@ class Loop:
         )
         return "\n".join(lines)
 
-    def check_window(self, window_loss: float, window_items: int, grad_norm, stepped: bool) -> None:
+    def check_window(self, window_loss: float, stepped: bool) -> None:
         """Logs a skipped window and stops the run after `max_bad_windows` non-finite ones in a row.
 
         A window is bad when its loss is not finite, or (fp32/bf16) its gradient norm is not. An fp16
@@ -671,20 +671,16 @@ class Loop:
     def make_progress_bar(self):
         if not (self.config.progress_bar and sys.stderr.isatty() and self.dist.is_main):
             return None  # not a terminal: the log lines are the progress report
-        total = self.config.max_steps if self.config.max_steps > 0 else self.estimated_total_steps()
+        try:
+            total = planned_updates(len(self.train_loader), self.config)
+        except TypeError:  # a loader without a length
+            total = self.config.max_steps if self.config.max_steps > 0 else None
         return tqdm(total=total, initial=self.step, unit="step", dynamic_ncols=True)
 
     def close_progress_bar(self) -> None:
         if self.progress is not None:
             self.progress.close()
             self.progress = None
-
-    def estimated_total_steps(self) -> Optional[int]:
-        try:
-            windows = math.ceil(len(self.train_loader) / self.config.accum_steps)
-        except TypeError:
-            return None
-        return windows * self.config.epochs
 
     def epoch_progress(self) -> float:
         try:
@@ -752,6 +748,12 @@ def split_batch(batch, parts: int) -> list:
     return [piece(batch, start, stop) for start, stop in zip(bounds, bounds[1:]) if stop > start]
 
 
+def planned_updates(num_batches: int, config: LoopConfig) -> int:
+    """Optimizer updates a run makes over `num_batches` micro-batches an epoch (partial windows included)."""
+    windows = math.ceil(num_batches / config.accum_steps) * config.epochs
+    return min(windows, config.max_steps) if config.max_steps > 0 else windows
+
+
 def count_items(batch) -> int:
     """Items a mean loss was taken over: labels that are not -100, else the batch's rows."""
     if isinstance(batch, Mapping) and isinstance(batch.get("labels"), torch.Tensor):
@@ -795,13 +797,6 @@ def format_record(record: dict) -> str:
         elif value is not None and not isinstance(value, (dict, list)):
             parts.append(f"{key}={value}")
     return " ".join(parts)
-
-
-def _write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".json.tmp")
-    temporary.write_text(json.dumps(data, indent=2, default=str), encoding="utf-8")
-    temporary.replace(path)
 
 
 class _Interval:

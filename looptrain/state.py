@@ -308,6 +308,15 @@ def _write_json(value: dict[str, Any], path: Path) -> None:
     path.write_text(text + "\n", encoding="utf-8")
 
 
+def write_json_atomic(path: str | os.PathLike, data: dict[str, Any]) -> None:
+    """Writes JSON through a temporary file and a rename: a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    temporary.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
+    os.replace(temporary, path)
+
+
 def _fsync_tree(directory: Path) -> None:
     """Flushes every file, then the directory entries, so the rename publishes durable data."""
     for path in sorted(directory.rglob("*")):

@@ -14,7 +14,6 @@ import argparse
 import builtins
 import dataclasses
 import importlib.util
-import json
 import math
 import os
 import sys
@@ -382,16 +381,12 @@ def build_scheduler(optimizer, args, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def total_updates(loader, config) -> int:
-    windows = math.ceil(len(loader) / config.accum_steps) * config.epochs
-    return min(windows, config.max_steps) if config.max_steps > 0 else windows
-
-
 # ---------------------------------------------------------------------- the run
 def run(args) -> dict:
     import torch
 
-    from looptrain.loop import OUT_OF_MEMORY_ERRORS
+    from looptrain.loop import OUT_OF_MEMORY_ERRORS, planned_updates
+    from looptrain.state import write_json_atomic
 
     from looptrain import Loop, seed_everything
     from looptrain import data as data_module
@@ -450,13 +445,13 @@ def run(args) -> dict:
         distributed.shard_model(model)
     optimizer = build_optimizer(model, args.optim, args.lr, weight_decay=args.weight_decay,
                                 foreach=False if args.no_foreach else None)
-    scheduler = build_scheduler(optimizer, args, total_updates(train_loader, config))
+    scheduler = build_scheduler(optimizer, args, planned_updates(len(train_loader), config))
 
     if place.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         resolved = {"arguments": {k: v for k, v in vars(args).items() if not k.startswith("_")},
                     "model_path": model_path, "loop_config": config.to_dict(), "world_size": place.world_size}
-        (output_dir / "run_config.json").write_text(json.dumps(resolved, indent=2, default=str), encoding="utf-8")
+        write_json_atomic(output_dir / "run_config.json", resolved)
 
     loop = Loop(model, optimizer, train_loader, eval_loader=eval_loader, scheduler=scheduler, config=config)
     try:
@@ -473,7 +468,7 @@ def run(args) -> dict:
     distributed.save_pretrained(model, final_dir)  # safetensors; gathers a sharded model's weights first
     if place.is_main:
         tokenizer.save_pretrained(final_dir)
-        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
+        write_json_atomic(output_dir / "summary.json", summary)  # the loop's summary plus the two keys above
     distributed.barrier()
     print(final_table(summary, baseline, output_dir))
     print(memory.format_memory_table(summary))
