@@ -25,7 +25,8 @@ from looptrain.freeze import (
     trainable_parameters,
 )
 from looptrain.gradient_checkpointing import disable_gradient_checkpointing, enable_gradient_checkpointing
-from looptrain.loop import Loop, TrainingDiverged
+from looptrain.guards import TrainingDiverged
+from looptrain.loop import EvaluationError, Loop
 from looptrain.memory import estimate, format_memory_table, make_meter
 from looptrain.optim import OptimizerInBackward, build_optimizer, optimizer_state_bytes
 from looptrain.seeding import seed_everything
@@ -36,6 +37,7 @@ __all__ = [
     "ConfigError",
     "DataError",
     "DynamicPaddingCollator",
+    "EvaluationError",
     "LengthGroupedSampler",
     "Loop",
     "LoopConfig",

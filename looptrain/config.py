@@ -1,7 +1,9 @@
-"""`LoopConfig`: every knob of the training loop in one flat, validated dataclass.
+"""`LoopConfig`: every knob of the training loop in one flat dataclass, and the one place it is validated.
 
 The command line (`scripts/finetune.py`) is generated from these fields, so their defaults and
-one-line comments are the only source of defaults and help text.
+one-line comments are the only source of defaults and help text. Option combinations are checked
+here once: in `__post_init__`, and against the process group by `check_process_group` (called by
+the `Loop`, and by the command line before any model loads).
 """
 
 from __future__ import annotations
@@ -10,11 +12,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from looptrain.precision import precision_problem, resolve_device
+from looptrain.precision import PRECISIONS, precision_problem, resolve_device
+from looptrain.run_log import TRACKERS
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+CONFIG_PRECISIONS = (*PRECISIONS, "auto")
 CLIP_MODES = ("auto", "global", "per_parameter", "previous_global")
-METRICS_FOR_BEST = ("f1", "accuracy", "loss")
+LOWER_IS_BETTER_WORDS = ("loss", "perplexity", "ppl", "error", "mae", "mse", "rmse", "wer", "cer")
 
 
 class ConfigError(ValueError):
@@ -31,7 +34,7 @@ class LoopConfig:
     accum_steps: int = 1  # micro-batches per optimizer update (gradient accumulation)
     seed: int = 42  # seeds python, numpy and torch before the model sees data
     # --- precision and stability ---
-    precision: str = "fp32"  # autocast dtype: fp32 (off), bf16, or fp16 (with a GradScaler)
+    precision: str = "fp32"  # autocast dtype: fp32 (off), bf16, fp16 (with a GradScaler), or auto (what is fast on this device)
     max_grad_norm: Optional[float] = 1.0  # clip gradients to this norm after unscaling (None: off)
     clip_mode: str = "auto"  # global | per_parameter | previous_global; auto = global, or per_parameter with optimizer_in_backward
     # --- memory strategies ---
@@ -45,12 +48,14 @@ class LoopConfig:
     eval_every: Union[int, str] = "epoch"  # "epoch", N optimizer updates, or "no"
     output_dir: Optional[str] = None  # metrics.jsonl, checkpoints and summary.json go here (None: write nothing)
     save_total_limit: Optional[int] = None  # keep this many newest checkpoints, plus the best (None: keep all)
-    metric_for_best: str = "f1"  # eval metric that picks the best checkpoint: f1, accuracy or loss
+    metric_for_best: Optional[str] = None  # eval metric that picks the best checkpoint (None: f1 when evaluated, else loss)
+    greater_is_better: Optional[bool] = None  # direction of metric_for_best (None: lower for loss/perplexity/error names)
     load_best_at_end: bool = False  # reload the best checkpoint's weights when training ends
     resume: Optional[str] = None  # "auto" (newest checkpoint in output_dir, if any) or a checkpoint directory
     max_bad_windows: int = 5  # stop after this many consecutive windows with a non-finite loss or gradient
     auto_batch: bool = False  # on out-of-memory, halve the micro-batch and double accumulation, then retry
     track_memory: bool = True  # CPU: count every tensor for an exact peak and breakdown (slower); False: RSS only
+    report_to: str = "none"  # experiment trackers besides metrics.jsonl: none or tensorboard (comma-separated)
     extra: dict = field(default_factory=dict)  # free-form values recorded in summary.json (e.g. CLI options)
 
     def __post_init__(self) -> None:
@@ -61,8 +66,8 @@ class LoopConfig:
             problems.append(f"max_steps must be a positive number of updates or -1 for 'no limit' (got {self.max_steps})")
         if self.accum_steps < 1:
             problems.append(f"accum_steps must be >= 1 (got {self.accum_steps}); use 1 for no accumulation")
-        if self.precision not in PRECISIONS:
-            problems.append(f"precision must be one of {', '.join(PRECISIONS)} (got {self.precision!r})")
+        if self.precision not in CONFIG_PRECISIONS:
+            problems.append(f"precision must be one of {', '.join(CONFIG_PRECISIONS)} (got {self.precision!r})")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             problems.append(f"max_grad_norm must be > 0, or None to disable clipping (got {self.max_grad_norm})")
         if self.clip_mode not in CLIP_MODES:
@@ -73,8 +78,14 @@ class LoopConfig:
             problems.append(f"eval_every must be 'epoch', 'no' or a positive number of updates (got {self.eval_every!r})")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             problems.append(f"save_total_limit must be >= 1, or None to keep every checkpoint (got {self.save_total_limit})")
-        if self.metric_for_best not in METRICS_FOR_BEST:
-            problems.append(f"metric_for_best must be one of {', '.join(METRICS_FOR_BEST)} (got {self.metric_for_best!r})")
+        if self.metric_for_best is not None and (not isinstance(self.metric_for_best, str) or not self.metric_for_best):
+            problems.append(f"metric_for_best must be a metric name such as 'f1' or 'loss', or None (got {self.metric_for_best!r})")
+        trackers = [name.strip() for name in str(self.report_to).split(",") if name.strip()]
+        unknown = [name for name in trackers if name not in ("none", *TRACKERS)]
+        if unknown or not trackers:
+            problems.append(f"report_to must be 'none' or comma-separated names from {', '.join(TRACKERS)} (got {self.report_to!r})")
+        elif self.output_dir is None and "none" not in trackers:
+            problems.append(f"report_to={self.report_to!r} writes its files under output_dir: set output_dir")
         if self.optimizer_in_backward:
             if self.accum_steps > 1:
                 problems.append(
@@ -86,6 +97,11 @@ class LoopConfig:
                 problems.append(
                     "optimizer_in_backward=True cannot be combined with precision='fp16': the GradScaler must "
                     "see every gradient before any parameter steps; use precision='bf16' (no scaler needed)"
+                )
+            if self.precision == "auto" and _auto_means_fp16(self.device):
+                problems.append(
+                    "optimizer_in_backward=True cannot be combined with precision='auto' on this device, where it "
+                    "means fp16 with a GradScaler; use precision='bf16' or 'fp32'"
                 )
             if self.clip_mode == "global" and self.max_grad_norm is not None:
                 problems.append(
@@ -117,6 +133,12 @@ class LoopConfig:
         if problems:
             raise ConfigError("Invalid LoopConfig:\n  - " + "\n  - ".join(problems))
 
+    def best_mode_for(self, metric_name: str) -> str:
+        """"max" or "min" for the best-checkpoint metric: `greater_is_better`, else by its name."""
+        if self.greater_is_better is not None:
+            return "max" if self.greater_is_better else "min"
+        return default_best_mode(metric_name)
+
     @property
     def effective_clip_mode(self) -> str:
         """The clip mode in force once `auto` is resolved."""
@@ -127,6 +149,54 @@ class LoopConfig:
     def to_dict(self) -> dict:
         """A JSON-ready copy of every field."""
         return dataclasses.asdict(self)
+
+
+def default_best_mode(metric_name: str) -> str:
+    """"min" for names of losses and errors (loss, perplexity, mae, ...), "max" for scores."""
+    name = metric_name.lower()
+    return "min" if any(word in name for word in LOWER_IS_BETTER_WORDS) else "max"
+
+
+def check_process_group(config: LoopConfig, world_size: int, *, sharded: bool, optimizer_name: Optional[str] = None) -> None:
+    """The checks that depend on the process group (torchrun), as `ConfigError` naming the options.
+
+    Args:
+        config: the run's configuration.
+        world_size: processes in the job (1 outside torchrun).
+        sharded: the model is (or will be) sharded with FSDP2.
+        optimizer_name: the optimizer's `looptrain.optim` name, or None when unknown.
+    """
+    problems = []
+    if world_size > 1:
+        if config.optimizer_in_backward:
+            problems.append(
+                "optimizer_in_backward=True cannot run with several processes: each parameter would "
+                "step on its local gradient before the all-reduce; turn it off for multi-process runs"
+            )
+        if config.auto_batch:
+            problems.append(
+                "auto_batch=True cannot run with several processes: one rank would retry a window while the "
+                "others wait in its all-reduce; set the micro-batch size by hand (--batch-size, --accum)"
+            )
+    if sharded:
+        if world_size < 2:
+            problems.append("FSDP2 sharding (--fsdp) needs several processes: launch with torchrun --nproc_per_node N")
+        if config.precision == "fp16":
+            problems.append("precision='fp16' is not supported with FSDP2 sharding: use precision='bf16'")
+        if optimizer_name is not None and optimizer_name in ("adamw8bit", "paged_adamw8bit"):
+            problems.append(f"--fsdp does not support --optim {optimizer_name} (bitsandbytes cannot step sharded "
+                            "parameters); use --optim adamw or adafactor")
+    if problems:
+        raise ConfigError("Invalid LoopConfig for this process group:\n  - " + "\n  - ".join(problems))
+
+
+def _auto_means_fp16(device_name: str) -> bool:
+    from looptrain.precision import amp_precision
+
+    try:
+        return amp_precision(resolve_device(device_name))[0] == "fp16"
+    except ValueError:
+        return False
 
 
 def _device_problems(device_name: str, precision: str) -> list:

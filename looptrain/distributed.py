@@ -7,6 +7,7 @@ and sets `RANK`, `LOCAL_RANK` and `WORLD_SIZE`; `init_distributed` joins the gro
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +86,15 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return tensor.tolist()
 
 
+def all_reduce_tensors_sum(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Scalar tensors summed over every rank in one collective (returned unchanged in a single process)."""
+    if not current().is_distributed:
+        return tensors
+    stacked = torch.stack([tensor.detach().to(torch.float64) for tensor in tensors])
+    dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
+    return tuple(value.to(tensor.dtype) for value, tensor in zip(stacked, tensors))
+
+
 def all_gather_objects(value: Any) -> list[Any]:
     """Every rank's `value`, in rank order (a one-element list in a single process)."""
     info = current()
@@ -99,6 +109,56 @@ def barrier() -> None:
     """Waits for every rank (nothing to wait for in a single process)."""
     if current().is_distributed:
         dist.barrier()
+
+
+def device_for(device: torch.device, place: DistributedInfo) -> torch.device:
+    """The device a process trains on: `device`, with each rank on its own GPU under torchrun."""
+    if place.is_distributed and device.type == "cuda":
+        return torch.device("cuda", place.local_rank)
+    return device
+
+
+# ---------------------------------------------------------------------- DDP
+def wrap_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """What forward and backward run through: `DistributedDataParallel(model)` under torchrun, else `model`.
+
+    A model sharded with FSDP2 (`shard_model`) is returned as it is: `fully_shard` already changed it
+    in place. Under DDP, a training forward of the bare model that bypasses the wrapper would
+    silently skip the gradient all-reduce; a pre-hook turns that into an error naming the fix.
+    """
+    if not current().is_distributed or is_fsdp(model):
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [device.index] if device.type == "cuda" else None
+    # Buffers (position ids) never change in training: no need to broadcast them every forward.
+    wrapped = DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+    inside = {"wrapper": False}
+    wrapped.register_forward_pre_hook(lambda module, args: inside.update(wrapper=True))
+    wrapped.register_forward_hook(lambda module, args, output: inside.update(wrapper=False))
+
+    def refuse_bypass(module, args):
+        if module.training and torch.is_grad_enabled() and not inside["wrapper"]:
+            raise RuntimeError(
+                "the model was called directly under DistributedDataParallel, so its gradients would not be "
+                "all-reduced across ranks: in Loop hooks call self.wrapped_model(...), not self.model(...)"
+            )
+
+    model.register_forward_pre_hook(refuse_bypass)
+    return wrapped
+
+
+def gradient_sync(wrapped_model: torch.nn.Module, model: torch.nn.Module, enabled: bool):
+    """A context in which backward all-reduces (DDP) or reduce-scatters (FSDP2) gradients only if `enabled`.
+
+    The loop enables it on a window's last micro-batch alone: the others accumulate locally.
+    """
+    if is_fsdp(model):
+        model.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
+    if not enabled and hasattr(wrapped_model, "no_sync"):
+        return wrapped_model.no_sync()
+    return contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------------- FSDP2

@@ -1,47 +1,69 @@
-"""`Loop`: the training loop, written out so that a reader can follow every step.
+"""`Loop`: the training control flow, written out so that a reader can follow every step.
 
-`fit()` owns all control flow. One optimizer update ("step") is made of one accumulation window of
-`accum_steps` micro-batches ("micro_steps"); the last window of an epoch may hold fewer and is stepped
-all the same. Per window, in this order:
+`fit()` is the lifecycle: check the evaluation hooks, resume, then epochs of accumulation windows,
+evaluating and saving on schedule, and a final evaluation. `_run_window()` is one optimizer update,
+on one screen, in nanoGPT's order:
 
-    count the window's items (labels that are not -100, else rows)
-    for each micro-batch:  forward under autocast -> loss sum / window items -> scaled backward
-    unscale (fp16) -> clip -> step -> update -> zero
+    count the window's items (before any forward, over every rank)
+    for each micro-batch:  sync control -> forward under autocast -> loss sum -> scaled backward of sum / items
+    then:                  unscale -> clip -> step or skip -> zero -> scheduler
 
-Dividing each micro-batch's loss *sum* by the whole window's item count (samples, or tokens for
-token-level losses) makes accumulation exact: `B x 1` and any split of the same `B` items over
-micro-batches of unequal sizes give the same update, the partial last window included. Dividing each
-micro-batch's *mean* by `accum_steps` (the common recipe) is not: it over-weights small micro-batches
-and the short last window.
+Each micro-batch backwards its loss *sum* divided by the *whole window's* item count (samples, or
+tokens for token-level losses), so the accumulated gradient is the exact mean over every item of
+the window: `B x 1` and any split of the same `B` items over micro-batches of unequal sizes give the
+same update, the partial last window included. (Dividing each micro-batch's *mean* by
+`accum_steps`, the common recipe, over-weights small micro-batches and the short last window.)
 
-Researchers subclass `Loop` and override a hook: `compute_loss`, `eval_step`, `compute_metrics`,
-`on_step_end`. Each is called on one visible line of `fit()` or `evaluate()`.
+Researchers subclass `Loop` and override a hook: `compute_loss`, `count_items`, `eval_step`,
+`make_metrics`, `compute_metrics`, `on_step_end`. Each is called on one visible line.
+Everything else is internal (`_`-prefixed).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import json
 import math
-import signal
-import sys
-import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
-from looptrain import distributed, memory, metrics, state
-from looptrain.config import ConfigError, LoopConfig
+from looptrain import batches, distributed, metrics, resume, state
+from looptrain.batches import as_loss_sum, first_dimension, move_to, samples_and_tokens, split_batch
+from looptrain.config import ConfigError, LoopConfig, check_process_group
 from looptrain.gradient_checkpointing import enable_gradient_checkpointing
-from looptrain.optim import OptimizerInBackward, optimizer_state_bytes
-from looptrain.precision import autocast, make_grad_scaler, resolve_device
+from looptrain.guards import (
+    OUT_OF_MEMORY_ERRORS,
+    BadWindowGuard,
+    SignalGuard,
+    TrainingDiverged,
+    memory_held,
+    split_after_out_of_memory,
+)
+from looptrain.memory import make_meter
+from looptrain.optim import OptimizerInBackward, optimizer_name_of
+from looptrain.precision import Precision, cpu_description, emulation_warning, resolve_device, resolve_precision
+from looptrain.run_log import RunLog
 from looptrain.seeding import seed_everything
+
+__all__ = ["EvaluationError", "Loop", "TrainingDiverged", "WindowResult", "planned_updates"]
+
+
+class EvaluationError(ValueError):
+    """The evaluation hooks fail on the first eval batch, or `metric_for_best` is not a metric they produce."""
+
+
+class WindowResult(NamedTuple):
+    """One accumulation window's outcome, as tensors (read them once per window, after the step)."""
+
+    loss_sum: torch.Tensor  # the window's loss summed over every item (and every rank)
+    num_items: torch.Tensor  # the items count_items counted before the forwards: the gradients' divisor
+    loss_items: torch.Tensor  # the items compute_loss reported its losses over (must equal num_items)
+    grad_norm: torch.Tensor  # the gradient norm before clipping, at its true scale
+    stepped: bool  # whether the update was applied (False: skipped, non-finite or fp16 overflow)
 
 
 class Loop:
@@ -53,699 +75,437 @@ class Loop:
         optimizer: an optimizer over the model's trainable parameters (see `looptrain.optim`).
         train_loader: an iterable of batches (dicts of tensors for the default hooks).
         eval_loader: optional batches for `evaluate()`.
-        scheduler: optional LR scheduler, stepped once per optimizer update (never for skipped ones).
+        scheduler: optional LR scheduler, stepped once per applied update (never for a skipped one).
         config: a `LoopConfig`.
+
+    Attributes:
+        model: the bare model (configs, saving, evaluation hooks read it).
+        wrapped_model: what forward and backward run through: `DistributedDataParallel(model)` under
+            torchrun, else `model` itself. Hooks call it.
+        step: optimizer updates applied. micro_step: forward/backward passes.
+        skipped_steps: windows whose update was skipped. epoch, batch_in_epoch: the data position.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        train_loader,
-        *,
-        eval_loader=None,
-        scheduler=None,
-        config: Optional[LoopConfig] = None,
-    ):
+    def __init__(self, model: nn.Module, optimizer: Any, train_loader, *, eval_loader=None, scheduler=None,
+                 config: Optional[LoopConfig] = None):
         self.config = config if config is not None else LoopConfig()
-        self.dist = distributed.init_distributed(self.config.device)  # torchrun's group, if launched by it
-        self.device = self.device_for(self.config, self.dist)
+        self._place = distributed.init_distributed(self.config.device)  # torchrun's group, if launched by it
+        self.device = distributed.device_for(resolve_device(self.config.device), self._place)
+        check_process_group(self.config, self._place.world_size, sharded=distributed.is_fsdp(model),
+                            optimizer_name=optimizer_name_of(optimizer))
         seed_everything(self.config.seed)
-        self.module = model.to(self.device)  # the model itself: configs, saving, evaluation
-        self.fsdp = distributed.is_fsdp(self.module)
+        self.model = model if batches.on_device(model, self.device) else model.to(self.device)
         if self.config.gradient_checkpointing:
-            enable_gradient_checkpointing(self.module)
-        self.model = self.wrap_for_distributed(self.module)  # what forward and backward run through
+            enable_gradient_checkpointing(self.model)
+        self.wrapped_model = distributed.wrap_model(self.model, self.device)
         if self.config.optimizer_in_backward:
-            optimizer = OptimizerInBackward(
-                self.module, optimizer, max_grad_norm=self.config.max_grad_norm, clip=self.config.effective_clip_mode
-            )
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.train_loader = train_loader
-        self.eval_loader = eval_loader
-        self.scaler = make_grad_scaler(self.device, self.config.precision)
-        self.trainable_parameters = [p for p in self.module.parameters() if p.requires_grad]
-        if not self.trainable_parameters:
+            optimizer = OptimizerInBackward(self.model, optimizer, max_grad_norm=self.config.max_grad_norm,
+                                            clip=self.config.effective_clip_mode)
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.train_loader, self.eval_loader = train_loader, eval_loader
+        self.precision = Precision(self.device, resolve_precision(self.config.precision, self.device))
+        self._trainable = [parameter for parameter in self.model.parameters() if parameter.requires_grad]
+        if not self._trainable:
             raise ValueError("the model has no trainable parameters: unfreeze some (see looptrain.freeze)")
         # The tensor tracker is not built for DTensors: sharded runs measure RSS (CPU) or the allocator (CUDA).
-        self.meter = memory.make_meter(self.device, track_tensors=self.config.track_memory and not self.fsdp)
+        self.meter = make_meter(self.device, track_tensors=self.config.track_memory and not distributed.is_fsdp(self.model))
         self.output_dir = Path(self.config.output_dir) if self.config.output_dir else None
-        # Counters with fixed meanings: `step` counts optimizer updates, `micro_step` counts
-        # forward/backward passes; `batch_in_epoch` is the position an exact resume continues from.
-        self.step = 0
-        self.micro_step = 0
-        self.epoch = 0
-        self.batch_in_epoch = 0
-        self.skipped_steps = 0
-        self.samples_seen = 0
-        self.tokens_seen = 0
-        self.best = state.BestTracker(self.config.metric_for_best)
+        self.step = self.micro_step = self.skipped_steps = 0
+        self.epoch = self.batch_in_epoch = 0
         self.last_eval: Optional[dict] = None
-        self.last_eval_step = -1
-        self.epoch_rng_state: Optional[torch.Tensor] = None
-        self.resume_rng_state: Optional[dict] = None
-        self.progress = None
-        self._interval = _Interval()
-        self.micro_batch_splits = 1  # auto_batch doubles it after an out-of-memory
-        self.bad_windows = 0  # consecutive windows with a non-finite loss or gradient
-        self.stop_signal: Optional[str] = None  # set by SIGTERM / SIGINT
+        self.best = state.BestTracker(self.config.metric_for_best or "loss", self.config.best_mode_for(self.config.metric_for_best or "loss"))
         self.interrupted: Optional[str] = None
-        self.last_checkpoint_step = -1
+        self._log = RunLog(self.output_dir, is_main=self._place.is_main, report_to=self.config.report_to,
+                           progress_bar=self.config.progress_bar)
+        self._signals = SignalGuard(echo=self._log.echo)
+        self._bad_windows = BadWindowGuard(self.config.max_bad_windows)
+        self._micro_batch_splits = 1  # auto_batch doubles it after an out-of-memory
+        self._epoch_rng_state: Optional[torch.Tensor] = None
+        self._rng_after_skip: Optional[dict] = None
+        self._last_eval_step = self._last_checkpoint_step = -1
+        self._run_checkpoints: set[str] = set()
 
-    @staticmethod
-    def device_for(config: LoopConfig, place: distributed.DistributedInfo) -> torch.device:
-        """The device a process trains on: the config's, with each rank on its own GPU under torchrun."""
-        device = resolve_device(config.device)
-        if place.is_distributed and device.type == "cuda":
-            return torch.device("cuda", place.local_rank)
-        return device
+    @property
+    def scaler(self) -> torch.amp.GradScaler:
+        """The GradScaler (enabled for fp16 only), owned by `self.precision`."""
+        return self.precision.scaler
 
-    # ------------------------------------------------------------------ the loop
+    # ------------------------------------------------------------------ the lifecycle
     def fit(self) -> dict:
         """Trains for `epochs` (or until `max_steps` updates), evaluating and saving on schedule.
 
         Returns:
             The run's summary, the same dict that is written to `output_dir/summary.json`.
         """
-        config = self.config
-        fit_started = time.perf_counter()
-        if config.resume is not None:
-            self.restore(config.resume)
-        self.meter.start(self.module, self.optimizer)
-        self.progress = self.make_progress_bar()
-        self._interval.restart_clock()
+        started = time.perf_counter()
+        warning = emulation_warning(self.device, self.precision.name)
+        if warning:
+            self._log.echo(f"warning: {warning}")
+        self._check_evaluation()  # the eval hooks and metric_for_best fail now, not after hours of training
+        if self.config.resume is not None:
+            self._restore(self.config.resume)
+        self._log.open_progress(self._planned_updates(), initial=self.step)
+        self.meter.start(self.model, self.optimizer)
+        self._log.totals.restart_clock()
         try:
-            with self.signals_caught():
-                self.train_epochs()
+            with self._signals:
+                self._train()
         finally:  # an exception must not leave the memory tracker installed or the bar open
-            self.close_progress_bar()
+            self._log.close_progress()
             self.meter.stop()
         if self.interrupted is None:
-            if self.eval_loader is not None and self.last_eval_step != self.step:
-                self.last_eval = self.evaluate()
-                self.last_eval_step = self.step
-            if config.load_best_at_end and self.best.best_checkpoint is not None:
-                self.load_best()
-        summary = self.summary(time.perf_counter() - fit_started)
-        if self.output_dir is not None and self.dist.is_main:
+            if self.eval_loader is not None and self._last_eval_step != self.step:
+                self._evaluate_and_save()  # the final evaluation: logged, and a candidate for the best
+            if self.config.load_best_at_end and self.best.best_checkpoint is not None:
+                self._load_best()
+        summary = self._summary(time.perf_counter() - started)
+        if self.output_dir is not None and self._place.is_main:
             state.write_json_atomic(self.output_dir / "summary.json", summary)
+        self._log.close()
         return summary
 
-    def train_epochs(self) -> None:
-        """The training loop proper: epochs of accumulation windows, each ending in one optimizer step."""
+    def _train(self) -> None:
+        """Epochs of accumulation windows, each ending in one optimizer update; stops early on a signal."""
         config = self.config
-        while self.epoch < config.epochs and not self.reached_max_steps():
-            for window in self.accumulation_windows():
-                window_loss, window_items, counted_items, stop = self.accumulate_with_retry(window)
+        while self.epoch < config.epochs and not self._reached_max_steps():
+            epoch_batches, self._epoch_rng_state = resume.start_epoch(
+                self.train_loader, self.epoch, self.batch_in_epoch, self._epoch_rng_state, self._rng_after_skip)
+            self._rng_after_skip = None
+            for window in resume.windows(epoch_batches, config.accum_steps):
+                result = self._run_window_retrying(window)
                 self.batch_in_epoch += len(window)
-                self.mark("optimizer")
-                grad_norm, stepped = self.optimizer_step(counted_items, window_items)
-                if stepped:
-                    self.step += 1
-                    if self.scheduler is not None:
-                        self.scheduler.step()  # never advanced for a step the scaler skipped
-                else:
-                    self.skipped_steps += 1
-                self._interval.add_window(window_loss, window_items)
-                self.check_window(window_loss, stepped)  # counts bad windows, may stop the run
-                self.on_step_end(step=self.step, loss_sum=window_loss, num_items=window_items, grad_norm=grad_norm)
-                if stepped and self.step % config.log_every == 0:
-                    self.log_train(grad_norm)
-                if stepped and isinstance(config.eval_every, int) and self.step % config.eval_every == 0:
-                    self.evaluate_and_save()
-                if stop:
-                    self.save_on_interrupt()
+                loss_sum, num_items = float(result.loss_sum), int(result.num_items)
+                batches.check_item_counts(num_items, int(result.loss_items), self._where())
+                self._log.totals.add_window(*batches.window_samples_and_tokens(window, self.device), loss_sum, num_items)
+                self._log.advance_progress(int(result.stepped))
+                reason = self._bad_windows.check(math.isfinite(loss_sum), result.stepped, self.scaler.is_enabled(),
+                                                 self._where(), self._last_good_checkpoint())
+                if reason is not None:
+                    self._log.event({"event": "skipped", "step": self.step, "micro_step": self.micro_step,
+                                     "skipped_steps": self.skipped_steps, "reason": reason})
+                self.on_step_end(step=self.step, loss_sum=result.loss_sum, num_items=num_items, grad_norm=result.grad_norm)
+                if result.stepped and self.step % config.log_every == 0:
+                    self._log_train(result.grad_norm)
+                if result.stepped and isinstance(config.eval_every, int) and self.step % config.eval_every == 0:
+                    self._evaluate_and_save()
+                if self._signals.stop_requested(self.device):
+                    self._save_on_interrupt()
                     return
-                if self.reached_max_steps():
-                    break
-            else:  # the epoch ran to its end (not stopped by max_steps)
-                self.epoch += 1
-                self.batch_in_epoch = 0
-                if config.eval_every == "epoch":
-                    self.evaluate_and_save()
+                if self._reached_max_steps():
+                    return
+            self.epoch += 1
+            self.batch_in_epoch = 0
+            if config.eval_every == "epoch":
+                self._evaluate_and_save()
 
-    def accumulate(self, window: list) -> tuple[float, int, int, bool]:
-        """Forward and backward over one window's micro-batches, gradients left summed in `.grad`.
+    # ------------------------------------------------------------------ one optimizer update
+    def _run_window(self, window: list) -> WindowResult:
+        """One optimizer update over one accumulation window of micro-batches.
 
-        Returns:
-            The window's loss sum, its item count as `compute_loss` reported, the item count counted
-            before the forwards (all summed over ranks), and whether any rank was asked to stop.
+        The estimator drives this same method on fake tensors, so it makes no host sync beyond
+        `Precision.step`'s finiteness check: item counts stay tensors.
         """
-        config = self.config
-        self.model.train()
-        # Counted before the first forward (HF's num_items_in_batch) and summed over ranks, so every
-        # micro-batch backwards its share of the *global* window mean.
-        counted_items = self.global_sum(sum(count_items(batch) for batch in window))
-        micro_batches = [piece for batch in window for piece in split_batch(batch, self.micro_batch_splits)]
-        window_loss = torch.zeros((), device=self.device, dtype=torch.float64)
-        window_items = window_samples = window_tokens = 0
-        for index, batch in enumerate(micro_batches):
-            samples, tokens = batch_sizes(batch)
-            batch = self.to_device(batch)
-            with self.backward_context(is_last=index == len(micro_batches) - 1):
-                self.mark("forward")
-                with autocast(self.device, config.precision):
-                    loss_sum, num_items = self.loss_sum_and_items(self.compute_loss(batch), batch)
-                self.mark("backward")
-                # DDP averages gradients over ranks: scale the divisor down by the world size.
-                divisor = num_items if config.optimizer_in_backward else counted_items / self.dist.world_size
-                self.scaler.scale(loss_sum / max(divisor, 1e-12)).backward()
-            window_loss += loss_sum.detach().double()
-            window_items += num_items
-            window_samples += samples
-            window_tokens += tokens
-        self.micro_step += len(micro_batches)
-        # One collective per window: the global loss and counts, and whether a rank caught a signal.
-        window_loss, window_items, window_samples, window_tokens, stops = distributed.all_reduce_sum(
-            [float(window_loss), window_items, window_samples, window_tokens, float(self.stop_signal is not None)],
-            self.device)
-        self.samples_seen += int(window_samples)
-        self.tokens_seen += int(window_tokens)
-        self._interval.add(int(window_samples), int(window_tokens))
-        return window_loss, int(window_items), counted_items, stops > 0
+        self.wrapped_model.train()
+        micro_batches = [piece for batch in window for piece in split_batch(batch, self._micro_batch_splits)]
+        counts = [self.count_items(batch) for batch in micro_batches]  # before any forward, as HF's num_items_in_batch
+        (num_items,) = distributed.all_reduce_tensors_sum(batches.total_items(counts, self.device))  # the window's items, every rank
+        divisor = num_items.clamp(min=1.0) / self._place.world_size  # DDP and FSDP2 average gradients over ranks
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        loss_items = torch.zeros((), dtype=torch.float32, device=self.device)
+        for index, (batch, items) in enumerate(zip(micro_batches, counts)):
+            batch = move_to(batch, self.device)
+            # DDP / FSDP2: gradients are reduced across ranks on the window's last micro-batch only.
+            with distributed.gradient_sync(self.wrapped_model, self.model, enabled=index == len(micro_batches) - 1):
+                self.meter.mark("forward")
+                with self.precision.autocast():
+                    micro_loss, micro_items = as_loss_sum(self.compute_loss(batch), items, self.device)
+                self.meter.mark("backward")
+                self.precision.backward(micro_loss / divisor)  # each item weighs 1 / (the window's items): the exact mean
+            loss_sum += micro_loss.detach()
+            loss_items += micro_items
+            self.micro_step += 1
+        self.meter.mark("optimizer")
+        loss_sum, loss_items = distributed.all_reduce_tensors_sum(loss_sum, loss_items)
+        self.precision.unscale_(self.optimizer)  # fp16: true gradients *before* clipping
+        grad_norm = self._clip_gradients()
+        stepped = self.precision.step(self.optimizer, grad_norm)  # skipped when gradients are not finite
+        self.optimizer.zero_grad(set_to_none=True)
+        if stepped:
+            self.step += 1
+            if self.scheduler is not None:
+                self.scheduler.step()  # never advanced for a skipped update
+        else:
+            self.skipped_steps += 1
+        return WindowResult(loss_sum, num_items, loss_items, grad_norm, stepped)
 
-    def accumulate_with_retry(self, window: list) -> tuple[float, int, int, bool]:
-        """`accumulate`, retried with micro-batches split in halves after an out-of-memory (`auto_batch`)."""
+    def _clip_gradients(self) -> torch.Tensor:
+        """Clips the window's gradients to `max_grad_norm`; returns their norm before clipping."""
+        if self.config.optimizer_in_backward:
+            return self.optimizer.grad_norm  # each parameter was clipped and stepped in its backward hook
+        max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
+        norm = nn.utils.clip_grad_norm_(self._trainable, max_norm, error_if_nonfinite=False)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
+
+    def _run_window_retrying(self, window: list) -> WindowResult:
+        """`_run_window`, retried with each micro-batch split in two after an out-of-memory (`auto_batch`)."""
         while True:
             try:
-                return self.accumulate(window)
+                return self._run_window(window)
             except OUT_OF_MEMORY_ERRORS as error:
-                self.recover_from_out_of_memory(window, error)
-
-    def recover_from_out_of_memory(self, window: list, error: BaseException) -> None:
-        """Drops the failed window's gradients and doubles the micro-batch split, or re-raises.
-
-        Splitting keeps the window (the effective batch) and its item count, so the update stays the
-        exact mean over the same items; only the number of forward/backward passes doubles.
-        """
-        for parameter in self.trainable_parameters:
-            parameter.grad = None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        rows = min(first_dimension(batch) for batch in window)
-        if not self.config.auto_batch or self.micro_batch_splits * 2 > rows:
-            raise type(error)(self.out_of_memory_message(error, rows)) from error
-        self.micro_batch_splits *= 2
-        self.log_event({
-            "event": "auto_batch", "step": self.step, "micro_batch_splits": self.micro_batch_splits,
-            "micro_batch_rows": math.ceil(rows / self.micro_batch_splits),
-            "message": f"out of memory: each micro-batch now runs in {self.micro_batch_splits} pieces "
-                       f"(accumulation x{self.micro_batch_splits}, same effective batch); retrying the window",
-        })
-
-    def out_of_memory_message(self, error: BaseException, rows: int) -> str:
-        """The error text for an out-of-memory the loop cannot recover from: what held the memory, what to try."""
-        params = memory.parameter_bytes(self.module)
-        grads = memory.gradient_bytes(self.module)
-        optimizer_state = optimizer_state_bytes(self.optimizer)
-        lines = [
-            f"out of memory at step {self.step} (micro-batch of {math.ceil(rows / self.micro_batch_splits)} rows): {error}",
-            f"  held at the failure: params {params / 2**20:.1f} MiB, grads {grads / 2**20:.1f} MiB, "
-            f"optimizer state {optimizer_state / 2**20:.1f} MiB",
-        ]
-        if self.device.type == "cuda":
-            lines.append(f"  CUDA allocated {torch.cuda.memory_allocated(self.device) / 2**20:.1f} MiB of "
-                         f"{torch.cuda.get_device_properties(self.device).total_memory / 2**20:.0f} MiB")
-        lines.append(
-            "  try: auto_batch=True (--auto-batch) to halve the micro-batch and double accumulation; "
-            "gradient_checkpointing=True (--grad-checkpoint); an 8-bit optimizer (--optim adamw8bit); "
-            "bf16 (--amp); a shorter --max-length"
-        )
-        return "\n".join(lines)
-
-    def check_window(self, window_loss: float, stepped: bool) -> None:
-        """Logs a skipped window and stops the run after `max_bad_windows` non-finite ones in a row.
-
-        A window is bad when its loss is not finite, or (fp32/bf16) its gradient norm is not. An fp16
-        overflow with a finite loss is not bad: the GradScaler lowers its scale and the next window
-        usually steps.
-        """
-        bad = not math.isfinite(window_loss) or (not stepped and not self.scaler.is_enabled())
-        self.bad_windows = self.bad_windows + 1 if bad else 0
-        if not stepped:
-            reason = "non-finite loss or gradients" if bad else "fp16 gradients overflowed: the GradScaler lowered its scale"
-            self.log_event({"event": "skipped", "step": self.step, "micro_step": self.micro_step,
-                            "skipped_steps": self.skipped_steps, "reason": reason})
-        if self.bad_windows >= self.config.max_bad_windows:
-            last_good = state.latest_checkpoint(self.output_dir) if self.output_dir is not None else None
-            raise TrainingDiverged(
-                f"the loss or gradients were not finite for {self.bad_windows} windows in a row, up to step "
-                f"{self.step} (micro-step {self.micro_step}); none of them was applied. Last good checkpoint: "
-                f"{last_good if last_good is not None else 'none saved'}. Lower the learning rate, use "
-                "precision='bf16' or 'fp32', check the data for extreme values, or raise max_bad_windows"
-            )
-
-    def save_on_interrupt(self) -> None:
-        """A signal asked the run to stop: save where it stands so `resume='auto'` continues from here."""
-        self.interrupted = self.stop_signal or "signal"
-        if self.output_dir is not None and self.last_checkpoint_step != self.step:
-            self.save_checkpoint(None)
-            distributed.barrier()
-        where = f"saved checkpoint-{self.step}" if self.output_dir is not None else "nothing saved (no output_dir)"
-        self.echo(f"interrupted by {self.interrupted} at step {self.step}: {where}; continue with resume='auto' (--resume auto)")
-
-    @contextlib.contextmanager
-    def signals_caught(self):
-        """SIGTERM and SIGINT (Ctrl-C) ask the loop to stop after the current window; a second one stops at once."""
-        if threading.current_thread() is not threading.main_thread():
-            yield  # signal handlers can only be installed from the main thread
-            return
-
-        def request_stop(signal_number, frame):
-            if self.stop_signal is not None:  # asked twice: stop now
-                signal.signal(signal_number, previous[signal_number])
-                raise KeyboardInterrupt
-            self.stop_signal = signal.Signals(signal_number).name
-            self.echo(f"{self.stop_signal} received: stopping after this window and saving a checkpoint")
-
-        previous = {number: signal.signal(number, request_stop) for number in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            yield
-        finally:
-            for number, handler in previous.items():
-                signal.signal(number, handler)
-
-    def optimizer_step(self, counted_items: int, num_items: int) -> tuple[torch.Tensor, bool]:
-        """Turns the window's accumulated gradients into one update.
-
-        Args:
-            counted_items: the items counted before the forward passes, which the losses were divided by.
-            num_items: the items `compute_loss` reported; when it differs (a custom token-level loss),
-                the gradients are rescaled once so the update is the exact mean over `num_items`.
-
-        Returns:
-            The gradient norm (after unscaling, before clipping) and whether the update was applied.
-        """
-        if self.config.optimizer_in_backward:
-            # Every parameter already stepped inside backward (and was clipped per parameter there).
-            return self.optimizer.grad_norm, True
-        self.scaler.unscale_(self.optimizer)  # fp16: back to true gradients *before* clipping
-        scale_gradients_(self.trainable_parameters, max(counted_items, 1) / max(num_items, 1))  # exact mean
-        max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
-        grad_norm = nn.utils.clip_grad_norm_(self.trainable_parameters, max_norm, error_if_nonfinite=False)
-        if hasattr(grad_norm, "full_tensor"):  # FSDP2: the norm of sharded gradients is a DTensor
-            grad_norm = grad_norm.full_tensor()
-        if self.scaler.is_enabled():
-            scale_before = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)  # the scaler skips the step when fp16 gradients overflowed
-            self.scaler.update()
-            stepped = self.scaler.get_scale() >= scale_before  # the scale only shrinks after a skip
-        else:
-            stepped = bool(torch.isfinite(grad_norm))  # a non-finite fp32/bf16 window is skipped, not applied
-            if stepped:
-                self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm, stepped
+                for parameter in self._trainable:
+                    parameter.grad = None  # the failed window's partial gradients
+                rows = min(first_dimension(batch) for batch in window)
+                self._micro_batch_splits = split_after_out_of_memory(
+                    error, rows, self._micro_batch_splits, self.config.auto_batch, self._where(step_only=True),
+                    lambda: memory_held(self.model, self.optimizer, self.device))
+                self._log.event({
+                    "event": "auto_batch", "step": self.step, "micro_batch_splits": self._micro_batch_splits,
+                    "micro_batch_rows": math.ceil(rows / self._micro_batch_splits),
+                    "message": f"out of memory: each micro-batch now runs in {self._micro_batch_splits} pieces "
+                               f"(accumulation x{self._micro_batch_splits}, same effective batch); retrying the window",
+                })
 
     # ------------------------------------------------------------------ hooks
     def compute_loss(self, batch) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """Returns the micro-batch's mean loss, or `(loss_sum, num_items)` for exact token-level losses.
 
-        The default calls `model(**batch)` and reads `.loss` (HF models compute it when the batch has
-        `labels`). A mean is weighted by the batch's item count: its labels that are not -100, or its
-        number of rows when it has no labels.
+        The default calls `wrapped_model(**batch)` and reads `.loss` (HF models compute it when the
+        batch has `labels`). A mean is weighted by the batch's item count: its labels that are not
+        -100, or its number of rows when it has no labels.
         """
-        outputs = self.model(**batch)
-        loss = outputs["loss"] if isinstance(outputs, Mapping) else outputs.loss
+        if not isinstance(batch, Mapping):
+            raise TypeError(
+                f"the default compute_loss calls model(**batch) and needs dict batches, got a {type(batch).__name__}; "
+                "override Loop.compute_loss(batch) to run the model on this batch and return its loss"
+            )
+        outputs = self.wrapped_model(**batch)
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
         if loss is None:
             raise ValueError("the model returned no loss: pass `labels` in the batch or override Loop.compute_loss")
         return loss
 
-    def eval_step(self, batch) -> dict:
-        """Runs one evaluation batch; returns `loss_sum`, `num_items`, `predictions` and `labels`.
+    def count_items(self, batch) -> torch.Tensor | int:
+        """The items a batch's loss is a mean (or sum) over: labels that are not -100, else rows.
 
-        The default is for sequence classification: argmax of `outputs.logits`, mean loss times rows.
+        Counted before the forward passes, over the whole window, to normalise the gradients. Override
+        it when `compute_loss` sums over something else (tokens of a key other than `labels`, say):
+        the loop checks that each window's count equals what `compute_loss` reported.
         """
-        outputs = self.model(**batch)
-        logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs.logits
-        loss = outputs["loss"] if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
-        labels = batch["labels"]
-        return {
-            "loss_sum": None if loss is None else loss.float() * labels.shape[0],
-            "num_items": labels.shape[0],
-            "predictions": logits.argmax(dim=-1),
-            "labels": labels,
-        }
+        return batches.count_items(batch)
 
-    def compute_metrics(self, predictions: torch.Tensor, labels: torch.Tensor) -> dict:
-        """Metrics over the whole evaluation set (CPU tensors). The default: accuracy and F1."""
-        num_labels = getattr(getattr(self.module, "config", None), "num_labels", None)
-        scores = metrics.f1_scores(predictions, labels, num_labels=num_labels)
-        result = {"accuracy": metrics.accuracy(predictions, labels), "f1": scores["f1_macro"]}
-        if "f1_binary" in scores:
-            result["f1_binary"] = scores["f1_binary"]
-        return result
+    def eval_step(self, batch) -> dict:
+        """Evaluates one batch; returns `loss_sum` and `num_items`, and `logits` and `labels` when there are some.
+
+        The default runs `compute_loss` (so a subclass that overrides only `compute_loss` is
+        evaluated on its own loss) and keeps the logits the model produced on the way when a dict
+        batch has integer `labels` they can be scored against (classification, token classification).
+        """
+        with _captured_output(self.model) as captured:
+            loss_sum, num_items = as_loss_sum(self.compute_loss(batch), self.count_items(batch), self.device)
+        output = {"loss_sum": loss_sum, "num_items": num_items, "rows": first_dimension(batch)}
+        logits = _logits_of(captured.get("output"))
+        labels = batch.get("labels") if isinstance(batch, Mapping) else None  # (x, y) batches: a language model's
+        if metrics.scoreable_logits(logits, labels, vocab_size=_vocab_size_of(self.model)):
+            output["logits"], output["labels"] = logits, labels
+        return output
+
+    def make_metrics(self):
+        """A fresh streaming metrics object for one evaluation (`update(output)` per batch, `compute()`).
+
+        The default scores the loss always, accuracy and F1 when `eval_step` returns class logits,
+        and perplexity for token-level losses otherwise (see `looptrain.metrics.EvalMetrics`).
+        """
+        return metrics.EvalMetrics(num_labels=getattr(getattr(self.model, "config", None), "num_labels", None))
+
+    def compute_metrics(self, evaluation) -> dict:
+        """The evaluation's scores from its metrics object; override to add or rename scores."""
+        return evaluation.compute()
 
     def on_step_end(self, *, step: int, loss_sum: torch.Tensor, num_items: int, grad_norm: torch.Tensor) -> None:
         """Called after every accumulation window (also when its update was skipped). Does nothing."""
 
-    # ------------------------------------------------------------------ evaluation and checkpoints
-    @torch.inference_mode()
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()  # not inference_mode: DDP's first forward may be this one, and its lazy state must stay trainable
     def evaluate(self, loader=None) -> dict:
-        """Evaluates on `loader` (default: the eval loader) and returns loss and `compute_metrics`.
-
-        Only predictions and labels (one int each per sample) are kept, on the CPU.
-        """
+        """Evaluates on `loader` (default: the eval loader) through the metrics hooks; returns the scores."""
         loader = loader if loader is not None else self.eval_loader
         if loader is None:
             raise ValueError("evaluate() needs an eval_loader: pass one to Loop(...) or to evaluate(loader)")
-        was_training = self.model.training
-        self.model.eval()
-        self.mark("eval")
-        predictions, labels, loss_sum, num_items = [], [], 0.0, 0
+        was_training = self.wrapped_model.training
+        self.wrapped_model.eval()
+        self.meter.mark("eval")
+        evaluation = self.make_metrics()
         for batch in loader:
-            batch = self.to_device(batch)
-            with autocast(self.device, self.config.precision):
-                output = self.eval_step(batch)
-            predictions.append(output["predictions"].to("cpu", torch.int64))
-            labels.append(output["labels"].to("cpu", torch.int64))
-            if output.get("loss_sum") is not None:
-                loss_sum += float(output["loss_sum"])
-            num_items += int(output["num_items"])
-        self.model.train(was_training)
-        # Under DDP each rank evaluated its own shard: gather them (every sample exactly once).
-        shards = distributed.all_gather_objects(
-            (torch.cat(predictions) if predictions else None, torch.cat(labels) if labels else None, loss_sum, num_items))
-        predictions = [shard[0] for shard in shards if shard[0] is not None]
-        if not predictions:
-            raise ValueError("the eval loader yielded no batches: check the evaluation data")
-        labels = [shard[1] for shard in shards if shard[1] is not None]
-        loss_sum, num_items = sum(shard[2] for shard in shards), sum(shard[3] for shard in shards)
-        result = {"loss": loss_sum / max(num_items, 1)}
-        result.update(self.compute_metrics(torch.cat(predictions), torch.cat(labels)))
-        return result
+            batch = move_to(batch, self.device)
+            with self.precision.autocast():
+                evaluation.update(self.eval_step(batch))
+        self.wrapped_model.train(was_training)
+        shards = distributed.all_gather_objects(evaluation)  # under DDP each rank scored its own shard
+        evaluation = shards[0]
+        for other in shards[1:]:
+            evaluation.merge(other)  # every sample counted once, the same result on every rank
+        return self.compute_metrics(evaluation)
 
-    def evaluate_and_save(self) -> None:
+    def _check_evaluation(self) -> None:
+        """Runs the eval hooks on the first eval batch before training; resolves and checks `metric_for_best`."""
+        if self.eval_loader is None:
+            if self.config.load_best_at_end:
+                raise ConfigError("load_best_at_end=True needs an eval_loader to pick the best checkpoint")
+            return
+        first = next(iter(self.eval_loader), None)
+        if first is None:
+            raise EvaluationError("the eval loader yielded no batches: check the evaluation data")
+        try:
+            scores = self.evaluate([first])
+        except OUT_OF_MEMORY_ERRORS:
+            raise
+        except Exception as error:
+            raise EvaluationError(
+                f"evaluation fails on the first eval batch ({type(error).__name__}: {error}); this was checked before "
+                "training. Override Loop.eval_step (and Loop.compute_loss) for batches of this kind, or "
+                "Loop.make_metrics / Loop.compute_metrics for other scores"
+            ) from error
+        name = self.config.metric_for_best or ("f1" if "f1" in scores else "loss")
+        if name not in scores and f"eval_{name}" not in scores:
+            raise EvaluationError(
+                f"metric_for_best={name!r} is not among the evaluation metrics {sorted(scores)}; choose one of "
+                "those (--metric-for-best), or override Loop.compute_metrics to produce it")
+        self.best = state.BestTracker(name, self.config.best_mode_for(name))
+
+    def _evaluate_and_save(self) -> None:
         """The evaluation point: evaluate (when there is eval data), log, and write a checkpoint."""
         if self.eval_loader is not None:
             self.last_eval = self.evaluate()
-            self.last_eval_step = self.step
-            self.log_event({"event": "eval", "step": self.step, "epoch": self.epoch_progress(), **self.last_eval})
-        if self.output_dir is not None:
-            self.save_checkpoint(self.last_eval if self.eval_loader is not None else None)
-            distributed.barrier()  # no rank runs ahead of a checkpoint that rank 0 is still writing
-        self._interval.restart_clock()  # evaluation and saving are not training time
+            self._last_eval_step = self.step
+            self._log.event({"event": "eval", "step": self.step, "epoch": self._epoch_progress(), **self.last_eval})
+        if self.output_dir is not None and (self.eval_loader is not None or self._last_checkpoint_step != self.step):
+            self._save_checkpoint(self.last_eval if self.eval_loader is not None else None)
+        self._log.totals.restart_clock()  # evaluation and saving are not training time
 
-    def save_checkpoint(self, eval_metrics: Optional[dict]) -> Path:
-        """Writes `checkpoint-<step>/` atomically, updates the best, rotates old checkpoints."""
-        # The best moves to this checkpoint only once it is safely on disk.
+    # ------------------------------------------------------------------ checkpoints and resume
+    def _save_checkpoint(self, eval_metrics: Optional[dict]) -> None:
+        """Writes `checkpoint-<step>/` atomically; the best moves to it once it is safely on disk."""
         best = copy.deepcopy(self.best)
+        name = state.checkpoint_name(self.step)
         if eval_metrics is not None:
-            best.update(eval_metrics, state.checkpoint_name(self.step), step=self.step)
-        # Every rank's torch RNG (dropout differs per rank); rank 0 alone writes.
-        rank_rng_states = distributed.all_gather_objects(torch.get_rng_state().tolist())
-        path = self.output_dir / state.checkpoint_name(self.step)
-        model, optimizer = self.module, self.optimizer
-        if self.fsdp:  # gather the full weights and optimizer state (a collective: every rank takes part)
-            model = distributed.FullStateModel(self.module)
-            optimizer = distributed.FullStateOptimizer(self.module, self.optimizer)
-        if self.dist.is_main:
-            state.save_checkpoint(
-                self.output_dir,
-                self.step,
-                model=model,
-                optimizer=optimizer,
-                scheduler=self.scheduler,
-                scaler=self.scaler,
-                trainer_state={**self.trainer_state(), "best": best.state_dict(), "rank_rng_states": rank_rng_states},
-                metrics=eval_metrics,
-            )
-            state.rotate_checkpoints(self.output_dir, self.config.save_total_limit, best_checkpoint=best.best_checkpoint)
+            best.update(eval_metrics, name, step=self.step)
+        self._run_checkpoints.add(name)
+        resume.save_training_checkpoint(
+            self.output_dir, self.step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+            precision=self.precision, trainer_state={**self._trainer_state(), "best": best.state_dict()},
+            metrics=eval_metrics, save_total_limit=self.config.save_total_limit, best_checkpoint=best.best_checkpoint,
+            run_checkpoints=self._run_checkpoints)
         self.best = best
-        self.last_checkpoint_step = self.step
-        return path
+        self._last_checkpoint_step = self.step
 
-    def trainer_state(self) -> dict:
+    def _trainer_state(self) -> dict:
         """The counters and positions an exact resume needs (JSON-ready)."""
         return {
-            "step": self.step,
-            "micro_step": self.micro_step,
-            "epoch": self.epoch,
-            "batch_in_epoch": self.batch_in_epoch,
-            "skipped_steps": self.skipped_steps,
-            "samples_seen": self.samples_seen,
-            "tokens_seen": self.tokens_seen,
-            "best": self.best.state_dict(),
-            "last_eval": self.last_eval,
-            "last_eval_step": self.last_eval_step,
+            "step": self.step, "micro_step": self.micro_step, "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch, "skipped_steps": self.skipped_steps,
+            "last_eval": self.last_eval, "last_eval_step": self._last_eval_step,
+            "run_checkpoints": sorted(self._run_checkpoints),
             # The data order of an epoch is drawn from torch's RNG when its iterator starts: keep the
             # state of that moment so a resume in mid-epoch replays the same order.
-            "epoch_rng_state": None if self.epoch_rng_state is None else self.epoch_rng_state.tolist(),
+            "epoch_rng_state": None if self._epoch_rng_state is None else self._epoch_rng_state.tolist(),
         }
 
-    def restore(self, resume: str) -> None:
-        """Restores weights, optimizer, scheduler, scaler, RNG and position from a checkpoint.
-
-        Args:
-            resume: "auto" (the newest complete checkpoint in `output_dir`; none there: start fresh)
-                or the path of a checkpoint directory.
-        """
-        path = state.resolve_resume_checkpoint(resume, self.output_dir)
+    def _restore(self, resume_from: str) -> None:
+        """Restores weights, optimizer, scheduler, scaler, RNG and position from a checkpoint."""
+        path = state.resolve_resume_checkpoint(resume_from, self.output_dir)
         if path is None:
-            self.echo(f"resume=auto: no checkpoint in {self.output_dir}, starting from scratch")
+            self._log.echo(f"resume=auto: no checkpoint in {self.output_dir}, starting from scratch")
             return
-        saved = state.load_checkpoint(
-            path, model=self.loadable_model(), optimizer=self.loadable_optimizer(), scheduler=self.scheduler,
-            scaler=self.scaler, map_location=self.device,
-        )
+        saved, self._rng_after_skip = resume.load_training_checkpoint(
+            path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, precision=self.precision,
+            device=self.device)
         self.step, self.micro_step, self.epoch = saved["step"], saved["micro_step"], saved["epoch"]
         self.batch_in_epoch, self.skipped_steps = saved["batch_in_epoch"], saved["skipped_steps"]
-        self.samples_seen, self.tokens_seen = saved["samples_seen"], saved["tokens_seen"]
         self.best.load_state_dict(saved["best"])
-        self.last_eval, self.last_eval_step = saved["last_eval"], saved["last_eval_step"]
+        self.last_eval, self._last_eval_step = saved["last_eval"], saved["last_eval_step"]
+        self._last_checkpoint_step = self.step
+        self._run_checkpoints = set(saved.get("run_checkpoints", [])) | {path.name}
         if saved["epoch_rng_state"] is not None:
-            self.epoch_rng_state = torch.tensor(saved["epoch_rng_state"], dtype=torch.uint8)
-        rank_rng_states = saved.get("rank_rng_states")
-        if rank_rng_states and len(rank_rng_states) == self.dist.world_size:
-            torch.set_rng_state(torch.tensor(rank_rng_states[self.dist.rank], dtype=torch.uint8))
-        self.resume_rng_state = state.capture_rng_state()  # what the checkpoint restored; re-applied after the skip
-        self.echo(f"resumed from {path} at step {self.step} (epoch {self.epoch}, micro-batch {self.batch_in_epoch})")
+            self._epoch_rng_state = torch.tensor(saved["epoch_rng_state"], dtype=torch.uint8)
+        self._log.event({"event": "resume", "step": self.step, "micro_step": self.micro_step, "epoch": self.epoch,
+                         "checkpoint": str(path),
+                         "message": "the events after this one supersede any logged before it for later steps"},
+                        line=f"resumed from {path} at step {self.step} (epoch {self.epoch}, micro-batch {self.batch_in_epoch})")
 
-    def loadable_model(self) -> nn.Module:
-        """What checkpoint weights load into: the model, or a full-state view of an FSDP2-sharded one."""
-        return distributed.FullStateModel(self.module) if self.fsdp else self.module
-
-    def loadable_optimizer(self):
-        return distributed.FullStateOptimizer(self.module, self.optimizer, gather=False) if self.fsdp else self.optimizer
-
-    def load_best(self) -> None:
+    def _load_best(self) -> None:
         """Loads the best checkpoint's weights into the model (`load_best_at_end`)."""
         path = self.output_dir / self.best.best_checkpoint
-        saved = state.load_checkpoint(path, model=self.loadable_model(), map_location=self.device, restore_rng=False)
+        saved = resume.load_weights(path, self.model, self.device)
         self.last_eval = saved.get("last_eval")
-        self.echo(f"loaded the best checkpoint {path.name} ({self.config.metric_for_best}={self.best.best_metric:.4f})")
+        self._log.echo(f"loaded the best checkpoint {path.name} ({self.best.metric_name}={self.best.best_metric:.4f})")
 
-    # ------------------------------------------------------------------ data and devices
-    def accumulation_windows(self) -> Iterator[list]:
-        """Yields the current epoch's micro-batches in windows of `accum_steps`; the last may be shorter.
+    def _save_on_interrupt(self) -> None:
+        """A signal asked the run to stop: save where it stands so `resume='auto'` continues from here."""
+        self.interrupted = self._signals.received or "signal"
+        if self.output_dir is not None and self._last_checkpoint_step != self.step:
+            self._save_checkpoint(None)
+        where = f"saved checkpoint-{self.step}" if self.output_dir is not None else "nothing saved (no output_dir)"
+        self._log.echo(f"interrupted by {self.interrupted} at step {self.step}: {where}; "
+                       "continue with resume='auto' (--resume auto)")
 
-        Windows never cross an epoch boundary. On resume in mid-epoch, the epoch's data order is
-        replayed from the RNG state saved at its start and the consumed micro-batches are skipped.
-        """
-        sampler = getattr(self.train_loader, "batch_sampler", None)
-        for source in (sampler, getattr(self.train_loader, "sampler", None), self.train_loader):
-            if hasattr(source, "set_epoch"):
-                source.set_epoch(self.epoch)
-                break
-        skip = self.batch_in_epoch
-        if skip and self.epoch_rng_state is not None:
-            torch.set_rng_state(self.epoch_rng_state)
-        self.epoch_rng_state = torch.get_rng_state()
-        if skip and hasattr(sampler, "skip_batches"):
-            sampler.skip_batches(skip)  # the sampler knows its epoch's order: no batch is loaded to skip it
-            skip = 0
-        batches = iter(self.train_loader)
-        for _ in range(skip):
-            next(batches)
-        if self.resume_rng_state is not None:
-            state.restore_rng_state(self.resume_rng_state)
-            self.resume_rng_state = None
-        window = []
-        for batch in batches:
-            window.append(batch)
-            if len(window) == self.config.accum_steps:
-                yield window
-                window = []
-        if window:
-            yield window  # the partial last window: stepped, normalised by the items it holds
-
-    def to_device(self, batch):
-        """Moves a batch (tensor, mapping, list or tuple of them) to the loop's device."""
-        if isinstance(batch, torch.Tensor):
-            return batch.to(self.device, non_blocking=True)
-        if isinstance(batch, Mapping):
-            return {key: self.to_device(value) for key, value in batch.items()}
-        if isinstance(batch, (list, tuple)):
-            return type(batch)(self.to_device(value) for value in batch)
-        return batch
-
-    def backward_context(self, is_last: bool):
-        """Skips the gradient all-reduce (DDP) or reduce-scatter (FSDP2) on every micro-step but the last."""
-        if self.fsdp:
-            self.module.set_requires_gradient_sync(is_last)
-            return contextlib.nullcontext()
-        if not is_last and hasattr(self.model, "no_sync"):
-            return self.model.no_sync()
-        return contextlib.nullcontext()
-
-    def loss_sum_and_items(self, loss, batch) -> tuple[torch.Tensor, int]:
-        """Turns `compute_loss`'s result into `(loss_sum, num_items)`."""
-        if isinstance(loss, tuple):
-            loss_sum, num_items = loss
-            return loss_sum.float(), int(num_items)
-        num_items = count_items(batch)
-        return loss.float() * num_items, num_items
-
-    def wrap_for_distributed(self, module: nn.Module) -> nn.Module:
-        """Wraps the model in DistributedDataParallel when running under torchrun; else returns it."""
-        if not self.dist.is_distributed:
-            return module
-        if self.config.optimizer_in_backward:
-            raise ConfigError(
-                "optimizer_in_backward=True cannot run with several processes: each parameter would "
-                "step on its local gradient before the all-reduce; turn it off for multi-process runs"
-            )
-        if self.config.auto_batch:
-            raise ConfigError(
-                "auto_batch=True cannot run with several processes: one rank would retry a window while the "
-                "others wait in its all-reduce; set the micro-batch size by hand (--batch-size, --accum)"
-            )
-        if self.fsdp:
-            if self.config.precision == "fp16":
-                raise ConfigError("precision='fp16' is not supported with FSDP2 sharding: use precision='bf16'")
-            return module  # already sharded by looptrain.distributed.shard_model
-        from torch.nn.parallel import DistributedDataParallel
-
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        # Buffers (position ids) never change in training: no need to broadcast them every forward.
-        return DistributedDataParallel(module, device_ids=device_ids, broadcast_buffers=False)
-
-    def global_sum(self, value: int) -> int:
-        """`value` summed over every rank (itself in a single process)."""
-        return int(distributed.all_reduce_sum([value], self.device)[0])
-
-    def reached_max_steps(self) -> bool:
+    # ------------------------------------------------------------------ small helpers
+    def _reached_max_steps(self) -> bool:
         return 0 < self.config.max_steps <= self.step
 
-    def mark(self, phase: str) -> None:
-        """Tells the memory meter which phase starts now, so the peak can be attributed to one."""
-        self.meter.mark(phase)
-
-    # ------------------------------------------------------------------ logging and summary
-    def log_train(self, grad_norm: torch.Tensor) -> None:
-        interval = self._interval.pop()
-        record = {
-            "event": "train",
-            "step": self.step,
-            "micro_step": self.micro_step,
-            "epoch": self.epoch_progress(),
-            "loss": interval["loss"],
-            "lr": self.current_lr(),
-            "grad_norm": float(grad_norm),
-            "samples_per_s": interval["samples_per_s"],
-            "tokens_per_s": interval["tokens_per_s"],
-            "skipped_steps": self.skipped_steps,
-        }
-        record["peak_memory_bytes"] = self.meter.summary(self.module, self.optimizer)["peak_memory_bytes"]
-        if self.progress is not None:
-            self.progress.set_postfix(
-                loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", samples_s=f"{record['samples_per_s']:.1f}"
-            )
-        self.log_event(record)
-
-    def log_event(self, record: dict) -> None:
-        """Appends one event to `metrics.jsonl` and prints it as one line (rank 0 only)."""
-        if not self.dist.is_main:
-            return
-        if self.output_dir is not None:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            with open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
-                handle.write(json.dumps(record) + "\n")
-        self.echo(format_record(record))
-
-    def echo(self, line: str) -> None:
-        if self.dist.is_main:
-            tqdm.write(line, file=sys.stdout)
-
-    def make_progress_bar(self):
-        if not (self.config.progress_bar and sys.stderr.isatty() and self.dist.is_main):
-            return None  # not a terminal: the log lines are the progress report
+    def _planned_updates(self) -> Optional[int]:
         try:
-            total = planned_updates(len(self.train_loader), self.config)
+            return planned_updates(len(self.train_loader), self.config)
         except TypeError:  # a loader without a length
-            total = self.config.max_steps if self.config.max_steps > 0 else None
-        return tqdm(total=total, initial=self.step, unit="step", dynamic_ncols=True)
+            return self.config.max_steps if self.config.max_steps > 0 else None
 
-    def close_progress_bar(self) -> None:
-        if self.progress is not None:
-            self.progress.close()
-            self.progress = None
+    def _where(self, step_only: bool = False) -> str:
+        return f"step {self.step}" if step_only else f"step {self.step} (micro-step {self.micro_step})"
 
-    def epoch_progress(self) -> float:
+    def _last_good_checkpoint(self) -> Optional[Path]:
+        return state.latest_checkpoint(self.output_dir) if self.output_dir is not None else None
+
+    def _epoch_progress(self) -> float:
         try:
             return round(self.epoch + self.batch_in_epoch / len(self.train_loader), 4)
         except (TypeError, ZeroDivisionError):
             return float(self.epoch)
 
-    def current_lr(self) -> float:
+    def _log_train(self, grad_norm: torch.Tensor) -> None:
+        interval = self._log.totals.pop_interval()
         groups = self.optimizer.param_groups
-        return float(groups[0]["lr"]) if groups else 0.0
+        record = {
+            "event": "train", "step": self.step, "micro_step": self.micro_step, "epoch": self._epoch_progress(),
+            "loss": interval["loss"], "lr": float(groups[0]["lr"]) if groups else 0.0, "grad_norm": float(grad_norm),
+            "samples_per_s": interval["samples_per_s"], "tokens_per_s": interval["tokens_per_s"],
+            "skipped_steps": self.skipped_steps,
+            "peak_memory_bytes": self.meter.summary(self.model, self.optimizer)["peak_memory_bytes"],
+        }
+        self._log.advance_progress(0, loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
+                                   samples_s=f"{record['samples_per_s']:.1f}")
+        self._log.event(record)
 
-    def summary(self, runtime_seconds: float) -> dict:
+    def _summary(self, runtime_seconds: float) -> dict:
         """The run's summary: throughput, counters, memory, final evaluation, best checkpoint."""
-        train_seconds = max(self._interval.total_seconds, 1e-9)
         result = {
             "train_runtime_s": round(runtime_seconds, 3),
-            "train_samples_per_s": round(self._interval.total_samples / train_seconds, 3),
-            "train_tokens_per_s": round(self._interval.total_tokens / train_seconds, 3),
-            "train_loss": self._interval.total_loss(),
+            **self._log.totals.run_figures(),
             "optimizer_steps": self.step,
             "skipped_steps": self.skipped_steps,
             "micro_steps": self.micro_step,
             "epochs_completed": self.epoch,
             "device": str(self.device),
-            "precision": self.config.precision,
+            "cpu": cpu_description(),
+            "precision": self.precision.name,
             "final_eval": self.last_eval,
+            "metric_for_best": self.best.metric_name,
             "best_metric": self.best.best_metric,
             "best_checkpoint": self.best.best_checkpoint,
             "interrupted": self.interrupted,
-            "micro_batch_splits": self.micro_batch_splits,
+            "micro_batch_splits": self._micro_batch_splits,
             "config": self.config.to_dict(),
         }
-        result.update(self.meter.summary(self.module, self.optimizer))
+        result.update(self.meter.summary(self.model, self.optimizer))
         return result
-
-
-# ---------------------------------------------------------------------- small helpers
-# torch < 2.5 has only the CUDA-specific class.
-OUT_OF_MEMORY_ERRORS = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), torch.cuda.OutOfMemoryError)
-
-
-class TrainingDiverged(RuntimeError):
-    """Too many consecutive windows had a non-finite loss or gradient (`LoopConfig.max_bad_windows`)."""
-
-
-def split_batch(batch, parts: int) -> list:
-    """Cuts a batch (tensor, mapping, list or tuple of tensors) into `parts` row-wise pieces.
-
-    Every tensor whose first dimension is the batch's row count is split; anything else is shared.
-    """
-    if parts == 1:
-        return [batch]
-    rows = first_dimension(batch)
-    bounds = [round(rows * index / parts) for index in range(parts + 1)]
-
-    def piece(value, start, stop):
-        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows:
-            return value[start:stop]
-        if isinstance(value, Mapping):
-            return {key: piece(item, start, stop) for key, item in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(piece(item, start, stop) for item in value)
-        return value
-
-    return [piece(batch, start, stop) for start, stop in zip(bounds, bounds[1:]) if stop > start]
 
 
 def planned_updates(num_batches: int, config: LoopConfig) -> int:
@@ -754,96 +514,28 @@ def planned_updates(num_batches: int, config: LoopConfig) -> int:
     return min(windows, config.max_steps) if config.max_steps > 0 else windows
 
 
-def count_items(batch) -> int:
-    """Items a mean loss was taken over: labels that are not -100, else the batch's rows."""
-    if isinstance(batch, Mapping) and isinstance(batch.get("labels"), torch.Tensor):
-        return int((batch["labels"] != -100).sum())
-    return first_dimension(batch)
+class _captured_output:
+    """Keeps the last output of `model`'s forward while entered (the logits `compute_loss` saw)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.captured: dict = {}
+
+    def __enter__(self) -> dict:
+        self._handle = self.model.register_forward_hook(lambda module, args, output: self.captured.update(output=output))
+        return self.captured
+
+    def __exit__(self, *exc_info) -> None:
+        self._handle.remove()
 
 
-def batch_sizes(batch) -> tuple[int, int]:
-    """(samples, real tokens) of a batch, for throughput: tokens are the attention mask's ones."""
-    samples = first_dimension(batch)
-    if isinstance(batch, Mapping) and isinstance(batch.get("attention_mask"), torch.Tensor):
-        return samples, int(batch["attention_mask"].sum())
-    if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):
-        return samples, batch["input_ids"].numel()
-    return samples, 0
+def _logits_of(output: Any) -> Optional[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping):
+        return output.get("logits")
+    return getattr(output, "logits", None)
 
 
-def first_dimension(batch) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() else 1
-    values = batch.values() if isinstance(batch, Mapping) else batch
-    for value in values:
-        if isinstance(value, torch.Tensor) and value.dim():
-            return value.shape[0]
-    raise ValueError("cannot tell the batch size: the batch holds no tensor with a batch dimension")
-
-
-@torch.no_grad()
-def scale_gradients_(parameters, factor: float) -> None:
-    """Multiplies every existing gradient by `factor`, in place."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if grads and factor != 1.0:
-        torch._foreach_mul_(grads, factor)
-
-
-def format_record(record: dict) -> str:
-    parts = []
-    for key, value in record.items():
-        if isinstance(value, float):
-            parts.append(f"{key}={value:.4g}")
-        elif value is not None and not isinstance(value, (dict, list)):
-            parts.append(f"{key}={value}")
-    return " ".join(parts)
-
-
-class _Interval:
-    """Sums of samples, tokens, loss and training seconds, per log interval and for the whole run."""
-
-    def __init__(self):
-        self.samples = self.tokens = 0
-        self.loss_sum = 0.0
-        self.items = 0
-        self.seconds = 0.0
-        self.total_samples = self.total_tokens = 0
-        self.total_seconds = 0.0
-        self.total_loss_sum = 0.0
-        self.total_items = 0
-        self.clock = time.perf_counter()
-
-    def add(self, samples: int, tokens: int) -> None:
-        self.samples += samples
-        self.tokens += tokens
-        self.total_samples += samples
-        self.total_tokens += tokens
-
-    def restart_clock(self) -> None:
-        self.clock = time.perf_counter()
-
-    def add_window(self, loss_sum: torch.Tensor, items: int) -> None:
-        """Closes one accumulation window: its loss, items, and the seconds since the clock's last tick."""
-        now = time.perf_counter()
-        seconds, self.clock = now - self.clock, now
-        value = float(loss_sum)
-        self.loss_sum += value
-        self.items += items
-        self.seconds += seconds
-        self.total_loss_sum += value
-        self.total_items += items
-        self.total_seconds += seconds
-
-    def pop(self) -> dict:
-        seconds = max(self.seconds, 1e-9)
-        result = {
-            "loss": self.loss_sum / max(self.items, 1),
-            "samples_per_s": self.samples / seconds,
-            "tokens_per_s": self.tokens / seconds,
-        }
-        self.samples = self.tokens = self.items = 0
-        self.loss_sum = self.seconds = 0.0
-        return result
-
-    def total_loss(self) -> Optional[float]:
-        return self.total_loss_sum / self.total_items if self.total_items else None
+def _vocab_size_of(model: nn.Module) -> Optional[int]:
+    return getattr(getattr(model, "config", None), "vocab_size", None)

@@ -1,4 +1,10 @@
-"""Classification metrics: accuracy, F1, a streaming evaluation accumulator, a majority baseline.
+"""Evaluation metrics: streaming objects the Loop fills batch by batch, accuracy, F1, a majority baseline.
+
+The Loop's evaluation protocol: `Loop.make_metrics()` returns an object with `update(output)` (one
+`eval_step` output dict per batch), `merge(other)` (another rank's object) and `compute()` (a dict
+of scores). `EvalMetrics`, the default, always scores the loss; it adds accuracy and macro F1 when
+the outputs carry class logits (through `ClassificationMetrics`), and perplexity when the loss is
+per token and there are no class scores (a language model).
 
 Everything is computed from a confusion matrix (rows: true class, columns: predicted class), so the
 streaming accumulator only ever keeps a `num_labels x num_labels` table of counts on the CPU, never
@@ -23,23 +29,29 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Sequence
+from collections.abc import Mapping
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 __all__ = [
+    "EvalMetrics",
     "UndefinedF1Warning",
     "accuracy",
     "confusion_matrix",
     "f1_scores",
     "ClassificationMetrics",
     "majority_baseline",
+    "scoreable_logits",
 ]
 
 IGNORE_INDEX = -100
 
-ArrayLike = torch.Tensor | np.ndarray | Sequence[int]
+ArrayLike = Union[torch.Tensor, np.ndarray, Sequence[int]]
+# A head with more outputs than this is taken for a vocabulary, not a label set: its confusion
+# matrix would not fit in memory (50k classes: 20 GB). Override Loop.make_metrics for such tasks.
+MAX_CLASSES = 1024
 
 
 class UndefinedF1Warning(UserWarning):
@@ -270,8 +282,8 @@ class ClassificationMetrics:
 
     def update(
         self,
-        logits_or_predictions: torch.Tensor,
-        labels: torch.Tensor,
+        logits_or_predictions: Union[torch.Tensor, Mapping[str, Any]],
+        labels: Optional[torch.Tensor] = None,
         loss_sum: float | torch.Tensor | None = None,
         count: int | None = None,
     ) -> None:
@@ -279,7 +291,9 @@ class ClassificationMetrics:
 
         Args:
             logits_or_predictions: Float logits `[..., num_labels]` (argmax taken), a single logit per
-                item `[N]` or `[N, 1]` (positive means class 1), or integer class ids.
+                item `[N]` or `[N, 1]` (positive means class 1), or integer class ids. Or an
+                `eval_step` output dict (`logits` or `predictions`, `labels`, optional `loss_sum` and
+                `num_items`), as `Loop.evaluate` passes it.
             labels: True class ids, one per prediction; `ignore_index` items are skipped.
             loss_sum: Sum (not mean) of the per-item losses of this batch; for a mean loss pass
                 `mean_loss * count`. Give it on every update or on none.
@@ -288,6 +302,10 @@ class ClassificationMetrics:
         Raises:
             ValueError: Sizes differ, ids out of range, or loss given on only some updates.
         """
+        if isinstance(logits_or_predictions, Mapping):  # an eval_step output, as the Loop passes it
+            output = logits_or_predictions
+            logits_or_predictions = output["logits"] if output.get("logits") is not None else output["predictions"]
+            labels, loss_sum, count = output["labels"], output.get("loss_sum"), output.get("num_items")
         with torch.no_grad():
             if self.num_labels is None and logits_or_predictions.is_floating_point():
                 last_dim = logits_or_predictions.shape[-1] if logits_or_predictions.ndim >= 2 else 1
@@ -324,6 +342,18 @@ class ClassificationMetrics:
                 "(or on none) so that the mean loss covers the same items as the scores."
             )
 
+    def merge(self, other: "ClassificationMetrics") -> None:
+        """Adds another accumulator's counts (another rank's shard of the evaluation set)."""
+        size = max(self._matrix.shape[0], other._matrix.shape[0])
+        self._grow(size)
+        other_matrix = torch.zeros(size, size, dtype=torch.int64)
+        other_matrix[: other._matrix.shape[0], : other._matrix.shape[1]] = other._matrix
+        self._matrix += other_matrix
+        self._loss_sum += other._loss_sum
+        self._loss_count += other._loss_count
+        self._updates += other._updates
+        self._updates_with_loss += other._updates_with_loss
+
     def compute(self) -> dict[str, float]:
         """Scores over everything seen since the last reset.
 
@@ -348,6 +378,97 @@ class ClassificationMetrics:
         if self._updates_with_loss:
             result["loss"] = self._loss_sum / self._loss_count if self._loss_count else math.nan
         result["count"] = total
+        return result
+
+
+def scoreable_logits(logits: Any, labels: Any, vocab_size: Optional[int] = None) -> bool:
+    """Whether `logits` are class scores for integer `labels` (one row of scores per label).
+
+    True for `[N, C]` logits with `[N]` labels (sequence classification), `[N, T, C]` with `[N, T]`
+    (token classification) and single-logit heads; False for float labels (regression), for heads
+    of more than `MAX_CLASSES` outputs, and for a head as wide as the model's vocabulary (a
+    language model, whose labels may also be shifted inside the model).
+    """
+    if not isinstance(logits, torch.Tensor) or not isinstance(labels, torch.Tensor):
+        return False
+    if not logits.is_floating_point() or labels.is_floating_point() or logits.dim() < 1:
+        return False
+    classes = logits.shape[-1] if logits.dim() > labels.dim() else 1
+    shape_matches = logits.shape[:-1] == labels.shape if logits.dim() > labels.dim() else logits.shape == labels.shape
+    return bool(shape_matches) and classes <= MAX_CLASSES and classes != vocab_size
+
+
+class EvalMetrics:
+    """The Loop's default streaming metrics: loss always, classification scores or perplexity when they apply.
+
+    - `loss`: Σ loss_sum / Σ num_items over the evaluation set (exact, however the batches fall).
+    - `accuracy`, `f1` (macro), `f1_binary` (two classes): when the outputs carry `logits` (or
+      `predictions`) and integer `labels`, through `ClassificationMetrics`; labels of -100 are skipped.
+    - `perplexity` = exp(loss): when there are no class scores and the loss is per token (its items
+      outnumber the rows, or the labels have a time dimension).
+    - `count`: the items the loss (or the scores) cover.
+
+    Args:
+        num_labels: the number of classes, when known (the macro F1 then averages over all of them).
+    """
+
+    def __init__(self, num_labels: Optional[int] = None):
+        self.num_labels = num_labels
+        self.loss_sum = 0.0
+        self.items = 0.0
+        self.rows = 0
+        self.token_level = False
+        self.classification: Optional[ClassificationMetrics] = None
+
+    def update(self, output: Mapping[str, Any]) -> None:
+        """Adds one `eval_step` output: `loss_sum` and `num_items`, and `logits`/`predictions` with `labels`."""
+        if not isinstance(output, Mapping):
+            raise TypeError(
+                f"eval_step returned a {type(output).__name__}; return a dict with loss_sum and num_items "
+                "(and logits and labels to be scored)"
+            )
+        if output.get("loss_sum") is not None:
+            items = float(output.get("num_items", 0))
+            self.loss_sum += float(output["loss_sum"])
+            self.items += items
+            rows = int(output.get("rows", items))
+            self.rows += rows
+            self.token_level = self.token_level or items > rows
+        if output.get("labels") is not None and (output.get("logits") is not None or output.get("predictions") is not None):
+            if self.classification is None:
+                self.classification = ClassificationMetrics(num_labels=self.num_labels)
+            scores = output["logits"] if output.get("logits") is not None else output["predictions"]
+            self.classification.update(scores, output["labels"])
+            self.token_level = self.token_level or output["labels"].dim() > 1
+
+    def merge(self, other: "EvalMetrics") -> None:
+        """Adds another rank's sums (its shard of the evaluation set)."""
+        self.loss_sum += other.loss_sum
+        self.items += other.items
+        self.rows += other.rows
+        self.token_level = self.token_level or other.token_level
+        if other.classification is not None:
+            if self.classification is None:
+                self.classification = ClassificationMetrics(num_labels=self.num_labels)
+            self.classification.merge(other.classification)
+
+    def compute(self) -> dict[str, float]:
+        """The scores (see the class docstring).
+
+        Raises:
+            ValueError: nothing was evaluated (no batch had a loss or class scores).
+        """
+        result: dict[str, float] = {}
+        if self.items:
+            result["loss"] = self.loss_sum / self.items
+        if self.classification is not None:
+            scores = self.classification.compute()
+            result.update({key: value for key, value in scores.items() if key != "loss"})
+        elif "loss" in result and self.token_level:
+            result["perplexity"] = math.exp(min(result["loss"], 700.0))  # exp(700) is near float's limit
+        if not result:
+            raise ValueError("nothing was evaluated: eval_step returned no loss_sum and no logits with labels")
+        result.setdefault("count", int(self.items))
         return result
 
 

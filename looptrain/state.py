@@ -682,6 +682,7 @@ def rotate_checkpoints(
     output_dir: str | os.PathLike,
     save_total_limit: int | None,
     best_checkpoint: str | os.PathLike | None = None,
+    run_checkpoints: set[str] | None = None,
 ) -> list[Path]:
     """Keeps the `save_total_limit` newest complete checkpoints plus the best one.
 
@@ -694,6 +695,8 @@ def rotate_checkpoints(
         output_dir: The run's output directory.
         save_total_limit: How many of the newest checkpoints to keep; None or 0: all.
         best_checkpoint: The best checkpoint's name or path (BestTracker.best_checkpoint), or None.
+        run_checkpoints: Names of the checkpoints the current run owns; only these may be deleted
+            (None: any complete checkpoint). A checkpoint of another run is never touched.
 
     Returns:
         The checkpoint directories deleted (their former paths).
@@ -708,6 +711,8 @@ def rotate_checkpoints(
     if not save_total_limit:
         return []
     checkpoints = list_checkpoints(output_path)
+    if run_checkpoints is not None:
+        checkpoints = [path for path in checkpoints if path.name in run_checkpoints]
     best_name = Path(best_checkpoint).name if best_checkpoint is not None else None
     keep = {path.name for path in checkpoints[-save_total_limit:]}
     if best_name is not None:

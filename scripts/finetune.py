@@ -44,6 +44,7 @@ LOOP_FLAGS = {
     "auto_batch": ("--auto-batch", "memory/speed"),
     "max_bad_windows": ("--max-bad-windows", "training"),
     "eval_every": ("--eval-every", "evaluation/state"),
+    "report_to": ("--report-to", "evaluation/state"),
     "metric_for_best": ("--metric-for-best", "evaluation/state"),
     "save_total_limit": ("--save-total-limit", "evaluation/state"),
     "load_best_at_end": ("--load-best-at-end", "evaluation/state"),
@@ -51,6 +52,7 @@ LOOP_FLAGS = {
     "log_every": ("--log-every", "evaluation/state"),
 }
 DEFAULT_OUTPUT_DIR = "runs/finetune"  # the command line always writes final/ somewhere
+METRICS_FOR_BEST = ("f1", "accuracy", "loss", "f1_binary")  # what the classification evaluation produces
 INTERRUPTED_EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}  # the shell's 128 + signal number
 
 
@@ -60,7 +62,8 @@ class UsageError(Exception):
 
 # ---------------------------------------------------------------------- arguments
 def build_parser() -> argparse.ArgumentParser:
-    from looptrain.config import CLIP_MODES, METRICS_FOR_BEST, PRECISIONS, LoopConfig, field_help
+    from looptrain.config import CLIP_MODES, CONFIG_PRECISIONS, LoopConfig, field_help
+    from looptrain.optim import OPTIMIZER_NAMES
 
     parser = argparse.ArgumentParser(
         prog="finetune.py",
@@ -106,9 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
 
     memory.add_argument("--amp", action="store_true",
-                        help="mixed precision: bf16 where the device supports it, else fp16 with a GradScaler")
-    memory.add_argument("--optim", choices=("adamw", "adamw8bit", "paged_adamw8bit", "adafactor", "sgd"),
-                        default="adamw",
+                        help="mixed precision where it is fast: bf16 on GPUs with bf16 and CPUs with native bf16 "
+                             "(AMX, AVX-512 BF16), fp16 + GradScaler on older GPUs, fp32 on other CPUs "
+                             "(same as --precision auto)")
+    memory.add_argument("--optim", choices=OPTIMIZER_NAMES, default="adamw",
                         help="adamw: 8 B/param of state; adamw8bit: 2 B/param (embeddings kept 32-bit); "
                              "adafactor: factored, ~0 B/param; sgd: no state (plain SGD)")
     memory.add_argument("--no-foreach", action="store_true",
@@ -140,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     # The loop's own options, generated from LoopConfig: one source of defaults and help.
     defaults = LoopConfig()
     helps = field_help()
-    choices = {"precision": PRECISIONS, "clip_mode": CLIP_MODES, "metric_for_best": METRICS_FOR_BEST}
+    choices = {"precision": CONFIG_PRECISIONS, "clip_mode": CLIP_MODES, "metric_for_best": METRICS_FOR_BEST}
     hints = typing.get_type_hints(LoopConfig)
     for field in dataclasses.fields(LoopConfig):
         if field.name not in LOOP_FLAGS:
@@ -151,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
         if field.name == "output_dir":
             default = DEFAULT_OUTPUT_DIR
             help_text = "metrics.jsonl, summary.json, run_config.json, checkpoint-<step>/ and final/ go here"
+        if field.name == "metric_for_best":
+            default = "f1"
+            help_text = "eval metric that picks the best checkpoint (loss: lower is better; the others higher)"
         options = {"dest": field.name, "default": default, "help": help_text}
         if hints[field.name] is bool:
             options["action"] = "store_true"
@@ -184,8 +191,8 @@ def _eval_every(text: str):
 def check_flags(args, parser: argparse.ArgumentParser) -> None:
     """Rejects flag combinations that cannot work, naming the flags."""
     given = {token.split("=")[0] for token in (args._argv or [])}
-    if args.amp and "--precision" in given and args.precision == "fp32":
-        raise UsageError("--amp and --precision fp32 contradict each other; pass one of them")
+    if args.amp and "--precision" in given and args.precision != "auto":
+        raise UsageError(f"--amp and --precision {args.precision} contradict each other; pass one of them")
     if args.freeze_encoder and (args.freeze_layers or args.freeze_embeddings):
         raise UsageError("--freeze-encoder already freezes the embeddings and every layer; drop "
                          "--freeze-layers/--freeze-embeddings or use them without --freeze-encoder")
@@ -194,8 +201,11 @@ def check_flags(args, parser: argparse.ArgumentParser) -> None:
     if args.max_tokens is not None and args.max_tokens < args.max_length and args.padding == "max_length":
         raise UsageError(f"--max-tokens {args.max_tokens} is smaller than one --max-length {args.max_length} "
                          "sample padded with --padding max_length; raise --max-tokens or use --padding dynamic")
-    if args.no_foreach and args.optim not in ("adamw", "sgd"):
-        raise UsageError(f"--no-foreach applies to --optim adamw and sgd (got --optim {args.optim}); drop it")
+    from looptrain.optim import FOREACH_OPTIMIZERS, optimizer_options_problem
+
+    if optimizer_options_problem(args.optim, foreach=False if args.no_foreach else None):
+        raise UsageError(f"--no-foreach applies to --optim {' and '.join(FOREACH_OPTIMIZERS)} only "
+                         f"(got --optim {args.optim}); drop it")
     for flag, value in (("--batch-size", args.batch_size), ("--eval-batch-size", args.eval_batch_size),
                         ("--max-length", args.max_length)):
         if value < 1:
@@ -214,29 +224,19 @@ def check_flags(args, parser: argparse.ArgumentParser) -> None:
         if not launched_by_torchrun():
             raise UsageError("--fsdp shards across processes: launch with torchrun --nproc_per_node N "
                              "scripts/finetune.py ... (one process has nothing to shard across)")
-        if args.optim in ("adamw8bit", "paged_adamw8bit"):
-            raise UsageError(f"--fsdp does not support --optim {args.optim} (bitsandbytes cannot step sharded "
-                             "parameters); use --optim adamw or adafactor")
 
 
-def loop_config(args, device_precision: str):
+def loop_config(args):
+    """The LoopConfig of these flags (validated: a bad value or combination raises ConfigError)."""
     from looptrain import LoopConfig
 
     fields = {name: getattr(args, name) for name in LOOP_FLAGS}
-    fields["precision"] = device_precision
+    if args.amp:
+        fields["precision"] = "auto"
     fields["progress_bar"] = not args.no_progress_bar
     fields["track_memory"] = not args.no_track_memory
     fields["extra"] = {"command_line": args._argv}
     return LoopConfig(**fields)
-
-
-def resolve_precision(args) -> str:
-    """`--amp` means bf16 where the device supports it, else fp16 + GradScaler."""
-    from looptrain.precision import amp_precision, resolve_device
-
-    if not args.amp:
-        return args.precision
-    return amp_precision(resolve_device(args.device))
 
 
 # ---------------------------------------------------------------------- model and data
@@ -309,6 +309,7 @@ def subset(data, indices, cls):
         text_pairs=None if data.text_pairs is None else [data.text_pairs[i] for i in indices],
         label_names=data.label_names,
         source=data.source,
+        notices=list(data.notices),
     )
 
 
@@ -385,24 +386,27 @@ def build_scheduler(optimizer, args, total_steps: int):
 def run(args) -> dict:
     import torch
 
-    from looptrain.loop import OUT_OF_MEMORY_ERRORS, planned_updates
-    from looptrain.state import write_json_atomic
-
     from looptrain import Loop, seed_everything
     from looptrain import data as data_module
     from looptrain import distributed, memory, metrics
+    from looptrain.config import check_process_group
+    from looptrain.guards import OUT_OF_MEMORY_ERRORS
+    from looptrain.loop import planned_updates
     from looptrain.optim import build_optimizer
+    from looptrain.precision import amp_precision, cpu_description, resolve_device, resolve_precision
+    from looptrain.state import write_json_atomic
 
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # no "Loading weights" / "Writing model shards" bars: the loop reports progress
-    precision = resolve_precision(args)
-    config = loop_config(args, precision)  # validates every loop option before any work
+    config = loop_config(args)  # validates every loop option before any work
     place = distributed.init_distributed(config.device)  # under torchrun: join the group before building samplers
+    check_process_group(config, place.world_size, sharded=args.fsdp, optimizer_name=args.optim)
     print = builtins.print if place.is_main else _silent  # one process speaks
-    if args.amp:
-        scaler_note = " with a GradScaler" if precision == "fp16" else ""
-        print(f"--amp: {precision} autocast{scaler_note} on {config.device}")
+    device = distributed.device_for(resolve_device(config.device), place)
+    precision = resolve_precision(config.precision, device)
+    if config.precision == "auto":
+        print(amp_precision(device)[1])
     output_dir = Path(config.output_dir)
     seed_everything(config.seed)
 
@@ -411,6 +415,8 @@ def run(args) -> dict:
         model_path = str(embedded_model_path())
         os.environ["HF_HUB_OFFLINE"] = "1"  # the embedded model is loaded by path, never from a hub
     train_data, eval_data, data_description = load_data(args)
+    for notice in dict.fromkeys(train_data.notices + (eval_data.notices if eval_data is not None else [])):
+        print(f"notice: {notice}")
     tokenizer = data_module.load_tokenizer(model_path, allow_slow=args.allow_slow_tokenizer,
                                            trust_remote_code=args.trust_remote_code)
     model = load_model(model_path, train_data, args)
@@ -441,7 +447,7 @@ def run(args) -> dict:
     if report:
         print(report)
     if args.fsdp:  # shard before the optimizer is built: fully_shard replaces the parameters
-        model.to(Loop.device_for(config, place))
+        model.to(device)
         distributed.shard_model(model)
     optimizer = build_optimizer(model, args.optim, args.lr, weight_decay=args.weight_decay,
                                 foreach=False if args.no_foreach else None)
@@ -450,7 +456,8 @@ def run(args) -> dict:
     if place.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         resolved = {"arguments": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-                    "model_path": model_path, "loop_config": config.to_dict(), "world_size": place.world_size}
+                    "model_path": model_path, "loop_config": config.to_dict(), "world_size": place.world_size,
+                    "resolved": {"precision": precision, "device": str(device), "cpu": cpu_description()}}
         write_json_atomic(output_dir / "run_config.json", resolved)
 
     loop = Loop(model, optimizer, train_loader, eval_loader=eval_loader, scheduler=scheduler, config=config)
@@ -490,12 +497,15 @@ def what_would_fit(model_config, args, precision: str, device) -> str:
     from looptrain import memory
 
     current = {"precision": precision, "optimizer": args.optim, "gradient_checkpointing": args.gradient_checkpointing,
+               "optimizer_in_backward": args.optimizer_in_backward, "foreach": False if args.no_foreach else None,
                "freeze_embeddings": args.freeze_embeddings, "freeze_layers": args.freeze_layers,
-               "freeze_encoder": args.freeze_encoder, "num_labels": model_config.num_labels}
+               "freeze_encoder": args.freeze_encoder, "num_labels": model_config.num_labels,
+               "accum_steps": args.accum_steps, "max_grad_norm": args.max_grad_norm}
     batch, accum = args.batch_size, args.accum_steps
     candidates = [("these flags", batch, current)]
     if batch > 1:
-        candidates.append((f"--batch-size {batch // 2} --accum {accum * 2} (or --auto-batch)", batch // 2, current))
+        candidates.append((f"--batch-size {batch // 2} --accum {accum * 2} (or --auto-batch)", batch // 2,
+                           {**current, "accum_steps": accum * 2}))
     if not args.gradient_checkpointing:
         candidates.append(("+ --grad-checkpoint", batch, {**current, "gradient_checkpointing": True}))
     if args.optim == "adamw":

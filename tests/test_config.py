@@ -13,14 +13,16 @@ from looptrain.config import ConfigError
         ({"accum_steps": 0}, r"accum_steps must be >= 1 \(got 0\)"),
         ({"epochs": 0}, r"epochs must be >= 1"),
         ({"max_steps": 0}, r"max_steps must be a positive number"),
-        ({"precision": "fp8"}, r"precision must be one of fp32, bf16, fp16 \(got 'fp8'\)"),
+        ({"precision": "fp8"}, r"precision must be one of fp32, bf16, fp16, auto \(got 'fp8'\)"),
         ({"max_grad_norm": 0.0}, r"max_grad_norm must be > 0, or None"),
         ({"clip_mode": "sometimes"}, r"clip_mode must be one of"),
         ({"log_every": 0}, r"log_every must be >= 1"),
         ({"eval_every": 0}, r"eval_every must be 'epoch', 'no' or a positive number"),
         ({"eval_every": "weekly"}, r"eval_every must be"),
         ({"save_total_limit": 0}, r"save_total_limit must be >= 1, or None"),
-        ({"metric_for_best": "bleu"}, r"metric_for_best must be one of f1, accuracy, loss"),
+        ({"metric_for_best": ""}, r"metric_for_best must be a metric name such as 'f1' or 'loss', or None"),
+        ({"report_to": "wandb"}, r"report_to must be 'none' or comma-separated names from tensorboard \(got 'wandb'\)"),
+        ({"report_to": "tensorboard"}, r"report_to='tensorboard' writes its files under output_dir: set output_dir"),
         ({"optimizer_in_backward": True, "accum_steps": 4}, r"optimizer_in_backward=True cannot be combined with accum_steps > 1"),
         ({"optimizer_in_backward": True, "precision": "fp16"}, r"optimizer_in_backward=True cannot be combined with precision='fp16'"),
         ({"optimizer_in_backward": True, "clip_mode": "global"}, r"clip_mode='global' needs every gradient at once"),
@@ -51,6 +53,13 @@ def test_all_problems_reported_at_once():
 def test_auto_clip_mode_resolves_per_strategy():
     assert LoopConfig().effective_clip_mode == "global"
     assert LoopConfig(optimizer_in_backward=True).effective_clip_mode == "per_parameter"
+
+
+def test_best_metric_direction_defaults_by_name_and_can_be_forced():
+    config = LoopConfig()
+    assert [config.best_mode_for(name) for name in ("f1", "accuracy", "loss", "eval_loss", "perplexity", "mae")] == [
+        "max", "max", "min", "min", "min", "min"]
+    assert LoopConfig(metric_for_best="bleu", greater_is_better=False).best_mode_for("bleu") == "min"
 
 
 def test_defaults_are_valid_and_serialisable():

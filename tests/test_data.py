@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 
 import numpy as np
@@ -14,6 +15,7 @@ from looptrain.data import (
     DynamicPaddingCollator,
     LengthGroupedSampler,
     RandomBatchSampler,
+    TextClassificationData,
     TokenBudgetBatchSampler,
     load_tokenizer,
     make_eval_loader,
@@ -79,7 +81,7 @@ def test_jsonl_and_sequence_of_dicts(tmp_path):
     path = write(tmp_path / "d.jsonl", "\n".join(json.dumps(row) for row in rows) + "\n\n")
     assert read_classification_data(path).labels == [1, 0]
     assert read_classification_data(rows).texts == ["good", "bad"]
-    assert read_classification_data(rows, max_samples=1).texts == ["good"]
+    assert read_classification_data(rows + rows, max_samples=3).texts == ["good", "bad", "good"]
 
 
 def test_missing_column_suggests_closest(tmp_path):
@@ -127,8 +129,94 @@ def test_unsupported_extension_and_utf8_bom(tmp_path):
     with pytest.raises(DataError, match="unsupported file type '.txt'"):
         read_classification_data(write(tmp_path / "d.txt", "x"))
     bom = tmp_path / "bom.csv"
-    bom.write_bytes(b"\xef\xbb\xbftext,label\nhi,0\n")
-    assert read_classification_data(str(bom)).texts == ["hi"]
+    bom.write_bytes(b"\xef\xbb\xbftext,label\nhi,0\nbye,1\n")
+    assert read_classification_data(str(bom)).texts == ["hi", "bye"]
+
+
+# Data that would train on something other than what the user thinks: each is refused or noticed.
+
+
+@pytest.mark.parametrize("name, separator", [("d.csv", ","), ("d.tsv", "\t")])
+def test_repeated_column_name_is_refused(tmp_path, name, separator):
+    # Before: the row dict kept the last 'text' column, and training used it silently.
+    header = separator.join(["text", "label", " text "])
+    path = write(tmp_path / name, f"{header}\n" + separator.join(["a", "pos", "b"]) + "\n")
+    with pytest.raises(DataError, match=r"column 'text' appears 2 times in the header \(columns 1, 3\); rename or remove"):
+        read_classification_data(path)
+
+
+def test_blank_header_cells_may_repeat(tmp_path):
+    # Trailing separators (spreadsheet exports) leave unnamed columns: nobody can ask for them.
+    data = read_classification_data(write(tmp_path / "d.csv", "text,label,,\na,pos,,\nb,neg,,\n"))
+    assert data.texts == ["a", "b"] and data.labels == [1, 0]
+
+
+def test_repeated_jsonl_key_is_refused(tmp_path):
+    path = write(tmp_path / "d.jsonl", '{"text": "a", "label": 0}\n{"text": "b", "label": 1, "text": "c"}\n')
+    with pytest.raises(DataError, match=r"d\.jsonl:2: key 'text' appears 2 times in one JSON object; keep one"):
+        read_classification_data(path)
+
+
+def test_integer_ids_mixed_with_names_in_jsonl_are_refused(tmp_path):
+    rows = [{"text": "a", "label": 0}, {"text": "b", "label": "1"}, {"text": "c", "label": "pos"}]
+    path = write(tmp_path / "d.jsonl", "\n".join(json.dumps(row) for row in rows) + "\n")
+    with pytest.raises(DataError, match=r"d\.jsonl: the labels mix integer ids and class names: "
+                                        r"ids 0 \(line 1\), '1' \(line 2\); names 'pos' \(line 3\)\. Use one kind"):
+        read_classification_data(path)
+
+
+def test_integer_looking_labels_mixed_with_names_in_csv_are_refused(tmp_path):
+    path = write(tmp_path / "d.csv", "text,label\na,0\nb,1\nc,pos\nd,neg\ne,1\n")
+    with pytest.raises(DataError, match=r"ids '0' \(line 2\), '1' \(line 3\); names 'pos' \(line 4\), "
+                                        r"'neg' \(line 5\)\. Use one kind in every row"):
+        read_classification_data(path)
+
+
+def test_non_integer_numeric_labels_are_class_names_with_a_notice(tmp_path):
+    data = read_classification_data(write(tmp_path / "d.csv", "text,label\na,0.0\nb,1.5\nc,2.7\nd,1.5\n"))
+    assert data.label_names == ["0.0", "1.5", "2.7"] and data.labels == [0, 1, 2, 1]
+    assert len(data.notices) == 1
+    assert re.fullmatch(r".*d\.csv: the labels look numeric but are not all integer ids \('0\.0' \(line 2\), "
+                        r"'1\.5' \(line 3\), '2\.7' \(line 4\)\), so they are treated as 3 class names; "
+                        r"looptrain fine-tunes classifiers, not regressors \(write class ids as integers 0\.\.N-1\)",
+                        data.notices[0])
+    # Names that are words, and integer ids, give no notice.
+    assert read_classification_data([{"text": "a", "label": "pos"}, {"text": "b", "label": "neg"}]).notices == []
+
+
+def test_integer_valued_json_float_label_is_an_id(tmp_path):
+    path = write(tmp_path / "d.jsonl", '{"text": "a", "label": 1.0}\n{"text": "b", "label": 0}\n')
+    data = read_classification_data(path)
+    assert data.labels == [1, 0] and data.label_names is None and data.notices == []
+
+
+def test_single_class_training_data_is_refused_but_eval_data_may_have_one(tmp_path):
+    train = write(tmp_path / "train.csv", "text,label\na,pos\nb,pos\n")
+    with pytest.raises(DataError, match=r"train\.csv: every label in column 'label' is 'pos', but a classifier needs "
+                                        r"at least two classes; point label_column="):
+        read_classification_data(train)
+    with pytest.raises(DataError, match=r"every label in column 'label' is 0, but a classifier"):
+        read_classification_data([{"text": "a", "label": 0}, {"text": "b", "label": 0}])
+    assert read_classification_data(train, label_names=["neg", "pos"]).labels == [1, 1]
+    assert read_classification_data([{"text": "a", "label": 1}], num_labels=2).labels == [1]
+
+
+def test_tab_separated_file_named_csv_says_rename(tmp_path):
+    path = write(tmp_path / "train.csv", "text\tlabel\ngood\tpos\nbad\tneg\n")
+    with pytest.raises(DataError, match=r"train\.csv: the header 'text\\tlabel' is one column that contains tabs: "
+                                        r"the file looks tab-separated; rename it to .*train\.tsv$"):
+        read_classification_data(path)
+
+
+def test_directory_named_like_a_data_file(tmp_path):
+    (tmp_path / "x.csv").mkdir()
+    with pytest.raises(DataError, match=r"x\.csv is a directory, not a file; pass the path of a data file inside it"):
+        read_classification_data(str(tmp_path / "x.csv"))
+
+
+def test_text_classification_data_built_by_keyword_has_no_notices():
+    data = TextClassificationData(texts=["a"], labels=[0], text_pairs=None, label_names=None, source="x")
+    assert data.notices == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,32 +330,13 @@ def test_resume_mid_epoch_yields_exactly_the_remaining_batches(kind):
     reference.set_epoch(2)
     full = list(reference)
     resumed = all_samplers(lengths)[kind]
-    resumed.load_state_dict({"epoch": 2, "batches_done": 7, "seed": 0, "num_replicas": 1})
-    assert len(resumed) == len(full) - 7
+    resumed.set_epoch(2)
+    resumed.skip_batches(7)  # what the loop does on resume, with the batch count from its checkpoint
+    assert len(resumed) == len(full) - 7 and resumed.batches_per_epoch == len(full)
     assert list(resumed) == full[7:]
     assert list(resumed) == full  # the offset applied to one iteration only
-    other = all_samplers(lengths)[kind]
-    other.set_epoch(2)
-    other.skip_batches(3)
-    assert list(other) == full[3:]
-
-
-def test_resume_with_a_different_world_size_is_refused():
-    sampler = RandomBatchSampler(100, 8)
-    with pytest.raises(DataError, match="num_replicas=2 differs"):
-        sampler.load_state_dict({"epoch": 0, "batches_done": 1, "seed": 0, "num_replicas": 2})
-
-
-def test_state_dict_counts_yielded_batches():
-    sampler = RandomBatchSampler(100, 8)
-    iterator = iter(sampler)
-    next(iterator), next(iterator)
-    assert sampler.state_dict() == {"epoch": 0, "batches_done": 2, "seed": 0, "num_replicas": 1}
-    assert sampler.state_dict(batches_done=1)["batches_done"] == 1
-    sampler.set_epoch(1)
-    assert sampler.state_dict()["batches_done"] == 0
-    sampler.load_state_dict({"epoch": 3, "batches_done": 5})
-    assert sampler.state_dict() == {"epoch": 3, "batches_done": 5, "seed": 0, "num_replicas": 1}
+    with pytest.raises(DataError, match="cannot skip a negative number of batches"):
+        resumed.skip_batches(-1)
 
 
 def test_token_budget_respected_and_oversized_policy():

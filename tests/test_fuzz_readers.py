@@ -155,6 +155,7 @@ def check_reader(path, raw: bytes, options: dict) -> None:
         return
     pair = not isinstance(options["text_column"], str)
     assert len(data.texts) >= 1
+    assert all(isinstance(notice, str) and "\n" not in notice for notice in data.notices)  # one line each
     if options["max_samples"] is not None:
         assert len(data.texts) <= options["max_samples"]
     assert all(isinstance(text, str) and text.strip() for text in data.texts)
@@ -172,6 +173,8 @@ def check_reader(path, raw: bytes, options: dict) -> None:
     assert all(0 <= label < num_labels for label in data.labels)
     if options["label_names"] is not None:
         assert data.label_names == options["label_names"]
+    elif options["num_labels"] is None:
+        assert len(set(data.labels)) >= 2  # training data: a classifier needs two classes
     if options["num_labels"] is not None and options["label_names"] is None:
         # Numeric ids must lie below num_labels, and string labels may not outnumber it.
         assert all(label < options["num_labels"] for label in data.labels)

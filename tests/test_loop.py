@@ -132,17 +132,24 @@ def token_batch(lengths: list[int], seed: int = 0, label_key: str = "labels") ->
     return {"input_ids": input_ids, label_key: labels}
 
 
-# "labels": the loop counts the same tokens before the forward that compute_loss reports.
-# "targets": the loop can only count rows; the reported token count rescales the update at the step.
-@pytest.mark.parametrize("label_key", ["labels", "targets"])
-def test_token_level_accumulation_uses_the_window_token_count(label_key):
+class TargetsLoop(TokenLoop):
+    """Token targets under another key than `labels`: count_items says which items the loss sums over."""
+
+    def count_items(self, batch):
+        return (batch["targets"] != -100).sum()
+
+
+# "labels": the default count_items counts the same tokens before the forward that compute_loss reports.
+# "targets": the subclass's count_items counts them.
+@pytest.mark.parametrize("label_key, loop_class", [("labels", TokenLoop), ("targets", TargetsLoop)])
+def test_token_level_accumulation_uses_the_window_token_count(label_key, loop_class):
     full = token_batch([2, 9, 4, 7], label_key=label_key)
     rows = [{key: value[i:i + 1] for key, value in full.items()} for i in range(4)]
 
     def train(batches, accum_steps):
         model = TokenModel()
-        TokenLoop(model, torch.optim.SGD(model.parameters(), lr=1.0), batches,
-                  config=quiet(accum_steps=accum_steps, max_grad_norm=None)).fit()
+        loop_class(model, torch.optim.SGD(model.parameters(), lr=1.0), batches,
+                   config=quiet(accum_steps=accum_steps, max_grad_norm=None)).fit()
         return model
 
     reference, accumulated = train([full], 1), train(rows, 4)
@@ -155,6 +162,16 @@ def test_token_level_accumulation_uses_the_window_token_count(label_key):
         (nn.functional.cross_entropy(logits.flatten(0, 1), row[label_key].flatten(), ignore_index=-100) / 4).backward()
     optimizer.step()
     assert (naive.head.weight - accumulated.head.weight).abs().max() > 1e-3
+
+
+def test_a_loss_over_other_items_than_counted_is_refused_naming_count_items():
+    # Targets under "targets": the default count_items sees no labels and counts rows (1), while the
+    # loss sums over 9 tokens. The mean would be off by 9x: the loop stops and names the hook.
+    model = TokenModel()
+    batch = token_batch([9], label_key="targets")
+    with pytest.raises(ValueError, match=r"reported its loss over 9 items but count_items counted 1.*"
+                                         r"override Loop.count_items"):
+        TokenLoop(model, torch.optim.SGD(model.parameters(), lr=1.0), [batch], config=quiet()).fit()
 
 
 class OneWeightLoop(Loop):

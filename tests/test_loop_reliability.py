@@ -137,7 +137,7 @@ class SignalAtStep(Loop):
     signal_step = 3
 
     def on_step_end(self, *, step, **_):
-        if step == self.signal_step and self.stop_signal is None:
+        if step == self.signal_step and self._signals.received is None:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -156,10 +156,10 @@ def test_sigterm_saves_a_checkpoint_and_resume_matches_an_uninterrupted_run(tmp_
     loop.fit()
     interrupted_model, loop = make(SignalAtStep, tmp_path / "cut")
     summary = loop.fit()
-    # The signal lands after step 3's window was summed over ranks: the decision to stop is taken,
-    # on every rank alike, at the end of the next window.
-    assert summary["interrupted"] == "SIGTERM" and summary["optimizer_steps"] == 4
-    assert (tmp_path / "cut" / "checkpoint-4" / "COMPLETE").exists()
+    # The signal lands in step 3's on_step_end, before the loop asks every rank whether to stop
+    # (one all-reduce after each window): the run stops, on every rank alike, after that window.
+    assert summary["interrupted"] == "SIGTERM" and summary["optimizer_steps"] == 3
+    assert (tmp_path / "cut" / "checkpoint-3" / "COMPLETE").exists()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler was put back
     resumed, loop = make(Loop, tmp_path / "cut", resume="auto")
     assert loop.fit()["optimizer_steps"] == 8

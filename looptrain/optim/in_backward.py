@@ -1,234 +1,23 @@
-"""Optimizer factory and the optimizer step fused into backward.
+"""The optimizer step fused into backward: each parameter steps as soon as its gradient is ready.
 
-`build_optimizer` makes AdamW (``foreach`` / ``fused`` exposed), bitsandbytes' 8-bit AdamW (paged
-or not, with 32-bit state for every embedding), Hugging Face's Adafactor and SGD, always over two
-parameter groups (weight decay / no weight decay) that hold every trainable parameter exactly once
-and no frozen one.
-
-`OptimizerInBackward` takes such an optimizer and steps each parameter from a
-``register_post_accumulate_grad_hook`` as soon as its gradient is ready, then frees the gradient:
-the full set of gradients never exists at once.
+`OptimizerInBackward` takes an ordinary optimizer and steps each parameter from a
+``register_post_accumulate_grad_hook``, then frees the gradient: the full set of gradients never
+exists at once. Clipping is kept (per parameter, or by the previous step's global norm).
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from looptrain.freeze import is_norm_module
-
-OPTIMIZER_NAMES = ("adamw", "adamw8bit", "paged_adamw8bit", "adafactor", "sgd")
 CLIP_MODES = ("per_parameter", "previous_global")
 
 # Same epsilon as torch.nn.utils.clip_grad_norm_, so per-parameter clipping matches it exactly.
 _CLIP_EPSILON = 1e-6
-
-
-def build_parameter_groups(
-    model: nn.Module, weight_decay: float, *, decay_embeddings: bool = True
-) -> list[dict[str, Any]]:
-    """Split the trainable parameters into a weight-decay group and a no-decay group.
-
-    No decay on biases (parameters named ``bias``) and on every parameter of a normalisation layer
-    (detected by module type, `looptrain.freeze.is_norm_module`, so ``LlamaRMSNorm`` counts).
-    Embeddings are decayed by default, as Hugging Face ``Trainer`` does, so runs compare with
-    Trainer's; pass ``decay_embeddings=False`` for the minGPT / nanoGPT convention. Frozen
-    parameters are in no group; tied parameters appear once.
-
-    Args:
-        model: The model.
-        weight_decay: Weight decay of the decay group.
-        decay_embeddings: Whether ``nn.Embedding`` weights are decayed.
-
-    Returns:
-        A list of one or two param-group dicts (empty groups are left out).
-
-    Raises:
-        ValueError: If the model has no trainable parameter.
-    """
-    decay: list[nn.Parameter] = []
-    no_decay: list[nn.Parameter] = []
-    seen: set[int] = set()
-    for module in model.modules():
-        for name, parameter in module.named_parameters(recurse=False):
-            if id(parameter) in seen or not parameter.requires_grad:
-                continue
-            seen.add(id(parameter))
-            exempt = (
-                name.endswith("bias")
-                or is_norm_module(module)
-                or (not decay_embeddings and isinstance(module, nn.Embedding))
-            )
-            (no_decay if exempt else decay).append(parameter)
-
-    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
-    if not trainable:
-        raise ValueError(
-            f"build_optimizer: {type(model).__name__} has no trainable parameter (all have "
-            "requires_grad=False); unfreeze something, e.g. looptrain.freeze.unfreeze(model.classifier)."
-        )
-    # minGPT's check: every trainable parameter in exactly one group, nothing else in any group.
-    grouped = [id(parameter) for parameter in decay + no_decay]
-    assert len(grouped) == len(set(grouped)), "a parameter landed in both weight-decay groups"
-    assert set(grouped) == {id(parameter) for parameter in trainable}, "parameter groups do not cover the trainable parameters"
-
-    groups = [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    return [group for group in groups if group["params"]]
-
-
-def register_embedding_state_bits(model: nn.Module, bits: int = 32) -> int:
-    """Give every trainable ``nn.Embedding`` weight `bits`-bit optimizer state in bitsandbytes.
-
-    The one place where looptrain touches bitsandbytes' process-global ``GlobalOptimManager``.
-    Overrides are keyed on the parameter object, so they also apply to optimizers built later
-    over the same parameters (`OptimizerInBackward`'s per-parameter ones). Registering the same
-    module twice is a no-op.
-
-    Args:
-        model: The model.
-        bits: 32 (the bitsandbytes recommendation for NLP embeddings) or 8.
-
-    Returns:
-        The number of embedding modules registered.
-    """
-    from bitsandbytes.optim import GlobalOptimManager
-
-    manager = GlobalOptimManager.get_instance()
-    registered = {(id(module), attribute) for module, attribute, _ in manager.module_weight_config_triple}
-    count = 0
-    for module in model.modules():
-        if isinstance(module, nn.Embedding) and module.weight.requires_grad:
-            if (id(module), "weight") not in registered:
-                manager.register_module_override(module, "weight", {"optim_bits": bits})
-            count += 1
-    return count
-
-
-def _import_bitsandbytes():
-    try:
-        import bitsandbytes
-    except ImportError as error:
-        raise ImportError(
-            "8-bit optimizers need bitsandbytes: pip install bitsandbytes (or use --optim adamw / adafactor)."
-        ) from error
-    return bitsandbytes
-
-
-def build_optimizer(
-    model: nn.Module,
-    name: str,
-    lr: float,
-    weight_decay: float = 0.0,
-    *,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    foreach: bool | None = None,
-    fused: bool | None = None,
-    embedding_bits: int = 32,
-    decay_embeddings: bool = True,
-    **kwargs: Any,
-) -> torch.optim.Optimizer:
-    """Build an optimizer over the trainable parameters of `model`.
-
-    Args:
-        model: The model; frozen parameters get no group and no state.
-        name: One of ``adamw``, ``adamw8bit``, ``paged_adamw8bit``, ``adafactor``, ``sgd``.
-        lr: Learning rate (Adafactor too: relative steps are off, as in Trainer's ``adafactor``).
-        weight_decay: Decoupled weight decay (L2 for SGD), not applied to biases and norms.
-        betas: Adam betas (adamw, adamw8bit, paged_adamw8bit).
-        eps: Adam epsilon (adamw, adamw8bit, paged_adamw8bit).
-        foreach: ``torch.optim.AdamW`` / ``SGD`` option; ``False`` steps one tensor at a time,
-            which lowers the step's peak memory (no multi-tensor temporaries) at some speed cost.
-        fused: ``torch.optim.AdamW`` / ``SGD`` option: one fused kernel per step.
-        embedding_bits: Optimizer-state bits for ``nn.Embedding`` weights under the 8-bit
-            optimizers: 32 (default, for stability) or 8.
-        decay_embeddings: Whether embedding weights are in the weight-decay group.
-        **kwargs: Passed to the optimizer class (e.g. ``momentum`` for sgd, ``beta1`` for adafactor,
-            ``min_8bit_size`` for the 8-bit ones).
-
-    Returns:
-        The optimizer.
-
-    Raises:
-        ValueError: Unknown `name`, options that do not apply to it, or no trainable parameter.
-        ImportError: bitsandbytes missing for the 8-bit optimizers.
-    """
-    if name not in OPTIMIZER_NAMES:
-        raise ValueError(f"build_optimizer: unknown optimizer {name!r}; valid names are {', '.join(OPTIMIZER_NAMES)}.")
-    if name not in ("adamw", "sgd") and (foreach is not None or fused is not None):
-        raise ValueError(f"build_optimizer: foreach/fused apply to adamw and sgd only, not {name!r}; leave them None.")
-    if foreach and fused:
-        raise ValueError("build_optimizer: foreach=True and fused=True exclude each other; pick one.")
-    if embedding_bits not in (8, 32):
-        raise ValueError(f"build_optimizer: embedding_bits must be 8 or 32, got {embedding_bits}.")
-    groups = build_parameter_groups(model, weight_decay, decay_embeddings=decay_embeddings)
-
-    if name == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=foreach, fused=fused, **kwargs)
-    if name == "sgd":
-        return torch.optim.SGD(groups, lr=lr, foreach=foreach, fused=fused, **kwargs)
-    if name == "adafactor":
-        from transformers.optimization import Adafactor
-
-        # Trainer's optim="adafactor" settings (the seeds' ladder): explicit lr, no relative step,
-        # no parameter-scale factor; first moment off unless beta1 is passed.
-        options = {"scale_parameter": False, "relative_step": False, "warmup_init": False, **kwargs}
-        return Adafactor(groups, lr=lr, **options)
-
-    bitsandbytes = _import_bitsandbytes()
-    if embedding_bits != 8:
-        register_embedding_state_bits(model, embedding_bits)
-    optimizer_class = bitsandbytes.optim.PagedAdamW8bit if name == "paged_adamw8bit" else bitsandbytes.optim.AdamW8bit
-    return optimizer_class(groups, lr=lr, betas=betas, eps=eps, **kwargs)
-
-
-def optimizer_state_bytes(optimizer: Any) -> int:
-    """Bytes held by the tensors in an optimizer's state (8-bit state counts 1 byte an element).
-
-    A tensor shared between parameters (bitsandbytes' quantisation maps) is counted once.
-
-    Args:
-        optimizer: A torch optimizer (bitsandbytes ones included) or an `OptimizerInBackward`.
-
-    Returns:
-        The number of bytes.
-    """
-    return _state_bytes(inner_optimizers(optimizer))
-
-
-def inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
-    """The torch optimizers that hold the state: an `OptimizerInBackward`'s per-parameter ones, else itself.
-
-    Args:
-        optimizer: A torch optimizer, an `OptimizerInBackward`, or None.
-
-    Returns:
-        A list of optimizers (empty for None).
-    """
-    if optimizer is None:
-        return []
-    if isinstance(optimizer, OptimizerInBackward):
-        return list(optimizer._per_parameter.values())
-    return [optimizer]
-
-
-def _state_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:
-    seen: set[int] = set()
-    total = 0
-    for optimizer in optimizers:
-        for state in optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and id(value) not in seen:
-                    seen.add(id(value))
-                    total += value.numel() * value.element_size()
-    return total
 
 
 def _clone_for_parameter(optimizer: torch.optim.Optimizer, group: dict[str, Any], parameter: nn.Parameter):
@@ -298,6 +87,9 @@ class OptimizerInBackward:
     ``grad_norm`` is this step's global norm before clipping, summed from the per-parameter norms
     in the hooks, so it can be logged as usual.
 
+    A parameter whose gradient is not finite is not stepped (its weights stay finite); ``grad_norm``
+    is then not finite either, so the loop counts the window as skipped.
+
     Every backward pass is an optimizer step: gradient accumulation and GradScaler (fp16) do not
     combine with it.
 
@@ -365,9 +157,9 @@ class OptimizerInBackward:
         self._handles = [parameter.register_post_accumulate_grad_hook(self._step_parameter) for parameter in self.parameters]
 
     @property
-    def grad_norm(self) -> float | None:
-        """Global gradient norm (before clipping) of the last backward, or None before the first."""
-        return None if self._grad_norm is None else float(self._grad_norm)
+    def grad_norm(self) -> Optional[torch.Tensor]:
+        """Global gradient norm (before clipping) of the last backward, a scalar tensor; None before the first."""
+        return self._grad_norm
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -389,6 +181,9 @@ class OptimizerInBackward:
         gradient = parameter.grad
         parameter_norm = torch.linalg.vector_norm(gradient, 2, dtype=torch.float32)
         self._square_sum = self._square_sum + parameter_norm.to(self._square_sum.device) ** 2
+        if not _is_finite(parameter_norm):  # never write a non-finite update into the weights
+            parameter.grad = None
+            return
         scale = self._clip_scale(parameter_norm)
         if scale is not None:
             gradient.mul_(scale.to(device=gradient.device, dtype=gradient.dtype))
@@ -403,12 +198,25 @@ class OptimizerInBackward:
 
     def _end_of_backward(self) -> None:
         self._grad_norm = torch.sqrt(self._square_sum)
-        self._previous_grad_norm = self._grad_norm
+        if _is_finite(self._grad_norm):  # a non-finite norm would clip every later step to zero
+            self._previous_grad_norm = self._grad_norm
         self._square_sum = None
         self.steps += 1
         # LR schedulers warn when scheduler.step() comes before any optimizer.step(); the step did
         # happen, in the hooks.
         self.optimizer._opt_called = True
+
+    def step(self, closure: Any = None) -> None:
+        """Nothing to do: every parameter stepped inside backward."""
+
+    def inner_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The per-parameter optimizers, which hold the state (what memory meters count)."""
+        return list(self._per_parameter.values())
+
+    @property
+    def state(self) -> dict:
+        """Every per-parameter optimizer's state, merged."""
+        return {key: value for optimizer in self._per_parameter.values() for key, value in optimizer.state.items()}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop any gradient left on the parameters (normally there is none after backward).
@@ -468,12 +276,8 @@ class OptimizerInBackward:
         self._handles = []
 
 
-__all__ = [
-    "CLIP_MODES",
-    "OPTIMIZER_NAMES",
-    "OptimizerInBackward",
-    "build_optimizer",
-    "build_parameter_groups",
-    "optimizer_state_bytes",
-    "register_embedding_state_bits",
-]
+def _is_finite(value: torch.Tensor) -> bool:
+    """Whether a scalar tensor is finite; a fake one (the estimator's: no value) counts as finite."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(value, FakeTensor) or bool(torch.isfinite(value))

@@ -1,0 +1,43 @@
+"""Data pipeline: readers, fast tokenization, dynamic padding, length-grouped and token-budget batching.
+
+The modules, in the order a training run uses them:
+
+- ``errors``: :class:`DataError`, raised for every bad input, with the problem and the fix.
+- ``readers``: :func:`read_classification_data`, CSV / TSV / JSONL / dicts into :class:`TextClassificationData`.
+- ``tokenize``: :func:`load_tokenizer` (fast only) and :func:`tokenize`, texts into a :class:`TokenizedDataset`.
+- ``collate``: :class:`DynamicPaddingCollator` pads each batch to its longest sequence (or ``max_length``).
+- ``samplers``: the random, length-grouped and token-budget batch samplers, and :func:`eval_batches`.
+- ``loaders``: :func:`make_train_loader`, :func:`make_eval_loader`, and :func:`padding_stats`.
+"""
+
+from looptrain.data.collate import DynamicPaddingCollator
+from looptrain.data.errors import DataError
+from looptrain.data.loaders import make_eval_loader, make_train_loader, padding_stats
+from looptrain.data.readers import SUPPORTED_EXTENSIONS, TextClassificationData, read_classification_data
+from looptrain.data.samplers import (
+    LengthGroupedSampler,
+    RandomBatchSampler,
+    ShardedBatchSampler,
+    TokenBudgetBatchSampler,
+    eval_batches,
+)
+from looptrain.data.tokenize import TokenizedDataset, load_tokenizer, tokenize
+
+__all__ = [
+    "SUPPORTED_EXTENSIONS",
+    "DataError",
+    "TextClassificationData",
+    "read_classification_data",
+    "load_tokenizer",
+    "TokenizedDataset",
+    "tokenize",
+    "DynamicPaddingCollator",
+    "ShardedBatchSampler",
+    "RandomBatchSampler",
+    "LengthGroupedSampler",
+    "TokenBudgetBatchSampler",
+    "eval_batches",
+    "make_train_loader",
+    "make_eval_loader",
+    "padding_stats",
+]

@@ -1,0 +1,441 @@
+"""Readers: CSV / TSV / JSONL files and sequences of dicts into a checked TextClassificationData.
+
+String labels map to ids with a sorted, deterministic mapping. Input that would train on the wrong
+data raises :class:`DataError` naming the file (and line or row) and the fix; input that is legal
+but may not be what the user meant adds a one-line notice to ``TextClassificationData.notices``.
+"""
+
+from __future__ import annotations
+
+import csv
+import difflib
+import io
+import json
+import math
+import os
+import re
+import reprlib
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from looptrain.data.errors import DataError
+
+SUPPORTED_EXTENSIONS = (".csv", ".tsv", ".jsonl")
+_INTEGER_PATTERN = re.compile(r"^-?\d+$")
+# A number as spreadsheets and pandas write it: 0.5, +1, 1e-3, .5 (not nan / inf, which read as words).
+_NUMBER_PATTERN = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+_EXAMPLES_PER_KIND = 3  # label values quoted in a message, per kind
+
+
+@dataclass
+class TextClassificationData:
+    """Texts (or text pairs) and integer labels, as read from one file or sequence of rows.
+
+    Attributes:
+        texts: The first (or only) text of each sample.
+        labels: Integer label ids, or None when the data has no label column.
+        text_pairs: The second text of each sample for pair tasks, else None.
+        label_names: Label name of each id (``label_names[id]``) when labels were strings, else None.
+        source: Where the data came from (a path, or a short description), for error messages.
+        notices: One-line remarks on data that was read but may not be what the user meant (the
+            command line prints them).
+    """
+
+    texts: list[str]
+    labels: list[int] | None
+    text_pairs: list[str] | None = None
+    label_names: list[str] | None = None
+    source: str = "<rows>"
+    notices: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    @property
+    def num_labels(self) -> int | None:
+        """Number of classes: len(label_names) for string labels, else max label + 1 (None if unlabeled)."""
+        if self.label_names is not None:
+            return len(self.label_names)
+        if not self.labels:
+            return None
+        return max(self.labels) + 1
+
+    @property
+    def id2label(self) -> dict[int, str]:
+        """The mapping to save in a model config as ``config.id2label``."""
+        if self.label_names is not None:
+            return dict(enumerate(self.label_names))
+        return {index: str(index) for index in range(self.num_labels or 0)}
+
+    @property
+    def label2id(self) -> dict[str, int]:
+        """The mapping to save in a model config as ``config.label2id``."""
+        return {name: index for index, name in self.id2label.items()}
+
+
+def read_classification_data(
+    source: str | os.PathLike | Iterable[Mapping[str, Any]],
+    text_column: str | tuple[str, str] = "text",
+    label_column: str | None = "label",
+    *,
+    label_names: Sequence[str] | None = None,
+    num_labels: int | None = None,
+    encoding: str = "utf-8",
+    encoding_errors: str = "strict",
+    max_samples: int | None = None,
+) -> TextClassificationData:
+    """Reads a text-classification data set from CSV, TSV, JSONL, or a sequence of dicts.
+
+    Args:
+        source: A ``.csv``, ``.tsv`` or ``.jsonl`` path, or any iterable of dict-like rows (a
+            ``datasets.Dataset``, a list of dicts).
+        text_column: The text column, or a ``(first, second)`` pair of columns for pair tasks.
+        label_column: The label column, or None for unlabeled data.
+        label_names: A label mapping to reuse (``train.label_names``): pass it when reading eval data
+            so that eval labels get the train ids. Every label must then be one of these names.
+        num_labels: When given, numeric labels must lie in ``[0, num_labels)``. Pass it (or
+            ``label_names``) when reading eval data: training data, read with neither, must hold
+            at least two classes.
+        encoding: File encoding.
+        encoding_errors: ``"strict"`` (undecodable bytes are an error naming file and line) or
+            ``"replace"`` (they become U+FFFD).
+        max_samples: Keep only the first this many rows.
+
+    Returns:
+        The texts, optional text pairs, integer labels, (for string labels) the label names in id
+        order, sorted so that the mapping is deterministic, and notices about the data.
+
+    Raises:
+        DataError: On a missing file or column, a directory, a repeated column, an empty file, a bad
+            JSON line, a null or empty text, integer ids mixed with class names, an unknown label, a
+            label out of range, or (reading training data: neither ``label_names`` nor
+            ``num_labels`` given) a single class.
+    """
+    text_columns = (text_column,) if isinstance(text_column, str) else tuple(text_column)
+    if len(text_columns) not in (1, 2):
+        raise DataError(f"text_column must be one column name or a pair of names, got {text_column!r}")
+    wanted = text_columns + ((label_column,) if label_column is not None else ())
+
+    if isinstance(source, (str, os.PathLike)):
+        source_name = os.fspath(source)
+        rows, columns = _read_file(source_name, encoding, encoding_errors)
+    else:
+        source_name = f"<{type(source).__name__}>"
+        rows, columns = _read_sequence(source)
+    _check_columns(columns, wanted, source_name)
+
+    texts: list[str] = []
+    text_pairs: list[str] | None = [] if len(text_columns) == 2 else None
+    raw_labels: list[str | int] = []
+    label_locations: list[str] = []
+    for location, row in rows:
+        if max_samples is not None and len(texts) >= max_samples:
+            break
+        texts.append(_text_value(row, text_columns[0], source_name, location))
+        if text_pairs is not None:
+            text_pairs.append(_text_value(row, text_columns[1], source_name, location))
+        if label_column is not None:
+            raw_labels.append(_label_value(row, label_column, source_name, location))
+            label_locations.append(location)
+    if not texts:
+        raise DataError(f"{source_name} has a header but no data rows; add rows or point to the right file")
+
+    labels: list[int] | None = None
+    names: list[str] | None = None
+    notices: list[str] = []
+    if label_column is not None:
+        if label_names is None:
+            notices.extend(_check_label_kinds(raw_labels, label_locations, source_name))
+        labels, names = _map_labels(raw_labels, label_names, num_labels, source_name)
+        if label_names is None and num_labels is None:
+            # Training data defines the classes; eval data (read with the train mapping) may hold one.
+            _check_several_classes(labels, names, label_column, source_name)
+    return TextClassificationData(texts, labels, text_pairs, names, source_name, notices)
+
+
+# A row's location (line number in a file, index in a sequence) travels with it for error messages.
+_Rows = Iterator[tuple[str, Mapping[str, Any]]]
+
+
+def _read_file(path: str, encoding: str, encoding_errors: str) -> tuple[_Rows, list[str]]:
+    if os.path.isdir(path):
+        raise DataError(
+            f"{path} is a directory, not a file; pass the path of a data file inside it (--data / --eval-data)"
+        )
+    extension = os.path.splitext(path)[1].lower()
+    if extension not in SUPPORTED_EXTENSIONS:
+        raise DataError(
+            f"{path}: unsupported file type {extension or '(none)'!r}; use one of "
+            f"{', '.join(SUPPORTED_EXTENSIONS)} or pass a sequence of dicts"
+        )
+    if not os.path.isfile(path):
+        raise DataError(f"data file not found: {path}; check the path (--data / --eval-data)")
+    text = _decode_file(path, encoding, encoding_errors)
+    if not text.strip():
+        raise DataError(f"{path} is empty; point to a file with a header and data rows")
+    if extension == ".jsonl":
+        return _jsonl_rows(text, path)
+    return _delimited_rows(text, "\t" if extension == ".tsv" else ",", path)
+
+
+def _decode_file(path: str, encoding: str, encoding_errors: str) -> str:
+    with open(path, "rb") as handle:
+        raw = handle.read()
+    # utf-8-sig drops the byte-order mark Excel writes, which would otherwise glue onto the first column name.
+    codec = "utf-8-sig" if encoding.lower().replace("_", "-") in ("utf-8", "utf8") else encoding
+    try:
+        return raw.decode(codec, errors=encoding_errors)
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        raise DataError(
+            f"{path}:{line}: bytes {raw[error.start:error.end]!r} are not valid {encoding} ({error.reason}); "
+            f"re-save the file as {encoding}, pass the right encoding=..., or pass encoding_errors='replace' "
+            "(--encoding-errors replace)"
+        ) from error
+
+
+def _delimited_rows(text: str, delimiter: str, path: str) -> tuple[_Rows, list[str]]:
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
+    header = _next_record(reader, path)
+    if not header:
+        raise DataError(f"{path} has no header row; the first line must name the columns")
+    header = [name.strip() for name in header]
+    _check_header(header, delimiter, path)
+
+    def rows() -> _Rows:
+        while (values := _next_record(reader, path)) is not None:
+            if not values or all(not value.strip() for value in values):
+                continue  # blank lines are formatting, not samples
+            # Short rows leave missing columns as None, which the null-text check then reports.
+            row = dict(zip(header, values))
+            yield f"line {reader.line_num}", row
+
+    return rows(), header
+
+
+def _check_header(header: list[str], delimiter: str, path: str) -> None:
+    """Refuses a tab-separated header in a .csv file, and a column name given twice.
+
+    Blank names (the empty cells trailing separators leave) cannot be asked for, so they may repeat.
+    """
+    if delimiter == "," and len(header) == 1 and "\t" in header[0]:
+        raise DataError(
+            f"{path}: the header {header[0]!r} is one column that contains tabs: the file looks tab-separated; "
+            f"rename it to {os.path.splitext(path)[0]}.tsv"
+        )
+    counts = Counter(name for name in header if name)
+    for name, count in counts.items():
+        if count > 1:
+            positions = [str(position) for position, column in enumerate(header, 1) if column == name]
+            raise DataError(
+                f"{path}: column {name!r} appears {count} times in the header (columns {', '.join(positions)}); "
+                "rename or remove the duplicates: only the last one would be read"
+            )
+
+
+def _next_record(reader: Any, path: str) -> list[str] | None:
+    """The next CSV record, None at the end; csv.Error (a field over csv.field_size_limit()) becomes DataError."""
+    try:
+        return next(reader, None)
+    except csv.Error as error:
+        raise DataError(
+            f"{path}:{reader.line_num}: cannot parse this line ({error}); check its quotes, or split the field"
+        ) from error
+
+
+def _jsonl_rows(text: str, path: str) -> tuple[_Rows, list[str]]:
+    # Only CR / LF end a line: str.splitlines() also splits at U+2028, U+0085 ..., legal inside JSON strings.
+    lines = re.split(r"\r\n|\r|\n", text)
+    first = next((number for number, line in enumerate(lines, 1) if line.strip()), None)
+    columns = list(_parse_json_line(lines[first - 1], path, first).keys()) if first else []
+
+    def rows() -> _Rows:
+        for number, line in enumerate(lines, 1):
+            if line.strip():
+                yield f"line {number}", _parse_json_line(line, path, number)
+
+    return rows(), columns
+
+
+def _parse_json_line(line: str, path: str, number: int) -> dict[str, Any]:
+    try:
+        value = json.loads(line, object_pairs_hook=lambda pairs: _unique_keys(pairs, path, number))
+    except DataError:
+        raise  # a repeated key: the message is complete (and DataError is a ValueError, caught below)
+    except json.JSONDecodeError as error:
+        raise DataError(
+            f"{path}:{number}: not valid JSON ({error.msg} at column {error.colno}); "
+            "fix the line: JSONL needs one JSON object per line"
+        ) from error
+    except RecursionError as error:
+        raise DataError(f"{path}:{number}: JSON nested too deeply to read; flatten the line") from error
+    except ValueError as error:  # an integer longer than sys.get_int_max_str_digits()
+        raise DataError(f"{path}:{number}: cannot read this JSON line ({error}); fix the value") from error
+    if not isinstance(value, dict):
+        raise DataError(f"{path}:{number}: expected a JSON object per line, got {type(value).__name__}")
+    return value
+
+
+def _unique_keys(pairs: list[tuple[str, Any]], path: str, number: int) -> dict[str, Any]:
+    """Builds one JSON object, refusing a repeated key (json.loads alone keeps the last value)."""
+    value = dict(pairs)
+    if len(value) < len(pairs):
+        counts = Counter(key for key, _ in pairs)
+        key = next(key for key, count in counts.items() if count > 1)
+        raise DataError(
+            f"{path}:{number}: key {key!r} appears {counts[key]} times in one JSON object; "
+            "keep one: only the last one would be read"
+        )
+    return value
+
+
+def _read_sequence(source: Iterable[Mapping[str, Any]]) -> tuple[_Rows, list[str]]:
+    column_names = getattr(source, "column_names", None)  # datasets.Dataset knows its columns up front
+    iterator = iter(source)
+    first = next(iterator, None)
+    if first is None:
+        raise DataError("the data sequence is empty; pass at least one row")
+    if not isinstance(first, Mapping):
+        raise DataError(f"rows must be dicts (column name -> value), got {type(first).__name__}")
+    columns = list(column_names) if column_names is not None else list(first.keys())
+
+    def rows() -> _Rows:
+        yield "row 0", first
+        for index, row in enumerate(iterator, 1):
+            if not isinstance(row, Mapping):
+                raise DataError(f"row {index}: rows must be dicts, got {type(row).__name__}")
+            yield f"row {index}", row
+
+    return rows(), columns
+
+
+def _check_columns(columns: Sequence[str], wanted: Sequence[str], source_name: str) -> None:
+    for name in wanted:
+        if name in columns:
+            continue
+        close = difflib.get_close_matches(name, [str(column) for column in columns], n=1, cutoff=0.5)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise DataError(
+            f"column {name!r} not found in {source_name}; available columns: "
+            f"{', '.join(map(str, columns)) or '(none)'}.{hint} "
+            "Pass the right name with text_column=/label_column= (--text-column / --label-column)."
+        )
+
+
+def _text_value(row: Mapping[str, Any], column: str, source_name: str, location: str) -> str:
+    if column not in row:
+        raise DataError(f"{source_name} {location}: column {column!r} is missing from this row; add it")
+    value = row[column]
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        raise DataError(f"{source_name} {location}: text column {column!r} is null; fill or drop the row")
+    text = str(value)
+    if not text.strip():
+        raise DataError(f"{source_name} {location}: text column {column!r} is empty; fill or drop the row")
+    return text
+
+
+def _label_value(row: Mapping[str, Any], column: str, source_name: str, location: str) -> str | int:
+    value = row.get(column)
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise DataError(f"{source_name} {location}: label column {column!r} is empty; fill or drop the row")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # pandas-style exports write integer labels as 1.0
+    if not isinstance(value, (str, int)) or isinstance(value, bool):
+        raise DataError(
+            f"{source_name} {location}: label {value!r} in column {column!r} is a {type(value).__name__}; "
+            "labels must be strings or integers"
+        )
+    return value.strip() if isinstance(value, str) else value
+
+
+def _is_integer_id(label: str | int) -> bool:
+    return isinstance(label, int) or bool(_INTEGER_PATTERN.match(label))
+
+
+def _check_label_kinds(raw_labels: list[str | int], locations: list[str], source_name: str) -> list[str]:
+    """Refuses integer ids mixed with class names; returns a notice when numbers become class names.
+
+    All integer ids (``0``, ``"1"``) are used as ids. Otherwise every label is a class name, and
+    if all of them look like numbers (``0.5``, ``+1``, ``2`` mixed with ``2.5``), a notice says so.
+    """
+    first_location: dict[str | int, str] = {}
+    for label, location in zip(raw_labels, locations):
+        first_location.setdefault(label, location)
+    integer_ids = [label for label in first_location if _is_integer_id(label)]
+    if len(integer_ids) == len(first_location):
+        return []
+    words = [label for label in first_location if not _is_integer_id(label) and not _NUMBER_PATTERN.match(label)]
+
+    def examples(values: list[str | int]) -> str:
+        return ", ".join(f"{reprlib.repr(value)} ({first_location[value]})" for value in values[:_EXAMPLES_PER_KIND])
+
+    if integer_ids and words:
+        raise DataError(
+            f"{source_name}: the labels mix integer ids and class names: ids {examples(integer_ids)}; "
+            f"names {examples(words)}. Use one kind in every row: integer ids 0..N-1, or class names"
+        )
+    if words:
+        return []
+    numbers = [label for label in first_location if not _is_integer_id(label)]
+    num_classes = len({str(label) for label in raw_labels})
+    return [
+        f"{source_name}: the labels look numeric but are not all integer ids ({examples(numbers)}), so they are "
+        f"treated as {num_classes} class names; looptrain fine-tunes classifiers, not regressors "
+        "(write class ids as integers 0..N-1)"
+    ]
+
+
+def _map_labels(
+    raw_labels: list[str | int],
+    label_names: Sequence[str] | None,
+    num_labels: int | None,
+    source_name: str,
+) -> tuple[list[int], list[str] | None]:
+    if label_names is not None:
+        # Eval data: reuse the train mapping so that ids mean the same class in both sets.
+        label2id = {str(name): index for index, name in enumerate(label_names)}
+        unseen = sorted({str(label) for label in raw_labels} - set(label2id))
+        if unseen:
+            raise DataError(
+                f"{source_name}: label(s) {', '.join(map(repr, unseen))} not seen in the training data "
+                f"(known: {', '.join(map(repr, label2id))}); fix the labels or add them to the training data"
+            )
+        return [label2id[str(label)] for label in raw_labels], list(map(str, label_names))
+
+    if all(_is_integer_id(label) for label in raw_labels):
+        try:
+            labels = [int(label) for label in raw_labels]
+        except ValueError as error:  # more digits than sys.get_int_max_str_digits() converts
+            raise DataError(f"{source_name}: an integer label is too long ({error}); fix the label") from error
+        for index, label in enumerate(labels):
+            if label < 0 or (num_labels is not None and label >= num_labels):
+                upper = f"{num_labels - 1}" if num_labels is not None else "..."
+                raise DataError(
+                    f"{source_name}: label {label} (sample {index}) is out of range [0, {upper}]; "
+                    "fix the label or raise num_labels"
+                )
+        return labels, None
+
+    # String labels: sorted so the same label set always maps to the same ids.
+    names = sorted({str(label) for label in raw_labels})
+    if num_labels is not None and len(names) > num_labels:
+        raise DataError(
+            f"{source_name}: {len(names)} distinct labels ({', '.join(names)}) but num_labels={num_labels}; "
+            "raise num_labels or fix the labels"
+        )
+    label2id = {name: index for index, name in enumerate(names)}
+    return [label2id[str(label)] for label in raw_labels], names
+
+
+def _check_several_classes(labels: list[int], names: list[str] | None, label_column: str, source_name: str) -> None:
+    """Refuses training data whose labels take a single value: a classifier needs two classes."""
+    if len(set(labels)) > 1:
+        return
+    only = names[labels[0]] if names is not None else labels[0]
+    raise DataError(
+        f"{source_name}: every label in column {label_column!r} is {reprlib.repr(only)}, but a classifier needs "
+        "at least two classes; point label_column= (--label-column) at the right column, or add samples of "
+        "the other classes"
+    )

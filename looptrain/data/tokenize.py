@@ -1,0 +1,175 @@
+"""Tokenization: loads a fast tokenizer and turns texts into unpadded token ids (TokenizedDataset).
+
+Truncation to ``max_length`` happens here, padding does not: :mod:`looptrain.data.collate` pads
+each batch only as far as it needs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from looptrain.data.errors import DataError
+from looptrain.data.readers import TextClassificationData
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(path: str | os.PathLike, use_fast: bool = True, allow_slow: bool = False, **kwargs: Any):
+    """Loads a tokenizer with ``AutoTokenizer``, insisting on a fast (Rust) one.
+
+    Fast tokenizers batch-encode many times faster than Python ones and report truncation exactly.
+
+    Args:
+        path: A local directory or a hub id.
+        use_fast: Ask for the fast tokenizer (transformers 5 always tries fast first).
+        allow_slow: Accept a slow (Python) tokenizer when no fast one exists. ``use_fast=False``
+            also counts as opting in.
+        **kwargs: Passed to ``AutoTokenizer.from_pretrained``.
+
+    Returns:
+        The tokenizer.
+
+    Raises:
+        DataError: When the tokenizer cannot be loaded, or only a slow one exists and slow was not
+            allowed.
+    """
+    from transformers import AutoTokenizer
+
+    # Never None: transformers then asks "Do you wish to run the custom code? [y/N]" on stdin, and a "y"
+    # runs code shipped with the checkpoint that nobody opted in to. Callers pass True to opt in.
+    kwargs.setdefault("trust_remote_code", False)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(os.fspath(path), use_fast=use_fast, **kwargs)
+    except (OSError, ValueError) as error:
+        if "trust_remote_code" in str(error):
+            raise DataError(
+                f"{os.fspath(path)!r} ships its own Python code (auto_map in its config), which is not run "
+                "unless you ask: pass trust_remote_code=True (--trust-remote-code) only if you trust that code"
+            ) from error
+        raise DataError(
+            f"could not load a tokenizer from {os.fspath(path)!r} ({error}); pass a directory with "
+            "tokenizer files (tokenizer.json) or a hub id that is in the local cache"
+        ) from error
+    if not getattr(tokenizer, "is_fast", False) and use_fast and not allow_slow:
+        raise DataError(
+            f"only a slow (Python) tokenizer exists for {os.fspath(path)!r} ({type(tokenizer).__name__}); "
+            "it is much slower for batch tokenization. Pass allow_slow=True to use it anyway, or save a "
+            "tokenizer.json (fast tokenizer) beside the model"
+        )
+    return tokenizer
+
+
+class TokenizedDataset(Dataset):
+    """Unpadded token ids per sample; ``__getitem__`` returns a dict of lists and the label.
+
+    Attributes:
+        lengths: Token count of each sample (what the samplers and padding stats need).
+        num_truncated: How many samples were cut at ``max_length``.
+        max_length: The truncation length used.
+        label_names: Carried over from the source data (None for numeric labels).
+    """
+
+    def __init__(
+        self,
+        input_ids: list[list[int]],
+        token_type_ids: list[list[int]] | None,
+        labels: list[int] | None,
+        *,
+        num_truncated: int = 0,
+        max_length: int | None = None,
+        label_names: list[str] | None = None,
+    ):
+        self.input_ids = input_ids
+        self.token_type_ids = token_type_ids
+        self.labels = labels
+        self.lengths = [len(ids) for ids in input_ids]
+        self.num_truncated = num_truncated
+        self.max_length = max_length
+        self.label_names = label_names
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        ids = self.input_ids[index]
+        # Unpadded, so the mask is all ones; built on demand instead of stored (saves a list per sample).
+        item: dict[str, Any] = {"input_ids": ids, "attention_mask": [1] * len(ids)}
+        if self.token_type_ids is not None:
+            item["token_type_ids"] = self.token_type_ids[index]
+        if self.labels is not None:
+            item["labels"] = self.labels[index]
+        return item
+
+
+def tokenize(
+    data: TextClassificationData,
+    tokenizer,
+    max_length: int,
+    batch_size: int = 1000,
+    progress: bool = True,
+) -> TokenizedDataset:
+    """Tokenizes texts (or text pairs) in batches, truncating to ``max_length`` and not padding.
+
+    Padding is left to :class:`DynamicPaddingCollator`, so each batch is padded only as far as it
+    needs. The number of truncated samples is logged and kept on the result (``num_truncated``).
+
+    Args:
+        data: What :func:`read_classification_data` returned.
+        tokenizer: A Hugging Face tokenizer (fast ones report truncation without a second pass).
+        max_length: Longest sequence, special tokens included.
+        batch_size: Texts per tokenizer call.
+        progress: Show a tqdm bar; it appears only for more than one batch on a terminal.
+
+    Returns:
+        A :class:`TokenizedDataset` with ``lengths`` and ``num_truncated``.
+
+    Raises:
+        DataError: When ``max_length`` or ``batch_size`` is not a positive integer.
+    """
+    from tqdm.auto import tqdm
+
+    if not isinstance(max_length, int) or max_length < 1:
+        raise DataError(f"max_length must be a positive integer, got {max_length!r}")
+    if batch_size < 1:
+        raise DataError(f"batch_size must be positive, got {batch_size}")
+    is_fast = bool(getattr(tokenizer, "is_fast", False))
+    input_ids: list[list[int]] = []
+    token_type_ids: list[list[int]] = []
+    num_truncated = 0
+    total = len(data.texts)
+    # disable=None lets tqdm hide itself on non-TTY outputs (logs, CI); small inputs never show a bar.
+    disable = None if progress and total > batch_size else True
+    with tqdm(total=total, desc="tokenizing", unit="samples", disable=disable) as bar:
+        for start in range(0, total, batch_size):
+            texts = data.texts[start : start + batch_size]
+            pairs = data.text_pairs[start : start + batch_size] if data.text_pairs is not None else None
+            encoded = tokenizer(
+                texts, pairs, truncation=True, max_length=max_length, padding=False, return_attention_mask=False
+            )
+            if is_fast and encoded.encodings is not None:
+                # The Rust tokenizer keeps what truncation cut in `overflowing`: an exact count for free.
+                num_truncated += sum(1 for encoding in encoded.encodings if encoding.overflowing)
+            else:
+                full = tokenizer(texts, pairs, truncation=False, padding=False, return_attention_mask=False)
+                num_truncated += sum(1 for ids in full["input_ids"] if len(ids) > max_length)
+            input_ids.extend(encoded["input_ids"])
+            if "token_type_ids" in encoded:
+                token_type_ids.extend(encoded["token_type_ids"])
+            bar.update(len(texts))
+    if num_truncated:
+        logger.info(
+            "tokenize: %d of %d samples (%.1f%%) truncated to max_length=%d",
+            num_truncated, total, 100.0 * num_truncated / max(total, 1), max_length,
+        )
+    return TokenizedDataset(
+        input_ids,
+        token_type_ids if len(token_type_ids) == len(input_ids) else None,
+        data.labels,
+        num_truncated=num_truncated,
+        max_length=max_length,
+        label_names=data.label_names,
+    )

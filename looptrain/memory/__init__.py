@@ -1,0 +1,52 @@
+"""Memory: measured, broken down and estimated. Every figure names its meter (see docs/memory.md).
+
+Modules:
+    tracker     `StorageTracker`: live tensor bytes by storage, their peak, phase and breakdown
+    meters      `CpuTensorMeter` / `CudaMeter` (`make_meter`): a real run's peak; `format_memory_table`
+    estimator   `estimate`: a training step's peak on fake tensors, driving the Loop's own update
+    __main__    the estimator's command line (`python -m looptrain.memory`)
+
+The tracker and the meters are leaves (the Loop uses them); the estimator sits above the Loop, so
+its names are imported on first use.
+"""
+
+from looptrain.memory.meters import (
+    CpuTensorMeter,
+    CudaMeter,
+    current_rss_bytes,
+    format_memory_table,
+    make_meter,
+    peak_rss_bytes,
+)
+from looptrain.memory.tracker import StorageTracker, gradient_bytes, parameter_bytes, tensor_bytes
+from looptrain.optim import optimizer_state_bytes
+
+_ESTIMATOR_NAMES = ("ESTIMATE_METER", "PRESETS", "estimate", "ladder", "load_config", "measure", "preset_config", "random_batch")
+
+__all__ = [
+    "CpuTensorMeter",
+    "CudaMeter",
+    "StorageTracker",
+    "current_rss_bytes",
+    "format_memory_table",
+    "gradient_bytes",
+    "make_meter",
+    "optimizer_state_bytes",
+    "parameter_bytes",
+    "peak_rss_bytes",
+    "tensor_bytes",
+    *_ESTIMATOR_NAMES,
+]
+
+
+def __getattr__(name: str):
+    """The estimator's names, imported on first use (it imports the Loop, which imports the meters)."""
+    if name in _ESTIMATOR_NAMES:
+        from looptrain.memory import estimator
+
+        return getattr(estimator, name)
+    if name == "main":
+        from looptrain.memory.__main__ import main
+
+        return main
+    raise AttributeError(f"module 'looptrain.memory' has no attribute {name!r}")

@@ -1,0 +1,261 @@
+"""The estimator: the peak memory of a training step for any model shape and strategy mix, before training.
+
+`estimate` builds the model on fake tensors (`FakeTensorMode`: shapes and dtypes, no storage, no
+compute), applies the strategy with looptrain's own freeze, checkpointing and optimizer modules,
+builds a real `Loop` over it, and drives the Loop's own update (`Loop._run_window`, the method
+`fit()` calls) for two optimizer steps under the `StorageTracker`. What it measures is what the
+Loop does: autocast casts, the GradScaler's unscale, clipping, the optimizer step (bitsandbytes'
+CPU kernels included), the fused step. `measure` runs the same strategy for real, through
+`Loop.fit`, for the accuracy check.
+
+It sits above the Loop, as the planner does; leaf modules never import it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from looptrain import freeze as freezing
+from looptrain import state
+from looptrain.config import LoopConfig
+from looptrain.loop import Loop
+from looptrain.optim import build_optimizer, optimizer_options_problem
+
+PRESETS = {
+    "bert-base": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072, "vocab_size": 30522},
+    "bert-large": {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096, "vocab_size": 30522},
+    "macbert-large": {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096, "vocab_size": 21128},
+}
+ESTIMATE_METER = "estimate_fake_tensor_tracker"
+
+
+def preset_config(name: str, num_labels: int = 2):
+    """A ``BertConfig`` for a named shape (bert-base, bert-large, macbert-large); no download."""
+    from transformers import BertConfig
+
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)} or pass --config / --model.")
+    return BertConfig(num_labels=num_labels, **PRESETS[name])
+
+
+def load_config(path: str, num_labels: int = 2):
+    """A transformers config from a model directory or a config.json file (local only)."""
+    from transformers import AutoConfig
+
+    if os.path.isdir(path):
+        config = AutoConfig.from_pretrained(path)
+    elif os.path.isfile(path):
+        with open(path, encoding="utf-8") as handle:
+            values = json.load(handle)
+        if "model_type" not in values:
+            raise ValueError(f"{path} has no 'model_type'; add e.g. \"model_type\": \"bert\".")
+        config = AutoConfig.for_model(values.pop("model_type"), **values)
+    else:
+        raise ValueError(f"{path} is neither a model directory nor a config.json file.")
+    config.num_labels = num_labels
+    return config
+
+
+def _fake_model(model_or_config: Any, num_labels: int, fake_mode) -> nn.Module:
+    """A copy of the model whose parameters and buffers are fake tensors (no real memory)."""
+    if isinstance(model_or_config, nn.Module):
+        memo: dict[int, Any] = {}
+        for parameter in model_or_config.parameters():
+            memo[id(parameter)] = nn.Parameter(fake_mode.from_tensor(parameter.detach()), requires_grad=parameter.requires_grad)
+        for buffer in model_or_config.buffers():
+            memo[id(buffer)] = fake_mode.from_tensor(buffer)
+        return copy.deepcopy(model_or_config, memo)
+    config = model_or_config
+    if isinstance(config, str):
+        config = preset_config(config, num_labels) if config in PRESETS else load_config(config, num_labels)
+    else:
+        config = copy.deepcopy(config)
+    from transformers import AutoModelForSequenceClassification
+
+    config.num_labels = num_labels
+    with fake_mode:
+        return AutoModelForSequenceClassification.from_config(config)
+
+
+def _vocab_size(model: nn.Module) -> int:
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "vocab_size", None):
+        return int(config.vocab_size)
+    embeddings = [module for module in model.modules() if isinstance(module, nn.Embedding)]
+    if not embeddings:
+        raise ValueError("the model has no nn.Embedding and no config.vocab_size: estimate/measure feed token ids.")
+    return embeddings[0].num_embeddings
+
+
+def random_batch(batch_size: int, seq_len: int, vocab_size: int, num_labels: int, generator=None) -> dict:
+    """A sequence-classification batch of random token ids, every row `seq_len` long."""
+    return {
+        "input_ids": torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator),
+        "attention_mask": torch.ones(batch_size, seq_len, dtype=torch.long),
+        "labels": torch.randint(0, num_labels, (batch_size,), generator=generator),
+    }
+
+
+def _freeze(model: nn.Module, freeze_embeddings: bool, freeze_layers: int, freeze_encoder: bool) -> None:
+    if freeze_encoder:
+        freezing.freeze_encoder(model)
+    if freeze_embeddings:
+        freezing.freeze_embeddings(model)
+    if freeze_layers:
+        freezing.freeze_layers(model, freeze_layers)
+
+
+def _strategy_loop(model: nn.Module, optimizer_name: str, foreach, config: LoopConfig, freeze_options: dict) -> Loop:
+    """The Loop of one strategy mix over `model` (freezing applied; optimizer built from its name)."""
+    _freeze(model, **freeze_options)
+    optimizer = build_optimizer(model, optimizer_name, 1e-5, foreach=foreach)
+    return Loop(model, optimizer, [], config=config)
+
+
+def _config(precision: str, accum_steps: int, max_grad_norm, gradient_checkpointing: bool,
+            optimizer_in_backward: bool, optimizer: str, foreach) -> LoopConfig:
+    """The LoopConfig of a strategy mix; invalid mixes raise `ConfigError` (a ValueError) naming the fields."""
+    problem = optimizer_options_problem(optimizer, foreach)
+    if problem:
+        raise ValueError(problem)
+    return LoopConfig(
+        precision=precision, accum_steps=accum_steps, max_grad_norm=max_grad_norm,
+        gradient_checkpointing=gradient_checkpointing, optimizer_in_backward=optimizer_in_backward,
+        device="cpu", eval_every="no", progress_bar=False, track_memory=True, log_every=10**9,
+    )
+
+
+def estimate(
+    model_or_config: Any,
+    batch_size: int,
+    seq_len: int,
+    *,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    gradient_checkpointing: bool = False,
+    optimizer_in_backward: bool = False,
+    freeze_embeddings: bool = False,
+    freeze_layers: int = 0,
+    freeze_encoder: bool = False,
+    foreach: bool | None = None,
+    accum_steps: int = 1,
+    num_labels: int = 2,
+    max_grad_norm: float | None = 1.0,
+) -> dict[str, Any]:
+    """Estimate the peak memory of a training step on fake tensors, by driving the Loop's own update.
+
+    The model is built under ``FakeTensorMode`` (from a config, a preset name, a local path, or a
+    fake copy of a real model), the strategy is applied with looptrain's own modules, and a `Loop`
+    with this strategy's `LoopConfig` runs two optimizer updates (`Loop._run_window`: forward under
+    autocast, scaled backward, unscale, clip, step, zero) on one window of ``min(accum_steps, 2)``
+    micro-batches (from the second micro-batch on, memory repeats) under the CPU meter's tracker.
+    No real memory is allocated and nothing is computed. The RNG states are left as they were.
+
+    Args:
+        model_or_config: an ``nn.Module`` (copied, never modified), a transformers config, a preset
+            name (``bert-base``, ``bert-large``, ``macbert-large``) or a local model dir / config.json.
+        batch_size: micro-batch size.
+        seq_len: tokens per sequence (every sequence padded to it).
+        precision: ``fp32``, ``bf16`` or ``fp16`` (CPU autocast op lists; fp32 master weights).
+        optimizer: a `looptrain.optim` name (bitsandbytes' CPU kernels run on the fake tensors).
+        gradient_checkpointing: checkpoint every transformer block (non-reentrant).
+        optimizer_in_backward: step each parameter inside backward (no stored grads).
+        freeze_embeddings: freeze the embedding layer.
+        freeze_layers: freeze the first N transformer blocks.
+        freeze_encoder: freeze everything but the head.
+        foreach: AdamW/SGD ``foreach`` (False steps one tensor at a time).
+        accum_steps: gradient accumulation steps.
+        num_labels: classifier outputs.
+        max_grad_norm: the Loop's clipping threshold (None: no clipping).
+
+    Returns:
+        ``peak_memory_bytes``, ``memory_meter`` ("estimate_fake_tensor_tracker"), ``memory_breakdown``
+        (params, grads, optimizer_state, activations_and_temps, peak_phase), ``phase_peak_bytes``,
+        ``parameters``, ``trainable_parameters``, ``notes`` and ``estimate_seconds``.
+
+    Raises:
+        ValueError: an invalid mix (`looptrain.ConfigError` names the fields), an unknown preset.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    config = _config(precision, accum_steps, max_grad_norm, gradient_checkpointing, optimizer_in_backward, optimizer, foreach)
+    started = time.perf_counter()
+    rng_states = state.capture_rng_state()
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        model = _fake_model(model_or_config, num_labels, fake_mode)
+        # Built outside the fake mode: optimizers' constant tables (bitsandbytes' quantisation maps) are real.
+        loop = _strategy_loop(model, optimizer, foreach, config, {
+            "freeze_embeddings": freeze_embeddings, "freeze_layers": freeze_layers, "freeze_encoder": freeze_encoder})
+        with fake_mode:
+            window = [random_batch(batch_size, seq_len, _vocab_size(model), num_labels) for _ in range(min(accum_steps, 2))]
+            loop.meter.start(loop.model, loop.optimizer)
+            try:
+                for _ in range(2):  # the second update, with optimizer state present, is the one that peaks
+                    loop._run_window(window)
+            finally:
+                loop.meter.stop()
+            summary = loop.meter.summary()
+    finally:
+        state.restore_rng_state(rng_states)
+    parameters = list(model.parameters())
+    return {
+        "peak_memory_bytes": summary["peak_memory_bytes"],
+        "memory_meter": ESTIMATE_METER,
+        "memory_breakdown": summary["memory_breakdown"],
+        "phase_peak_bytes": summary["phase_peak_bytes"],
+        "parameters": sum(p.numel() for p in parameters),
+        "trainable_parameters": sum(p.numel() for p in parameters if p.requires_grad),
+        "notes": [],
+        "estimate_seconds": round(time.perf_counter() - started, 3),
+    }
+
+
+def measure(model: nn.Module, batch_size: int, seq_len: int, **options: Any) -> dict[str, Any]:
+    """Runs the same strategy mix for real, through `Loop.fit`, and returns its summary (tracker meter).
+
+    Two optimizer updates over random token batches (every row `seq_len` long), with the CPU
+    tensor tracker on: the measured side of the estimator's accuracy check. ``model`` is modified
+    (frozen, checkpointed, trained); pass a fresh one. Options are those of `estimate`.
+    """
+    freeze_options = {name: options.pop(name) for name in ("freeze_embeddings", "freeze_layers", "freeze_encoder") if name in options}
+    freeze_options = {"freeze_embeddings": False, "freeze_layers": 0, "freeze_encoder": False, **freeze_options}
+    num_labels = options.pop("num_labels", 2)
+    optimizer_name, foreach = options.pop("optimizer", "adamw"), options.pop("foreach", None)
+    config = _config(options.pop("precision", "fp32"), options.pop("accum_steps", 1), options.pop("max_grad_norm", 1.0),
+                     options.pop("gradient_checkpointing", False), options.pop("optimizer_in_backward", False),
+                     optimizer_name, foreach)
+    if options:
+        raise TypeError(f"measure: unknown options {sorted(options)}")
+    generator = torch.Generator().manual_seed(0)
+    batches = [random_batch(batch_size, seq_len, _vocab_size(model), num_labels, generator)
+               for _ in range(2 * config.accum_steps)]
+    loop = _strategy_loop(model, optimizer_name, foreach, config, freeze_options)
+    loop.train_loader = batches
+    return loop.fit()
+
+
+def ladder(batch_size: int, seq_len: int) -> list[tuple[str, dict[str, Any]]]:
+    """The strategy mixes of the ladder table: (label, ``estimate`` options) at one effective batch."""
+    accumulated = {"batch_size": 1, "accum_steps": batch_size}
+    checkpointed = {**accumulated, "gradient_checkpointing": True}
+    return [
+        (f"baseline: bs {batch_size}, fp32, AdamW", {}),
+        (f"+ accumulation (bs 1 x {batch_size})", accumulated),
+        ("+ gradient checkpointing", checkpointed),
+        ("+ Adafactor", {**checkpointed, "optimizer": "adafactor"}),
+        ("+ freeze encoder (head only)", {**checkpointed, "optimizer": "adafactor", "freeze_encoder": True}),
+        (f"+ seq {seq_len // 2}", {**checkpointed, "optimizer": "adafactor", "freeze_encoder": True, "seq_len": seq_len // 2}),
+        (f"bs {batch_size}, bf16 autocast", {"precision": "bf16"}),
+        ("bs 1 x acc + ckpt, AdamW foreach=False", {**checkpointed, "foreach": False}),
+        ("bs 1 x acc + ckpt, AdamW8bit", {**checkpointed, "optimizer": "adamw8bit"}),
+        (f"bs {batch_size} + ckpt + bf16, AdamW8bit fused into backward", {"gradient_checkpointing": True, "precision": "bf16", "optimizer": "adamw8bit", "optimizer_in_backward": True}),
+        (f"bs {batch_size} + ckpt + bf16, Adafactor fused into backward", {"gradient_checkpointing": True, "precision": "bf16", "optimizer": "adafactor", "optimizer_in_backward": True}),
+    ]

@@ -1,0 +1,281 @@
+"""Memory meters: the peak of a real run, with its breakdown and phase, named by what measured it.
+
+- `CpuTensorMeter` ("cpu_tensor_tracker"): the `StorageTracker`'s peak of live tensor bytes, plus
+  the process peak RSS as a cross-check; with `track_tensors=False` ("cpu_rss_delta") the RSS rise
+  above the baseline plus the tensors alive at the start.
+- `CudaMeter` ("cuda_max_memory_allocated"): the caching allocator's `max_memory_allocated` after
+  `reset_peak_memory_stats`, with `max_memory_reserved` beside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import sys
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from looptrain.memory.tracker import (
+    CATEGORY_GRADS,
+    CATEGORY_OPTIMIZER,
+    CATEGORY_PARAMS,
+    StorageTracker,
+    gradient_bytes,
+    optimizer_state_tensors,
+    parameter_bytes,
+)
+from looptrain.optim import inner_optimizers, optimizer_state_bytes
+
+MIB = 1024 * 1024
+
+
+def current_rss_bytes() -> int:
+    """The process's resident set size now (Linux /proc; falls back to the peak elsewhere)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return peak_rss_bytes()
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak RSS since it started, from ``getrusage`` (KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def _breakdown(params: int, grads: int, optimizer_state: int, peak: int, peak_phase: str) -> dict[str, Any]:
+    return {
+        "params": int(params),
+        "grads": int(grads),
+        "optimizer_state": int(optimizer_state),
+        "activations_and_temps": int(max(0, peak - params - grads - optimizer_state)),
+        "peak_phase": peak_phase,
+    }
+
+
+class CpuTensorMeter:
+    """CPU meter: the tracker's peak of live tensor bytes, plus the process RSS as a cross-check.
+
+    With ``track_tensors=False`` no dispatch mode is installed (no per-op overhead): the peak is then
+    the RSS rise above the baseline plus the tensors that existed at ``start`` (an approximation
+    that includes allocator slack; meter name ``cpu_rss_delta``).
+    """
+
+    def __init__(self, track_tensors: bool = True) -> None:
+        self.track_tensors = track_tensors
+        self.tracker: StorageTracker | None = None
+        self.rss_baseline_bytes = 0
+        self._start_tensor_bytes = 0
+        self._hooks: list[Any] = []
+        self._model: nn.Module | None = None
+        self._optimizer: Any = None
+        self._active = False
+        self._classify_on_mark = False
+
+    @property
+    def name(self) -> str:
+        """The meter's name as written in summaries."""
+        return "cpu_tensor_tracker" if self.track_tensors else "cpu_rss_delta"
+
+    def start(self, model: nn.Module, optimizer: Any = None) -> None:
+        """Record the RSS baseline, register existing tensors and start tracking ops."""
+        self._model, self._optimizer = model, optimizer
+        self.rss_baseline_bytes = current_rss_bytes()
+        self._start_tensor_bytes = parameter_bytes(model) + gradient_bytes(model) + optimizer_state_bytes(optimizer)
+        if not self.track_tensors:
+            return
+        tracker = StorageTracker()
+        tracker.classify(model, optimizer)
+        self._install_hooks(tracker, model, optimizer)
+        tracker.reset_peak()
+        self.tracker = tracker
+        tracker.__enter__()
+        self._active = True
+
+    def _install_hooks(self, tracker: StorageTracker, model: nn.Module, optimizer: Any) -> None:
+        # A gradient is born as a backward op's output; classify it the moment it lands in .grad.
+        def on_grad(parameter: torch.Tensor) -> None:
+            if parameter.grad is not None:
+                tracker.track(parameter.grad, CATEGORY_GRADS)
+
+        for parameter in model.parameters():
+            if parameter.requires_grad:
+                self._hooks.append(parameter.register_post_accumulate_grad_hook(on_grad))
+        # Optimizer state is created inside the first step(); classify it as soon as step returns.
+        # An optimizer without step hooks (not a torch.optim.Optimizer) is classified at every mark.
+        self._classify_on_mark = False
+        for inner in inner_optimizers(optimizer):
+            if not hasattr(inner, "register_step_post_hook"):
+                self._classify_on_mark = True
+                continue
+            self._hooks.append(
+                inner.register_step_post_hook(lambda opt, args, kwargs: tracker.track_all(optimizer_state_tensors(opt), CATEGORY_OPTIMIZER))
+            )
+
+    def mark(self, phase: str) -> None:
+        """Name the phase that starts now ("forward", "backward", "optimizer", "eval").
+
+        Cheap (the Loop marks twice per micro-batch): grads and optimizer state are classified by
+        the hooks installed at ``start`` the moment they appear, so nothing is rescanned here unless
+        some optimizer had no step hook to install (then the full classification runs, as at ``stop``).
+        """
+        if self.tracker is not None:
+            if self._classify_on_mark:
+                self.tracker.classify(self._model, self._optimizer)
+            self.tracker.set_phase(phase)
+
+    def stop(self) -> None:
+        """Stop tracking ops (idempotent). Must run on the thread that called ``start``."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        if self.tracker is not None and self._active:
+            self.tracker.classify(self._model, self._optimizer)
+            self.tracker.__exit__(None, None, None)
+            self._active = False
+
+    @contextlib.contextmanager
+    def tracking(self, model: nn.Module, optimizer: Any = None) -> Iterator["CpuTensorMeter"]:
+        """``start`` on entry and ``stop`` on exit, exceptions included."""
+        self.start(model, optimizer)
+        try:
+            yield self
+        finally:
+            self.stop()
+
+    def summary(self, model: nn.Module | None = None, optimizer: Any = None) -> dict[str, Any]:
+        """The run's memory figures (see the module docstring and docs/memory.md)."""
+        model = model if model is not None else self._model
+        optimizer = optimizer if optimizer is not None else self._optimizer
+        peak_rss = peak_rss_bytes()
+        result: dict[str, Any] = {"memory_meter": self.name, "peak_rss_bytes": peak_rss, "rss_baseline_bytes": self.rss_baseline_bytes}
+        tracker = self.tracker
+        if tracker is not None:
+            at_peak = tracker.peak_category_bytes
+            result["peak_memory_bytes"] = int(tracker.peak_bytes)
+            result["memory_breakdown"] = _breakdown(
+                at_peak[CATEGORY_PARAMS], at_peak[CATEGORY_GRADS], at_peak[CATEGORY_OPTIMIZER], tracker.peak_bytes, tracker.peak_phase
+            )
+            result["phase_peak_bytes"] = {phase: int(value) for phase, value in tracker.phase_peak_bytes.items()}
+        else:
+            peak = max(0, peak_rss - self.rss_baseline_bytes) + self._start_tensor_bytes
+            result["peak_memory_bytes"] = int(peak)
+            result["memory_breakdown"] = _breakdown(
+                parameter_bytes(model) if model is not None else 0,
+                gradient_bytes(model) if model is not None else 0,
+                optimizer_state_bytes(optimizer),
+                peak,
+                "unknown",
+            )
+        return result
+
+
+class CudaMeter:
+    """CUDA meter: the caching allocator's ``max_memory_allocated`` (and ``max_memory_reserved``).
+
+    The peak phase is the phase during which ``max_memory_allocated`` last rose (read at each
+    ``mark``); params and optimizer state are measured from the tensors, grads are those live at the
+    end of the peak phase, and activations_and_temps is the rest of the peak.
+    """
+
+    def __init__(self, device: torch.device | str = "cuda", track_tensors: bool = False) -> None:
+        self.device = torch.device(device)
+        self.track_tensors = track_tensors  # accepted for one interface; the allocator sees all
+        self.rss_baseline_bytes = 0
+        self._phase = "setup"
+        self._last_max = 0
+        self._peak_phase = "setup"
+        self._grads_at_peak = 0
+        self._model: nn.Module | None = None
+        self._optimizer: Any = None
+
+    name = "cuda_max_memory_allocated"
+
+    def start(self, model: nn.Module, optimizer: Any = None) -> None:
+        """Reset the allocator's peak statistics and record the RSS baseline."""
+        self._model, self._optimizer = model, optimizer
+        self.rss_baseline_bytes = current_rss_bytes()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._last_max = torch.cuda.max_memory_allocated(self.device)
+        self._grads_at_peak = gradient_bytes(model)
+
+    def _close_phase(self) -> None:
+        maximum = torch.cuda.max_memory_allocated(self.device)
+        if maximum > self._last_max:
+            self._last_max = maximum
+            self._peak_phase = self._phase
+            self._grads_at_peak = gradient_bytes(self._model) if self._model is not None else 0
+
+    def mark(self, phase: str) -> None:
+        """Close the current phase (did the peak rise in it?) and start ``phase``."""
+        self._close_phase()
+        self._phase = phase
+
+    def stop(self) -> None:
+        """Close the last phase."""
+        self._close_phase()
+
+    def summary(self, model: nn.Module | None = None, optimizer: Any = None) -> dict[str, Any]:
+        """The run's memory figures, with ``reserved_bytes`` beside the allocated peak."""
+        model = model if model is not None else self._model
+        optimizer = optimizer if optimizer is not None else self._optimizer
+        peak = torch.cuda.max_memory_allocated(self.device)
+        return {
+            "memory_meter": self.name,
+            "peak_memory_bytes": int(peak),
+            "reserved_bytes": int(torch.cuda.max_memory_reserved(self.device)),
+            "peak_rss_bytes": peak_rss_bytes(),
+            "rss_baseline_bytes": self.rss_baseline_bytes,
+            "memory_breakdown": _breakdown(
+                parameter_bytes(model) if model is not None else 0,
+                self._grads_at_peak,
+                optimizer_state_bytes(optimizer),
+                peak,
+                self._peak_phase,
+            ),
+        }
+
+
+def make_meter(device: torch.device | str, track_tensors: bool = True) -> CpuTensorMeter | CudaMeter:
+    """The meter for ``device``: ``CudaMeter`` on CUDA, ``CpuTensorMeter`` otherwise.
+
+    Args:
+        device: where the model trains.
+        track_tensors: on CPU, install the dispatch-mode tracker (exact tensor peak, some per-op
+            overhead); False measures RSS only.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return CudaMeter(device, track_tensors=track_tensors)
+    return CpuTensorMeter(track_tensors=track_tensors)
+
+
+def format_memory_table(summary: dict[str, Any]) -> str:
+    """A small table of the run's memory figures in MiB, naming the meter."""
+    breakdown = summary.get("memory_breakdown", {})
+    rows = [
+        ("params", breakdown.get("params")),
+        ("grads", breakdown.get("grads")),
+        ("optimizer state", breakdown.get("optimizer_state")),
+        ("activations + temps", breakdown.get("activations_and_temps")),
+        (f"peak ({summary.get('memory_meter', '?')})", summary.get("peak_memory_bytes")),
+    ]
+    if "reserved_bytes" in summary:
+        rows.append(("reserved (allocator)", summary["reserved_bytes"]))
+    if "peak_rss_bytes" in summary:
+        rows.append(("process peak RSS", summary["peak_rss_bytes"]))
+        if summary.get("rss_baseline_bytes"):
+            rows.append(("peak RSS - baseline", summary["peak_rss_bytes"] - summary["rss_baseline_bytes"]))
+    width = max(len(label) for label, _ in rows)
+    lines = [f"memory at the peak (phase: {breakdown.get('peak_phase', '?')})"]
+    for label, value in rows:
+        shown = "-" if value is None else f"{value / MIB:10.1f} MiB"
+        lines.append(f"  {label:<{width}}  {shown}")
+    return "\n".join(lines)
+
+

@@ -1,0 +1,35 @@
+"""Optimizers: the factory (names, groups, 8-bit with 32-bit embeddings, Adafactor), the step fused into backward.
+
+Modules:
+    factory       `build_optimizer`, the optimizer names and which options each takes
+    in_backward   `OptimizerInBackward`: each parameter steps inside backward, clipping kept
+    state_bytes   `optimizer_state_bytes`: bytes of any optimizer's state
+"""
+
+from looptrain.optim.factory import (
+    EIGHT_BIT_OPTIMIZERS,
+    FOREACH_OPTIMIZERS,
+    OPTIMIZER_NAMES,
+    build_optimizer,
+    build_parameter_groups,
+    optimizer_name_of,
+    optimizer_options_problem,
+    register_embedding_state_bits,
+)
+from looptrain.optim.in_backward import CLIP_MODES, OptimizerInBackward
+from looptrain.optim.state_bytes import inner_optimizers, optimizer_state_bytes
+
+__all__ = [
+    "CLIP_MODES",
+    "EIGHT_BIT_OPTIMIZERS",
+    "FOREACH_OPTIMIZERS",
+    "OPTIMIZER_NAMES",
+    "OptimizerInBackward",
+    "build_optimizer",
+    "build_parameter_groups",
+    "inner_optimizers",
+    "optimizer_name_of",
+    "optimizer_options_problem",
+    "optimizer_state_bytes",
+    "register_embedding_state_bits",
+]

@@ -1,0 +1,203 @@
+"""The optimizer factory: names, parameter groups, and the options each optimizer takes.
+
+`build_optimizer` makes AdamW (``foreach`` / ``fused`` exposed), bitsandbytes' 8-bit AdamW (paged
+or not, with 32-bit state for every embedding), Hugging Face's Adafactor and SGD, always over two
+parameter groups (weight decay / no weight decay) that hold every trainable parameter exactly once
+and no frozen one. The optimizer names and the rule "foreach only for adamw and sgd" are defined
+here once; the command line and the estimator read them from here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from looptrain.freeze import is_norm_module
+
+OPTIMIZER_NAMES = ("adamw", "adamw8bit", "paged_adamw8bit", "adafactor", "sgd")
+FOREACH_OPTIMIZERS = ("adamw", "sgd")  # torch optimizers with foreach / fused implementations
+EIGHT_BIT_OPTIMIZERS = ("adamw8bit", "paged_adamw8bit")  # bitsandbytes
+
+
+def optimizer_options_problem(name: str, foreach: Optional[bool] = None, fused: Optional[bool] = None) -> Optional[str]:
+    """Why `name` with these options cannot be built, or None. The command line and the estimator ask too."""
+    if name not in OPTIMIZER_NAMES:
+        return f"unknown optimizer {name!r}; valid names are {', '.join(OPTIMIZER_NAMES)}"
+    if name not in FOREACH_OPTIMIZERS and (foreach is not None or fused is not None):
+        return (f"foreach/fused apply to {' and '.join(FOREACH_OPTIMIZERS)} only, not {name!r}; "
+                "leave them unset")
+    if foreach and fused:
+        return "foreach=True and fused=True exclude each other; pick one"
+    return None
+
+
+def optimizer_name_of(optimizer: Any) -> Optional[str]:
+    """The `build_optimizer` name of an optimizer object, when it is one of those (else None)."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # OptimizerInBackward wraps one
+    class_name = type(inner).__name__
+    module = type(inner).__module__
+    if module.startswith("bitsandbytes"):
+        return "paged_adamw8bit" if "Paged" in class_name else "adamw8bit"
+    return {"AdamW": "adamw", "SGD": "sgd", "Adafactor": "adafactor"}.get(class_name)
+
+
+def build_parameter_groups(
+    model: nn.Module, weight_decay: float, *, decay_embeddings: bool = True
+) -> list[dict[str, Any]]:
+    """Split the trainable parameters into a weight-decay group and a no-decay group.
+
+    No decay on biases (parameters named ``bias``) and on every parameter of a normalisation layer
+    (detected by module type, `looptrain.freeze.is_norm_module`, so ``LlamaRMSNorm`` counts).
+    Embeddings are decayed by default, as Hugging Face ``Trainer`` does, so runs compare with
+    Trainer's; pass ``decay_embeddings=False`` for the minGPT / nanoGPT convention. Frozen
+    parameters are in no group; tied parameters appear once.
+
+    Args:
+        model: The model.
+        weight_decay: Weight decay of the decay group.
+        decay_embeddings: Whether ``nn.Embedding`` weights are decayed.
+
+    Returns:
+        A list of one or two param-group dicts (empty groups are left out).
+
+    Raises:
+        ValueError: If the model has no trainable parameter.
+    """
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    seen: set[int] = set()
+    for module in model.modules():
+        for name, parameter in module.named_parameters(recurse=False):
+            if id(parameter) in seen or not parameter.requires_grad:
+                continue
+            seen.add(id(parameter))
+            exempt = (
+                name.endswith("bias")
+                or is_norm_module(module)
+                or (not decay_embeddings and isinstance(module, nn.Embedding))
+            )
+            (no_decay if exempt else decay).append(parameter)
+
+    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    if not trainable:
+        raise ValueError(
+            f"build_optimizer: {type(model).__name__} has no trainable parameter (all have "
+            "requires_grad=False); unfreeze something, e.g. looptrain.freeze.unfreeze(model.classifier)."
+        )
+    # minGPT's check: every trainable parameter in exactly one group, nothing else in any group.
+    grouped = [id(parameter) for parameter in decay + no_decay]
+    assert len(grouped) == len(set(grouped)), "a parameter landed in both weight-decay groups"
+    assert set(grouped) == {id(parameter) for parameter in trainable}, "parameter groups do not cover the trainable parameters"
+
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return [group for group in groups if group["params"]]
+
+
+def register_embedding_state_bits(model: nn.Module, bits: int = 32) -> int:
+    """Give every trainable ``nn.Embedding`` weight `bits`-bit optimizer state in bitsandbytes.
+
+    The one place where looptrain touches bitsandbytes' process-global ``GlobalOptimManager``.
+    Overrides are keyed on the parameter object, so they also apply to optimizers built later
+    over the same parameters (`OptimizerInBackward`'s per-parameter ones). Registering the same
+    module twice is a no-op.
+
+    Args:
+        model: The model.
+        bits: 32 (the bitsandbytes recommendation for NLP embeddings) or 8.
+
+    Returns:
+        The number of embedding modules registered.
+    """
+    from bitsandbytes.optim import GlobalOptimManager
+
+    manager = GlobalOptimManager.get_instance()
+    registered = {(id(module), attribute) for module, attribute, _ in manager.module_weight_config_triple}
+    count = 0
+    for module in model.modules():
+        if isinstance(module, nn.Embedding) and module.weight.requires_grad:
+            if (id(module), "weight") not in registered:
+                manager.register_module_override(module, "weight", {"optim_bits": bits})
+            count += 1
+    return count
+
+
+def _import_bitsandbytes():
+    try:
+        import bitsandbytes
+    except ImportError as error:
+        raise ImportError(
+            "8-bit optimizers need bitsandbytes: pip install bitsandbytes (or use --optim adamw / adafactor)."
+        ) from error
+    return bitsandbytes
+
+
+def build_optimizer(
+    model: nn.Module,
+    name: str,
+    lr: float,
+    weight_decay: float = 0.0,
+    *,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    foreach: bool | None = None,
+    fused: bool | None = None,
+    embedding_bits: int = 32,
+    decay_embeddings: bool = True,
+    **kwargs: Any,
+) -> torch.optim.Optimizer:
+    """Build an optimizer over the trainable parameters of `model`.
+
+    Args:
+        model: The model; frozen parameters get no group and no state.
+        name: One of ``adamw``, ``adamw8bit``, ``paged_adamw8bit``, ``adafactor``, ``sgd``.
+        lr: Learning rate (Adafactor too: relative steps are off, as in Trainer's ``adafactor``).
+        weight_decay: Decoupled weight decay (L2 for SGD), not applied to biases and norms.
+        betas: Adam betas (adamw, adamw8bit, paged_adamw8bit).
+        eps: Adam epsilon (adamw, adamw8bit, paged_adamw8bit).
+        foreach: ``torch.optim.AdamW`` / ``SGD`` option; ``False`` steps one tensor at a time,
+            which lowers the step's peak memory (no multi-tensor temporaries) at some speed cost.
+        fused: ``torch.optim.AdamW`` / ``SGD`` option: one fused kernel per step.
+        embedding_bits: Optimizer-state bits for ``nn.Embedding`` weights under the 8-bit
+            optimizers: 32 (default, for stability) or 8.
+        decay_embeddings: Whether embedding weights are in the weight-decay group.
+        **kwargs: Passed to the optimizer class (e.g. ``momentum`` for sgd, ``beta1`` for adafactor,
+            ``min_8bit_size`` for the 8-bit ones).
+
+    Returns:
+        The optimizer.
+
+    Raises:
+        ValueError: Unknown `name`, options that do not apply to it, or no trainable parameter.
+        ImportError: bitsandbytes missing for the 8-bit optimizers.
+    """
+    problem = optimizer_options_problem(name, foreach, fused)
+    if problem:
+        raise ValueError(f"build_optimizer: {problem}.")
+    if embedding_bits not in (8, 32):
+        raise ValueError(f"build_optimizer: embedding_bits must be 8 or 32, got {embedding_bits}.")
+    groups = build_parameter_groups(model, weight_decay, decay_embeddings=decay_embeddings)
+
+    if name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=foreach, fused=fused, **kwargs)
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, foreach=foreach, fused=fused, **kwargs)
+    if name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        # Trainer's optim="adafactor" settings (the seeds' ladder): explicit lr, no relative step,
+        # no parameter-scale factor; first moment off unless beta1 is passed.
+        options = {"scale_parameter": False, "relative_step": False, "warmup_init": False, **kwargs}
+        return Adafactor(groups, lr=lr, **options)
+
+    bitsandbytes = _import_bitsandbytes()
+    if embedding_bits != 8:
+        register_embedding_state_bits(model, embedding_bits)
+    optimizer_class = bitsandbytes.optim.PagedAdamW8bit if name == "paged_adamw8bit" else bitsandbytes.optim.AdamW8bit
+    return optimizer_class(groups, lr=lr, betas=betas, eps=eps, **kwargs)
+
+

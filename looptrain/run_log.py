@@ -1,0 +1,198 @@
+"""The run log: throughput and loss totals, `metrics.jsonl`, trackers, the progress bar, the summary.
+
+Every event (a train log line, an evaluation, a skipped window, a resume) is one JSON object: it is
+appended to `output_dir/metrics.jsonl`, handed to each tracker named in `LoopConfig.report_to`
+(TensorBoard today; a tracker is any object with `log(record)` and `close()`) and printed as one
+line. Only rank 0 writes and prints.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Protocol
+
+from tqdm.auto import tqdm
+
+TRACKERS = ("tensorboard",)  # names LoopConfig.report_to accepts, besides "none"
+
+
+class Tracker(Protocol):
+    """What the run log needs of an experiment tracker."""
+
+    def log(self, record: dict) -> None:
+        """Receives one event (it has "event" and "step" keys, and numbers)."""
+
+    def close(self) -> None:
+        """Flushes and releases the tracker."""
+
+
+class TensorBoardTracker:
+    """Writes every number of every event as a TensorBoard scalar named `<event>/<key>`, at its step.
+
+    Args:
+        log_dir: where the event files go (`output_dir/tensorboard`).
+    """
+
+    def __init__(self, log_dir: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as error:  # torch imports it lazily; the tensorboard package is the missing piece
+            raise ImportError(
+                "report_to='tensorboard' needs the tensorboard package: pip install tensorboard "
+                "(or pip install 'looptrain[tensorboard]')"
+            ) from error
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, record: dict) -> None:
+        step = int(record.get("step", 0))
+        event = record.get("event", "event")
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(f"{event}/{key}", value, step)
+
+    def close(self) -> None:
+        self.writer.flush()
+        self.writer.close()
+
+
+def make_trackers(report_to: str, output_dir: Optional[Path]) -> list:
+    """The trackers `report_to` names ("none", or comma-separated names from `TRACKERS`)."""
+    names = [name.strip() for name in report_to.split(",") if name.strip() and name.strip() != "none"]
+    trackers = []
+    for name in names:
+        if name == "tensorboard":
+            trackers.append(TensorBoardTracker(output_dir / "tensorboard"))
+    return trackers
+
+
+class Totals:
+    """Samples, tokens, loss and training seconds: for the current log interval and for the whole run.
+
+    Training seconds run from `restart_clock()` to each window's end, so evaluation and checkpoint
+    writing (after which the clock restarts) are not training time; data loading is.
+    """
+
+    def __init__(self):
+        self.samples = self.tokens = self.items = 0
+        self.loss_sum = self.seconds = 0.0
+        self.run_samples = self.run_tokens = self.run_items = 0
+        self.run_loss_sum = self.run_seconds = 0.0
+        self._clock = time.perf_counter()
+
+    def restart_clock(self) -> None:
+        self._clock = time.perf_counter()
+
+    def add_window(self, samples: int, tokens: int, loss_sum: float, items: int) -> None:
+        """Closes one window: its counts, and the seconds since the clock's last tick."""
+        now = time.perf_counter()
+        seconds, self._clock = now - self._clock, now
+        self.samples += samples
+        self.tokens += tokens
+        self.loss_sum += loss_sum
+        self.items += items
+        self.seconds += seconds
+        self.run_samples += samples
+        self.run_tokens += tokens
+        self.run_loss_sum += loss_sum
+        self.run_items += items
+        self.run_seconds += seconds
+
+    def pop_interval(self) -> dict:
+        """The interval's mean loss and throughput; starts the next interval."""
+        seconds = max(self.seconds, 1e-9)
+        result = {
+            "loss": self.loss_sum / max(self.items, 1),
+            "samples_per_s": self.samples / seconds,
+            "tokens_per_s": self.tokens / seconds,
+        }
+        self.samples = self.tokens = self.items = 0
+        self.loss_sum = self.seconds = 0.0
+        return result
+
+    def run_figures(self) -> dict:
+        """Whole-run throughput and mean train loss (None when no item was seen)."""
+        seconds = max(self.run_seconds, 1e-9)
+        return {
+            "train_samples_per_s": round(self.run_samples / seconds, 3),
+            "train_tokens_per_s": round(self.run_tokens / seconds, 3),
+            "train_loss": self.run_loss_sum / self.run_items if self.run_items else None,
+        }
+
+
+def format_record(record: dict) -> str:
+    """One event as `key=value` pairs (floats to 4 significant digits; nested values left out)."""
+    parts = []
+    for key, value in record.items():
+        if isinstance(value, float):
+            parts.append(f"{key}={value:.4g}")
+        elif value is not None and not isinstance(value, (dict, list)):
+            parts.append(f"{key}={value}")
+    return " ".join(parts)
+
+
+class RunLog:
+    """Where a run's events go: `metrics.jsonl`, the trackers, stdout, and the progress bar.
+
+    Args:
+        output_dir: where `metrics.jsonl` (and tracker files) are written; None writes nothing.
+        is_main: rank 0 (only it writes and prints).
+        report_to: "none" or comma-separated tracker names (`TRACKERS`).
+        progress_bar: show a tqdm bar when stderr is a terminal.
+    """
+
+    def __init__(self, output_dir: Optional[Path], *, is_main: bool, report_to: str = "none", progress_bar: bool = True):
+        self.output_dir = output_dir
+        self.is_main = is_main
+        self.totals = Totals()
+        self._want_bar = progress_bar
+        self._bar = None
+        self._trackers = make_trackers(report_to, output_dir) if is_main else []
+
+    def echo(self, line: str) -> None:
+        """Prints one line (rank 0), above the progress bar when there is one."""
+        if self.is_main:
+            tqdm.write(line, file=sys.stdout)
+
+    def event(self, record: dict, line: Optional[str] = None) -> None:
+        """Appends one event to `metrics.jsonl`, gives it to the trackers, and prints it (rank 0).
+
+        Args:
+            record: the event (JSON-ready; "event" and "step" keys by convention).
+            line: what to print instead of the record's `key=value` pairs.
+        """
+        if not self.is_main:
+            return
+        if self.output_dir is not None:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(record) + "\n")
+        for tracker in self._trackers:
+            tracker.log(record)
+        self.echo(format_record(record) if line is None else line)
+
+    def open_progress(self, total: Optional[int], initial: int) -> None:
+        """A tqdm bar over optimizer updates, on a terminal only (elsewhere the log lines report progress)."""
+        if self._want_bar and self.is_main and sys.stderr.isatty():
+            self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+
+    def advance_progress(self, steps: int, **postfix: str) -> None:
+        """Moves the bar on by `steps` updates; `postfix` replaces what it shows beside the count."""
+        if self._bar is not None:
+            if postfix:
+                self._bar.set_postfix(**postfix, refresh=False)
+            self._bar.update(steps)
+
+    def close_progress(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def close(self) -> None:
+        """Closes the bar and every tracker."""
+        self.close_progress()
+        for tracker in self._trackers:
+            tracker.close()
+        self._trackers = []

@@ -1,0 +1,82 @@
+"""The examples in examples/ run on tiny sizes, each with one overridden hook, and learn."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from looptrain import Loop
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def load_example(name: str):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def overridden_hooks(loop_class: type) -> set[str]:
+    """The Loop methods a subclass defines itself."""
+    return {name for name in vars(loop_class) if callable(getattr(Loop, name, None))}
+
+
+@pytest.fixture(scope="module")
+def char_lm():
+    return load_example("char_lm")
+
+
+def test_char_lm_learns_with_compute_loss_alone(char_lm, capsys):
+    assert overridden_hooks(char_lm.CharLMLoop) == {"compute_loss"}
+    summary = char_lm.main(["--steps", "45", "--batch-size", "8", "--context", "32", "--width", "32"])
+    characters = len(set(char_lm.TEXT))
+    scores = summary["final_eval"]
+    # Evaluation ran the subclass's compute_loss: loss and perplexity (token-level), no class scores.
+    assert set(scores) == {"loss", "perplexity", "count"}
+    assert scores["perplexity"] == pytest.approx(math.exp(scores["loss"]))
+    assert scores["count"] == 32 * 32  # 32 eval sequences of 32 target characters
+    assert scores["perplexity"] < 0.6 * characters  # uniform guessing scores `characters`
+    assert summary["metric_for_best"] == "perplexity" and summary["best_checkpoint"] is None  # no output_dir
+    # Throughput counts the (x, y) batches' tokens, not only their rows.
+    assert summary["train_tokens_per_s"] == pytest.approx(32 * summary["train_samples_per_s"], rel=1e-6)
+    assert "eval perplexity" in capsys.readouterr().out
+
+
+def test_char_lm_accumulation_over_tuple_batches_is_exact(char_lm):
+    # 2 micro-batches of 4 sequences x accumulation 2 == batches of 8: the loop counts y's elements.
+    def train(batch_size: int, accum: int) -> torch.nn.Module:
+        characters = sorted(set(char_lm.TEXT))
+        ids = torch.tensor([characters.index(c) for c in char_lm.TEXT])
+        pairs = char_lm.windows_of(ids, 16, 32, torch.Generator().manual_seed(0))
+        torch.manual_seed(0)
+        model = char_lm.CharGPT(len(characters), 16, width=16, layers=1)
+        loop = char_lm.CharLMLoop(model, torch.optim.SGD(model.parameters(), lr=0.5), char_lm.batched(pairs, batch_size),
+                                  config=char_lm.LoopConfig(accum_steps=accum, max_grad_norm=None, eval_every="no",
+                                                            progress_bar=False, track_memory=False, device="cpu"))
+        loop.fit()
+        return model
+
+    reference, accumulated = train(8, 1), train(4, 2)
+    for (name, expected), actual in zip(reference.state_dict().items(), accumulated.state_dict().values()):
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_token_classification_learns_with_compute_loss_alone():
+    example = load_example("token_classification")
+    assert overridden_hooks(example.TaggingLoop) == {"compute_loss"}
+    summary = example.main(["--train-sentences", "400", "--eval-sentences", "100", "--epochs", "2"])
+    scores = summary["final_eval"]
+    # The logits the tagger produced inside compute_loss were scored against the labels (-100 skipped).
+    assert {"loss", "accuracy", "f1", "count"} <= set(scores) and "perplexity" not in scores
+    _, evaluation, vocabulary = example.synthetic_data(400, 100, seed=0)
+    eval_labels = torch.cat([batch["labels"].flatten() for batch in example.batches_of(evaluation, vocabulary, 64)])
+    labelled = eval_labels[eval_labels != -100]
+    assert scores["count"] == labelled.numel()
+    majority_accuracy = (labelled == 0).float().mean().item()  # always "O"
+    assert scores["accuracy"] > majority_accuracy + 0.05
+    assert scores["f1"] > 0.5  # the majority tagger's macro F1 over 4 tags is below 0.25
