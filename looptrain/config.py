@@ -51,7 +51,9 @@ class LoopConfig:
     metric_for_best: Optional[str] = None  # eval metric that picks the best checkpoint (None: f1 when evaluated, else loss)
     greater_is_better: Optional[bool] = None  # direction of metric_for_best (None: lower for loss/perplexity/error names)
     load_best_at_end: bool = False  # reload the best checkpoint's weights when training ends
-    resume: Optional[str] = None  # "auto" (newest checkpoint in output_dir, if any) or a checkpoint directory
+    resume: Optional[str] = None  # "auto" (continue the run in output_dir, if it is this run) or a checkpoint directory (forced)
+    overwrite: bool = False  # a fresh run into an output_dir holding another run moves that run aside (never deletes it)
+    run_identity: dict = field(default_factory=dict)  # besides the schedule and seed, what makes this the same run (the CLI: model, data files)
     max_bad_windows: int = 5  # stop after this many consecutive windows with a non-finite loss or gradient
     auto_batch: bool = False  # on out-of-memory, halve the micro-batch and double accumulation, then retry
     track_memory: bool = True  # CPU: count every tensor for an exact peak and breakdown (slower); False: RSS only
@@ -126,6 +128,10 @@ class LoopConfig:
             problems.append("load_best_at_end=True needs evaluations to pick the best: set eval_every to 'epoch' or N")
         if self.resume is not None and self.output_dir is None and self.resume == "auto":
             problems.append("resume='auto' looks for checkpoints in output_dir: set output_dir")
+        if self.overwrite and self.resume is not None:
+            problems.append("overwrite=True starts a fresh run, resume continues one: pass one of them (--overwrite, --resume)")
+        if not isinstance(self.run_identity, dict):
+            problems.append(f"run_identity must be a dict of JSON values (got {type(self.run_identity).__name__})")
         if not self.device or not isinstance(self.device, str):
             problems.append(f"device must be a string like 'auto', 'cpu' or 'cuda' (got {self.device!r})")
         if not problems:
@@ -145,6 +151,11 @@ class LoopConfig:
         if self.clip_mode != "auto":
             return self.clip_mode
         return "per_parameter" if self.optimizer_in_backward else "global"
+
+    def identity(self) -> dict:
+        """What makes a run the same run: its schedule and seed, plus `run_identity` (see `looptrain.ledger`)."""
+        return {"accum_steps": self.accum_steps, "epochs": self.epochs, "max_steps": self.max_steps,
+                "seed": self.seed, **self.run_identity}
 
     def to_dict(self) -> dict:
         """A JSON-ready copy of every field."""

@@ -21,7 +21,9 @@ Everything else is internal (`_`-prefixed).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
 import math
 import time
 from collections.abc import Mapping
@@ -31,7 +33,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import nn
 
-from looptrain import batches, distributed, metrics, resume, state
+from looptrain import batches, distributed, ledger, metrics, resume, state
 from looptrain.batches import as_loss_sum, first_dimension, move_to, samples_and_tokens, split_batch
 from looptrain.config import ConfigError, LoopConfig, check_process_group
 from looptrain.gradient_checkpointing import enable_gradient_checkpointing
@@ -123,7 +125,9 @@ class Loop:
         self._epoch_rng_state: Optional[torch.Tensor] = None
         self._rng_after_skip: Optional[dict] = None
         self._last_eval_step = self._last_checkpoint_step = -1
+        self._first_step = 0
         self._run_checkpoints: set[str] = set()
+        self._ledger = ledger.RunLedger(self.output_dir, echo=self._log.echo) if self.output_dir is not None else None
 
     @property
     def scaler(self) -> torch.amp.GradScaler:
@@ -134,35 +138,44 @@ class Loop:
     def fit(self) -> dict:
         """Trains for `epochs` (or until `max_steps` updates), evaluating and saving on schedule.
 
+        With `output_dir`, the directory is locked for the whole run and its ledger decides first what
+        this run may do there (see `looptrain.ledger`): start fresh, resume, or report a finished run.
+
         Returns:
             The run's summary, the same dict that is written to `output_dir/summary.json`.
         """
         started = time.perf_counter()
-        warning = emulation_warning(self.device, self.precision.name)
-        if warning:
-            self._log.echo(f"warning: {warning}")
-        self._check_evaluation()  # the eval hooks and metric_for_best fail now, not after hours of training
-        if self.config.resume is not None:
-            self._restore(self.config.resume)
-        self._log.open_progress(self._planned_updates(), initial=self.step)
-        self.meter.start(self.model, self.optimizer)
-        self._log.totals.restart_clock()
-        try:
-            with self._signals:
-                self._train()
-        finally:  # an exception must not leave the memory tracker installed or the bar open
-            self._log.close_progress()
-            self.meter.stop()
-        if self.interrupted is None:
-            if self.eval_loader is not None and self._last_eval_step != self.step:
-                self._evaluate_and_save()  # the final evaluation: logged, and a candidate for the best
-            if self.config.load_best_at_end and self.best.best_checkpoint is not None:
-                self._load_best()
-        summary = self._summary(time.perf_counter() - started)
-        if self.output_dir is not None and self._place.is_main:
-            state.write_json_atomic(self.output_dir / "summary.json", summary)
-        self._log.close()
-        return summary
+        with self._output_dir_lock():
+            plan = self._begin()  # before anything is read or written: this run's place in output_dir
+            if plan["action"] == "finished":
+                return self._finished_run_summary()
+            self._check_evaluation()  # the eval hooks and metric_for_best fail now, not after hours of training
+            if plan["checkpoints"]:
+                self._restore(plan["checkpoints"])
+            self._log.open_progress(self._planned_updates(), initial=self.step)
+            self._first_step = self.step  # the heartbeat's time-to-go counts the updates of this run
+            self.meter.start(self.model, self.optimizer)
+            self._log.totals.restart_clock()
+            try:
+                with self._signals:
+                    self._train()
+            except BaseException:
+                self._record_status("failed")
+                raise
+            finally:  # an exception must not leave the memory tracker installed or the bar open
+                self._log.close_progress()
+                self.meter.stop()
+            if self.interrupted is None:
+                if self.eval_loader is not None and self._last_eval_step != self.step:
+                    self._evaluate_and_save()  # the final evaluation: logged, and a candidate for the best
+                if self.config.load_best_at_end and self.best.best_checkpoint is not None:
+                    self._load_best()
+            summary = self._summary(time.perf_counter() - started)
+            if self.output_dir is not None and self._place.is_main:
+                state.write_json_atomic(self.output_dir / "summary.json", summary)
+            self._record_status("interrupted" if self.interrupted else "finished")
+            self._log.close()
+            return summary
 
     def _train(self) -> None:
         """Epochs of accumulation windows, each ending in one optimizer update; stops early on a signal."""
@@ -184,6 +197,7 @@ class Loop:
                     self._log.event({"event": "skipped", "step": self.step, "micro_step": self.micro_step,
                                      "skipped_steps": self.skipped_steps, "reason": reason})
                 self.on_step_end(step=self.step, loss_sum=result.loss_sum, num_items=num_items, grad_norm=result.grad_norm)
+                self._log.heartbeat(self._progress_line)
                 if result.stepped and self.step % config.log_every == 0:
                     self._log_train(result.grad_norm)
                 if result.stepped and isinstance(config.eval_every, int) and self.step % config.eval_every == 0:
@@ -335,10 +349,11 @@ class Loop:
         self.wrapped_model.eval()
         self.meter.mark("eval")
         evaluation = self.make_metrics()
-        for batch in loader:
+        for index, batch in enumerate(loader, 1):
             batch = move_to(batch, self.device)
             with self.precision.autocast():
                 evaluation.update(self.eval_step(batch))
+            self._log.heartbeat(lambda: f"evaluating at step {self.step}: batch {index}" + _of_length(loader))
         self.wrapped_model.train(was_training)
         shards = distributed.all_gather_objects(evaluation)  # under DDP each rank scored its own shard
         evaluation = shards[0]
@@ -410,15 +425,63 @@ class Loop:
             "epoch_rng_state": None if self._epoch_rng_state is None else self._epoch_rng_state.tolist(),
         }
 
-    def _restore(self, resume_from: str) -> None:
-        """Restores weights, optimizer, scheduler, scaler, RNG and position from a checkpoint."""
-        path = state.resolve_resume_checkpoint(resume_from, self.output_dir)
-        if path is None:
-            self._log.echo(f"resume=auto: no checkpoint in {self.output_dir}, starting from scratch")
-            return
-        saved, self._rng_after_skip = resume.load_training_checkpoint(
-            path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, precision=self.precision,
-            device=self.device)
+    def _output_dir_lock(self):
+        """The output directory's lock (rank 0, with an output_dir): one run at a time in it."""
+        if self.output_dir is None or not self._place.is_main:
+            return contextlib.nullcontext()
+        return ledger.OutputDirLock(self.output_dir, echo=self._log.echo)
+
+    def _begin(self) -> dict:
+        """What this run may do in output_dir: `looptrain.ledger.RunLedger.begin`, decided by rank 0."""
+        warning = emulation_warning(self.device, self.precision.name)
+        if warning:
+            self._log.echo(f"warning: {warning}")
+        forced = self.config.resume not in (None, "auto")
+        if self.output_dir is None:
+            return {"action": "resume" if forced else "fresh", "checkpoints": [Path(self.config.resume)] if forced else []}
+        plan = None
+        if self._place.is_main:
+            plan = self._ledger.begin(self.config.identity(), self.config.resume, self.config.overwrite)
+            if plan["action"] != "finished":
+                self._record_status("running")
+            if self.config.resume == "auto" and plan["action"] == "fresh":
+                self._log.echo(f"resume=auto: no checkpoint of this run in {self.output_dir} yet, starting from scratch")
+        return distributed.all_gather_objects(plan)[0]  # every rank follows rank 0's decision
+
+    def _record_status(self, status: str) -> None:
+        """Writes this run's identity and status into output_dir/run.json (rank 0)."""
+        if self.output_dir is not None and self._place.is_main:
+            self._ledger.write(self.config.identity(), status, step=self.step,
+                               last_checkpoint=state.checkpoint_name(self._last_checkpoint_step)
+                               if self._last_checkpoint_step >= 0 else None)
+
+    def _finished_run_summary(self) -> dict:
+        """`resume="auto"` on a finished run: nothing to train; its summary.json is left as it is."""
+        path = self.output_dir / "summary.json"
+        summary = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        self._log.echo(f"the run in {self.output_dir} finished at step {summary.get('optimizer_steps', '?')}: "
+                       "nothing to train; summary.json and its checkpoints are left as they are")
+        self._log.close()
+        return {**summary, "already_finished": True}
+
+    def _restore(self, checkpoints: list) -> None:
+        """Restores weights, optimizer, scheduler, scaler, RNG and position from the first checkpoint that reads.
+
+        With `resume="auto"` a checkpoint that cannot be read (a truncated file) is reported and the
+        next older one is tried; a checkpoint named explicitly must read.
+        """
+        forced = self.config.resume not in (None, "auto")
+        for index, candidate in enumerate(checkpoints):
+            try:
+                path = state.resolve_resume_checkpoint(str(candidate), self.output_dir) if forced else Path(candidate)
+                saved, self._rng_after_skip = resume.load_training_checkpoint(
+                    path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                    precision=self.precision, device=self.device)
+                break
+            except state.CheckpointError as error:
+                if forced or index == len(checkpoints) - 1:
+                    raise
+                self._log.echo(f"notice: {error}\n  falling back to {Path(checkpoints[index + 1]).name}")
         self.step, self.micro_step, self.epoch = saved["step"], saved["micro_step"], saved["epoch"]
         self.batch_in_epoch, self.skipped_steps = saved["batch_in_epoch"], saved["skipped_steps"]
         self.best.load_state_dict(saved["best"])
@@ -463,6 +526,16 @@ class Loop:
 
     def _last_good_checkpoint(self) -> Optional[Path]:
         return state.latest_checkpoint(self.output_dir) if self.output_dir is not None else None
+
+    def _progress_line(self) -> str:
+        """"step 12/32 (epoch 0.38), 41.2 s of training, about 68 s to go": the heartbeat line."""
+        totals, planned = self._log.totals, self._planned_updates()
+        line = f"training: step {self.step}" + (f"/{planned}" if planned else "") + f" (epoch {self._epoch_progress()})"
+        line += f", {totals.run_seconds:.0f} s of training"
+        done = self.step - self._first_step
+        if planned and done > 0:
+            line += f", about {totals.run_seconds / done * (planned - self.step):.0f} s to go"
+        return line
 
     def _epoch_progress(self) -> float:
         try:
@@ -527,6 +600,13 @@ class _captured_output:
 
     def __exit__(self, *exc_info) -> None:
         self._handle.remove()
+
+
+def _of_length(loader: Any) -> str:
+    try:
+        return f"/{len(loader)}"
+    except TypeError:
+        return ""
 
 
 def _logits_of(output: Any) -> Optional[torch.Tensor]:

@@ -61,11 +61,16 @@ def cpu_name() -> str:
 
 
 def cpu_capability() -> str:
-    """torch's vector ISA for this CPU (`AVX2`, `AVX512`, ...), plus `+AMX` / `+AVX512_BF16` when present."""
+    """torch's vector ISA for this CPU (`AVX2`, `AVX512`, ...), plus `+AVX512_BF16` / `+AMX` when torch uses them.
+
+    The extensions are named only when oneDNN computes bf16 natively (so a CPU restricted to AVX2
+    with `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` reads as plain `AVX2`).
+    """
     capability = torch.backends.cpu.get_cpu_capability()
-    probes = (("AMX", "_is_amx_tile_supported"), ("AVX512_BF16", "_is_avx512_bf16_supported"))
-    extras = [name for name, probe in probes if getattr(torch.cpu, probe, lambda: False)()]
-    return "+".join([capability, *extras])
+    if not cpu_has_native_bf16():
+        return capability
+    probes = (("AVX512_BF16", "_is_avx512_bf16_supported"), ("AMX", "_is_amx_tile_supported"))
+    return "+".join([capability, *(name for name, probe in probes if getattr(torch.cpu, probe, lambda: False)())])
 
 
 def cpu_description() -> str:

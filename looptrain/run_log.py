@@ -12,11 +12,12 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 from tqdm.auto import tqdm
 
 TRACKERS = ("tensorboard",)  # names LoopConfig.report_to accepts, besides "none"
+HEARTBEAT_SECONDS = 10.0  # without a progress bar, a line at least this often while training or evaluating
 
 
 class Tracker(Protocol):
@@ -149,12 +150,24 @@ class RunLog:
         self.totals = Totals()
         self._want_bar = progress_bar
         self._bar = None
-        self._trackers = make_trackers(report_to, output_dir) if is_main else []
+        self._report_to = report_to
+        self._trackers: Optional[list] = None  # made at the first event: nothing is written before the run begins
+        self._last_line = time.monotonic()
 
     def echo(self, line: str) -> None:
         """Prints one line (rank 0), above the progress bar when there is one."""
         if self.is_main:
             tqdm.write(line, file=sys.stdout)
+            self._last_line = time.monotonic()
+
+    def heartbeat(self, describe: Callable[[], str]) -> None:
+        """Without a progress bar, prints `describe()` when nothing was printed for `HEARTBEAT_SECONDS`.
+
+        A log file or CI console then shows a sign of life at least that often, however long a log
+        interval or an evaluation takes.
+        """
+        if self.is_main and self._bar is None and time.monotonic() - self._last_line >= HEARTBEAT_SECONDS:
+            self.echo(describe())
 
     def event(self, record: dict, line: Optional[str] = None) -> None:
         """Appends one event to `metrics.jsonl`, gives it to the trackers, and prints it (rank 0).
@@ -169,6 +182,8 @@ class RunLog:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             with open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(record) + "\n")
+        if self._trackers is None:
+            self._trackers = make_trackers(self._report_to, self.output_dir)
         for tracker in self._trackers:
             tracker.log(record)
         self.echo(format_record(record) if line is None else line)
@@ -193,6 +208,6 @@ class RunLog:
     def close(self) -> None:
         """Closes the bar and every tracker."""
         self.close_progress()
-        for tracker in self._trackers:
+        for tracker in self._trackers or []:
             tracker.close()
-        self._trackers = []
+        self._trackers = None

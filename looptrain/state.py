@@ -457,22 +457,37 @@ def _is_complete_checkpoint(path: Path) -> bool:
 
 def _read_model_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
     """All tensors of model.safetensors or of the shards listed in its index (HF sharded saves)."""
-    from safetensors.torch import load_file
-
     single = checkpoint / MODEL_FILE
     if single.is_file():
-        return load_file(str(single))
+        return _load_safetensors(single)
     index = checkpoint / MODEL_INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError) as error:
+            raise CheckpointError(f"cannot read {index}: {error}; resume from another checkpoint.") from error
         tensors: dict[str, torch.Tensor] = {}
         for shard in sorted(set(weight_map.values())):
-            tensors.update(load_file(str(checkpoint / shard)))
+            tensors.update(_load_safetensors(checkpoint / shard))
         return tensors
     raise CheckpointError(
         f"{checkpoint} has no {MODEL_FILE}; it was not written by looptrain's save_checkpoint, "
         "point --resume at a checkpoint-<step> directory."
     )
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors; a truncated or corrupt file raises CheckpointError naming it."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as error:  # safetensors raises its own SafetensorError (and OSError) for bad files
+        detail = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise CheckpointError(
+            f"cannot read {path}: the file is corrupt or truncated ({type(error).__name__}: {detail}); "
+            "resume from another checkpoint."
+        ) from error
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -440,8 +439,9 @@ def tracker_overhead(baseline_module_path: str, repeats: int = 5, steps: int = 3
     """Prints tracked / untracked step time for the tracker now and, optionally, an older one.
 
     Same process, same model, same optimizer; the three meters take turns `repeats` times, each
-    for one warm-up step and `steps` timed steps; the table gives medians. The older tracker is a
-    copy of ``looptrain/memory.py`` (e.g. ``git show HEAD:looptrain/memory.py > old_memory.py``).
+    for one warm-up step and `steps` timed steps; the table gives medians. The older tracker is any
+    module with ``make_meter``, e.g. the single-file ``looptrain/memory.py`` of before the package split
+    (``git show 6d9579b:looptrain/memory.py > old_memory.py``).
     """
     import importlib.util
 
@@ -457,7 +457,9 @@ def tracker_overhead(baseline_module_path: str, repeats: int = 5, steps: int = 3
         sys.modules["baseline_memory"] = baseline  # dataclasses look their module up there
         specification.loader.exec_module(baseline)
         meters["tracker (baseline file)"] = (baseline, True)
-    print(f"\n### Tracker overhead: batch 8 x 128, AdamW, {torch.get_num_threads()} threads, median of {repeats * steps} steps\n")
+    from looptrain.precision import cpu_description
+
+    print(f"\n### Tracker overhead: batch 8 x 128, AdamW, CPU {cpu_description()}, median of {repeats * steps} steps\n")
     print("| model | untracked s/step | " + " | ".join(f"{name} s/step (ratio)" for name in list(meters)[1:]) + " |")
     print("|---|---|" + "---|" * (len(meters) - 1))
     for label, (hidden, layers, vocab, heads) in OVERHEAD_SHAPES.items():
@@ -545,8 +547,10 @@ def main(argv: list[str] | None = None) -> int:
             plot(rows, arguments.plot, arguments)
         return 0
     selected = [rung for rung in rungs() if not arguments.rungs or rung["name"].split()[0] in arguments.rungs.split(",")]
-    print(f"machine: {os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}; torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads), transformers {transformers.__version__}; load average at start {os.getloadavg()}")
+    from looptrain.precision import cpu_description
+
+    print(f"machine: {os.cpu_count()} CPU cores, {cpu_description()}; torch {torch.__version__}, "
+          f"transformers {transformers.__version__}; load average at start {os.getloadavg()}")
     print(f"command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}")
     rows = []
     for rung in selected:

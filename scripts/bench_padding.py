@@ -193,10 +193,12 @@ def main(argv: list[str] | None = None) -> None:
     ]
 
     baseline_wall, baseline_cpu = results[0][3], results[0][4]
+    from looptrain.precision import cpu_description
+
     print(
         f"\n{args.samples} samples, max_length {args.max_length}, batch size {args.batch_size}, "
-        f"BERT hidden {args.hidden_size} x {args.layers} layers, median of {args.repeats} passes, "
-        f"{torch.get_num_threads()} threads\n"
+        f"BERT hidden {args.hidden_size} x {args.layers} layers, median of {args.repeats} passes, fp32; "
+        f"CPU: {cpu_description()}; torch {torch.__version__}\n"
     )
     print("| mode | padded tokens (full corpus) | padding ratio (full corpus) | batches (timed subset) "
           "| padding ratio (timed subset) | samples/s (wall) | vs max_length | samples per CPU-s | vs max_length |")

@@ -1,5 +1,6 @@
-"""Estimator accuracy on a small BERT: prints a markdown table (the tracker's overhead is timed by
-`scripts/bench_ladder.py --tracker-overhead`).
+"""Estimator accuracy on a small BERT: `memory.estimate` (fake tensors) against `memory.measure` (a real
+`Loop.fit` with the tensor tracker), for every mix of `memory.ACCURACY_MIXES`; prints a markdown table.
+The tracker's overhead is timed by `scripts/bench_ladder.py --tracker-overhead`.
 
 Run: PYTHONPATH=. python scripts/estimate_accuracy.py
 """
@@ -11,13 +12,6 @@ from transformers import BertConfig, BertForSequenceClassification
 
 from looptrain import memory
 
-MIXES = {
-    "fp32 adamw": {}, "bf16": {"precision": "bf16"}, "checkpointing": {"gradient_checkpointing": True},
-    "frozen encoder": {"freeze_encoder": True}, "adafactor": {"optimizer": "adafactor"},
-    "fused step": {"optimizer_in_backward": True}, "foreach=False": {"foreach": False},
-    "adamw8bit": {"optimizer": "adamw8bit"}, "accumulation 4 + checkpointing": {"accum_steps": 4, "gradient_checkpointing": True},
-}
-
 
 def small_bert(hidden: int = 64, layers: int = 2, vocab: int = 512) -> BertForSequenceClassification:
     torch.manual_seed(0)
@@ -27,8 +21,8 @@ def small_bert(hidden: int = 64, layers: int = 2, vocab: int = 512) -> BertForSe
 
 
 def accuracy_table() -> None:
-    print("| mix | estimate KiB | measured KiB | error |\n|---|---|---|---|")
-    for name, options in MIXES.items():
+    print("| mix | estimate KiB | measured KiB (tracker, Loop.fit) | error |\n|---|---|---|---|")
+    for name, options in memory.ACCURACY_MIXES.items():
         estimated = memory.estimate(small_bert(), 4, 32, **options)["peak_memory_bytes"]
         measured = memory.measure(small_bert(), 4, 32, **options)["peak_memory_bytes"]
         print(f"| {name} | {estimated / 1024:.1f} | {measured / 1024:.1f} | {(estimated - measured) / measured:+.1%} |")

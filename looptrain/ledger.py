@@ -1,0 +1,230 @@
+"""The output directory as a ledger: one run at a time, a run's identity, and what a new run may do there.
+
+An output directory holds hours of a user's compute, so no run may destroy, mix into or silently
+resume another run's state:
+
+- `OutputDirLock`: a lock held for the whole run (an `flock` on `output_dir/.looptrain.lock`, which
+  the kernel releases when the process dies, so a killed run leaves no live lock). A second run gets
+  an error naming the PID that holds it; a lock file left by a dead process is taken over with a notice.
+- `run.json`: the run's identity (what makes it the same run: the schedule, the seed, and whatever
+  the caller adds, such as the model and data files and their hashes) and its status.
+- `RunLedger.begin` decides, before anything is read or written: a fresh run into a directory that
+  holds another run refuses (or with `overwrite` moves that run aside, never deleting it);
+  `resume="auto"` continues only a run with the same identity, from its newest checkpoint that can
+  be read; a finished run is reported as finished and left alone.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from looptrain import state
+
+LOCK_FILE = ".looptrain.lock"
+RUN_FILE = "run.json"
+# What a run writes at the top of its output directory; their presence means a run lives there.
+RUN_ARTIFACTS = (RUN_FILE, "metrics.jsonl", "summary.json", "final")  # run_config.json is written just before a run begins
+_HELD: dict[str, list] = {}  # locks this process holds: path -> [file descriptor, count] (re-entrant)
+
+
+class LedgerError(RuntimeError):
+    """The output directory belongs to another run, or is in use; the message says what to do."""
+
+
+def file_fingerprint(path: str | os.PathLike, head_bytes: int = 1 << 20) -> dict:
+    """A cheap identity of a file: its size and the SHA-256 of its first `head_bytes` bytes."""
+    path = Path(path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        digest.update(handle.read(head_bytes))
+    return {"path": str(path.resolve()), "bytes": path.stat().st_size, "head_sha256": digest.hexdigest()[:16]}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
+
+
+class OutputDirLock:
+    """Holds `output_dir/.looptrain.lock` while entered; re-entrant within one process.
+
+    Args:
+        output_dir: the run's directory (created if missing).
+        echo: prints the notice when a stale lock is taken over.
+    """
+
+    def __init__(self, output_dir: str | os.PathLike, echo: Callable[[str], None] = print):
+        self.path = Path(output_dir) / LOCK_FILE
+        self.echo = echo
+
+    def __enter__(self) -> "OutputDirLock":
+        key = str(self.path.resolve())
+        if key in _HELD:
+            _HELD[key][1] += 1
+            return self
+        if self.path.parent.exists() and not self.path.parent.is_dir():
+            raise LedgerError(f"output directory {self.path.parent} is a file; pass a directory (--output-dir)")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            holder = self._read(descriptor)
+            if not _try_lock(descriptor):
+                raise LedgerError(
+                    f"{self.path.parent} is in use by another looptrain run (PID {holder.get('pid', '?')} on "
+                    f"{holder.get('host', '?')}, since {holder.get('started', '?')}); wait for it to finish, or "
+                    "pass another --output-dir (output_dir)"
+                )
+            if holder.get("pid") and not (holder.get("host") == socket.gethostname() and _pid_alive(int(holder["pid"]))):
+                self.echo(f"notice: taking over the lock of {self.path.parent} left by PID {holder['pid']}, which is "
+                          "no longer running (a killed run)")
+            os.ftruncate(descriptor, 0)
+            os.pwrite(descriptor, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                              "started": _now()}).encode(), 0)
+        except BaseException:
+            os.close(descriptor)
+            raise
+        _HELD[key] = [descriptor, 1]
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        key = str(self.path.resolve())
+        held = _HELD.get(key)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] == 0:
+            del _HELD[key]
+            os.ftruncate(held[0], 0)  # an empty lock file: free (the file stays: unlinking races with openers)
+            os.close(held[0])  # closing releases the flock
+
+    @staticmethod
+    def _read(descriptor: int) -> dict:
+        try:
+            return json.loads(os.pread(descriptor, 4096, 0).decode() or "{}")
+        except (ValueError, UnicodeDecodeError):
+            return {}
+
+
+def _try_lock(descriptor: int) -> bool:
+    try:
+        import fcntl
+    except ImportError:  # Windows: no flock; the PID in the file is the only guard
+        return True
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _now() -> str:
+    return datetime.datetime.now().isoformat(timespec="seconds")
+
+
+def identity_differences(saved: dict, current: dict) -> list[str]:
+    """The fields two run identities disagree on, as "field: saved -> current" lines."""
+    differences = []
+    for key in sorted(set(saved) | set(current)):
+        if saved.get(key) != current.get(key):
+            differences.append(f"{key}: {json.dumps(saved.get(key))} -> {json.dumps(current.get(key))}")
+    return differences
+
+
+class RunLedger:
+    """The output directory's ledger for one run: `begin` decides, `finish` records the end.
+
+    Args:
+        output_dir: the run's directory.
+        echo: prints notices.
+    """
+
+    def __init__(self, output_dir: str | os.PathLike, echo: Callable[[str], None] = print):
+        self.output_dir = Path(output_dir)
+        self.echo = echo
+
+    @property
+    def run_file(self) -> Path:
+        return self.output_dir / RUN_FILE
+
+    def read(self) -> Optional[dict]:
+        """The directory's run.json, or None when there is none (or it cannot be read)."""
+        try:
+            return json.loads(self.run_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+
+    def another_run_lives_here(self) -> list[str]:
+        """What a previous run left at the top of the directory (checkpoints and run files)."""
+        if not self.output_dir.is_dir():
+            return []
+        found = [path.name for path in state.list_checkpoints(self.output_dir)]
+        found += [name for name in RUN_ARTIFACTS if (self.output_dir / name).exists()]
+        return found
+
+    def begin(self, identity: dict, resume: Optional[str], overwrite: bool = False) -> dict:
+        """Checks the directory against this run before anything is read or written.
+
+        Args:
+            identity: what makes this run the same run (`run_identity`).
+            resume: None (a fresh run), "auto", or a checkpoint directory (forced: no identity check).
+            overwrite: a fresh run moves another run's files aside into `previous-<time>/`.
+
+        Returns:
+            `{"action": "fresh" | "resume" | "finished", "checkpoints": [...], "run": saved run.json}`:
+            for "resume", the checkpoints to try, newest first.
+
+        Raises:
+            LedgerError: another run lives here (fresh run without `overwrite`), or `resume="auto"`
+                meets a run with another identity (the message lists the fields that differ).
+        """
+        saved = self.read()
+        if resume not in (None, "auto"):
+            return {"action": "resume", "checkpoints": [Path(resume)], "run": saved}
+        previous = self.another_run_lives_here()
+        if resume == "auto" and previous:
+            if saved is None:
+                raise LedgerError(
+                    f"--resume auto: {self.output_dir} holds {', '.join(previous)} but no {RUN_FILE}, so looptrain "
+                    "cannot tell whether it is this run; resume a checkpoint explicitly with --resume DIR "
+                    "(resume='<checkpoint dir>'), or pass another --output-dir")
+            differences = identity_differences(saved.get("identity", {}), identity)
+            if differences:
+                raise LedgerError(
+                    f"--resume auto: the run in {self.output_dir} is another run; these settings differ "
+                    f"(saved -> now):\n  " + "\n  ".join(differences) + "\nResume it with its own settings, force "
+                    "this checkpoint with --resume DIR (resume='<checkpoint dir>'), or pass another --output-dir")
+            if saved.get("status") == "finished":
+                return {"action": "finished", "checkpoints": [], "run": saved}
+            checkpoints = list(reversed(state.list_checkpoints(self.output_dir)))
+            return {"action": "resume" if checkpoints else "fresh", "checkpoints": checkpoints, "run": saved}
+        if previous:
+            if not overwrite:
+                raise LedgerError(
+                    f"{self.output_dir} already holds another run ({', '.join(previous)}); continue it with "
+                    "--resume auto, move it aside with --overwrite (overwrite=True: nothing is deleted), or pass "
+                    "another --output-dir")
+            self._move_aside(previous)
+        return {"action": "fresh", "checkpoints": [], "run": None}
+
+    def _move_aside(self, names: list[str]) -> None:
+        aside = self.output_dir / f"previous-{datetime.datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}"
+        aside.mkdir()
+        for name in names:
+            os.replace(self.output_dir / name, aside / name)
+        self.echo(f"notice: moved the previous run's files ({', '.join(names)}) aside into {aside}")
+
+    def write(self, identity: dict, status: str, **fields: Any) -> None:
+        """Records this run's identity and status ("running", "interrupted", "finished") in run.json."""
+        record = {"identity": identity, "status": status, "updated": _now(), **fields}
+        state.write_json_atomic(self.run_file, record)
