@@ -26,6 +26,7 @@ from looptrain.freeze import (
 )
 from looptrain.gradient_checkpointing import disable_gradient_checkpointing, enable_gradient_checkpointing
 from looptrain.guards import TrainingDiverged
+from looptrain.ledger import LedgerError
 from looptrain.loop import EvaluationError, Loop
 from looptrain.memory import estimate, format_memory_table, make_meter
 from looptrain.optim import OptimizerInBackward, build_optimizer, optimizer_state_bytes
@@ -38,6 +39,7 @@ __all__ = [
     "DataError",
     "DynamicPaddingCollator",
     "EvaluationError",
+    "LedgerError",
     "LengthGroupedSampler",
     "Loop",
     "LoopConfig",

@@ -444,8 +444,13 @@ class Loop:
             plan = self._ledger.begin(self.config.identity(), self.config.resume, self.config.overwrite)
             if plan["action"] != "finished":
                 self._record_status("running")
-            if self.config.resume == "auto" and plan["action"] == "fresh":
-                self._log.echo(f"resume=auto: no checkpoint of this run in {self.output_dir} yet, starting from scratch")
+            if self.config.resume == "auto" and plan["action"] == "fresh" and plan["run"] is not None:
+                self._log.event({"event": "resume", "step": 0, "checkpoint": None,
+                                 "message": "no checkpoint of this run yet: training starts again from scratch; the "
+                                            "events after this one supersede any logged before it"},
+                                line=f"resume=auto: no checkpoint of this run in {self.output_dir} yet, starting from scratch")
+            elif self.config.resume == "auto" and plan["action"] == "fresh":
+                self._log.echo(f"resume=auto: nothing in {self.output_dir} yet, starting from scratch")
         return distributed.all_gather_objects(plan)[0]  # every rank follows rank 0's decision
 
     def _record_status(self, status: str) -> None:

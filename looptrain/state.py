@@ -38,6 +38,8 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "load_model_weights",
+    "check_weights_fit",
+    "checkpoint_weight_shapes",
     "list_checkpoints",
     "latest_checkpoint",
     "resolve_resume_checkpoint",
@@ -494,6 +496,61 @@ def _storage_key(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple
     return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
 
 
+def checkpoint_weight_shapes(checkpoint: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Each weight's shape, read from the safetensors headers only (no tensor is loaded).
+
+    Raises:
+        CheckpointError: No weights file, or a header that cannot be read.
+    """
+    from safetensors import safe_open
+
+    checkpoint = Path(checkpoint)
+    if (checkpoint / MODEL_FILE).is_file():
+        files = [checkpoint / MODEL_FILE]
+    elif (checkpoint / MODEL_INDEX_FILE).is_file():
+        try:
+            weight_map = json.loads((checkpoint / MODEL_INDEX_FILE).read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError) as error:
+            raise CheckpointError(f"cannot read {checkpoint / MODEL_INDEX_FILE}: {error}; resume from another checkpoint.") from error
+        files = [checkpoint / shard for shard in sorted(set(weight_map.values()))]
+    else:
+        raise CheckpointError(
+            f"{checkpoint} has no {MODEL_FILE}; it was not written by looptrain's save_checkpoint, "
+            "point --resume at a checkpoint-<step> directory."
+        )
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():
+                    shapes[name] = tuple(handle.get_slice(name).get_shape())
+        except Exception as error:  # safetensors' own error type for a bad header
+            raise CheckpointError(
+                f"cannot read {path}: the file is corrupt or truncated ({type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''}); resume from another checkpoint."
+            ) from error
+    return shapes
+
+
+def check_weights_fit(checkpoint: str | os.PathLike, model: nn.Module) -> None:
+    """Raises one `CheckpointError` summarising the shape mismatches between a checkpoint and `model`.
+
+    Reads the safetensors headers only, so a command line can check a checkpoint before it writes
+    anything (the loop calls it too, before loading).
+    """
+    model = unwrap_model(model)
+    model_shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    mismatched = [(name, shape, model_shapes[name]) for name, shape in checkpoint_weight_shapes(checkpoint).items()
+                  if name in model_shapes and shape != model_shapes[name]]
+    if mismatched:
+        name, saved, wanted = mismatched[0]
+        raise CheckpointError(
+            f"weights in {checkpoint} do not fit {type(model).__name__}: {len(mismatched)} tensors differ in shape, "
+            f"e.g. {name} [{', '.join(map(str, saved))}] in the checkpoint vs [{', '.join(map(str, wanted))}] in the "
+            "model; resume with the model (and the settings) that wrote the checkpoint, or start a new --output-dir."
+        )
+
+
 def load_model_weights(checkpoint: str | os.PathLike, model: nn.Module) -> None:
     """Loads a checkpoint's safetensors weights into `model`, strictly.
 
@@ -505,15 +562,10 @@ def load_model_weights(checkpoint: str | os.PathLike, model: nn.Module) -> None:
     """
     checkpoint_path = Path(checkpoint)
     model = unwrap_model(model)
+    check_weights_fit(checkpoint_path, model)
     tensors = _read_model_tensors(checkpoint_path)
     model_state = model.state_dict()
-    try:
-        result = model.load_state_dict(tensors, strict=False)
-    except RuntimeError as error:  # shape mismatches
-        raise CheckpointError(
-            f"weights in {checkpoint_path} do not fit {type(model).__name__}: {error}; "
-            "resume with the same model and configuration."
-        ) from error
+    result = model.load_state_dict(tensors, strict=False)
     loaded_storages = {_storage_key(model_state[name]) for name in tensors if name in model_state}
     missing = [name for name in result.missing_keys if _storage_key(model_state[name]) not in loaded_storages]
     unexpected = list(result.unexpected_keys)

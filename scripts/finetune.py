@@ -547,6 +547,10 @@ def train(args, config, place, model_path: str, print) -> dict:
                                 foreach=False if args.no_foreach else None)
     scheduler = build_scheduler(optimizer, args, planned_updates(len(train_loader), config))
 
+    if config.resume not in (None, "auto"):  # a forced resume: a model that does not fit fails before anything is written
+        from looptrain.state import check_weights_fit, resolve_resume_checkpoint
+
+        check_weights_fit(resolve_resume_checkpoint(config.resume, output_dir), model)
     if place.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         resolved = {"arguments": {k: v for k, v in vars(args).items() if not k.startswith("_")},

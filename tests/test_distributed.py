@@ -75,7 +75,8 @@ def test_two_ranks_equal_one_rank_with_the_same_global_batch(runs):
         assert summary_two["final_eval"][metric] == pytest.approx(summary_one["final_eval"][metric], rel=1e-5)
     # Throughput counts every rank's samples and tokens: the same tokens per sample as one rank saw.
     ratio_one = summary_one["train_tokens_per_s"] / summary_one["train_samples_per_s"]
-    assert summary_two["train_tokens_per_s"] / summary_two["train_samples_per_s"] == pytest.approx(ratio_one, rel=1e-6)
+    # (summary.json rounds both rates to 3 decimals: compare to that precision.)
+    assert summary_two["train_tokens_per_s"] / summary_two["train_samples_per_s"] == pytest.approx(ratio_one, rel=1e-3)
 
 
 def test_only_rank_zero_writes(runs):

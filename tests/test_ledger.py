@@ -1,0 +1,350 @@
+"""The output directory is a ledger: no run destroys, mixes into or silently resumes another run's state.
+
+One test per fault of the ledger issue, through scripts/finetune.py; the lock and the kills use real
+subprocesses. docs/reliability.md's table names each test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import WORDS, make_tiny_tokenizer, write_csv
+from looptrain import LedgerError, Loop, LoopConfig, state
+from test_reliability import (
+    CHILD_ENV,
+    ROOT,
+    TOTAL_STEPS,
+    argv,
+    assert_bitwise_equal,
+    final_weights,
+    run_in_process,
+    start,
+    wait_for_checkpoint,
+)
+from test_reliability import data_files, uninterrupted  # noqa: F401  (fixtures)
+
+
+def tree_snapshot(directory: Path) -> dict[str, bytes]:
+    """Every file under `directory` (relative path -> content), to prove nothing changed."""
+    return {str(path.relative_to(directory)): path.read_bytes() for path in sorted(directory.rglob("*")) if path.is_file()}
+
+
+def copy_run(source: Path, destination: Path) -> Path:
+    shutil.copytree(source, destination)
+    return destination
+
+
+def error_of(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+# ------------------------------------------------------------------------------------------ losing or mixing runs
+def test_a_fresh_run_into_a_finished_run_refuses_and_leaves_it_intact(model_dir, data_files, uninterrupted,
+                                                                        tmp_path, capsys):
+    output_dir = copy_run(uninterrupted, tmp_path / "finished")
+    before = tree_snapshot(output_dir)
+    assert run_in_process(argv(model_dir, data_files, output_dir, "--epochs", "1", "--save-total-limit", "1")) == 2
+    assert re.search(r"already holds another run \(checkpoint-\d+, .*run\.json.*\); continue it with --resume auto, "
+                     r"move it aside with --overwrite .*nothing is deleted.*or pass another --output-dir",
+                     error_of(capsys))
+    assert tree_snapshot(output_dir) == before  # not a byte changed: no rotation, no metrics, no summary
+
+
+def test_overwrite_moves_the_previous_run_aside_and_deletes_nothing(model_dir, data_files, uninterrupted,
+                                                                     tmp_path, capsys):
+    output_dir = copy_run(uninterrupted, tmp_path / "finished")
+    before = tree_snapshot(output_dir)
+    assert run_in_process(argv(model_dir, data_files, output_dir, "--epochs", "1", "--save-total-limit", "1",
+                               "--overwrite")) == 0
+    (aside,) = output_dir.glob("previous-*")
+    assert f"moved the previous run's files" in capsys.readouterr().out
+    assert tree_snapshot(aside) == {name: content for name, content in before.items()
+                                    if not name.startswith(("run_config.json", ".looptrain.lock"))}
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert summary["optimizer_steps"] == TOTAL_STEPS // 3
+    events = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert max(event["step"] for event in events) == TOTAL_STEPS // 3  # only this run's records
+    kept = [int(path.name.split("-")[1]) for path in state.list_checkpoints(output_dir)]
+    assert TOTAL_STEPS // 3 in kept and max(kept) == TOTAL_STEPS // 3  # this run's own: the newest and the best
+
+
+def test_resume_auto_refuses_another_schedule_and_names_the_fields(model_dir, data_files, uninterrupted, tmp_path, capsys):
+    output_dir = copy_run(uninterrupted, tmp_path / "run")
+    run_file = json.loads((output_dir / "run.json").read_text())
+    (output_dir / "run.json").write_text(json.dumps({**run_file, "status": "interrupted"}))  # as if killed
+    before = tree_snapshot(output_dir)
+    assert run_in_process(argv(model_dir, data_files, output_dir, "--resume", "auto", "--accum", "2")) == 2
+    err = error_of(capsys)
+    assert "--resume auto: the run in" in err and "is another run; these settings differ (saved -> now)" in err
+    assert "accum_steps: 1 -> 2" in err and "effective_batch: 2 -> 4" in err
+    assert "force this checkpoint with --resume DIR" in err
+    assert tree_snapshot(output_dir) == before
+
+
+def test_resume_auto_refuses_another_model_of_the_same_shape(model_dir, data_files, uninterrupted, tmp_path, capsys):
+    output_dir = copy_run(uninterrupted, tmp_path / "run")
+    run_file = json.loads((output_dir / "run.json").read_text())
+    (output_dir / "run.json").write_text(json.dumps({**run_file, "status": "interrupted"}))
+    other_model = copy_run(model_dir, tmp_path / "other-model")
+    weights = load_file(str(other_model / "model.safetensors"))
+    from safetensors.torch import save_file
+
+    save_file({name: tensor + 0.5 for name, tensor in weights.items()}, str(other_model / "model.safetensors"),
+              metadata={"format": "pt"})
+    assert run_in_process(argv(other_model, data_files, output_dir, "--resume", "auto")) == 2
+    assert re.search(r"these settings differ.*\n  model: ", error_of(capsys))
+
+
+def test_a_forced_resume_of_another_shape_is_one_clear_error_before_run_config_changes(
+        model_dir, data_files, uninterrupted, tmp_path, capsys):
+    output_dir = copy_run(uninterrupted, tmp_path / "run")
+    run_config = (output_dir / "run_config.json").read_bytes()
+    wider = tmp_path / "wider-model"
+    from transformers import BertConfig, BertModel
+
+    BertModel(BertConfig(vocab_size=len(WORDS) + 5, hidden_size=48, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=37, max_position_embeddings=64)).save_pretrained(wider)
+    make_tiny_tokenizer().save_pretrained(wider)
+    checkpoint = state.latest_checkpoint(output_dir)
+    assert run_in_process(argv(wider, data_files, output_dir, "--resume", str(checkpoint))) == 2
+    err = error_of(capsys)
+    assert re.search(r"weights in \S+ do not fit BertForSequenceClassification: \d+ tensors differ in shape, e\.g\. "
+                     r"\S+ \[\d+(, \d+)*\] in the checkpoint vs \[\d+(, \d+)*\] in the model", err), err
+    assert err.count("size mismatch") == 0 and len(err.splitlines()) <= 3  # one message, not a wall
+    assert (output_dir / "run_config.json").read_bytes() == run_config
+
+
+def test_two_runs_on_one_directory_one_refuses_naming_the_pid_the_other_is_intact(model_dir, data_files, tmp_path):
+    output_dir = tmp_path / "shared"
+    first = start(argv(model_dir, data_files, output_dir), tmp_path / "first.log")
+    try:
+        wait_for_checkpoint(output_dir, first, tmp_path / "first.log")
+        os.kill(first.pid, signal.SIGSTOP)  # hold the first run still while the second tries
+        second = subprocess.run([sys.executable, "scripts/finetune.py", *argv(model_dir, data_files, output_dir)],
+                                cwd=ROOT, env=CHILD_ENV, capture_output=True, text=True, timeout=300)
+        assert second.returncode == 2
+        assert f"is in use by another looptrain run (PID {first.pid} on" in second.stderr, second.stderr
+        assert "Traceback" not in second.stderr
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    assert first.wait(timeout=300) == 0, (tmp_path / "first.log").read_text()[-3000:]
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert summary["optimizer_steps"] == TOTAL_STEPS
+    events = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [event["step"] for event in events if event["event"] == "eval"]
+    assert steps == sorted(set(steps))  # one run's records: no step twice
+
+
+def test_a_killed_runs_lock_is_taken_over_with_a_notice(model_dir, data_files, uninterrupted, tmp_path, capsys):
+    output_dir = tmp_path / "killed"
+    process = start(argv(model_dir, data_files, output_dir), tmp_path / "killed.log")
+    wait_for_checkpoint(output_dir, process, tmp_path / "killed.log")
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+    assert json.loads((output_dir / ".looptrain.lock").read_text())["pid"] == process.pid  # left behind
+    assert run_in_process(argv(model_dir, data_files, output_dir, "--resume", "auto")) == 0
+    out = capsys.readouterr().out
+    assert f"notice: taking over the lock of {output_dir} left by PID {process.pid}, which is no longer running" in out
+    assert re.search(r"\{\"event\": \"resume\"", (output_dir / "metrics.jsonl").read_text())
+    assert_bitwise_equal(final_weights(uninterrupted), final_weights(output_dir))
+
+
+def test_the_lock_is_released_on_every_exit_path(model_dir, data_files, tmp_path, capsys):
+    output_dir = tmp_path / "released"
+    assert run_in_process(argv(model_dir, data_files, output_dir, "--lr", "nan")) == 2  # a usage error: no lock taken
+    assert run_in_process(argv(model_dir, data_files, output_dir, "--max-steps", "2")) == 0
+    assert (output_dir / ".looptrain.lock").read_text() == ""  # released: empty
+    assert run_in_process(argv(model_dir, data_files, output_dir, "--max-steps", "2")) == 2  # another run lives here
+    assert (output_dir / ".looptrain.lock").read_text() == ""
+
+
+def test_rotation_deletes_only_checkpoints_of_this_run(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    for step in (1, 2, 3):
+        state.save_checkpoint(tmp_path, step, model=model, trainer_state={})
+    deleted = state.rotate_checkpoints(tmp_path, 1, run_checkpoints={"checkpoint-3"})
+    assert deleted == [] and len(state.list_checkpoints(tmp_path)) == 3  # 1 and 2 are another run's
+    deleted = state.rotate_checkpoints(tmp_path, 1, run_checkpoints={"checkpoint-2", "checkpoint-3"})
+    assert [path.name for path in deleted] == ["checkpoint-2"]
+
+
+# ------------------------------------------------------------------------------------------ corrupt checkpoints
+def test_a_truncated_checkpoint_falls_back_to_the_previous_good_one(model_dir, data_files, uninterrupted, tmp_path, capsys):
+    output_dir = tmp_path / "truncated"
+    process = start(argv(model_dir, data_files, output_dir), tmp_path / "truncated.log")
+    deadline = time.monotonic() + 120
+    while len(state.list_checkpoints(output_dir)) < 2 and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+    checkpoints = state.list_checkpoints(output_dir)
+    assert len(checkpoints) == 2, (tmp_path / "truncated.log").read_text()[-2000:]
+    newest, previous = checkpoints[-1], checkpoints[-2]
+    weights = newest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert run_in_process(argv(model_dir, data_files, output_dir, "--resume", "auto")) == 0
+    out = capsys.readouterr().out
+    assert re.search(rf"notice: cannot read {re.escape(str(weights))}: the file is corrupt or truncated.*\n"
+                     rf"  falling back to {previous.name}", out), out
+    assert f"resumed from {previous}" in out
+    assert_bitwise_equal(final_weights(uninterrupted), final_weights(output_dir))
+
+
+def test_a_truncated_checkpoint_named_explicitly_is_a_checkpoint_error(model_dir, data_files, uninterrupted, tmp_path,
+                                                                       capsys):
+    output_dir = copy_run(uninterrupted, tmp_path / "run")
+    checkpoint = state.latest_checkpoint(output_dir)
+    weights = checkpoint / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    shutil.rmtree(output_dir / "final")
+    assert run_in_process(argv(model_dir, data_files, output_dir, "--resume", str(checkpoint))) == 2
+    assert re.search(rf"error: cannot read {re.escape(str(weights))}: the file is corrupt or truncated", error_of(capsys))
+
+
+def test_a_truncated_model_file_is_a_usage_error_naming_it(model_dir, data_files, tmp_path, capsys):
+    broken = copy_run(model_dir, tmp_path / "broken-model")
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert run_in_process(argv(broken, data_files, tmp_path / "run")) == 2
+    assert re.search(rf"error: cannot load the weights of --model {re.escape(str(broken))} \(model\.safetensors\): "
+                     r".*truncated or corrupt", error_of(capsys))
+
+
+# ------------------------------------------------------------------------------------------ bookkeeping
+def test_resume_auto_on_a_finished_run_says_so_and_leaves_everything(model_dir, data_files, uninterrupted, tmp_path,
+                                                                     capsys):
+    output_dir = copy_run(uninterrupted, tmp_path / "finished")
+    before = tree_snapshot(output_dir)
+    assert run_in_process(argv(model_dir, data_files, output_dir, "--resume", "auto")) == 0
+    assert f"the run in {output_dir} finished at step {TOTAL_STEPS}: nothing to train" in capsys.readouterr().out
+    assert {name: content for name, content in tree_snapshot(output_dir).items() if name != ".looptrain.lock"} == \
+        {name: content for name, content in before.items() if name != ".looptrain.lock"}
+
+
+def test_the_final_evaluation_of_a_run_is_logged_and_a_best_candidate(model_dir, data_files, tmp_path):
+    output_dir = tmp_path / "final-eval"
+    # 48 updates, an evaluation every 20: at 20, 40 and, finally, 48.
+    flags = argv(model_dir, data_files, output_dir, "--eval-every", "20", "--save-total-limit", "5")  # last flag wins
+    assert run_in_process(flags) == 0
+    events = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [event["step"] for event in events if event["event"] == "eval"] == [20, 40, TOTAL_STEPS]
+    assert (output_dir / f"checkpoint-{TOTAL_STEPS}" / "metrics.json").is_file()
+    summary = json.loads((output_dir / "summary.json").read_text())
+    scores = {event["step"]: event["f1"] for event in events if event["event"] == "eval"}
+    best_step = max(sorted(scores), key=lambda step: scores[step])
+    assert summary["best_checkpoint"] == f"checkpoint-{best_step}"
+
+
+def test_python_api_refuses_a_fresh_run_into_another_runs_directory(tmp_path):
+    def fit(**fields):
+        model = torch.nn.Linear(4, 2)
+        batches = [(torch.randn(4, 4), torch.randint(0, 2, (4,))) for _ in range(4)]
+
+        class Classifier(Loop):
+            def compute_loss(self, batch):
+                return torch.nn.functional.cross_entropy(self.wrapped_model(batch[0]), batch[1])
+
+        config = LoopConfig(output_dir=str(tmp_path), eval_every=2, progress_bar=False, track_memory=False,
+                            device="cpu", **fields)
+        return Classifier(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, config=config).fit()
+
+    fit()
+    with pytest.raises(LedgerError, match="already holds another run"):
+        fit()
+    with pytest.raises(LedgerError, match=r"these settings differ \(saved -> now\):\n  seed: 42 -> 7"):
+        fit(resume="auto", seed=7)
+    assert fit(resume="auto")["already_finished"] is True
+
+
+# ------------------------------------------------------------------------------------------ data and labels
+@pytest.mark.parametrize("content, message", [
+    ("text,label,text\na good film,pos,x\na bad film,neg,y\n", r"column 'text' appears 2 times in the header"),
+    ("text,label\na good film,pos\na bad film,pos\n", r"every label in column 'label' is 'pos', but a classifier needs "
+                                                      r"at least two classes"),
+    ("text,label\na good film,0\nok,1\na bad film,pos\n", r"the labels mix integer ids and class names"),
+])
+def test_data_that_is_not_what_the_user_thinks_is_refused(model_dir, tmp_path, capsys, content, message):
+    data = tmp_path / "train.csv"
+    data.write_text(content)
+    assert run_in_process(["--model", str(model_dir), "--data", str(data), "--output-dir", str(tmp_path / "run"),
+                           "--max-length", "32", "--no-track-memory", "--no-progress-bar"]) == 2
+    assert re.search(message, error_of(capsys))
+
+
+def test_numeric_labels_that_are_not_ids_train_with_a_notice(model_dir, tmp_path, capsys):
+    data = tmp_path / "train.csv"
+    data.write_text("text,label\n" + "".join(f"film {i},{label}\n" for i, label in enumerate(["0.0", "1.5", "2.7"] * 4)))
+    assert run_in_process(["--model", str(model_dir), "--data", str(data), "--output-dir", str(tmp_path / "run"),
+                           "--max-steps", "1", "--max-length", "32", "--no-track-memory", "--no-progress-bar"]) == 0
+    assert re.search(r"notice: .*the labels look numeric but are not all integer ids.*treated as 3 class names",
+                     capsys.readouterr().out)
+
+
+def test_a_checkpoint_head_with_another_label_count_is_reinitialised_with_a_notice(data_files, tmp_path, capsys):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    three_labels = tmp_path / "three-label-model"
+    config = BertConfig(vocab_size=len(WORDS) + 5, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=37, max_position_embeddings=64, num_labels=3)
+    BertForSequenceClassification(config).save_pretrained(three_labels)
+    make_tiny_tokenizer().save_pretrained(three_labels)
+    assert run_in_process(argv(three_labels, data_files, tmp_path / "run", "--max-steps", "2")) == 0
+    assert (f"notice: --model {three_labels} has a classification head of 3 labels and the data 2: that head is "
+            "re-initialised") in capsys.readouterr().out
+    saved = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
+    assert saved["id2label"] == {"0": "neg", "1": "pos"}
+
+
+# ------------------------------------------------------------------------------------------ flags
+@pytest.mark.parametrize("flags, message", [
+    (["--lr", "nan"], r"--lr must be a finite number > 0 \(got nan\)"),
+    (["--lr", "inf"], r"--lr must be a finite number > 0 \(got inf\)"),
+    (["--weight-decay", "nan"], r"--weight-decay must be a finite number >= 0 \(got nan\)"),
+    (["--warmup-ratio", "-3"], r"--warmup-ratio must be in \[0, 1\)"),
+    (["--num-workers", "-1"], r"--num-workers must be >= 0 \(got -1\)"),
+    (["--max-tokens", "1"], r"--max-tokens 1 is smaller than one --max-length 32 sample"),
+    (["--freeze-layers", "5"], r"--freeze-layers 5 but the model has 2 transformer blocks"),
+    (["--overwrite", "--resume", "auto"], r"overwrite=True starts a fresh run, resume continues one"),
+])
+def test_bad_flags_are_usage_errors_before_any_model_loads(model_dir, data_files, tmp_path, capsys, flags, message):
+    assert run_in_process(argv(model_dir, data_files, tmp_path / "run", *flags)) == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and re.search(message, captured.err), captured.err
+    assert "model " not in captured.out  # the "model ... M params" line: no weights were loaded
+    assert not (tmp_path / "run" / "run_config.json").exists()
+
+
+def test_an_output_dir_that_is_a_file_is_a_usage_error(model_dir, data_files, tmp_path, capsys):
+    not_a_directory = tmp_path / "notes.txt"
+    not_a_directory.write_text("mine")
+    assert run_in_process(argv(model_dir, data_files, not_a_directory)) == 2
+    assert f"--output-dir {not_a_directory} is a file; pass a directory" in error_of(capsys)
+    assert not_a_directory.read_text() == "mine"
+
+
+@pytest.mark.parametrize("kind", ["tsv named .csv", "directory named .csv"])
+def test_misnamed_data_files_get_a_message_that_says_what_they_are(model_dir, tmp_path, capsys, kind):
+    data = tmp_path / "train.csv"
+    if kind == "tsv named .csv":
+        data.write_text("text\tlabel\na good film\tpos\na bad film\tneg\n")
+        expected = r"looks tab-separated; rename it to \S*train\.tsv"
+    else:
+        data.mkdir()
+        expected = r"train\.csv is a directory, not a file"
+    assert run_in_process(["--model", str(model_dir), "--data", str(data), "--output-dir", str(tmp_path / "run"),
+                           "--max-length", "32", "--no-track-memory"]) == 2
+    assert re.search(expected, error_of(capsys))
