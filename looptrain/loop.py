@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from looptrain import batches, distributed, ledger, metrics, resume, state
-from looptrain.batches import as_loss_sum, first_dimension, move_to, samples_and_tokens, split_batch
+from looptrain.batches import as_loss_sum, first_dimension, move_to, split_batch
 from looptrain.config import ConfigError, LoopConfig, check_process_group
 from looptrain.gradient_checkpointing import enable_gradient_checkpointing
 from looptrain.guards import (

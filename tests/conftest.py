@@ -45,6 +45,35 @@ class SmallMLP(nn.Module):
         return {"loss": loss, "logits": logits}
 
 
+class DtypeProbe(nn.Module):
+    """A linear classifier that records the dtype of its logits: what autocast ran it in."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+        self.seen = []
+
+    def forward(self, x, labels):
+        logits = self.linear(x)
+        self.seen.append(logits.dtype)
+        return {"loss": nn.functional.cross_entropy(logits.float(), labels), "logits": logits}
+
+
+def quiet_config(**fields):
+    """A LoopConfig for tests: no bar, no logs, no evaluation schedule, CPU, no tensor tracker (unless given)."""
+    from looptrain import LoopConfig
+
+    defaults = {"progress_bar": False, "log_every": 1000, "eval_every": "no", "device": "cpu", "track_memory": False}
+    return LoopConfig(**{**defaults, **fields})
+
+
+def mlp_batches(count: int, rows: int = 8, seed: int = 0) -> list[dict]:
+    """`count` batches for SmallMLP: 8 features, labels in 0..2."""
+    generator = torch.Generator().manual_seed(seed)
+    return [{"x": torch.randn(rows, 8, generator=generator), "labels": torch.randint(0, 3, (rows,), generator=generator)}
+            for _ in range(count)]
+
+
 def make_tiny_bert(num_labels: int = 3, num_layers: int = 2, seed: int = 0, **overrides):
     """A tiny BertForSequenceClassification with dropout off (deterministic)."""
     from transformers import BertConfig, BertForSequenceClassification

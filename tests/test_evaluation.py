@@ -9,20 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import SmallMLP
-from looptrain import EvaluationError, Loop, LoopConfig
+from conftest import SmallMLP, mlp_batches
+from conftest import quiet_config as quiet
+from looptrain import EvaluationError, Loop
 from looptrain.metrics import ClassificationMetrics, EvalMetrics
-
-
-def quiet(**fields) -> LoopConfig:
-    defaults = {"progress_bar": False, "log_every": 1000, "eval_every": "no", "device": "cpu", "track_memory": False}
-    return LoopConfig(**{**defaults, **fields})
-
-
-def mlp_batches(count: int, rows: int = 8, seed: int = 0) -> list[dict]:
-    generator = torch.Generator().manual_seed(seed)
-    return [{"x": torch.randn(rows, 8, generator=generator), "labels": torch.randint(0, 3, (rows,), generator=generator)}
-            for _ in range(count)]
 
 
 class Regressor(nn.Module):

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import WORDS, make_tiny_tokenizer, write_csv
+from conftest import WORDS, make_tiny_tokenizer
 from looptrain import LedgerError, Loop, LoopConfig, state
 from test_reliability import (
     CHILD_ENV,
@@ -71,7 +71,7 @@ def test_overwrite_moves_the_previous_run_aside_and_deletes_nothing(model_dir, d
     assert run_in_process(argv(model_dir, data_files, output_dir, "--epochs", "1", "--save-total-limit", "1",
                                "--overwrite")) == 0
     (aside,) = output_dir.glob("previous-*")
-    assert f"moved the previous run's files" in capsys.readouterr().out
+    assert "moved the previous run's files" in capsys.readouterr().out
     assert tree_snapshot(aside) == {name: content for name, content in before.items()
                                     if not name.startswith(("run_config.json", ".looptrain.lock"))}
     summary = json.loads((output_dir / "summary.json").read_text())

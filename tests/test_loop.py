@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import OneWeight, make_tiny_bert, random_token_batches
+from conftest import DtypeProbe, OneWeight, make_tiny_bert, random_token_batches
 from looptrain import Loop, LoopConfig
 
 SUMMARY_KEYS = {
@@ -194,18 +194,6 @@ def test_one_weight_oracle_with_partial_window():
         gradient = sum(2 * xs[i].item() * (w * xs[i].item() - ys[i].item()) for i in window) / len(window)
         w -= lr * gradient
     assert model.w.item() == pytest.approx(w, rel=1e-6)
-
-
-class DtypeProbe(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(4, 2)
-        self.seen = []
-
-    def forward(self, x, labels):
-        logits = self.linear(x)
-        self.seen.append(logits.dtype)
-        return {"loss": nn.functional.cross_entropy(logits.float(), labels), "logits": logits}
 
 
 @pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)])

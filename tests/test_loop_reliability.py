@@ -11,20 +11,10 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from conftest import SmallMLP
-from looptrain import Loop, LoopConfig, TrainingDiverged
-from looptrain.loop import OUT_OF_MEMORY_ERRORS
-
-
-def quiet(**fields) -> LoopConfig:
-    defaults = {"progress_bar": False, "log_every": 1000, "eval_every": "no", "device": "cpu", "track_memory": False}
-    return LoopConfig(**{**defaults, **fields})
-
-
-def mlp_batches(count: int, rows: int = 8, seed: int = 0) -> list[dict]:
-    generator = torch.Generator().manual_seed(seed)
-    return [{"x": torch.randn(rows, 8, generator=generator), "labels": torch.randint(0, 3, (rows,), generator=generator)}
-            for _ in range(count)]
+from conftest import SmallMLP, mlp_batches
+from conftest import quiet_config as quiet
+from looptrain import Loop, TrainingDiverged
+from looptrain.guards import OUT_OF_MEMORY_ERRORS
 
 
 def poisoned(batches: list[dict], positions: set[int]) -> list[dict]:

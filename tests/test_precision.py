@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
+from conftest import DtypeProbe
 from looptrain import Loop, LoopConfig, precision
 
 
@@ -57,18 +57,6 @@ def test_emulated_precisions_are_named_in_a_warning(avx2_cpu):
 
 def test_no_warning_where_bf16_is_native(amx_cpu):
     assert precision.emulation_warning(torch.device("cpu"), "bf16") is None
-
-
-class DtypeProbe(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(4, 2)
-        self.seen = []
-
-    def forward(self, x, labels):
-        logits = self.linear(x)
-        self.seen.append(logits.dtype)
-        return {"loss": nn.functional.cross_entropy(logits.float(), labels), "logits": logits}
 
 
 def fit_probe(**fields) -> tuple[DtypeProbe, dict]:
