@@ -39,6 +39,7 @@ class LoopConfig:
     clip_mode: str = "auto"  # global | per_parameter | previous_global; auto = global, or per_parameter with optimizer_in_backward
     # --- memory strategies ---
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more time
+    checkpoint_every: int = 1  # with gradient_checkpointing: checkpoint every k-th block (1: all; 2: every other one)
     optimizer_in_backward: bool = False  # step each parameter inside backward and free its grad at once
     # --- device ---
     device: str = "auto"  # auto (cuda when present, else cpu), cpu, cuda, cuda:1, ...
@@ -72,6 +73,11 @@ class LoopConfig:
             problems.append(f"precision must be one of {', '.join(CONFIG_PRECISIONS)} (got {self.precision!r})")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             problems.append(f"max_grad_norm must be > 0, or None to disable clipping (got {self.max_grad_norm})")
+        if not isinstance(self.checkpoint_every, int) or isinstance(self.checkpoint_every, bool) or self.checkpoint_every < 1:
+            problems.append(f"checkpoint_every must be a positive integer (got {self.checkpoint_every!r})")
+        elif self.checkpoint_every > 1 and not self.gradient_checkpointing:
+            problems.append("checkpoint_every > 1 chooses which blocks gradient checkpointing recomputes: "
+                            "set gradient_checkpointing=True (--grad-checkpoint) too")
         if self.clip_mode not in CLIP_MODES:
             problems.append(f"clip_mode must be one of {', '.join(CLIP_MODES)} (got {self.clip_mode!r})")
         if self.log_every < 1:

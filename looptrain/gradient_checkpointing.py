@@ -118,7 +118,7 @@ def _is_hf_checkpointing_layer(block: nn.Module) -> bool:
     return isinstance(block, GradientCheckpointingLayer)
 
 
-def enable_gradient_checkpointing(model: nn.Module, segments: int | None = None) -> list[int]:
+def enable_gradient_checkpointing(model: nn.Module, segments: int | None = None, every: int = 1) -> list[int]:
     """Turn on non-reentrant checkpointing for the blocks of `model` that need it.
 
     A block is checkpointed when it owns a trainable parameter or a trainable parameter comes
@@ -135,6 +135,9 @@ def enable_gradient_checkpointing(model: nn.Module, segments: int | None = None)
         model: A transformer (HF or not) whose block list `find_transformer_blocks` finds.
         segments: Must be ``None`` for block models: each checkpointed block is its own segment.
             Use `CheckpointedSequential` to choose segments for an ``nn.Sequential``.
+        every: Checkpoint every `every`-th of the blocks that need it (1: all of them; 2: every other
+            one, about half the activation saving for about half the recompute). The planner uses it
+            as a lever between none and all.
 
     Returns:
         The indices of the checkpointed blocks.
@@ -153,12 +156,16 @@ def enable_gradient_checkpointing(model: nn.Module, segments: int | None = None)
             f"enable_gradient_checkpointing: segments={segments} is only meaningful for "
             "CheckpointedSequential; transformer blocks are checkpointed one block per segment."
         )
+    if not isinstance(every, int) or every < 1:
+        raise ValueError(f"enable_gradient_checkpointing: every must be a positive integer, got {every!r}.")
     blocks = find_transformer_blocks(model)
     disable_gradient_checkpointing(model)
     checkpoint_function = functools.partial(checkpoint, use_reentrant=False)
     checkpointed = []
-    for index, (block, wanted) in enumerate(zip(blocks, _blocks_to_checkpoint(model, blocks))):
-        if not wanted:
+    candidates = [index for index, wanted in enumerate(_blocks_to_checkpoint(model, blocks)) if wanted]
+    chosen = set(candidates[::every])  # from the first: checkpointing the last block would save nothing at the peak
+    for index, block in enumerate(blocks):
+        if index not in chosen:
             continue
         checkpointed.append(index)
         if _is_hf_checkpointing_layer(block):

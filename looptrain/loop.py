@@ -98,7 +98,7 @@ class Loop:
         seed_everything(self.config.seed)
         self.model = model if batches.on_device(model, self.device) else model.to(self.device)
         if self.config.gradient_checkpointing:
-            enable_gradient_checkpointing(self.model)
+            enable_gradient_checkpointing(self.model, every=self.config.checkpoint_every)
         self.wrapped_model = distributed.wrap_model(self.model, self.device)
         if self.config.optimizer_in_backward:
             optimizer = OptimizerInBackward(self.model, optimizer, max_grad_norm=self.config.max_grad_norm,

@@ -42,6 +42,7 @@ LOOP_FLAGS = {
     "max_grad_norm": ("--max-grad-norm", "memory/speed"),
     "clip_mode": ("--clip-mode", "memory/speed"),
     "gradient_checkpointing": ("--grad-checkpoint", "memory/speed"),
+    "checkpoint_every": ("--grad-checkpoint-every", "memory/speed"),
     "optimizer_in_backward": ("--optim-in-backward", "memory/speed"),
     "auto_batch": ("--auto-batch", "memory/speed"),
     "max_bad_windows": ("--max-bad-windows", "training"),
@@ -55,6 +56,12 @@ LOOP_FLAGS = {
     "log_every": ("--log-every", "evaluation/state"),
 }
 DEFAULT_OUTPUT_DIR = "runs/finetune"  # the command line always writes final/ somewhere
+# Settings fields the planner never changes when their flag was given (--batch-size and --accum only
+# define the effective batch under --memory-budget).
+PLAN_FIELD_FLAGS = {
+    "optimizer": {"--optim"}, "gradient_checkpointing": {"--grad-checkpoint", "--grad-checkpoint-every"},
+    "optimizer_in_backward": {"--optim-in-backward"}, "foreach": {"--no-foreach"}, "padding": {"--padding"},
+}
 METRICS_FOR_BEST = ("f1", "accuracy", "loss", "f1_binary")  # what the classification evaluation produces
 INTERRUPTED_EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}  # the shell's 128 + signal number
 
@@ -115,9 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="mixed precision where it is fast: bf16 on GPUs with bf16 and CPUs with native bf16 "
                              "(AMX, AVX-512 BF16), fp16 + GradScaler on older GPUs, fp32 on other CPUs "
                              "(same as --precision auto)")
-    memory.add_argument("--optim", choices=OPTIMIZER_NAMES, default="adamw",
+    memory.add_argument("--optim", choices=(*OPTIMIZER_NAMES, "auto"), default="adamw",
                         help="adamw: 8 B/param of state; adamw8bit: 2 B/param (embeddings kept 32-bit); "
-                             "adafactor: factored, ~0 B/param; sgd: no state (plain SGD)")
+                             "adafactor: factored, ~0 B/param; sgd: no state (plain SGD); auto (with --memory-budget): "
+                             "the planner may pick 8-bit AdamW when it buys speed within the budget")
     memory.add_argument("--no-foreach", action="store_true",
                         help="AdamW steps one tensor at a time: lower optimizer-step peak, a little slower")
     memory.add_argument("--freeze-embeddings", action="store_true",
@@ -135,6 +143,20 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--fsdp", action="store_true",
                         help="under torchrun: shard parameters, gradients and optimizer state across ranks (FSDP2) "
                              "instead of replicating them (DDP)")
+    memory.add_argument("--memory-budget", default=None, metavar="SIZE",
+                        help="plan the fastest exact settings whose estimated peak fits SIZE (e.g. 4GiB, 3.5GB, 512MiB): "
+                             "micro-batch/accumulation split, checkpointing, the fused step; with --amp the precision, "
+                             "with --optim auto the optimizer; flags you give are kept (docs/plan.md)")
+    memory.add_argument("--effective-batch", type=int, default=None, metavar="N",
+                        help="samples per update (default --batch-size x --accum); with --memory-budget the planner "
+                             "chooses the split, without it --accum becomes N / --batch-size")
+    memory.add_argument("--plan-time", type=float, default=None, metavar="SECONDS",
+                        help="with --memory-budget: cap on the seconds spent probing speeds (default: 10%% of the "
+                             "planned run's predicted time)")
+    memory.add_argument("--plan-only", action="store_true",
+                        help="with --memory-budget: print the plan and the command line of the winner, train nothing "
+                             "(scripts/plan.py)")
+    memory.add_argument("--json", action="store_true", help="with --plan-only: print the plan as JSON")
     memory.add_argument("--max-tokens", type=int, default=None,
                         help="batch by a padded-token budget instead of --batch-size: bounded memory per micro-batch")
 
@@ -207,7 +229,7 @@ def check_flags(args, parser: argparse.ArgumentParser) -> None:
                          f"{args.max_length} (a budget of many samples, e.g. {16 * args.max_length})")
     from looptrain.optim import FOREACH_OPTIMIZERS, optimizer_options_problem
 
-    if optimizer_options_problem(args.optim, foreach=False if args.no_foreach else None):
+    if optimizer_options_problem("adamw" if args.optim == "auto" else args.optim, foreach=False if args.no_foreach else None):
         raise UsageError(f"--no-foreach applies to --optim {' and '.join(FOREACH_OPTIMIZERS)} only "
                          f"(got --optim {args.optim}); drop it")
     for flag, value in (("--batch-size", args.batch_size), ("--eval-batch-size", args.eval_batch_size),
@@ -236,6 +258,33 @@ def check_flags(args, parser: argparse.ArgumentParser) -> None:
         if not launched_by_torchrun():
             raise UsageError("--fsdp shards across processes: launch with torchrun --nproc_per_node N "
                              "scripts/finetune.py ... (one process has nothing to shard across)")
+    if args.memory_budget is not None:
+        from looptrain.plan import PlanError, parse_size
+
+        try:
+            args.memory_budget_bytes = parse_size(args.memory_budget)
+        except PlanError as error:
+            raise UsageError(f"--memory-budget: {error}") from None
+        if args.max_tokens is not None:
+            raise UsageError("--memory-budget plans a fixed effective batch, which --max-tokens does not have; drop one")
+        if args.fsdp:
+            raise UsageError("--memory-budget plans one process's memory; the estimator does not model --fsdp sharding: "
+                             "drop one of them")
+    elif args.optim == "auto":
+        raise UsageError("--optim auto lets the planner choose the optimizer: add --memory-budget SIZE, or name one "
+                         "(--optim adamw)")
+    elif args.plan_only or args.plan_time is not None:
+        raise UsageError("--plan-only and --plan-time belong to --memory-budget: add --memory-budget SIZE")
+    if args.effective_batch is not None:
+        if args.effective_batch < 1:
+            raise UsageError(f"--effective-batch must be >= 1 (got {args.effective_batch})")
+        if args.memory_budget is None:
+            if "--accum" in given or args.effective_batch % args.batch_size:
+                raise UsageError(f"--effective-batch {args.effective_batch} with --batch-size {args.batch_size}: pass "
+                                 "an effective batch that --batch-size divides, and no --accum (it follows)")
+            args.accum_steps = args.effective_batch // args.batch_size
+    if args.plan_time is not None and not args.plan_time >= 0:
+        raise UsageError(f"--plan-time must be a number of seconds >= 0 (got {args.plan_time})")
     output_dir = Path(args.output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         raise UsageError(f"--output-dir {output_dir} is a file; pass a directory (it is created if missing)")
@@ -274,7 +323,7 @@ def run_identity(args, model_path: str, world_size: int) -> dict:
             "eval": fingerprint(args.eval_data) if args.eval_data else f"split {args.eval_split}",
             "max_train_samples": args.max_train_samples, "max_eval_samples": args.max_eval_samples,
             "columns": [args.text_column, args.text_pair_column, args.label_column], "max_length": args.max_length}
-    return {
+    identity = {
         "model": [fingerprint(path) for path in weights] or str(model_path),
         "data": data,
         "batch_size": args.batch_size,
@@ -284,6 +333,15 @@ def run_identity(args, model_path: str, world_size: int) -> dict:
         "optimizer": {"name": args.optim, "weight_decay": args.weight_decay, "foreach": not args.no_foreach},
         "freezing": {"embeddings": args.freeze_embeddings, "layers": args.freeze_layers, "encoder": args.freeze_encoder},
     }
+    if args.memory_budget is not None:  # a planned run: the budget is fixed, the split is the plan's (saved with it)
+        identity.update(memory_budget=args.memory_budget_bytes, effective_batch=effective_batch(args) * world_size,
+                        batch_size="chosen by the plan", accum_steps="chosen by the plan")
+    return identity
+
+
+def effective_batch(args) -> int:
+    """Samples per update on one process: --effective-batch, else --batch-size x --accum."""
+    return args.effective_batch if args.effective_batch is not None else args.batch_size * args.accum_steps
 
 
 # ---------------------------------------------------------------------- model and data
@@ -476,6 +534,8 @@ def run(args) -> dict:
         os.environ["HF_HUB_OFFLINE"] = "1"  # the embedded model is loaded by path, never from a hub
     config = loop_config(args, run_identity(args, model_path, place.world_size))  # validates every loop option
     check_process_group(config, place.world_size, sharded=args.fsdp, optimizer_name=args.optim)
+    if args.plan_only:  # nothing is written: no lock, no ledger
+        return train(args, config, place, model_path, print)
     output_dir = Path(config.output_dir)
     with ledger.OutputDirLock(output_dir, echo=print) if place.is_main else contextlib.nullcontext():
         if place.is_main:  # the output directory's verdict before any data or model is read (the Loop asks again)
@@ -502,8 +562,7 @@ def train(args, config, place, model_path: str, print) -> dict:
     from looptrain.state import write_json_atomic
 
     device = distributed.device_for(resolve_device(config.device), place)
-    precision = resolve_precision(config.precision, device)
-    if config.precision == "auto":
+    if config.precision == "auto" and args.memory_budget is None:
         print(amp_precision(device)[1])
     output_dir = Path(config.output_dir)
     seed_everything(config.seed)
@@ -517,12 +576,25 @@ def train(args, config, place, model_path: str, print) -> dict:
     print(f"model {model_path} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params), "
           f"data {data_description}: {len(train_data)} train / {len(eval_data) if eval_data else 0} eval samples")
 
+    report = apply_freezing(model, args)
+    if report:
+        print(report)
+
     train_set = data_module.tokenize(train_data, tokenizer, args.max_length)
     eval_set = data_module.tokenize(eval_data, tokenizer, args.max_length) if eval_data is not None else None
     if train_set.num_truncated:
         print(f"{train_set.num_truncated} of {len(train_set)} training samples were truncated to {args.max_length} tokens")
     collator = data_module.DynamicPaddingCollator(
         tokenizer, padding=args.padding, max_length=args.max_length, pad_to_multiple_of=args.pad_to_multiple_of)
+    plan_result = None
+    if args.memory_budget is not None:
+        settings, plan_result = planned_settings(args, config, model, train_set, collator, device, output_dir, print)
+        if args.plan_only:
+            return plan_only_output(args, plan_result, print)
+        apply_settings(args, settings)
+        config = dataclasses.replace(config, **settings.loop_fields())
+    precision = resolve_precision(config.precision, device)
+    estimated_peak = run_estimate(args, config, model, train_set, collator, plan_result)
     grouping = "tokens" if args.max_tokens else ("length" if args.group_by_length else "random")
     train_loader = data_module.make_train_loader(
         train_set, args.batch_size, collator, grouping=grouping, max_tokens=args.max_tokens,
@@ -537,9 +609,6 @@ def train(args, config, place, model_path: str, print) -> dict:
         pad_to_multiple_of=args.pad_to_multiple_of)
     print(f"batches ({grouping}, {args.padding} padding): {padding_line}")
 
-    report = apply_freezing(model, args)
-    if report:
-        print(report)
     if args.fsdp:  # shard before the optimizer is built: fully_shard replaces the parameters
         model.to(device)
         distributed.shard_model(model)
@@ -555,7 +624,8 @@ def train(args, config, place, model_path: str, print) -> dict:
         output_dir.mkdir(parents=True, exist_ok=True)
         resolved = {"arguments": {k: v for k, v in vars(args).items() if not k.startswith("_")},
                     "model_path": model_path, "loop_config": config.to_dict(), "world_size": place.world_size,
-                    "resolved": {"precision": precision, "device": str(device), "cpu": cpu_description()}}
+                    "resolved": {"precision": precision, "device": str(device), "cpu": cpu_description()},
+                    "plan": plan_result.to_dict() if plan_result is not None else None}
         write_json_atomic(output_dir / "run_config.json", resolved)
 
     loop = Loop(model, optimizer, train_loader, eval_loader=eval_loader, scheduler=scheduler, config=config)
@@ -570,6 +640,11 @@ def train(args, config, place, model_path: str, print) -> dict:
     baseline = metrics.majority_baseline(eval_set.labels) if eval_set is not None else None
     summary["majority_baseline"] = baseline
     summary["final_dir"] = str(final_dir)
+    summary["plan"] = plan_result.to_dict() if plan_result is not None else None
+    summary["estimated_peak_bytes"] = estimated_peak
+    measured = summary.get("peak_memory_bytes")
+    summary["estimate_error"] = (round((measured - estimated_peak) / estimated_peak, 4)
+                                 if estimated_peak and measured is not None else None)
     distributed.save_pretrained(model, final_dir)  # safetensors; gathers a sharded model's weights first
     if place.is_main:
         tokenizer.save_pretrained(final_dir)
@@ -578,6 +653,106 @@ def train(args, config, place, model_path: str, print) -> dict:
     print(final_table(summary, baseline, output_dir))
     print(memory.format_memory_table(summary))
     return summary
+
+
+def planned_settings(args, config, model, train_set, collator, device, output_dir: Path, print):
+    """The plan's settings for --memory-budget: a resumed run keeps its saved plan, a new one plans."""
+    from looptrain.plan import Levers, Settings, plan
+
+    saved = output_dir / "run_config.json"
+    if config.resume == "auto" and saved.is_file():  # the ledger already matched this run's identity
+        previous = (json.loads(saved.read_text(encoding="utf-8")).get("plan") or {}).get("settings")
+        if previous:
+            print("--memory-budget: resuming with the run's saved plan: " + " ".join(Settings(**previous).flags()))
+            return Settings(**previous), None
+    given = {token.split("=")[0] for token in (args._argv or [])}
+    fixed = [field for field, flags in PLAN_FIELD_FLAGS.items() if given & flags]
+    if args.precision not in ("auto",) and "--precision" in given:
+        fixed.append("precision")
+    base = Settings(batch_size=args.batch_size, accum_steps=args.accum_steps,
+                    precision="fp32" if args.amp or args.precision == "auto" else args.precision,
+                    optimizer="adamw" if args.optim == "auto" else args.optim,
+                    gradient_checkpointing=args.gradient_checkpointing, checkpoint_every=args.checkpoint_every,
+                    optimizer_in_backward=args.optimizer_in_backward, foreach=False if args.no_foreach else None,
+                    padding=args.padding, group_by_length=args.group_by_length)
+    levers = Levers(precision=args.amp or args.precision == "auto", optimizer_family=args.optim == "auto")
+    print(f"--memory-budget {args.memory_budget}: planning effective batch {effective_batch(args)} "
+          f"(levers: split, checkpointing, fused step{', precision' if levers.precision else ''}"
+          f"{', optimizer family' if levers.optimizer_family else ''}; fixed: {', '.join(sorted(fixed)) or 'nothing'})")
+    result = plan(model, train_set, collator, memory_budget=args.memory_budget_bytes,
+                  effective_batch=effective_batch(args), base=base, levers=levers, fixed=fixed, device=str(device),
+                  epochs=args.epochs, max_grad_norm=config.max_grad_norm, probe_budget=args.plan_time,
+                  seed=config.seed, echo=print)
+    print(result.table())
+    print("winner: " + " ".join(result.winner.settings.flags()))
+    return result.winner.settings, result
+
+
+def plan_only_output(args, result, print) -> dict:
+    """--plan-only: the plan (a table, or JSON) and the command line that trains with the winner."""
+    command = ["python", "scripts/finetune.py", *without_plan_flags(args._argv), *result.winner.settings.flags()]
+    if args.json:
+        builtins.print(json.dumps({**result.to_dict(), "command": command}, indent=2))
+    else:
+        print("train it with:\n  " + " ".join(command))
+    return {"plan": result.to_dict(), "command": command, "interrupted": None}
+
+
+def without_plan_flags(argv: list[str]) -> list[str]:
+    """The command line minus the planner's own flags and the ones the plan sets."""
+    dropped_with_value = {"--memory-budget", "--plan-time", "--batch-size", "--accum", "--precision", "--optim",
+                          "--padding", "--grad-checkpoint-every", "--effective-batch"}
+    dropped = {"--plan-only", "--json", "--amp", "--grad-checkpoint", "--optim-in-backward", "--no-foreach",
+               "--group-by-length"}
+    kept, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+            continue
+        name = token.split("=")[0]
+        if name in dropped_with_value:
+            skip = "=" not in token
+            continue
+        if name not in dropped:
+            kept.append(token)
+    return kept
+
+
+def apply_settings(args, settings) -> None:
+    """The plan's settings as if they had been given as flags."""
+    args.batch_size, args.accum_steps = settings.batch_size, settings.accum_steps
+    args.precision, args.amp, args.optim = settings.precision, False, settings.optimizer
+    args.gradient_checkpointing, args.checkpoint_every = settings.gradient_checkpointing, settings.checkpoint_every
+    args.optimizer_in_backward, args.no_foreach = settings.optimizer_in_backward, settings.foreach is False
+    args.padding, args.group_by_length = settings.padding, settings.group_by_length
+
+
+def run_estimate(args, config, model, train_set, collator, plan_result) -> int | None:
+    """`looptrain.memory.estimate` of this run's settings at its worst batch (every run reports its own error)."""
+    from looptrain.plan import Settings, worst_batch_estimate
+
+    if plan_result is not None:
+        return plan_result.winner.estimated_peak_bytes
+    if args.fsdp or args.max_tokens:
+        return None  # the estimator models one process, and batches of a fixed number of rows
+    settings = Settings(batch_size=args.batch_size, accum_steps=config.accum_steps,
+                        precision=resolve_precision_name(config), optimizer=args.optim,
+                        gradient_checkpointing=config.gradient_checkpointing, checkpoint_every=config.checkpoint_every,
+                        optimizer_in_backward=config.optimizer_in_backward, foreach=False if args.no_foreach else None,
+                        padding=args.padding)
+    width = collator.max_length if args.padding == "max_length" else collator.batch_width([max(train_set.lengths)])
+    try:
+        return worst_batch_estimate(model, settings, width, max_grad_norm=config.max_grad_norm,
+                                    num_labels=model.config.num_labels)
+    except Exception as error:  # an estimate is a report, never a reason to stop a run
+        print(f"notice: no memory estimate for this run ({type(error).__name__}: {error})")
+        return None
+
+
+def resolve_precision_name(config) -> str:
+    from looptrain.precision import resolve_device, resolve_precision
+
+    return resolve_precision(config.precision, resolve_device(config.device))
 
 
 def _silent(*args, **kwargs) -> None:
@@ -638,6 +813,12 @@ def final_table(summary: dict, baseline: dict | None, output_dir: Path) -> str:
     peak = summary.get("peak_memory_bytes")
     if peak is not None:
         lines.append(f"| peak memory | {peak / 2**20:.1f} MiB ({summary['memory_meter']}) | |")
+    if summary.get("estimated_peak_bytes"):
+        lines.append(f"| estimated peak (worst batch) | {summary['estimated_peak_bytes'] / 2**20:.1f} MiB "
+                     f"(error {summary['estimate_error']:+.1%}) | |")
+    if summary.get("plan"):
+        lines.append(f"| memory budget | {summary['plan']['budget_bytes'] / 2**20:.1f} MiB (plan: "
+                     f"{summary['plan']['settings']['batch_size']} x {summary['plan']['settings']['accum_steps']}) | |")
     if summary.get("peak_rss_bytes"):
         lines.append(f"| peak RSS | {summary['peak_rss_bytes'] / 2**20:.1f} MiB (process, OS) | |")
     if summary.get("best_checkpoint"):
@@ -660,9 +841,10 @@ def main(argv: list[str] | None = None) -> int:
     args._argv = argv
     from looptrain import CheckpointError, ConfigError, DataError, EvaluationError, TrainingDiverged
     from looptrain.ledger import LedgerError
+    from looptrain.plan import PlanError
 
     user_errors = (UsageError, ConfigError, DataError, CheckpointError, TrainingDiverged, OutOfMemory, LedgerError,
-                   EvaluationError)
+                   EvaluationError, PlanError)
     try:
         check_flags(args, parser)
         summary = run(args)

@@ -173,3 +173,31 @@ def test_errors():
         enable_gradient_checkpointing(make_tiny_bert(), segments=2)
     with pytest.raises(ValueError, match="segments must be >= 1"):
         CheckpointedSequential([nn.Linear(2, 2)], segments=0)
+
+
+def test_every_second_block_is_checkpointed_with_the_same_grads_and_less_memory_than_none():
+    batch = random_token_batches([[6, 9, 4]], vocab_size=make_tiny_bert().config.vocab_size)[0]
+    plain, every_other = make_tiny_bert(num_layers=4), make_tiny_bert(num_layers=4)
+    # From the first block: checkpointing the last one would recompute it at the peak and save nothing.
+    assert enable_gradient_checkpointing(every_other, every=2) == [0, 2]
+    expected = _grads(plain, batch)
+    counts = _count_block_forwards(every_other)
+    actual = _grads(every_other, batch)
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert counts == [2, 1, 2, 1]  # half the recompute
+    with pytest.raises(ValueError, match="every must be a positive integer"):
+        enable_gradient_checkpointing(every_other, every=0)
+
+
+def test_checkpointing_every_k_blocks_trades_memory_monotonically():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from looptrain import memory
+
+    config = BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=6, num_attention_heads=2,
+                        intermediate_size=128, max_position_embeddings=64)
+    peaks = [memory.estimate(config, 16, 64, **options)["peak_memory_bytes"] for options in (
+        {}, {"gradient_checkpointing": True, "checkpoint_every": 3},
+        {"gradient_checkpointing": True, "checkpoint_every": 2}, {"gradient_checkpointing": True})]
+    assert peaks == sorted(peaks, reverse=True) and peaks[0] > 2 * peaks[-1]

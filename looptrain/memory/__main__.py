@@ -41,6 +41,7 @@ def _parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
     parser.add_argument("--optim", choices=OPTIMIZER_NAMES, default="adamw")
     parser.add_argument("--grad-checkpoint", action="store_true")
+    parser.add_argument("--grad-checkpoint-every", type=int, default=1, help="with --grad-checkpoint: every k-th block")
     parser.add_argument("--optim-in-backward", action="store_true")
     parser.add_argument("--freeze-embeddings", action="store_true")
     parser.add_argument("--freeze-layers", type=int, default=0)
@@ -70,6 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             options = {
                 "batch_size": arguments.batch_size, "seq_len": arguments.seq_len, "num_labels": arguments.num_labels,
                 "precision": arguments.precision, "optimizer": arguments.optim, "gradient_checkpointing": arguments.grad_checkpoint,
+                "checkpoint_every": arguments.grad_checkpoint_every,
                 "optimizer_in_backward": arguments.optim_in_backward, "freeze_embeddings": arguments.freeze_embeddings,
                 "freeze_layers": arguments.freeze_layers, "freeze_encoder": arguments.freeze_encoder,
                 "foreach": False if arguments.no_foreach else None, "accum_steps": arguments.accum,

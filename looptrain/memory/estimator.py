@@ -120,14 +120,15 @@ def _strategy_loop(model: nn.Module, optimizer_name: str, foreach, config: LoopC
 
 
 def _config(precision: str, accum_steps: int, max_grad_norm, gradient_checkpointing: bool,
-            optimizer_in_backward: bool, optimizer: str, foreach) -> LoopConfig:
+            optimizer_in_backward: bool, optimizer: str, foreach, checkpoint_every: int = 1) -> LoopConfig:
     """The LoopConfig of a strategy mix; invalid mixes raise `ConfigError` (a ValueError) naming the fields."""
     problem = optimizer_options_problem(optimizer, foreach)
     if problem:
         raise ValueError(problem)
     return LoopConfig(
         precision=precision, accum_steps=accum_steps, max_grad_norm=max_grad_norm,
-        gradient_checkpointing=gradient_checkpointing, optimizer_in_backward=optimizer_in_backward,
+        gradient_checkpointing=gradient_checkpointing, checkpoint_every=checkpoint_every,
+        optimizer_in_backward=optimizer_in_backward,
         device="cpu", eval_every="no", progress_bar=False, track_memory=True, log_every=10**9,
     )
 
@@ -140,6 +141,7 @@ def estimate(
     precision: str = "fp32",
     optimizer: str = "adamw",
     gradient_checkpointing: bool = False,
+    checkpoint_every: int = 1,
     optimizer_in_backward: bool = False,
     freeze_embeddings: bool = False,
     freeze_layers: int = 0,
@@ -165,7 +167,8 @@ def estimate(
         seq_len: tokens per sequence (every sequence padded to it).
         precision: ``fp32``, ``bf16`` or ``fp16`` (CPU autocast op lists; fp32 master weights).
         optimizer: a `looptrain.optim` name (bitsandbytes' CPU kernels run on the fake tensors).
-        gradient_checkpointing: checkpoint every transformer block (non-reentrant).
+        gradient_checkpointing: checkpoint the transformer blocks (non-reentrant).
+        checkpoint_every: with gradient_checkpointing, every k-th block only (1: all).
         optimizer_in_backward: step each parameter inside backward (no stored grads).
         freeze_embeddings: freeze the embedding layer.
         freeze_layers: freeze the first N transformer blocks.
@@ -185,7 +188,8 @@ def estimate(
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    config = _config(precision, accum_steps, max_grad_norm, gradient_checkpointing, optimizer_in_backward, optimizer, foreach)
+    config = _config(precision, accum_steps, max_grad_norm, gradient_checkpointing, optimizer_in_backward, optimizer,
+                     foreach, checkpoint_every)
     started = time.perf_counter()
     rng_states = state.capture_rng_state()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -231,7 +235,7 @@ def measure(model: nn.Module, batch_size: int, seq_len: int, **options: Any) -> 
     optimizer_name, foreach = options.pop("optimizer", "adamw"), options.pop("foreach", None)
     config = _config(options.pop("precision", "fp32"), options.pop("accum_steps", 1), options.pop("max_grad_norm", 1.0),
                      options.pop("gradient_checkpointing", False), options.pop("optimizer_in_backward", False),
-                     optimizer_name, foreach)
+                     optimizer_name, foreach, options.pop("checkpoint_every", 1))
     if options:
         raise TypeError(f"measure: unknown options {sorted(options)}")
     generator = torch.Generator().manual_seed(0)

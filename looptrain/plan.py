@@ -1,0 +1,552 @@
+"""The planner: a memory budget in, the fastest exact training configuration that fits out.
+
+`plan(model, dataset, collator, memory_budget=..., effective_batch=...)` sits above the Loop, beside
+the estimator, and drives both:
+
+1. **Candidates.** The effective batch never changes: micro-batch × accumulation (× ranks) is always
+   what was asked for. Levers that keep the math are always free: the split, gradient checkpointing
+   (none, every other block, all), the optimizer step fused into backward (when accumulation is 1),
+   dynamic padding. Levers that change the numerics are used only when allowed (`Levers`): precision
+   (bf16/fp16 where the hardware has it, fp32 always tried beside it), the optimizer within its family
+   (adamw → adamw8bit → paged_adamw8bit). Levers that change the task (freezing, a shorter max length)
+   are never applied; when nothing fits they are suggested, with their estimates.
+2. **Fits**: `looptrain.memory.estimate` at the dataset's longest padded batch (its worst batch), plus a
+   safety margin (`DEFAULT_MARGIN`), must be within the budget. For each precision, optimizer and
+   checkpointing mode, the largest micro-batch that fits is found by a search over the divisors of
+   the effective batch (memory only grows with the micro-batch).
+3. **Fastest**: each candidate that fits is probed on this device, most promising first, for as long
+   as the probe budget allows: one warm-up and one timed update of the real Loop (`Loop._run_window`)
+   on a real batch of the worst shape, with the learning rate at 0 so the weights do not change. The
+   measured time per padded token and per optimizer step, times the padded tokens and the updates of
+   an epoch under that candidate's batching, predict the epoch's time; candidates left unprobed keep
+   a prior, FLOP-style prediction and rank after the probed ones.
+
+Everything measured and decided is in the returned `Plan` (`table()`, `to_dict()`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from looptrain.config import ConfigError, LoopConfig
+from looptrain.gradient_checkpointing import disable_gradient_checkpointing
+from looptrain.loop import Loop
+from looptrain.memory import estimate
+from looptrain.optim import EIGHT_BIT_OPTIMIZERS, OptimizerInBackward, build_optimizer, inner_optimizers
+from looptrain.precision import amp_precision, cpu_has_native_bf16, resolve_device
+
+GIB = 1024**3
+# The share of the budget kept free above the estimate. CPU: the estimate is within 2.3% of the tensor
+# tracker on every mix of memory.ACCURACY_MIXES; 5% leaves room for that and for batches the estimate
+# shapes differently. CUDA: the caching allocator rounds and fragments, and kernels take workspaces the
+# estimate does not see (about 10-20% of the peak on typical runs); 15% covers that, unchecked here.
+DEFAULT_MARGIN = {"cpu": 0.05, "cuda": 0.15}
+OPTIMIZER_FAMILIES = {"adamw": ("adamw", "adamw8bit", "paged_adamw8bit")}
+CHECKPOINT_MODES = ((False, 1), (True, 2), (True, 1))  # none, every other block, every block
+_UNITS = {"b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+class PlanError(ValueError):
+    """Nothing fits the budget (the message suggests what would), or the planner was misused."""
+
+
+def parse_size(text: str) -> int:
+    """"4GiB", "3.5 GB", "512MiB", "1073741824" -> bytes (B, KB, MB, GB, TB decimal; KiB ... TiB binary)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = (match.group(2) if match else "").lower() or "b"
+    if not match or unit not in _UNITS:
+        raise PlanError(f"cannot read the memory size {text!r}: write a number and a unit, e.g. 4GiB, 3.5GB or 512MiB "
+                        "(units B, KiB, MiB, GiB, KB, MB, GB)")
+    value = float(match.group(1)) * _UNITS[unit]
+    if value < 1:
+        raise PlanError(f"memory size {text!r} is not positive")
+    return int(value)
+
+
+def format_bytes(value: float) -> str:
+    return f"{value / GIB:.2f} GiB" if value >= GIB / 4 else f"{value / 2**20:.1f} MiB"
+
+
+@dataclass(frozen=True)
+class Levers:
+    """The numerics levers the user allows (the math-preserving ones are always free).
+
+    Attributes:
+        precision: try the precision `--amp` would pick beside fp32 (`--amp` / `--precision auto`).
+        optimizer_family: try the 8-bit members of the optimizer's family (`--optim auto`).
+    """
+
+    precision: bool = False
+    optimizer_family: bool = False
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a plan chooses: the full set of training settings besides the task's own."""
+
+    batch_size: int
+    accum_steps: int
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    gradient_checkpointing: bool = False
+    checkpoint_every: int = 1
+    optimizer_in_backward: bool = False
+    foreach: Optional[bool] = None
+    padding: str = "dynamic"
+    group_by_length: bool = False
+
+    @property
+    def checkpointing(self) -> str:
+        if not self.gradient_checkpointing:
+            return "none"
+        return "all blocks" if self.checkpoint_every == 1 else f"every {self.checkpoint_every}"
+
+    def flags(self) -> list[str]:
+        """The `scripts/finetune.py` flags of these settings."""
+        flags = ["--batch-size", str(self.batch_size), "--accum", str(self.accum_steps), "--precision", self.precision,
+                 "--optim", self.optimizer, "--padding", self.padding]
+        if self.gradient_checkpointing:
+            flags.append("--grad-checkpoint")
+            if self.checkpoint_every > 1:
+                flags += ["--grad-checkpoint-every", str(self.checkpoint_every)]
+        if self.optimizer_in_backward:
+            flags.append("--optim-in-backward")
+        if self.foreach is False:
+            flags.append("--no-foreach")
+        if self.group_by_length:
+            flags.append("--group-by-length")
+        return flags
+
+    def loop_fields(self) -> dict:
+        """The `LoopConfig` fields of these settings."""
+        return {"accum_steps": self.accum_steps, "precision": self.precision,
+                "gradient_checkpointing": self.gradient_checkpointing, "checkpoint_every": self.checkpoint_every,
+                "optimizer_in_backward": self.optimizer_in_backward}
+
+
+@dataclass
+class Candidate:
+    """One settings mix, its estimate at the worst batch and its speed (measured, or a prior)."""
+
+    settings: Settings
+    estimated_peak_bytes: int
+    padded_tokens: int = 0  # an epoch's padded tokens under these settings' batching
+    updates: int = 0  # optimizer updates per epoch
+    seconds_per_epoch: Optional[float] = None  # predicted: from the probe, or the prior scaled to the probes' seconds
+    prior: float = 0.0  # the unitless prior that orders the probes
+    probed: bool = False
+    probe: dict = field(default_factory=dict)  # seconds per padded token, per optimizer step, probe seconds
+
+    @property
+    def samples_per_epoch(self) -> int:
+        return self.probe.get("samples", 0)
+
+
+@dataclass
+class Plan:
+    """The planner's result: candidates that fit, fastest first, and how they were chosen."""
+
+    budget_bytes: int
+    margin: float
+    effective_batch: int
+    worst_width: int
+    device: str
+    candidates: list[Candidate]
+    estimates: int  # estimator runs made
+    estimate_seconds: float
+    probe_seconds: float
+    probe_budget_seconds: Optional[float]
+    num_samples: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def winner(self) -> Candidate:
+        return self.candidates[0]
+
+    @property
+    def planning_seconds(self) -> float:
+        return self.estimate_seconds + self.probe_seconds
+
+    def table(self, top: int = 5) -> str:
+        """The ranked candidates (the top `top`), the winner first, with estimates and speeds."""
+        lines = [f"plan for a budget of {format_bytes(self.budget_bytes)} (fits: estimate x {1 + self.margin:.2f} within it; "
+                 f"worst batch {self.worst_width} tokens wide), effective batch {self.effective_batch}, {self.device}:",
+                 "| rank | micro-batch x accum | precision | optimizer | checkpointing | fused step | grouping | "
+                 "est. peak | samples/s | speed from |",
+                 "|---|---|---|---|---|---|---|---|---|---|"]
+        for rank, candidate in enumerate(self.candidates[:top], 1):
+            settings = candidate.settings
+            speed = self.num_samples / candidate.seconds_per_epoch if candidate.seconds_per_epoch else float("nan")
+            lines.append(
+                f"| {rank}{' (winner)' if rank == 1 else ''} | {settings.batch_size} x {settings.accum_steps} | "
+                f"{settings.precision} | {settings.optimizer} | {settings.checkpointing} | "
+                f"{'yes' if settings.optimizer_in_backward else 'no'} | {'yes' if settings.group_by_length else 'no'} | "
+                f"{format_bytes(candidate.estimated_peak_bytes)} | {speed:.1f} | "
+                f"{'probe' if candidate.probed else 'prior (not probed)'} |")
+        lines.append(f"{len(self.candidates)} candidates fit; {self.estimates} estimates in {self.estimate_seconds:.1f} s, "
+                     f"probes {self.probe_seconds:.1f} s"
+                     + (f" (budget {self.probe_budget_seconds:.0f} s)" if self.probe_budget_seconds is not None else ""))
+        lines.extend(f"note: {note}" for note in self.notes)
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        """JSON-ready: the winner's settings and estimate, the budget, and every candidate."""
+        return {
+            "budget_bytes": self.budget_bytes, "margin": self.margin, "effective_batch": self.effective_batch,
+            "worst_width": self.worst_width, "device": self.device,
+            "settings": dataclasses.asdict(self.winner.settings),
+            "estimated_peak_bytes": self.winner.estimated_peak_bytes,
+            "estimates": self.estimates, "estimate_seconds": round(self.estimate_seconds, 3),
+            "probe_seconds": round(self.probe_seconds, 3), "probe_budget_seconds": self.probe_budget_seconds,
+            "candidates": [{"settings": dataclasses.asdict(candidate.settings),
+                            "estimated_peak_bytes": candidate.estimated_peak_bytes,
+                            "seconds_per_epoch": candidate.seconds_per_epoch, "probed": candidate.probed,
+                            "probe": candidate.probe} for candidate in self.candidates],
+            "notes": self.notes,
+        }
+
+
+def divisors(number: int) -> list[int]:
+    return [value for value in range(1, number + 1) if number % value == 0]
+
+
+def plan(
+    model: nn.Module,
+    dataset: Any,
+    collator: Any,
+    *,
+    memory_budget: int,
+    effective_batch: int,
+    base: Optional[Settings] = None,
+    levers: Levers = Levers(),
+    fixed: Sequence[str] = (),
+    device: str = "cpu",
+    epochs: int = 1,
+    max_grad_norm: Optional[float] = 1.0,
+    margin: Optional[float] = None,
+    probe: bool = True,
+    probe_budget: Optional[float] = None,
+    probe_fraction: float = 0.10,
+    seed: int = 42,
+    echo: Callable[[str], None] = lambda line: None,
+) -> Plan:
+    """Plans the fastest training that fits `memory_budget`, keeping `effective_batch` exact.
+
+    Args:
+        model: the model to train (already frozen as the task wants); probes run it in place with the
+            learning rate at 0, and leave its weights as they were.
+        dataset: the tokenized training set (`looptrain.data.TokenizedDataset`: `lengths` and items).
+        collator: the `DynamicPaddingCollator` the run will use (its `max_length` caps widths).
+        memory_budget: bytes the training step's peak may take (the run's meter).
+        effective_batch: samples per optimizer update; every candidate keeps it exact.
+        base: the user's settings (their precision, optimizer, padding, grouping, ...).
+        levers: the numerics levers allowed.
+        fixed: names of `Settings` fields the user set explicitly: never changed.
+        device: where the run trains.
+        epochs: of the planned run (to budget the probe).
+        max_grad_norm: the run's clipping (the estimate includes its temporaries).
+        margin: the budget share kept free (default `DEFAULT_MARGIN` of the device type).
+        probe: measure speeds on this device (False: rank by the prior alone).
+        probe_budget: seconds the probes may take in all (default: `probe_fraction` of the planned
+            run's predicted time, known after the first probe; at least one probe always runs).
+        probe_fraction: see `probe_budget`.
+        seed: the run's seed (batching order).
+        echo: prints progress lines.
+
+    Returns:
+        The `Plan`: candidates that fit, fastest first.
+
+    Raises:
+        PlanError: nothing fits; the message lists what would (freezing, a shorter max length, levers).
+    """
+    from looptrain import data as data_module
+
+    base = base or Settings(batch_size=effective_batch, accum_steps=1)
+    device_type = resolve_device(device).type
+    margin = DEFAULT_MARGIN.get(device_type, 0.15) if margin is None else margin
+    lengths = list(dataset.lengths)
+    worst_width = _worst_width(lengths, collator, base.padding)
+    search = _Search(model, worst_width, memory_budget, margin, max_grad_norm,
+                     getattr(getattr(model, "config", None), "num_labels", 2) or 2, echo)
+    candidates = []
+    for settings in _candidate_settings(search, effective_batch, base, levers, set(fixed), device_type):
+        candidate = Candidate(settings, search.peak(settings))
+        loader = data_module.make_train_loader(dataset, settings.batch_size, collator,
+                                               grouping="length" if settings.group_by_length else "random", seed=seed)
+        stats, _ = data_module.padding_stats(loader, lengths, padding=settings.padding, max_length=collator.max_length,
+                                             pad_to_multiple_of=collator.pad_to_multiple_of)
+        candidate.padded_tokens = stats["padded_tokens"]
+        candidate.updates = math.ceil(stats["num_batches"] / settings.accum_steps)
+        candidate.prior = _prior_seconds(candidate, model, device_type)
+        candidates.append(candidate)
+    if not candidates:
+        raise PlanError(_nothing_fits_message(search, effective_batch, base, levers, collator, lengths, device_type))
+    candidates.sort(key=lambda candidate: candidate.prior)
+    result = Plan(memory_budget, margin, effective_batch, worst_width, device, candidates, search.count,
+                  search.seconds, 0.0, probe_budget, len(lengths))
+    if probe and isinstance(model, nn.Module):
+        _probe_candidates(result, model, dataset, collator, lengths, device, epochs, max_grad_norm, probe_budget,
+                          probe_fraction, seed, echo)
+    else:
+        for candidate in candidates:
+            candidate.seconds_per_epoch = candidate.prior
+        result.notes.append("nothing probed: speeds are a prior in arbitrary units (padded tokens, recompute, "
+                            "micro-batch size, precision), not measured")
+    return result
+
+
+# ------------------------------------------------------------------------------------------ fits
+def _worst_width(lengths: Sequence[int], collator: Any, padding: str) -> int:
+    """The width of the dataset's longest padded batch (any batch holding the longest sample)."""
+    if padding == "max_length":
+        return int(collator.max_length)
+    return int(collator.batch_width([max(lengths)]))
+
+
+class _Search:
+    """Estimates at the worst batch, memoised; `fits` compares them with the budget less the margin."""
+
+    def __init__(self, model, width: int, budget: int, margin: float, max_grad_norm, num_labels: int, echo):
+        self.model, self.width, self.budget, self.margin = model, width, budget, margin
+        self.max_grad_norm, self.num_labels, self.echo = max_grad_norm, num_labels, echo
+        self.cache: dict = {}
+        self.count = 0
+        self.seconds = 0.0
+
+    def peak(self, settings: Settings, **task: Any) -> int:
+        key = (settings.batch_size, min(settings.accum_steps, 2), settings.precision, settings.optimizer,
+               settings.gradient_checkpointing, settings.checkpoint_every, settings.optimizer_in_backward,
+               settings.foreach, tuple(sorted(task.items())))
+        if key not in self.cache:
+            started = time.perf_counter()
+            result = estimate(
+                self.model, settings.batch_size, task.pop("seq_len", self.width), precision=settings.precision,
+                optimizer=settings.optimizer, gradient_checkpointing=settings.gradient_checkpointing,
+                checkpoint_every=settings.checkpoint_every, optimizer_in_backward=settings.optimizer_in_backward,
+                foreach=settings.foreach, accum_steps=settings.accum_steps, num_labels=self.num_labels,
+                max_grad_norm=self.max_grad_norm, **task)
+            self.seconds += time.perf_counter() - started
+            self.count += 1
+            self.cache[key] = result["peak_memory_bytes"]
+            extra = "".join(f", {name} {value}" for name, value in key[-1])
+            self.echo(f"  estimate {settings.batch_size} x {settings.accum_steps}, {settings.precision}, "
+                      f"{settings.optimizer}, checkpointing {settings.checkpointing}"
+                      f"{', fused step' if settings.optimizer_in_backward else ''}{extra}: {format_bytes(self.cache[key])}")
+        return self.cache[key]
+
+    def fits(self, settings: Settings) -> bool:
+        return self.peak(settings) * (1 + self.margin) <= self.budget
+
+
+def _valid(settings: Settings) -> bool:
+    try:
+        LoopConfig(**settings.loop_fields(), device="cpu")
+    except ConfigError:
+        return False
+    return True
+
+
+def _candidate_settings(search: _Search, effective_batch: int, base: Settings, levers: Levers, fixed: set,
+                        device_type: str) -> list[Settings]:
+    """For each allowed precision, optimizer, checkpointing mode and fused step: the largest split that fits."""
+    sizes = divisors(effective_batch)
+    if "batch_size" in fixed:
+        sizes = [size for size in sizes if size == base.batch_size]
+    precisions = [base.precision]
+    if levers.precision and "precision" not in fixed:
+        precisions = list(dict.fromkeys(["fp32", amp_precision(resolve_device(device_type))[0]]))
+    optimizers = [base.optimizer]
+    if levers.optimizer_family and "optimizer" not in fixed:
+        family = OPTIMIZER_FAMILIES.get(base.optimizer, (base.optimizer,))
+        optimizers = [name for name in family if device_type == "cuda" or not name.startswith("paged")]
+    modes = [(base.gradient_checkpointing, base.checkpoint_every)] if "gradient_checkpointing" in fixed else list(CHECKPOINT_MODES)
+    fused_options = [base.optimizer_in_backward] if "optimizer_in_backward" in fixed else [False, True]
+    chosen: list[Settings] = []
+    for precision in precisions:
+        best = 0  # the largest micro-batch a lighter (faster) mix of this precision reached
+        for optimizer in optimizers:
+            for checkpointing, every in modes:
+                for fused in fused_options:
+                    if best == effective_batch:
+                        break  # the whole batch fits: no heavier lever can buy more
+                    heavier = checkpointing or fused or optimizer != optimizers[0]
+                    template = dataclasses.replace(base, precision=precision, optimizer=optimizer,
+                                                   gradient_checkpointing=checkpointing, checkpoint_every=every,
+                                                   optimizer_in_backward=fused)
+                    options = [size for size in sizes if (not fused or size == effective_batch)
+                               and (not heavier or size > best)]  # a heavier lever must buy a larger micro-batch
+                    size = _largest_fitting(search, template, options, effective_batch)
+                    if size is not None:
+                        chosen.append(dataclasses.replace(template, batch_size=size, accum_steps=effective_batch // size))
+                        best = max(best, size)
+    return chosen
+
+
+def _largest_fitting(search: _Search, template: Settings, sizes: list[int], effective_batch: int) -> Optional[int]:
+    """The largest micro-batch in `sizes` that fits (memory grows with it: a binary search)."""
+    sizes = [size for size in sizes if _valid(dataclasses.replace(template, batch_size=size, accum_steps=effective_batch // size))]
+    low, high, best = 0, len(sizes) - 1, None
+    while low <= high:
+        middle = (low + high) // 2
+        settings = dataclasses.replace(template, batch_size=sizes[middle], accum_steps=effective_batch // sizes[middle])
+        if search.fits(settings):
+            best, low = sizes[middle], middle + 1
+        else:
+            high = middle - 1
+    return best
+
+
+def _nothing_fits_message(search: _Search, effective_batch: int, base: Settings, levers: Levers, collator, lengths,
+                          device_type: str) -> str:
+    """What would fit, with its estimate: the lightest exact settings plus one task or numerics change."""
+    lightest = dataclasses.replace(base, batch_size=1, accum_steps=effective_batch, gradient_checkpointing=True,
+                                   checkpoint_every=1, optimizer_in_backward=False)
+    lines = [f"nothing fits {format_bytes(search.budget)} (with a {search.margin:.0%} margin) at the worst batch "
+             f"({search.width} tokens wide), even micro-batch 1 x {effective_batch} with gradient checkpointing: "
+             f"estimated {format_bytes(search.peak(lightest))}."]
+    suggestions = []
+    if not levers.optimizer_family and base.optimizer == "adamw":
+        suggestions.append(("--optim auto (8-bit AdamW)", dataclasses.replace(lightest, optimizer="adamw8bit"), {}))
+    if not levers.precision and base.precision == "fp32":
+        suggestions.append(("--amp", dataclasses.replace(lightest, precision=amp_precision(resolve_device(device_type))[0]), {}))
+    blocks = _block_count(search.model)
+    for count in sorted({blocks // 2, blocks - 1} - {0}) if blocks else []:
+        suggestions.append((f"--freeze-layers {count}", lightest, {"freeze_layers": count}))
+    suggestions.append(("--freeze-encoder", lightest, {"freeze_encoder": True}))
+    if search.width > 16:
+        suggestions.append((f"--max-length {search.width // 2}", lightest, {"seq_len": search.width // 2}))
+    fitting = []
+    for label, settings, task in suggestions:
+        try:
+            peak = search.peak(settings, **task)
+        except (ValueError, TypeError):
+            continue
+        if peak * (1 + search.margin) <= search.budget:
+            fitting.append(f"fits with {label} (est. {format_bytes(peak)})")
+    lines.append("; ".join(fitting) + "." if fitting else "None of --amp, --optim auto, freezing or a halved "
+                 "--max-length fits either: raise the budget.")
+    return " ".join(lines)
+
+
+def _block_count(model: Any) -> int:
+    from looptrain.freeze import find_transformer_blocks
+
+    try:
+        return len(find_transformer_blocks(model))
+    except (ValueError, TypeError):
+        return 0
+
+
+# ------------------------------------------------------------------------------------------ fastest
+def _prior_seconds(candidate: Candidate, model: Any, device_type: str) -> float:
+    """A unitless prior time per epoch, to order probes: padded tokens, recompute, small-batch and precision cost."""
+    settings = candidate.settings
+    recompute = 0.0 if not settings.gradient_checkpointing else 0.35 / settings.checkpoint_every
+    precision_cost = 1.0
+    if settings.precision != "fp32":
+        native = device_type == "cuda" or (settings.precision == "bf16" and cpu_has_native_bf16())
+        precision_cost = 0.7 if native else 8.0
+    parameters = sum(parameter.numel() for parameter in model.parameters()) if isinstance(model, nn.Module) else 1e8
+    optimizer_cost = {"adamw": 1.0, "sgd": 0.3, "adafactor": 2.0}.get(settings.optimizer, 5.0) * parameters / 3e5
+    per_token = (1 + recompute) * (1 + 0.5 / settings.batch_size) * precision_cost
+    return candidate.padded_tokens * per_token + candidate.updates * optimizer_cost
+
+
+def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, lengths, device: str, epochs: int,
+                      max_grad_norm, probe_budget: Optional[float], probe_fraction: float, seed: int, echo) -> None:
+    """Probes candidates within the probe budget and re-ranks them by the measured speed.
+
+    The most promising candidate of each precision and optimizer is always probed (no precision is
+    assumed to be fast); the others follow in the prior's order while the budget lasts.
+    """
+    started = time.perf_counter()
+    order = sorted(range(len(lengths)), key=lambda index: -lengths[index])  # the worst batch: the longest samples
+    firsts = {}
+    for candidate in result.candidates:
+        firsts.setdefault((candidate.settings.precision, candidate.settings.optimizer), candidate)
+    queue = list(firsts.values()) + [c for c in result.candidates if c not in firsts.values()]
+    budget = probe_budget
+    for index, candidate in enumerate(queue):
+        if index >= len(firsts) and budget is not None and time.perf_counter() - started >= budget:
+            result.notes.append(f"{len(queue) - index} candidate(s) not probed: the probe budget ({budget:.0f} s) "
+                                "was spent; their speed is the prior scaled to the probes")
+            break
+        settings = candidate.settings
+        batch = collator([dataset[i] for i in order[:settings.batch_size]])
+        candidate.probe = _probe(model, settings, batch, device, max_grad_norm)
+        candidate.probed = True
+        candidate.seconds_per_epoch = (candidate.probe["micro_step_seconds"] / batch["input_ids"].numel()
+                                       * candidate.padded_tokens
+                                       + candidate.probe["optimizer_step_seconds"] * candidate.updates)
+        echo(f"  probe {settings.batch_size} x {settings.accum_steps}, {settings.precision}, {settings.optimizer}, "
+             f"checkpointing {settings.checkpointing}{', fused step' if settings.optimizer_in_backward else ''}: "
+             f"{len(lengths) / candidate.seconds_per_epoch:.1f} samples/s predicted "
+             f"({candidate.probe['probe_seconds']:.1f} s timed)")
+        if budget is None:  # a share of the planned run, as the first probe predicts it
+            budget = probe_fraction * candidate.seconds_per_epoch * epochs
+            result.probe_budget_seconds = budget
+    result.probe_seconds = time.perf_counter() - started
+    probed = [c for c in result.candidates if c.probed]
+    for candidate in (c for c in result.candidates if not c.probed):
+        alike = [c for c in probed if (c.settings.precision, c.settings.optimizer)
+                 == (candidate.settings.precision, candidate.settings.optimizer)] or probed
+        ratios = sorted(c.seconds_per_epoch / c.prior for c in alike)
+        candidate.seconds_per_epoch = candidate.prior * ratios[len(ratios) // 2]
+    result.candidates.sort(key=lambda c: (not c.probed, c.seconds_per_epoch))
+
+
+def _probe(model: nn.Module, settings: Settings, batch: dict, device: str, max_grad_norm) -> dict:
+    """One warm-up and one timed update of the Loop on `batch`, learning rate 0: seconds per micro-step and step."""
+    optimizer = build_optimizer(model, settings.optimizer, 0.0, foreach=settings.foreach)
+    config = LoopConfig(**settings.loop_fields() | {"accum_steps": 1}, max_grad_norm=max_grad_norm, device=device,
+                        track_memory=False, progress_bar=False, eval_every="no", log_every=10**9)
+    loop = Loop(model, optimizer, [], config=config)
+    step_seconds: list[float] = []
+    hooks = []
+    for inner in inner_optimizers(loop.optimizer):
+        hooks.append(inner.register_step_pre_hook(lambda *args: step_seconds.append(-time.perf_counter())))
+        hooks.append(inner.register_step_post_hook(lambda *args: step_seconds.__setitem__(-1, step_seconds[-1] + time.perf_counter())))
+    windows, optimizer_steps = [], []
+    try:
+        loop._run_window([batch])  # warm-up: optimizer state, kernel selection, first-call costs
+        while len(windows) < 3 and sum(windows) < 1.0:  # up to 3 timed updates, fewer when one takes a second
+            step_seconds.clear()
+            started = time.perf_counter()
+            loop._run_window([batch])
+            windows.append(time.perf_counter() - started)
+            optimizer_steps.append(sum(step_seconds))
+    finally:
+        for hook in hooks:
+            hook.remove()
+        if isinstance(loop.optimizer, OptimizerInBackward):
+            loop.optimizer.remove()
+        disable_gradient_checkpointing(model)
+        for parameter in model.parameters():
+            parameter.grad = None
+        del loop, optimizer
+        gc.collect()
+    middle = sorted(range(len(windows)), key=lambda index: windows[index])[len(windows) // 2]  # the median update
+    optimizer_seconds = 0.0 if settings.optimizer_in_backward else optimizer_steps[middle]
+    return {"micro_step_seconds": windows[middle] - optimizer_seconds, "optimizer_step_seconds": optimizer_seconds,
+            "probe_seconds": sum(windows), "timed_updates": len(windows), "batch_shape": list(batch["input_ids"].shape)}
+
+
+def worst_batch_estimate(model: Any, settings: Settings, width: int, max_grad_norm=1.0, num_labels: int = 2) -> int:
+    """`estimate` of `settings` at a batch `width` tokens wide: what every run reports beside its meter."""
+    return estimate(model, settings.batch_size, width, precision=settings.precision, optimizer=settings.optimizer,
+                    gradient_checkpointing=settings.gradient_checkpointing, checkpoint_every=settings.checkpoint_every,
+                    optimizer_in_backward=settings.optimizer_in_backward, foreach=settings.foreach,
+                    accum_steps=settings.accum_steps, num_labels=num_labels, max_grad_norm=max_grad_norm)["peak_memory_bytes"]
+
+
+__all__ = ["Candidate", "Levers", "Plan", "PlanError", "Settings", "parse_size", "plan", "worst_batch_estimate"]

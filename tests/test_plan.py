@@ -1,0 +1,204 @@
+"""The planner: the effective batch kept, fixed levers kept, the worst batch planned for, the winner within budget."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import load_finetune_script, make_tiny_bert, make_tiny_tokenizer, write_csv
+from looptrain import Loop, LoopConfig, data
+from looptrain.optim import build_optimizer
+from looptrain.plan import Levers, PlanError, Settings, parse_size, plan
+
+ROOT = Path(__file__).resolve().parent.parent
+EFFECTIVE_BATCH = 16
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """64 short samples (3-13 words) and the collator, max_length 32."""
+    tokenizer = make_tiny_tokenizer()
+    texts = data.read_classification_data(write_csv(tmp_path_factory.mktemp("plan") / "train.csv", 64))
+    return data.tokenize(texts, tokenizer, 32), data.DynamicPaddingCollator(tokenizer, max_length=32)
+
+
+def budget_between(model, dataset, collator, small: int, large: int, **options) -> int:
+    """A budget that fits micro-batch `small` but not `large` (fp32 AdamW, no checkpointing, 5% margin)."""
+    from looptrain import memory
+
+    width = collator.batch_width([max(dataset.lengths)])
+    low = memory.estimate(model, small, width, accum_steps=EFFECTIVE_BATCH // small, **options)["peak_memory_bytes"]
+    high = memory.estimate(model, large, width, accum_steps=EFFECTIVE_BATCH // large, **options)["peak_memory_bytes"]
+    assert high > low * 1.1
+    return int(1.05 * (low + high) / 2)
+
+
+def test_sizes_parse_in_every_unit():
+    assert [parse_size(text) for text in ("4GiB", "3.5 GB", "512MiB", "100KB", "1024", "2KiB")] == [
+        4 * 2**30, 3_500_000_000, 512 * 2**20, 100_000, 1024, 2048]
+    with pytest.raises(PlanError, match="write a number and a unit, e.g. 4GiB"):
+        parse_size("4 gigs")
+
+
+def test_every_candidate_keeps_the_effective_batch_and_fits(dataset):
+    train_set, collator = dataset
+    model = make_tiny_bert(num_labels=2)
+    budget = budget_between(model, train_set, collator, 4, 8)
+    result = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH,
+                  levers=Levers(precision=True), probe=False)
+    assert len(result.candidates) >= 3
+    for candidate in result.candidates:
+        assert candidate.settings.batch_size * candidate.settings.accum_steps == EFFECTIVE_BATCH
+        assert candidate.estimated_peak_bytes * (1 + result.margin) <= budget
+    # Without checkpointing micro-batch 4 is the largest that fits; checkpointing buys a larger one.
+    plain = [c.settings.batch_size for c in result.candidates if not c.settings.gradient_checkpointing
+             and not c.settings.optimizer_in_backward and c.settings.precision == "fp32"]
+    assert plain == [4]
+    assert any(c.settings.gradient_checkpointing and c.settings.batch_size > 4 for c in result.candidates)
+
+
+def test_a_lever_the_user_fixed_is_never_changed(dataset):
+    train_set, collator = dataset
+    model = make_tiny_bert(num_labels=2)
+    budget = budget_between(model, train_set, collator, 4, 8)
+    base = Settings(batch_size=2, accum_steps=8, precision="bf16", optimizer="sgd", gradient_checkpointing=True,
+                    checkpoint_every=1)
+    result = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH, base=base,
+                  levers=Levers(precision=True, optimizer_family=True),
+                  fixed=["precision", "optimizer", "gradient_checkpointing", "optimizer_in_backward"], probe=False)
+    assert result.candidates
+    for candidate in result.candidates:
+        settings = candidate.settings
+        assert (settings.precision, settings.optimizer, settings.gradient_checkpointing, settings.checkpoint_every,
+                settings.optimizer_in_backward) == ("bf16", "sgd", True, 1, False)
+
+
+def test_the_winner_measured_by_the_tracker_stays_within_the_budget(dataset):
+    train_set, collator = dataset
+    model = make_tiny_bert(num_labels=2)
+    budget = budget_between(model, train_set, collator, 4, 8)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    result = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH)
+    assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())  # probes: lr 0
+    winner = result.winner.settings
+    loader = data.make_train_loader(train_set, winner.batch_size, collator,
+                                    grouping="length" if winner.group_by_length else "random")
+    optimizer = build_optimizer(model, winner.optimizer, 1e-3)
+    config = LoopConfig(**winner.loop_fields(), device="cpu", progress_bar=False, eval_every="no", log_every=1000,
+                        track_memory=True)
+    summary = Loop(model, optimizer, loader, config=config).fit()
+    assert summary["memory_meter"] == "cpu_tensor_tracker"
+    assert summary["peak_memory_bytes"] <= budget
+    assert abs(summary["peak_memory_bytes"] - result.winner.estimated_peak_bytes) <= 0.1 * result.winner.estimated_peak_bytes
+
+
+def test_one_very_long_sample_is_planned_for(dataset, tmp_path):
+    train_set, collator = dataset
+    model = make_tiny_bert(num_labels=2)
+    budget = budget_between(model, train_set, collator, 8, 16)
+    short_plan = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH, probe=False)
+    # The same data plus one sample of 32 tokens: any batch holding it is 32 wide, so it is the worst batch.
+    long_text = " ".join(["good"] * 40)
+    rows = [{"text": long_text, "label": "pos"}] + [{"text": "the good film", "label": "neg"}] * 63
+    long_set = data.tokenize(data.read_classification_data(rows), make_tiny_tokenizer(), 32)
+    assert max(long_set.lengths) == 32 and sorted(long_set.lengths)[-2] < 8
+    long_plan = plan(model, long_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH, probe=False)
+    assert long_plan.worst_width == 32 > short_plan.worst_width
+    def largest_plain_batch(result) -> int:
+        return max((c.settings.batch_size for c in result.candidates
+                    if not c.settings.gradient_checkpointing and not c.settings.optimizer_in_backward), default=0)
+
+    assert largest_plain_batch(long_plan) < largest_plain_batch(short_plan) == 8
+
+
+def test_when_nothing_fits_the_error_says_what_would(dataset):
+    train_set, collator = dataset
+    model = make_tiny_bert(num_labels=2, num_layers=2)
+    with pytest.raises(PlanError, match=r"nothing fits .* even micro-batch 1 x 16 with gradient checkpointing: "
+                                        r"estimated .*fits with --freeze-encoder \(est\. [0-9.]+ MiB\)"):
+        plan(model, train_set, collator, memory_budget=150_000, effective_batch=EFFECTIVE_BATCH, probe=False)
+
+
+def test_the_probe_is_bounded(dataset):
+    train_set, collator = dataset
+    model = make_tiny_bert(num_labels=2)
+    budget = budget_between(model, train_set, collator, 4, 8)
+    result = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH,
+                  levers=Levers(precision=True), probe_budget=0.0)
+    precisions = {c.settings.precision for c in result.candidates}
+    probed = [c for c in result.candidates if c.probed]
+    # With no probe time at all, only the most promising candidate of each precision is measured.
+    assert len(probed) == len(precisions) < len(result.candidates)
+    assert {c.settings.precision for c in probed} == precisions
+    assert any("not probed: the probe budget (0 s) was spent" in note for note in result.notes)
+    assert all(c.seconds_per_epoch > 0 for c in result.candidates)
+    assert result.candidates[:len(probed)] == sorted(probed, key=lambda c: c.seconds_per_epoch)
+
+
+# ------------------------------------------------------------------------------------------ the command line
+finetune = load_finetune_script("finetune_script_plan")
+
+
+@pytest.fixture(scope="module")
+def train_csv(tmp_path_factory):
+    return write_csv(tmp_path_factory.mktemp("plan-cli") / "train.csv", 64)
+
+
+def cli(model_dir, train_csv, output_dir, *extra):
+    return finetune.main(["--model", str(model_dir), "--data", str(train_csv), "--output-dir", str(output_dir),
+                          "--max-length", "32", "--no-progress-bar", "--log-every", "1000", *extra])
+
+
+def test_a_planned_run_reports_its_plan_and_its_estimate_error(model_dir, train_csv, tmp_path, capsys):
+    assert cli(model_dir, train_csv, tmp_path, "--memory-budget", "2MiB", "--effective-batch", "16",
+               "--grad-checkpoint") == 0
+    out = capsys.readouterr().out
+    assert "| 1 (winner) |" in out and re.search(r"estimated peak \(worst batch\) \| [0-9.]+ MiB \(error [+-]", out)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    settings = summary["plan"]["settings"]
+    assert settings["batch_size"] * settings["accum_steps"] == 16
+    assert settings["gradient_checkpointing"] is True  # given explicitly: fixed
+    assert summary["estimated_peak_bytes"] == summary["plan"]["estimated_peak_bytes"] <= 2 * 2**20
+    assert summary["estimate_error"] == pytest.approx(
+        (summary["peak_memory_bytes"] - summary["estimated_peak_bytes"]) / summary["estimated_peak_bytes"], abs=1e-4)
+    assert abs(summary["estimate_error"]) <= 0.10
+
+
+def test_every_run_reports_its_estimate_error(model_dir, train_csv, tmp_path):
+    assert cli(model_dir, train_csv, tmp_path, "--batch-size", "8") == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["plan"] is None and summary["estimated_peak_bytes"] > 0
+    assert summary["memory_meter"] == "cpu_tensor_tracker" and abs(summary["estimate_error"]) <= 0.10
+
+
+def test_plan_script_prints_json_and_the_command_line_and_writes_nothing(model_dir, train_csv, tmp_path, capsys):
+    import importlib.util
+
+    specification = importlib.util.spec_from_file_location("plan_script", ROOT / "scripts" / "plan.py")
+    plan_script = importlib.util.module_from_spec(specification)
+    specification.loader.exec_module(plan_script)
+    output_dir = tmp_path / "never-written"
+    assert plan_script.main(["--model", str(model_dir), "--data", str(train_csv), "--output-dir", str(output_dir),
+                             "--max-length", "32", "--memory-budget", "1MiB", "--effective-batch", "16", "--json"]) == 0
+    out = capsys.readouterr().out
+    printed = json.loads(out[out.index("{"):])
+    assert printed["settings"]["batch_size"] * printed["settings"]["accum_steps"] == 16
+    assert printed["command"][:2] == ["python", "scripts/finetune.py"] and "--memory-budget" not in printed["command"]
+    assert f"--batch-size {printed['settings']['batch_size']}" in " ".join(printed["command"])
+    assert not output_dir.exists()
+    assert plan_script.main(["--model", str(model_dir)]) == 2
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--memory-budget", "4 gigs"], r"--memory-budget: cannot read the memory size '4 gigs'"),
+    (["--optim", "auto"], r"--optim auto lets the planner choose the optimizer: add --memory-budget SIZE"),
+    (["--plan-only"], r"--plan-only and --plan-time belong to --memory-budget"),
+    (["--effective-batch", "10", "--batch-size", "4"], r"--effective-batch 10 with --batch-size 4"),
+])
+def test_planner_flag_errors(model_dir, train_csv, tmp_path, capsys, flags, message):
+    assert cli(model_dir, train_csv, tmp_path, *flags) == 2
+    assert re.search(message, capsys.readouterr().err)
