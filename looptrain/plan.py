@@ -167,6 +167,7 @@ class Plan:
     probe_seconds: float
     probe_budget_seconds: Optional[float]
     num_samples: int
+    meter: str = "of live tensors"  # or "of process RSS" (then probes' measured peaks must fit too)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -179,7 +180,7 @@ class Plan:
 
     def table(self, top: int = 5) -> str:
         """The ranked candidates (the top `top`), the winner first, with estimates and speeds."""
-        lines = [f"plan for a budget of {format_bytes(self.budget_bytes)} (fits: estimate x {1 + self.margin:.2f} within it; "
+        lines = [f"plan for a budget of {format_bytes(self.budget_bytes)} {self.meter} (fits: estimate x {1 + self.margin:.2f} within it; "
                  f"worst batch {self.worst_width} tokens wide), effective batch {self.effective_batch}, {self.device}:",
                  "| rank | micro-batch x accum | precision | optimizer | checkpointing | fused step | grouping | "
                  "est. peak | samples/s | speed from |",
@@ -203,7 +204,7 @@ class Plan:
         """JSON-ready: the winner's settings and estimate, the budget, and every candidate."""
         return {
             "budget_bytes": self.budget_bytes, "margin": self.margin, "effective_batch": self.effective_batch,
-            "worst_width": self.worst_width, "device": self.device,
+            "worst_width": self.worst_width, "device": self.device, "meter": self.meter,
             "settings": dataclasses.asdict(self.winner.settings),
             "estimated_peak_bytes": self.winner.estimated_peak_bytes,
             "estimates": self.estimates, "estimate_seconds": round(self.estimate_seconds, 3),
@@ -238,6 +239,7 @@ def plan(
     probe_budget: Optional[float] = None,
     probe_fraction: float = 0.10,
     seed: int = 42,
+    rss_baseline: Optional[int] = None,
     echo: Callable[[str], None] = lambda line: None,
 ) -> Plan:
     """Plans the fastest training that fits `memory_budget`, keeping `effective_batch` exact.
@@ -261,6 +263,9 @@ def plan(
             run's predicted time, known after the first probe; at least one probe always runs).
         probe_fraction: see `probe_budget`.
         seed: the run's seed (batching order).
+        rss_baseline: the budget is of process RSS above this many bytes (Linux): candidates must also
+            fit by the peak RSS their probe measures (`current_rss_bytes()` at the start is typical).
+            None: the budget is of live tensor bytes, the estimate alone decides (the tracker's meter).
         echo: prints progress lines.
 
     Returns:
@@ -293,10 +298,13 @@ def plan(
         raise PlanError(_nothing_fits_message(search, effective_batch, base, levers, collator, lengths, device_type))
     candidates.sort(key=lambda candidate: candidate.prior)
     result = Plan(memory_budget, margin, effective_batch, worst_width, device, candidates, search.count,
-                  search.seconds, 0.0, probe_budget, len(lengths))
+                  search.seconds, 0.0, probe_budget, len(lengths),
+                  meter="of process RSS" if rss_baseline is not None else "of live tensors")
+    if rss_baseline is not None and not (probe and isinstance(model, nn.Module)):
+        raise PlanError("a budget of process RSS (rss_baseline) is checked by probing a real model: pass probe=True")
     if probe and isinstance(model, nn.Module):
         _probe_candidates(result, model, dataset, collator, lengths, device, epochs, max_grad_norm, probe_budget,
-                          probe_fraction, seed, echo)
+                          probe_fraction, seed, rss_baseline, echo)
     else:
         for candidate in candidates:
             candidate.seconds_per_epoch = candidate.prior
@@ -463,11 +471,15 @@ def _prior_seconds(candidate: Candidate, model: Any, device_type: str) -> float:
 
 
 def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, lengths, device: str, epochs: int,
-                      max_grad_norm, probe_budget: Optional[float], probe_fraction: float, seed: int, echo) -> None:
+                      max_grad_norm, probe_budget: Optional[float], probe_fraction: float, seed: int,
+                      rss_baseline: Optional[int], echo) -> None:
     """Probes candidates within the probe budget and re-ranks them by the measured speed.
 
     The most promising candidate of each precision and optimizer is always probed (no precision is
-    assumed to be fast); the others follow in the prior's order while the budget lasts.
+    assumed to be fast); the others follow in the prior's order while their predicted probe time fits
+    the budget. With `rss_baseline` (a budget of process RSS), a candidate fits only when its probe's
+    measured peak RSS (above `rss_baseline`, with the margin) does: the others are dropped, and
+    probing goes on, budget or not, until one candidate fits.
     """
     started = time.perf_counter()
     order = sorted(range(len(lengths)), key=lambda index: -lengths[index])  # the worst batch: the longest samples
@@ -475,27 +487,46 @@ def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, lengths
     for candidate in result.candidates:
         firsts.setdefault((candidate.settings.precision, candidate.settings.optimizer), candidate)
     queue = list(firsts.values()) + [c for c in result.candidates if c not in firsts.values()]
-    budget = probe_budget
+    budget, rejected, skipped = probe_budget, [], 0
     for index, candidate in enumerate(queue):
-        if index >= len(firsts) and budget is not None and time.perf_counter() - started >= budget:
-            result.notes.append(f"{len(queue) - index} candidate(s) not probed: the probe budget ({budget:.0f} s) "
-                                "was spent; their speed is the prior scaled to the probes")
-            break
+        fitting = [c for c in queue[:index] if c.probed and c not in rejected]
+        predicted = _predicted_probe_seconds(candidate, [c for c in queue[:index] if c.probed])
+        if index >= len(firsts) and fitting and budget is not None \
+                and time.perf_counter() - started + predicted > budget:
+            skipped += 1
+            continue
         settings = candidate.settings
         batch = collator([dataset[i] for i in order[:settings.batch_size]])
-        candidate.probe = _probe(model, settings, batch, device, max_grad_norm)
+        candidate.probe = _probe(model, settings, batch, device, max_grad_norm, rss_baseline)
         candidate.probed = True
         candidate.seconds_per_epoch = (candidate.probe["micro_step_seconds"] / batch["input_ids"].numel()
                                        * candidate.padded_tokens
                                        + candidate.probe["optimizer_step_seconds"] * candidate.updates)
+        measured = candidate.probe.get("peak_rss_bytes")
+        if measured is not None and measured * (1 + result.margin) > result.budget_bytes:
+            rejected.append(candidate)
         echo(f"  probe {settings.batch_size} x {settings.accum_steps}, {settings.precision}, {settings.optimizer}, "
              f"checkpointing {settings.checkpointing}{', fused step' if settings.optimizer_in_backward else ''}: "
              f"{len(lengths) / candidate.seconds_per_epoch:.1f} samples/s predicted "
-             f"({candidate.probe['probe_seconds']:.1f} s timed)")
+             f"({candidate.probe['probe_seconds']:.1f} s timed"
+             + (f"; peak RSS {format_bytes(measured)}{', over the budget' if candidate in rejected else ''}"
+                if measured is not None else "") + ")")
         if budget is None:  # a share of the planned run, as the first probe predicts it
             budget = probe_fraction * candidate.seconds_per_epoch * epochs
             result.probe_budget_seconds = budget
     result.probe_seconds = time.perf_counter() - started
+    if skipped:
+        result.notes.append(f"{skipped} candidate(s) not probed: their probe would not fit the probe budget "
+                            f"({budget:.0f} s); their speed is the prior scaled to the probes")
+    if rss_baseline is not None:
+        unmeasured = [c for c in result.candidates if not c.probed]
+        result.candidates = [c for c in result.candidates if c.probed and c not in rejected]
+        result.notes.append(f"budget of process RSS: {len(rejected)} probed candidate(s) measured over it and "
+                            f"{len(unmeasured)} not measured were left out")
+        if not result.candidates:
+            raise PlanError(f"no candidate fits {format_bytes(result.budget_bytes)} of process RSS: the probes "
+                            "measured " + ", ".join(format_bytes(c.probe['peak_rss_bytes']) for c in rejected)
+                            + "; raise the budget, or let the planner use --amp / --optim auto")
     probed = [c for c in result.candidates if c.probed]
     for candidate in (c for c in result.candidates if not c.probed):
         alike = [c for c in probed if (c.settings.precision, c.settings.optimizer)
@@ -505,8 +536,27 @@ def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, lengths
     result.candidates.sort(key=lambda c: (not c.probed, c.seconds_per_epoch))
 
 
-def _probe(model: nn.Module, settings: Settings, batch: dict, device: str, max_grad_norm) -> dict:
-    """One warm-up and one timed update of the Loop on `batch`, learning rate 0: seconds per micro-step and step."""
+def _predicted_probe_seconds(candidate: Candidate, probed: list[Candidate]) -> float:
+    """A probe's time, scaled from the nearest probed candidate by micro-batch rows and recompute."""
+    if not probed:
+        return 0.0
+    def recompute(settings: Settings) -> float:
+        return 1 + (0.35 / settings.checkpoint_every if settings.gradient_checkpointing else 0.0)
+    reference = min(probed, key=lambda c: abs(c.settings.batch_size - candidate.settings.batch_size))
+    scale = candidate.settings.batch_size / reference.settings.batch_size * recompute(candidate.settings) \
+        / recompute(reference.settings)
+    return reference.probe["probe_seconds"] * (1 + 1 / max(reference.probe["timed_updates"], 1)) * scale
+
+
+def _probe(model: nn.Module, settings: Settings, batch: dict, device: str, max_grad_norm,
+           rss_baseline: Optional[int] = None) -> dict:
+    """One warm-up and up to 3 timed updates of the Loop on `batch`, learning rate 0.
+
+    Returns the seconds per micro-step and per optimizer step (their median update), and with
+    `rss_baseline` the process's peak RSS above it during the probe (the kernel's mark reset first).
+    """
+    if rss_baseline is not None:
+        _reset_peak_rss()
     optimizer = build_optimizer(model, settings.optimizer, 0.0, foreach=settings.foreach)
     config = LoopConfig(**settings.loop_fields() | {"accum_steps": 1}, max_grad_norm=max_grad_norm, device=device,
                         track_memory=False, progress_bar=False, eval_every="no", log_every=10**9)
@@ -537,8 +587,34 @@ def _probe(model: nn.Module, settings: Settings, batch: dict, device: str, max_g
         gc.collect()
     middle = sorted(range(len(windows)), key=lambda index: windows[index])[len(windows) // 2]  # the median update
     optimizer_seconds = 0.0 if settings.optimizer_in_backward else optimizer_steps[middle]
-    return {"micro_step_seconds": windows[middle] - optimizer_seconds, "optimizer_step_seconds": optimizer_seconds,
-            "probe_seconds": sum(windows), "timed_updates": len(windows), "batch_shape": list(batch["input_ids"].shape)}
+    result = {"micro_step_seconds": windows[middle] - optimizer_seconds, "optimizer_step_seconds": optimizer_seconds,
+              "probe_seconds": sum(windows), "timed_updates": len(windows), "batch_shape": list(batch["input_ids"].shape)}
+    if rss_baseline is not None:
+        result["peak_rss_bytes"] = _status_bytes("VmHWM") - rss_baseline
+    return result
+
+
+def _status_bytes(field: str) -> int:
+    """A `/proc/self/status` memory figure (VmRSS, VmHWM) in bytes."""
+    with open("/proc/self/status", encoding="utf-8") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise PlanError(f"/proc/self/status has no {field}: a budget of process RSS needs Linux")
+
+
+def _reset_peak_rss() -> None:
+    """Sets the kernel's peak RSS mark (VmHWM) to the current RSS (Linux 4.0+)."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="utf-8") as clear_refs:
+            clear_refs.write("5")
+    except OSError as error:
+        raise PlanError(f"cannot reset the peak RSS mark ({error}): a budget of process RSS needs Linux 4.0+") from error
+
+
+def current_rss_bytes() -> int:
+    """The process's resident set size now (for `plan(rss_baseline=...)`)."""
+    return _status_bytes("VmRSS")
 
 
 def worst_batch_estimate(model: Any, settings: Settings, width: int, max_grad_norm=1.0, num_labels: int = 2) -> int:
@@ -549,4 +625,5 @@ def worst_batch_estimate(model: Any, settings: Settings, width: int, max_grad_no
                     accum_steps=settings.accum_steps, num_labels=num_labels, max_grad_norm=max_grad_norm)["peak_memory_bytes"]
 
 
-__all__ = ["Candidate", "Levers", "Plan", "PlanError", "Settings", "parse_size", "plan", "worst_batch_estimate"]
+__all__ = ["Candidate", "Levers", "Plan", "PlanError", "Settings", "current_rss_bytes", "parse_size", "plan",
+           "worst_batch_estimate"]

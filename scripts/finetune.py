@@ -679,10 +679,13 @@ def planned_settings(args, config, model, train_set, collator, device, output_di
     print(f"--memory-budget {args.memory_budget}: planning effective batch {effective_batch(args)} "
           f"(levers: split, checkpointing, fused step{', precision' if levers.precision else ''}"
           f"{', optimizer family' if levers.optimizer_family else ''}; fixed: {', '.join(sorted(fixed)) or 'nothing'})")
+    # The budget is of the run's meter: live tensors (the tracker), or with --no-track-memory on a CPU the
+    # process's RSS above what it was when the command started, checked by the probes' measured peaks.
+    rss_baseline = args._rss_at_start if args.no_track_memory and device.type == "cpu" else None
     result = plan(model, train_set, collator, memory_budget=args.memory_budget_bytes,
                   effective_batch=effective_batch(args), base=base, levers=levers, fixed=fixed, device=str(device),
                   epochs=args.epochs, max_grad_norm=config.max_grad_norm, probe_budget=args.plan_time,
-                  seed=config.seed, echo=print)
+                  seed=config.seed, rss_baseline=rss_baseline, echo=print)
     print(result.table())
     print("winner: " + " ".join(result.winner.settings.flags()))
     return result.winner.settings, result
@@ -833,12 +836,28 @@ def flag_names_for(message: str) -> str:
     return f"\n  (on the command line: {'; '.join(named)})" if named else ""
 
 
+def rss_at_start() -> int | None:
+    """The process's RSS once torch, transformers and looptrain are imported: a --memory-budget of RSS
+    (with --no-track-memory) counts from here, so the weights count."""
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    import looptrain  # noqa: F401
+    from looptrain.plan import current_rss_bytes
+
+    try:
+        return current_rss_bytes()
+    except Exception:  # not Linux: budgets of live tensors still work
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line; returns the exit code (0 ok, 2 for a user error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     args._argv = argv
+    args._rss_at_start = rss_at_start()
     from looptrain import CheckpointError, ConfigError, DataError, EvaluationError, TrainingDiverged
     from looptrain.ledger import LedgerError
     from looptrain.plan import PlanError

@@ -134,7 +134,7 @@ def test_the_probe_is_bounded(dataset):
     # With no probe time at all, only the most promising candidate of each precision is measured.
     assert len(probed) == len(precisions) < len(result.candidates)
     assert {c.settings.precision for c in probed} == precisions
-    assert any("not probed: the probe budget (0 s) was spent" in note for note in result.notes)
+    assert any("not probed: their probe would not fit the probe budget (0 s)" in note for note in result.notes)
     assert all(c.seconds_per_epoch > 0 for c in result.candidates)
     assert result.candidates[:len(probed)] == sorted(probed, key=lambda c: c.seconds_per_epoch)
 
@@ -202,3 +202,19 @@ def test_plan_script_prints_json_and_the_command_line_and_writes_nothing(model_d
 def test_planner_flag_errors(model_dir, train_csv, tmp_path, capsys, flags, message):
     assert cli(model_dir, train_csv, tmp_path, *flags) == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_budget_of_process_rss_keeps_only_candidates_whose_probe_fits(dataset):
+    from looptrain.plan import current_rss_bytes
+
+    train_set, collator = dataset
+    model = make_tiny_bert(num_labels=2)
+    result = plan(model, train_set, collator, memory_budget=2**30, effective_batch=EFFECTIVE_BATCH,
+                  rss_baseline=current_rss_bytes(), probe_budget=0.0)
+    assert result.meter == "of process RSS" and result.candidates
+    for candidate in result.candidates:  # only measured candidates are eligible, and they measured within it
+        assert candidate.probed and 0 <= candidate.probe["peak_rss_bytes"] * (1 + result.margin) <= 2**30
+    # The same budget counted from 2 GiB below the process's RSS: every probe measures over it.
+    with pytest.raises(PlanError, match=r"no candidate fits 1.00 GiB of process RSS: the probes measured 2\.\d+ GiB"):
+        plan(model, train_set, collator, memory_budget=2**30, effective_batch=EFFECTIVE_BATCH,
+             rss_baseline=current_rss_bytes() - 2 * 2**30, probe_budget=0.0)

