@@ -187,13 +187,14 @@ class Plan:
                  "|---|---|---|---|---|---|---|---|---|---|"]
         for rank, candidate in enumerate(self.candidates[:top], 1):
             settings = candidate.settings
-            speed = self.num_samples / candidate.seconds_per_epoch if candidate.seconds_per_epoch else float("nan")
+            measured = any(c.probed for c in self.candidates)  # without probes the prior has no unit
+            speed = f"{self.num_samples / candidate.seconds_per_epoch:.1f}" if measured else "-"
             lines.append(
                 f"| {rank}{' (winner)' if rank == 1 else ''} | {settings.batch_size} x {settings.accum_steps} | "
                 f"{settings.precision} | {settings.optimizer} | {settings.checkpointing} | "
                 f"{'yes' if settings.optimizer_in_backward else 'no'} | {'yes' if settings.group_by_length else 'no'} | "
-                f"{format_bytes(candidate.estimated_peak_bytes)} | {speed:.1f} | "
-                f"{'probe' if candidate.probed else 'prior (not probed)'} |")
+                f"{format_bytes(candidate.estimated_peak_bytes)} | {speed} | "
+                f"{'probe' if candidate.probed else 'prior, scaled to the probes' if measured else 'prior only'} |")
         lines.append(f"{len(self.candidates)} candidates fit; {self.estimates} estimates in {self.estimate_seconds:.1f} s, "
                      f"probes {self.probe_seconds:.1f} s"
                      + (f" (budget {self.probe_budget_seconds:.0f} s)" if self.probe_budget_seconds is not None else ""))
