@@ -16,6 +16,8 @@ from looptrain.precision import PRECISIONS, precision_problem, resolve_device
 from looptrain.run_log import TRACKERS
 
 CONFIG_PRECISIONS = (*PRECISIONS, "auto")
+WEIGHT_DTYPES = ("fp32", "bf16")
+GRAD_DTYPES = ("bf16", "fp32")
 CLIP_MODES = ("auto", "global", "per_parameter", "previous_global")
 LOWER_IS_BETTER_WORDS = ("loss", "perplexity", "ppl", "error", "mae", "mse", "rmse", "wer", "cer")
 
@@ -33,6 +35,7 @@ class LoopConfig:
     max_steps: int = -1  # stop after this many optimizer updates (-1: run all epochs)
     accum_steps: int = 1  # micro-batches per optimizer update (gradient accumulation)
     seed: int = 42  # seeds python, numpy and torch before the model sees data
+    unfreeze_every: Union[int, str, None] = None  # gradual unfreezing: head first, one more block from the top every N updates or "epoch"
     # --- precision and stability ---
     precision: str = "fp32"  # autocast dtype: fp32 (off), bf16, fp16 (with a GradScaler), or auto (what is fast on this device)
     max_grad_norm: Optional[float] = 1.0  # clip gradients to this norm after unscaling (None: off)
@@ -41,6 +44,9 @@ class LoopConfig:
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more time
     checkpoint_every: int = 1  # with gradient_checkpointing: checkpoint every k-th block (1: all; 2: every other one)
     optimizer_in_backward: bool = False  # step each parameter inside backward and free its grad at once
+    weights: str = "fp32"  # parameter storage: fp32, or bf16 (2 B/param, no fp32 master copy: updates in fp32, rounded back stochastically)
+    stochastic_rounding: bool = True  # with weights=bf16: round each update up or down at random, unbiased (False: to nearest, small updates vanish)
+    grad_dtype: str = "bf16"  # with weights=bf16: gradients accumulate in bf16 (2 B/param) or fp32 (4 B/param, for long accumulation windows)
     # --- device ---
     device: str = "auto"  # auto (cuda when present, else cpu), cpu, cuda, cuda:1, ...
     # --- logging, evaluation, checkpoints ---
@@ -121,6 +127,10 @@ class LoopConfig:
                 f"clip_mode={self.clip_mode!r} only applies with optimizer_in_backward=True; "
                 "use clip_mode='global' (or 'auto')"
             )
+        problems.extend(_weights_problems(self))
+        every = self.unfreeze_every
+        if every is not None and not (every == "epoch" or (isinstance(every, int) and not isinstance(every, bool) and every >= 1)):
+            problems.append(f"unfreeze_every must be None, 'epoch' or a positive number of optimizer updates (got {every!r})")
         if self.max_bad_windows < 1:
             problems.append(f"max_bad_windows must be >= 1 (got {self.max_bad_windows})")
         if self.auto_batch and self.optimizer_in_backward:
@@ -141,7 +151,7 @@ class LoopConfig:
         if not self.device or not isinstance(self.device, str):
             problems.append(f"device must be a string like 'auto', 'cpu' or 'cuda' (got {self.device!r})")
         if not problems:
-            problems.extend(_device_problems(self.device, self.precision))
+            problems.extend(_device_problems(self.device, self.compute_precision))
         if problems:
             raise ConfigError("Invalid LoopConfig:\n  - " + "\n  - ".join(problems))
 
@@ -152,6 +162,16 @@ class LoopConfig:
         return default_best_mode(metric_name)
 
     @property
+    def compute_precision(self) -> str:
+        """The autocast precision asked for: `precision`, except that bf16 weights compute in bf16.
+
+        With `weights="bf16"` the forward runs under bf16 autocast whether `precision` is fp32 or
+        auto: the weights are bf16 already (autocast makes no copies of them), and autocast keeps the
+        loss (cross-entropy) and any fp32 parameter's ops well-defined.
+        """
+        return "bf16" if self.weights == "bf16" else self.precision
+
+    @property
     def effective_clip_mode(self) -> str:
         """The clip mode in force once `auto` is resolved."""
         if self.clip_mode != "auto":
@@ -160,8 +180,10 @@ class LoopConfig:
 
     def identity(self) -> dict:
         """What makes a run the same run: its schedule and seed, plus `run_identity` (see `looptrain.ledger`)."""
-        return {"accum_steps": self.accum_steps, "epochs": self.epochs, "max_steps": self.max_steps,
-                "seed": self.seed, **self.run_identity}
+        identity = {"accum_steps": self.accum_steps, "epochs": self.epochs, "max_steps": self.max_steps, "seed": self.seed}
+        if self.unfreeze_every is not None:  # which parameters train at each step
+            identity["unfreeze_every"] = self.unfreeze_every
+        return {**identity, **self.run_identity}
 
     def to_dict(self) -> dict:
         """A JSON-ready copy of every field."""
@@ -195,7 +217,18 @@ def check_process_group(config: LoopConfig, world_size: int, *, sharded: bool, o
                 "auto_batch=True cannot run with several processes: one rank would retry a window while the "
                 "others wait in its all-reduce; set the micro-batch size by hand (--batch-size, --accum)"
             )
+        if config.unfreeze_every is not None:
+            problems.append(
+                "unfreeze_every (gradual unfreezing) cannot run with several processes: DDP fixes the set of "
+                "parameters it reduces when it wraps the model; unfreeze by hand between runs instead"
+            )
+    if world_size > 1 and config.weights == "bf16" and config.grad_dtype == "fp32":
+        problems.append("grad_dtype='fp32' moves each gradient into an fp32 buffer during backward, before DDP "
+                        "reduces it; use grad_dtype='bf16' for multi-process runs")
     if sharded:
+        if config.weights == "bf16":
+            problems.append("weights='bf16' is not supported with FSDP2 sharding: use FSDP2's own mixed precision "
+                            "(precision='bf16') with fp32 weights")
         if world_size < 2:
             problems.append("FSDP2 sharding (--fsdp) needs several processes: launch with torchrun --nproc_per_node N")
         if config.precision == "fp16":
@@ -205,6 +238,29 @@ def check_process_group(config: LoopConfig, world_size: int, *, sharded: bool, o
                             "parameters); use --optim adamw or adafactor")
     if problems:
         raise ConfigError("Invalid LoopConfig for this process group:\n  - " + "\n  - ".join(problems))
+
+
+def _weights_problems(config: LoopConfig) -> list:
+    """What is wrong with the weights / stochastic_rounding / grad_dtype combination."""
+    if config.weights not in WEIGHT_DTYPES:
+        return [f"weights must be one of {', '.join(WEIGHT_DTYPES)} (got {config.weights!r})"]
+    if config.grad_dtype not in GRAD_DTYPES:
+        return [f"grad_dtype must be one of {', '.join(GRAD_DTYPES)} (got {config.grad_dtype!r})"]
+    if config.weights == "fp32":
+        problems = []
+        if not config.stochastic_rounding:
+            problems.append("stochastic_rounding=False only applies with weights='bf16' (fp32 weights are never rounded)")
+        if config.grad_dtype != "bf16":
+            problems.append("grad_dtype only applies with weights='bf16' (fp32 weights have fp32 gradients)")
+        return problems
+    problems = []
+    if config.precision == "fp16" or (config.precision == "auto" and _auto_means_fp16(config.device)):
+        problems.append("weights='bf16' computes in bf16 and cannot run fp16 autocast with a GradScaler; "
+                        "use precision='bf16' (or leave it at 'fp32': bf16 weights compute in bf16)")
+    if config.grad_dtype == "fp32" and config.optimizer_in_backward:
+        problems.append("grad_dtype='fp32' chooses the dtype gradients accumulate in, and optimizer_in_backward=True "
+                        "steps each gradient as soon as it exists; leave grad_dtype at 'bf16'")
+    return problems
 
 
 def _auto_means_fp16(device_name: str) -> bool:

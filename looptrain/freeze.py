@@ -384,3 +384,44 @@ def freeze_report(model: nn.Module) -> str:
         lines.append(f"{title}:" if entries else f"{title}: none")
         lines.extend(_summarise(entries))
     return "\n".join(lines)
+
+
+def layer_depths(model: nn.Module) -> list[tuple[str, list[tuple[str, nn.Parameter]]]]:
+    """The model's parameters by depth from the output: the head, each block from the top, the embeddings.
+
+    What gradual unfreezing (`looptrain.unfreeze`) and layer-wise learning-rate decay
+    (`build_optimizer(..., layer_lr_decay=...)`) both walk. In registration order (forward order
+    for the supported architectures): parameters after the last block are the head (depth 0: pooler,
+    classifier, final norm), block ``i`` of ``L`` has depth ``L - i``, and parameters before the
+    first block are the embeddings (depth ``L + 1``). Every parameter, trainable or not, is in
+    exactly one entry; tied parameters once, where they first appear.
+
+    Args:
+        model: A transformer whose block list `find_transformer_blocks` finds.
+
+    Returns:
+        ``[(label, [(name, parameter), ...]), ...]`` from depth 0 to depth ``L + 1`` (an entry may be
+        empty, e.g. a model without embeddings before its blocks).
+
+    Raises:
+        ValueError: If the model has no recognisable block list.
+    """
+    blocks = find_transformer_blocks(model)
+    block_of = {id(parameter): index for index, block in enumerate(blocks) for parameter in block.parameters()}
+    count = len(blocks)
+    head: list[tuple[str, nn.Parameter]] = []
+    embeddings: list[tuple[str, nn.Parameter]] = []
+    by_block: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(count)]
+    after_blocks = False
+    for name, parameter in model.named_parameters():
+        index = block_of.get(id(parameter))
+        if index is not None:
+            by_block[index].append((name, parameter))
+            after_blocks = after_blocks or index == count - 1
+        else:
+            (head if after_blocks else embeddings).append((name, parameter))
+    block_prefix = next((name for name, module in model.named_modules() if module is blocks), "blocks")
+    depths = [("head", head)]
+    depths += [(f"{block_prefix}.{index}", by_block[index]) for index in reversed(range(count))]
+    depths.append(("embeddings", embeddings))
+    return depths

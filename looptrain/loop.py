@@ -46,10 +46,11 @@ from looptrain.guards import (
     split_after_out_of_memory,
 )
 from looptrain.memory import make_meter
-from looptrain.optim import OptimizerInBackward, optimizer_name_of
+from looptrain.optim import BF16Optimizer, OptimizerInBackward, PerParameterOptimizer, cast_to_bf16, optimizer_name_of
 from looptrain.precision import Precision, cpu_description, emulation_warning, resolve_device, resolve_precision
 from looptrain.run_log import RunLog
 from looptrain.seeding import seed_everything
+from looptrain.unfreeze import GradualUnfreezing
 
 __all__ = ["EvaluationError", "Loop", "TrainingDiverged", "WindowResult", "planned_updates"]
 
@@ -97,16 +98,19 @@ class Loop:
                             optimizer_name=optimizer_name_of(optimizer))
         seed_everything(self.config.seed)
         self.model = model if batches.on_device(model, self.device) else model.to(self.device)
+        if self.config.weights == "bf16" and not any(p.dtype == torch.bfloat16 for p in self.model.parameters()):
+            cast_to_bf16(self.model)  # in place (the optimizer holds these same objects); a model cast already is kept
         if self.config.gradient_checkpointing:
             enable_gradient_checkpointing(self.model, every=self.config.checkpoint_every)
         self.wrapped_model = distributed.wrap_model(self.model, self.device)
-        if self.config.optimizer_in_backward:
-            optimizer = OptimizerInBackward(self.model, optimizer, max_grad_norm=self.config.max_grad_norm,
-                                            clip=self.config.effective_clip_mode)
-        self.optimizer, self.scheduler = optimizer, scheduler
+        self.optimizer, self.scheduler = self._wrap_optimizer(optimizer), scheduler
+        self._unfreezing = self._start_unfreezing(optimizer) if self.config.unfreeze_every is not None else None
+        self._stage_peaks: list[int] = []
+        self._announced_stage = -1
         self.train_loader, self.eval_loader = train_loader, eval_loader
-        self.precision = Precision(self.device, resolve_precision(self.config.precision, self.device))
-        self._trainable = [parameter for parameter in self.model.parameters() if parameter.requires_grad]
+        self.precision = Precision(self.device, resolve_precision(self.config.compute_precision, self.device))
+        self._trainable = (self._unfreezing.parameters if self._unfreezing is not None  # what clipping sees
+                           else [parameter for parameter in self.model.parameters() if parameter.requires_grad])
         if not self._trainable:
             raise ValueError("the model has no trainable parameters: unfreeze some (see looptrain.freeze)")
         # The tensor tracker is not built for DTensors: sharded runs measure RSS (CPU) or the allocator (CUDA).
@@ -185,6 +189,8 @@ class Loop:
                 self.train_loader, self.epoch, self.batch_in_epoch, self._epoch_rng_state, self._rng_after_skip)
             self._rng_after_skip = None
             for window in resume.windows(epoch_batches, config.accum_steps):
+                if self._unfreezing is not None:
+                    self._follow_unfreezing()
                 result = self._run_window_retrying(window)
                 self.batch_in_epoch += len(window)
                 loss_sum, num_items = float(result.loss_sum), int(result.num_items)
@@ -257,8 +263,65 @@ class Loop:
         if self.config.optimizer_in_backward:
             return self.optimizer.grad_norm  # each parameter was clipped and stepped in its backward hook
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
+        if isinstance(self.optimizer, BF16Optimizer):
+            return self.optimizer.clip_grad_norm_(max_norm)  # its gradients may live in fp32 buffers
         norm = nn.utils.clip_grad_norm_(self._trainable, max_norm, error_if_nonfinite=False)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
+
+    def _start_unfreezing(self, optimizer: Any) -> GradualUnfreezing:
+        """Gradual unfreezing over the parameters trainable now, which the optimizer must already hold."""
+        schedule = GradualUnfreezing(self.model, self.config.unfreeze_every)
+        held = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
+        missing = [name for name, parameter in self.model.named_parameters()
+                   if parameter.requires_grad and id(parameter) not in held]
+        if missing:
+            raise ValueError(
+                f"unfreeze_every: the optimizer does not hold {missing[:3]} (and {max(0, len(missing) - 3)} more), which "
+                "the schedule unfreezes later; build the optimizer over the whole model before the Loop "
+                "(build_optimizer(model, ...)), and let the schedule freeze it")
+        schedule.apply(0)
+        if self.config.gradient_checkpointing:
+            enable_gradient_checkpointing(self.model, every=self.config.checkpoint_every)
+        return schedule
+
+    def _follow_unfreezing(self) -> None:
+        """Enters the unfreezing stage due before this update (a window never changes stage midway).
+
+        Checkpointing follows the new trainable set, and the memory meter starts the new stage's peak
+        (the last stage's is the one the summary reports; the earlier ones are kept beside it)."""
+        schedule = self._unfreezing
+        stage = schedule.stage_at(self.step, self.epoch)
+        if stage == self._announced_stage:
+            return
+        if stage != schedule.stage:
+            if self.micro_step > 0:
+                self._stage_peaks.append(int(self.meter.summary(self.model, self.optimizer)["peak_memory_bytes"]))
+            schedule.apply(stage)
+            if self.config.gradient_checkpointing:
+                enable_gradient_checkpointing(self.model, every=self.config.checkpoint_every)
+            self.meter.restart_peak()
+        self._announced_stage = stage
+        label = schedule.stages[stage][0]
+        trainable = sum(parameter.numel() for parameter in self.model.parameters() if parameter.requires_grad)
+        self._log.event({"event": "unfreeze", "step": self.step, "stage": stage + 1, "stages": len(schedule.stages),
+                         "unfrozen": label, "trainable_parameters": trainable},
+                        line=f"unfreeze: stage {stage + 1}/{len(schedule.stages)} from step {self.step}: {label} "
+                             f"trains ({trainable:,} trainable parameters)")
+
+    def _wrap_optimizer(self, optimizer: Any) -> Any:
+        """The fused step and bf16 weights turn the optimizer into one optimizer per parameter."""
+        config = self.config
+        if isinstance(optimizer, PerParameterOptimizer):
+            return optimizer  # wrapped by the caller already
+        bf16_weights = config.weights == "bf16"
+        if config.optimizer_in_backward:
+            return OptimizerInBackward(self.model, optimizer, max_grad_norm=config.max_grad_norm,
+                                       clip=config.effective_clip_mode, bf16_weights=bf16_weights,
+                                       stochastic_rounding=config.stochastic_rounding)
+        if bf16_weights:
+            return BF16Optimizer(self.model, optimizer, stochastic_rounding=config.stochastic_rounding,
+                                 grad_dtype=config.grad_dtype)
+        return optimizer
 
     def _run_window_retrying(self, window: list) -> WindowResult:
         """`_run_window`, retried with each micro-batch split in two after an out-of-memory (`auto_batch`)."""
@@ -266,8 +329,9 @@ class Loop:
             try:
                 return self._run_window(window)
             except OUT_OF_MEMORY_ERRORS as error:
+                self.optimizer.zero_grad(set_to_none=True)  # the failed window's partial gradients
                 for parameter in self._trainable:
-                    parameter.grad = None  # the failed window's partial gradients
+                    parameter.grad = None
                 rows = min(first_dimension(batch) for batch in window)
                 self._micro_batch_splits = split_after_out_of_memory(
                     error, rows, self._micro_batch_splits, self.config.auto_batch, self._where(step_only=True),
@@ -583,6 +647,9 @@ class Loop:
             "config": self.config.to_dict(),
         }
         result.update(self.meter.summary(self.model, self.optimizer))
+        if self._unfreezing is not None:  # peak_memory_bytes is then the last stage's, the one that must fit
+            result["unfreeze"] = {"every": self.config.unfreeze_every, "stage": self._unfreezing.stage + 1,
+                                  "stages": len(self._unfreezing.stages), "earlier_stage_peak_bytes": self._stage_peaks}
         return result
 
 

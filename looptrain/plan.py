@@ -7,7 +7,8 @@ the estimator, and drives both:
    what was asked for. Levers that keep the math are always free: the split, gradient checkpointing
    (none, every other block, all), the optimizer step fused into backward (when accumulation is 1),
    dynamic padding. Levers that change the numerics are used only when allowed (`Levers`): precision
-   (bf16/fp16 where the hardware has it, fp32 always tried beside it), the optimizer within its family
+   (bf16/fp16 where the hardware has it, fp32 always tried beside it; where it is bf16, bf16 weights with
+   stochastic rounding too), the optimizer within its family
    (adamw → adamw8bit → paged_adamw8bit). Levers that change the task (freezing, a shorter max length)
    are never applied; when nothing fits they are suggested, with their estimates.
 2. **Fits**: `looptrain.memory.estimate` at the dataset's longest padded batch (its worst batch), plus a
@@ -34,14 +35,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-import torch
 from torch import nn
 
 from looptrain.config import ConfigError, LoopConfig
 from looptrain.gradient_checkpointing import disable_gradient_checkpointing
 from looptrain.loop import Loop
 from looptrain.memory import estimate
-from looptrain.optim import EIGHT_BIT_OPTIMIZERS, OptimizerInBackward, build_optimizer, inner_optimizers
+from looptrain.optim import OptimizerInBackward, build_optimizer, inner_optimizers
 from looptrain.precision import amp_precision, cpu_has_native_bf16, resolve_device
 
 GIB = 1024**3
@@ -82,7 +82,8 @@ class Levers:
     """The numerics levers the user allows (the math-preserving ones are always free).
 
     Attributes:
-        precision: try the precision `--amp` would pick beside fp32 (`--amp` / `--precision auto`).
+        precision: try the precision `--amp` would pick beside fp32 (`--amp` / `--precision auto`),
+            and where that is bf16, bf16 weights with stochastic rounding too (`--weights bf16`).
         optimizer_family: try the 8-bit members of the optimizer's family (`--optim auto`).
     """
 
@@ -104,6 +105,7 @@ class Settings:
     foreach: Optional[bool] = None
     padding: str = "dynamic"
     group_by_length: bool = False
+    weights: str = "fp32"  # "bf16": bf16 storage, updates in fp32 rounded back stochastically (computes in bf16)
 
     @property
     def checkpointing(self) -> str:
@@ -125,13 +127,15 @@ class Settings:
             flags.append("--no-foreach")
         if self.group_by_length:
             flags.append("--group-by-length")
+        if self.weights != "fp32":
+            flags += ["--weights", self.weights]
         return flags
 
     def loop_fields(self) -> dict:
         """The `LoopConfig` fields of these settings."""
         return {"accum_steps": self.accum_steps, "precision": self.precision,
                 "gradient_checkpointing": self.gradient_checkpointing, "checkpoint_every": self.checkpoint_every,
-                "optimizer_in_backward": self.optimizer_in_backward}
+                "optimizer_in_backward": self.optimizer_in_backward, "weights": self.weights}
 
 
 @dataclass
@@ -191,7 +195,7 @@ class Plan:
             speed = f"{self.num_samples / candidate.seconds_per_epoch:.1f}" if measured else "-"
             lines.append(
                 f"| {rank}{' (winner)' if rank == 1 else ''} | {settings.batch_size} x {settings.accum_steps} | "
-                f"{settings.precision} | {settings.optimizer} | {settings.checkpointing} | "
+                f"{settings.precision}{' + bf16 weights' if settings.weights == 'bf16' else ''} | {settings.optimizer} | {settings.checkpointing} | "
                 f"{'yes' if settings.optimizer_in_backward else 'no'} | {'yes' if settings.group_by_length else 'no'} | "
                 f"{format_bytes(candidate.estimated_peak_bytes)} | {speed} | "
                 f"{'probe' if candidate.probed else 'prior, scaled to the probes' if measured else 'prior only'} |")
@@ -358,7 +362,7 @@ class _Search:
     def peak(self, settings: Settings, **task: Any) -> int:
         key = (settings.batch_size, min(settings.accum_steps, 2), settings.precision, settings.optimizer,
                settings.gradient_checkpointing, settings.checkpoint_every, settings.optimizer_in_backward,
-               settings.foreach, tuple(sorted(task.items())))
+               settings.foreach, settings.weights, tuple(sorted(task.items())))
         if key not in self.cache:
             started = time.perf_counter()
             result = estimate(
@@ -366,12 +370,13 @@ class _Search:
                 optimizer=settings.optimizer, gradient_checkpointing=settings.gradient_checkpointing,
                 checkpoint_every=settings.checkpoint_every, optimizer_in_backward=settings.optimizer_in_backward,
                 foreach=settings.foreach, accum_steps=settings.accum_steps, num_labels=self.num_labels,
-                max_grad_norm=self.max_grad_norm, **task)
+                max_grad_norm=self.max_grad_norm, weights=settings.weights, **task)
             self.seconds += time.perf_counter() - started
             self.count += 1
             self.cache[key] = result["peak_memory_bytes"]
             extra = "".join(f", {name} {value}" for name, value in key[-1])
-            self.echo(f"  estimate {settings.batch_size} x {settings.accum_steps}, {settings.precision}, "
+            self.echo(f"  estimate {settings.batch_size} x {settings.accum_steps}, {settings.precision}"
+                      f"{', bf16 weights' if settings.weights == 'bf16' else ''}, "
                       f"{settings.optimizer}, checkpointing {settings.checkpointing}"
                       f"{', fused step' if settings.optimizer_in_backward else ''}{extra}: {format_bytes(self.cache[key])}")
         return self.cache[key]
@@ -394,9 +399,15 @@ def _candidate_settings(search: _Search, effective_batch: int, base: Settings, l
     sizes = divisors(effective_batch)
     if "batch_size" in fixed:
         sizes = [size for size in sizes if size == base.batch_size]
-    precisions = [base.precision]
+    numerics = [(base.precision, base.weights)]  # (autocast precision, weight storage)
     if levers.precision and "precision" not in fixed:
-        precisions = list(dict.fromkeys(["fp32", amp_precision(resolve_device(device_type))[0]]))
+        fast = amp_precision(resolve_device(device_type))[0]
+        numerics = list(dict.fromkeys([("fp32", base.weights), (fast, base.weights)]))
+        if fast == "bf16" and "weights" not in fixed:
+            numerics.append(("bf16", "bf16"))
+    # bf16 weights compute in bf16 (LoopConfig.compute_precision), and never with fp16's GradScaler.
+    numerics = [("bf16" if weights == "bf16" else precision, weights) for precision, weights in numerics
+                if weights == "fp32" or precision != "fp16"]
     optimizers = [base.optimizer]
     if levers.optimizer_family and "optimizer" not in fixed:
         family = OPTIMIZER_FAMILIES.get(base.optimizer, (base.optimizer,))
@@ -404,15 +415,15 @@ def _candidate_settings(search: _Search, effective_batch: int, base: Settings, l
     modes = [(base.gradient_checkpointing, base.checkpoint_every)] if "gradient_checkpointing" in fixed else list(CHECKPOINT_MODES)
     fused_options = [base.optimizer_in_backward] if "optimizer_in_backward" in fixed else [False, True]
     chosen: list[Settings] = []
-    for precision in precisions:
-        best = 0  # the largest micro-batch a lighter (faster) mix of this precision reached
+    for precision, weights in dict.fromkeys(numerics):
+        best = 0  # the largest micro-batch a lighter (faster) mix of these numerics reached
         for optimizer in optimizers:
             for checkpointing, every in modes:
                 for fused in fused_options:
                     if best == effective_batch:
                         break  # the whole batch fits: no heavier lever can buy more
                     heavier = checkpointing or fused or optimizer != optimizers[0]
-                    template = dataclasses.replace(base, precision=precision, optimizer=optimizer,
+                    template = dataclasses.replace(base, precision=precision, weights=weights, optimizer=optimizer,
                                                    gradient_checkpointing=checkpointing, checkpoint_every=every,
                                                    optimizer_in_backward=fused)
                     options = [size for size in sizes if (not fused or size == effective_batch)
@@ -451,8 +462,11 @@ def _nothing_fits_message(search: _Search, effective_batch: int, base: Settings,
     suggestions = []
     if not levers.optimizer_family and base.optimizer == "adamw":
         suggestions.append(("--optim auto (8-bit AdamW)", dataclasses.replace(lightest, optimizer="adamw8bit"), {}))
+    fast = amp_precision(resolve_device(device_type))[0]
     if not levers.precision and base.precision == "fp32":
-        suggestions.append(("--amp", dataclasses.replace(lightest, precision=amp_precision(resolve_device(device_type))[0]), {}))
+        suggestions.append(("--amp", dataclasses.replace(lightest, precision=fast), {}))
+    if base.weights == "fp32" and fast == "bf16":
+        suggestions.append(("--weights bf16", dataclasses.replace(lightest, precision="bf16", weights="bf16"), {}))
     blocks = _block_count(search.model)
     for count in sorted({blocks // 2, blocks - 1} - {0}) if blocks else []:
         suggestions.append((f"--freeze-layers {count}", lightest, {"freeze_layers": count}))
@@ -492,6 +506,8 @@ def _prior_seconds(candidate: Candidate, model: Any, device_type: str) -> float:
         precision_cost = 0.7 if native else 8.0
     parameters = sum(parameter.numel() for parameter in model.parameters()) if isinstance(model, nn.Module) else 1e8
     optimizer_cost = {"adamw": 1.0, "sgd": 0.3, "adafactor": 2.0}.get(settings.optimizer, 5.0) * parameters / 3e5
+    if settings.weights == "bf16":
+        optimizer_cost *= 2.0  # each tensor upcast, stepped alone, and rounded back with random bits
     per_token = (1 + recompute) * (1 + 0.5 / settings.batch_size) * precision_cost
     return candidate.padded_tokens * per_token + candidate.updates * optimizer_cost
 
@@ -586,6 +602,8 @@ def _probe(model: nn.Module, settings: Settings, batch: dict, device: str, max_g
     optimizer state the run pays once too, before its own peak).
     """
     micro_batches = min(settings.accum_steps, 2)
+    # bf16 weights: the Loop casts the model in place; its fp32 tensors are set aside and put back after.
+    stash = _fp32_stash(model) if settings.weights == "bf16" else {}
     optimizer = build_optimizer(model, settings.optimizer, 0.0, foreach=settings.foreach)
     config = LoopConfig(**settings.loop_fields() | {"accum_steps": micro_batches}, max_grad_norm=max_grad_norm,
                         device=device, track_memory=False, progress_bar=False, eval_every="no", log_every=10**9)
@@ -614,7 +632,10 @@ def _probe(model: nn.Module, settings: Settings, batch: dict, device: str, max_g
         disable_gradient_checkpointing(model)
         for parameter in model.parameters():
             parameter.grad = None
+            if hasattr(parameter, "main_grad"):
+                del parameter.main_grad
         del loop, optimizer
+        _restore_stash(model, stash)
         gc.collect()
     middle = sorted(range(len(windows)), key=lambda index: windows[index])[len(windows) // 2]  # the median update
     optimizer_seconds = 0.0 if settings.optimizer_in_backward else optimizer_steps[middle]
@@ -622,8 +643,29 @@ def _probe(model: nn.Module, settings: Settings, batch: dict, device: str, max_g
               "optimizer_step_seconds": optimizer_seconds,
               "probe_seconds": sum(windows), "timed_updates": len(windows), "batch_shape": list(batch["input_ids"].shape)}
     if rss_baseline is not None:
-        result["peak_rss_bytes"] = _status_bytes("VmHWM") - rss_baseline
+        # The fp32 tensors set aside are resident during the probe, but the run will not hold them.
+        stashed = sum(tensor.numel() * tensor.element_size() for tensor in stash.values())
+        result["peak_rss_bytes"] = _status_bytes("VmHWM") - rss_baseline - stashed
     return result
+
+
+def _fp32_stash(model: nn.Module) -> dict:
+    """The model's floating-point parameters' and buffers' tensors, kept to undo a probe's bf16 cast."""
+    stash = {}
+    for module in model.modules():
+        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if tensor.is_floating_point():
+                stash[(module, name)] = tensor.data
+    return stash
+
+
+def _restore_stash(model: nn.Module, stash: dict) -> None:
+    """Puts the stashed tensors back (parameters keep their identity)."""
+    for (module, name), data in stash.items():
+        if name in module._parameters:
+            module._parameters[name].data = data
+        else:
+            module._buffers[name] = data
 
 
 def _status_bytes(field: str) -> int:
@@ -654,7 +696,8 @@ def worst_batch_estimate(model: Any, settings: Settings, width: int, max_grad_no
     return estimate(model, settings.batch_size, width, precision=settings.precision, optimizer=settings.optimizer,
                     gradient_checkpointing=settings.gradient_checkpointing, checkpoint_every=settings.checkpoint_every,
                     optimizer_in_backward=settings.optimizer_in_backward, foreach=settings.foreach,
-                    accum_steps=settings.accum_steps, num_labels=num_labels, max_grad_norm=max_grad_norm)["peak_memory_bytes"]
+                    accum_steps=settings.accum_steps, num_labels=num_labels, max_grad_norm=max_grad_norm,
+                    weights=settings.weights)["peak_memory_bytes"]
 
 
 __all__ = ["Candidate", "Levers", "Plan", "PlanError", "Settings", "current_rss_bytes", "parse_size", "plan",

@@ -37,6 +37,7 @@ LOOP_FLAGS = {
     "max_steps": ("--max-steps", "training"),
     "accum_steps": ("--accum", "training"),
     "seed": ("--seed", "training"),
+    "unfreeze_every": ("--unfreeze-schedule", "training"),
     "device": ("--device", "training"),
     "precision": ("--precision", "memory/speed"),
     "max_grad_norm": ("--max-grad-norm", "memory/speed"),
@@ -44,6 +45,9 @@ LOOP_FLAGS = {
     "gradient_checkpointing": ("--grad-checkpoint", "memory/speed"),
     "checkpoint_every": ("--grad-checkpoint-every", "memory/speed"),
     "optimizer_in_backward": ("--optim-in-backward", "memory/speed"),
+    "weights": ("--weights", "memory/speed"),
+    "grad_dtype": ("--grad-dtype", "memory/speed"),
+    "stochastic_rounding": ("--no-stochastic-rounding", "memory/speed"),
     "auto_batch": ("--auto-batch", "memory/speed"),
     "max_bad_windows": ("--max-bad-windows", "training"),
     "eval_every": ("--eval-every", "evaluation/state"),
@@ -61,6 +65,7 @@ DEFAULT_OUTPUT_DIR = "runs/finetune"  # the command line always writes final/ so
 PLAN_FIELD_FLAGS = {
     "optimizer": {"--optim"}, "gradient_checkpointing": {"--grad-checkpoint", "--grad-checkpoint-every"},
     "optimizer_in_backward": {"--optim-in-backward"}, "foreach": {"--no-foreach"}, "padding": {"--padding"},
+    "weights": {"--weights"},
 }
 METRICS_FOR_BEST = ("f1", "accuracy", "loss", "f1_binary")  # what the classification evaluation produces
 INTERRUPTED_EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}  # the shell's 128 + signal number
@@ -72,7 +77,7 @@ class UsageError(Exception):
 
 # ---------------------------------------------------------------------- arguments
 def build_parser() -> argparse.ArgumentParser:
-    from looptrain.config import CLIP_MODES, CONFIG_PRECISIONS, LoopConfig, field_help
+    from looptrain.config import CLIP_MODES, CONFIG_PRECISIONS, GRAD_DTYPES, WEIGHT_DTYPES, LoopConfig, field_help
     from looptrain.optim import OPTIMIZER_NAMES
 
     parser = argparse.ArgumentParser(
@@ -134,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="freeze the first N transformer blocks (and run them without storing activations)")
     memory.add_argument("--freeze-encoder", action="store_true",
                         help="train the classification head only (largest saving, lowest accuracy)")
+    memory.add_argument("--layer-lr-decay", type=float, default=None, metavar="D",
+                        help="layer-wise learning-rate decay: the head and top block train at --lr, each block below "
+                             "at --lr x D^depth, the embeddings lowest (e.g. 0.9; docs/freezing.md)")
     memory.add_argument("--padding", choices=("dynamic", "max_length"), default="dynamic",
                         help="dynamic: pad each batch to its longest sequence; max_length: always to --max-length")
     memory.add_argument("--pad-to-multiple-of", type=int, default=None,
@@ -169,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     # The loop's own options, generated from LoopConfig: one source of defaults and help.
     defaults = LoopConfig()
     helps = field_help()
-    choices = {"precision": CONFIG_PRECISIONS, "clip_mode": CLIP_MODES, "metric_for_best": METRICS_FOR_BEST}
+    choices = {"precision": CONFIG_PRECISIONS, "clip_mode": CLIP_MODES, "metric_for_best": METRICS_FOR_BEST,
+               "weights": WEIGHT_DTYPES, "grad_dtype": GRAD_DTYPES}
     hints = typing.get_type_hints(LoopConfig)
     for field in dataclasses.fields(LoopConfig):
         if field.name not in LOOP_FLAGS:
@@ -180,12 +189,20 @@ def build_parser() -> argparse.ArgumentParser:
         if field.name == "output_dir":
             default = DEFAULT_OUTPUT_DIR
             help_text = "metrics.jsonl, summary.json, run_config.json, checkpoint-<step>/ and final/ go here"
+        if field.name == "stochastic_rounding":
+            help_text = ("with --weights bf16: round updates to nearest instead (the control: updates below bf16's "
+                         "resolution vanish)")
+        if field.name == "unfreeze_every":
+            help_text = ("gradual unfreezing: train the head alone, then one more block from the top every N updates "
+                         "(or every epoch), the embeddings last (docs/freezing.md)")
         if field.name == "metric_for_best":
             default = "f1"
             help_text = "eval metric that picks the best checkpoint (loss: lower is better; the others higher)"
         options = {"dest": field.name, "default": default, "help": help_text}
+        if field.name == "unfreeze_every":
+            options["metavar"] = "N|epoch"
         if hints[field.name] is bool:
-            options["action"] = "store_true"
+            options["action"] = "store_false" if default else "store_true"  # a --no-... flag turns a default on off
         else:
             options["type"] = _parser_for(field.name, hints[field.name])
             if field.name in choices:
@@ -197,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _parser_for(name: str, annotation):
     if name == "eval_every":
         return _eval_every
+    if name == "unfreeze_every":
+        return _unfreeze_every
     arguments = [a for a in typing.get_args(annotation) if a is not type(None)]
     base = arguments[0] if arguments else annotation
     if type(None) in typing.get_args(annotation):
@@ -211,6 +230,15 @@ def _eval_every(text: str):
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected 'epoch', 'no' or a number of updates, got {text!r}") from None
+
+
+def _unfreeze_every(text: str):
+    if text == "epoch":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'epoch' or a number of optimizer updates per stage, got {text!r}") from None
 
 
 def check_flags(args, parser: argparse.ArgumentParser) -> None:
@@ -250,6 +278,10 @@ def check_flags(args, parser: argparse.ArgumentParser) -> None:
         raise UsageError(f"--eval-split must be in [0, 1) (got {args.eval_split})")
     if args.eval_data and args.eval_split:
         raise UsageError("--eval-data and --eval-split both choose the evaluation set; pass one")
+    if args.layer_lr_decay is not None and not 0 < args.layer_lr_decay <= 1:
+        raise UsageError(f"--layer-lr-decay must be in (0, 1] (got {args.layer_lr_decay}); 0.9 is usual, 1 means no decay")
+    if args.unfreeze_every is not None and args.freeze_encoder:
+        raise UsageError("--unfreeze-schedule unfreezes blocks that --freeze-encoder keeps frozen for good: pass one of them")
     if args.freeze_layers < 0:
         raise UsageError(f"--freeze-layers must be >= 0 (got {args.freeze_layers})")
     if args.fsdp:
@@ -330,7 +362,8 @@ def run_identity(args, model_path: str, world_size: int) -> dict:
         "effective_batch": args.batch_size * args.accum_steps * world_size,
         "batching": {"padding": args.padding, "group_by_length": args.group_by_length, "max_tokens": args.max_tokens},
         "schedule": {"lr": args.lr, "scheduler": args.scheduler, "warmup_ratio": args.warmup_ratio},
-        "optimizer": {"name": args.optim, "weight_decay": args.weight_decay, "foreach": not args.no_foreach},
+        "optimizer": {"name": args.optim, "weight_decay": args.weight_decay, "foreach": not args.no_foreach,
+                      "layer_lr_decay": args.layer_lr_decay},
         "freezing": {"embeddings": args.freeze_embeddings, "layers": args.freeze_layers, "encoder": args.freeze_encoder},
     }
     if args.memory_budget is not None:  # a planned run: the budget is fixed, the split is the plan's (saved with it)
@@ -593,7 +626,7 @@ def train(args, config, place, model_path: str, print) -> dict:
             return plan_only_output(args, plan_result, print)
         apply_settings(args, settings)
         config = dataclasses.replace(config, **settings.loop_fields())
-    precision = resolve_precision(config.precision, device)
+    precision = resolve_precision(config.compute_precision, device)
     estimated_peak = run_estimate(args, config, model, train_set, collator, plan_result)
     grouping = "tokens" if args.max_tokens else ("length" if args.group_by_length else "random")
     train_loader = data_module.make_train_loader(
@@ -613,7 +646,7 @@ def train(args, config, place, model_path: str, print) -> dict:
         model.to(device)
         distributed.shard_model(model)
     optimizer = build_optimizer(model, args.optim, args.lr, weight_decay=args.weight_decay,
-                                foreach=False if args.no_foreach else None)
+                                foreach=False if args.no_foreach else None, layer_lr_decay=args.layer_lr_decay)
     scheduler = build_scheduler(optimizer, args, planned_updates(len(train_loader), config))
 
     if config.resume not in (None, "auto"):  # a forced resume: a model that does not fit fails before anything is written
@@ -674,7 +707,7 @@ def planned_settings(args, config, model, train_set, collator, device, output_di
                     optimizer="adamw" if args.optim == "auto" else args.optim,
                     gradient_checkpointing=args.gradient_checkpointing, checkpoint_every=args.checkpoint_every,
                     optimizer_in_backward=args.optimizer_in_backward, foreach=False if args.no_foreach else None,
-                    padding=args.padding, group_by_length=args.group_by_length)
+                    padding=args.padding, group_by_length=args.group_by_length, weights=args.weights)
     levers = Levers(precision=args.amp or args.precision == "auto", optimizer_family=args.optim == "auto")
     print(f"--memory-budget {args.memory_budget}: planning effective batch {effective_batch(args)} "
           f"(levers: split, checkpointing, fused step{', precision' if levers.precision else ''}"
@@ -704,7 +737,7 @@ def plan_only_output(args, result, print) -> dict:
 def without_plan_flags(argv: list[str]) -> list[str]:
     """The command line minus the planner's own flags and the ones the plan sets."""
     dropped_with_value = {"--memory-budget", "--plan-time", "--batch-size", "--accum", "--precision", "--optim",
-                          "--padding", "--grad-checkpoint-every", "--effective-batch"}
+                          "--padding", "--grad-checkpoint-every", "--effective-batch", "--weights"}
     dropped = {"--plan-only", "--json", "--amp", "--grad-checkpoint", "--optim-in-backward", "--no-foreach",
                "--group-by-length"}
     kept, skip = [], False
@@ -728,6 +761,7 @@ def apply_settings(args, settings) -> None:
     args.gradient_checkpointing, args.checkpoint_every = settings.gradient_checkpointing, settings.checkpoint_every
     args.optimizer_in_backward, args.no_foreach = settings.optimizer_in_backward, settings.foreach is False
     args.padding, args.group_by_length = settings.padding, settings.group_by_length
+    args.weights = settings.weights
 
 
 def run_estimate(args, config, model, train_set, collator, plan_result) -> int | None:
@@ -742,7 +776,7 @@ def run_estimate(args, config, model, train_set, collator, plan_result) -> int |
                         precision=resolve_precision_name(config), optimizer=args.optim,
                         gradient_checkpointing=config.gradient_checkpointing, checkpoint_every=config.checkpoint_every,
                         optimizer_in_backward=config.optimizer_in_backward, foreach=False if args.no_foreach else None,
-                        padding=args.padding)
+                        padding=args.padding, weights=config.weights)
     width = collator.max_length if args.padding == "max_length" else collator.batch_width([max(train_set.lengths)])
     try:
         return worst_batch_estimate(model, settings, width, max_grad_norm=config.max_grad_norm,
@@ -755,7 +789,7 @@ def run_estimate(args, config, model, train_set, collator, plan_result) -> int |
 def resolve_precision_name(config) -> str:
     from looptrain.precision import resolve_device, resolve_precision
 
-    return resolve_precision(config.precision, resolve_device(config.device))
+    return resolve_precision(config.compute_precision, resolve_device(config.device))
 
 
 def _silent(*args, **kwargs) -> None:
@@ -776,7 +810,8 @@ def what_would_fit(model_config, args, precision: str, device) -> str:
                "optimizer_in_backward": args.optimizer_in_backward, "foreach": False if args.no_foreach else None,
                "freeze_embeddings": args.freeze_embeddings, "freeze_layers": args.freeze_layers,
                "freeze_encoder": args.freeze_encoder, "num_labels": model_config.num_labels,
-               "accum_steps": args.accum_steps, "max_grad_norm": args.max_grad_norm}
+               "accum_steps": args.accum_steps, "max_grad_norm": args.max_grad_norm, "weights": args.weights,
+               "grad_dtype": args.grad_dtype}
     batch, accum = args.batch_size, args.accum_steps
     candidates = [("these flags", batch, current)]
     if batch > 1:
@@ -788,6 +823,8 @@ def what_would_fit(model_config, args, precision: str, device) -> str:
         candidates.append(("+ --optim adamw8bit", batch, {**current, "optimizer": "adamw8bit"}))
     if precision == "fp32":
         candidates.append(("+ --amp", batch, {**current, "precision": "bf16"}))
+    if args.weights == "fp32":
+        candidates.append(("+ --weights bf16", batch, {**current, "precision": "bf16", "weights": "bf16"}))
     budget = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     lines = [f"  estimated peak of live tensors at --max-length {args.max_length} (looptrain.memory.estimate"
              + (f"; this GPU has {budget / 2**30:.1f} GiB)" if budget else ")") + ":"]

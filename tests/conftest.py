@@ -78,18 +78,10 @@ def make_tiny_bert(num_labels: int = 3, num_layers: int = 2, seed: int = 0, **ov
     """A tiny BertForSequenceClassification with dropout off (deterministic)."""
     from transformers import BertConfig, BertForSequenceClassification
 
-    config = BertConfig(
-        vocab_size=len(WORDS) + 5,
-        hidden_size=32,
-        num_hidden_layers=num_layers,
-        num_attention_heads=2,
-        intermediate_size=37,
-        max_position_embeddings=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        num_labels=num_labels,
-        **overrides,
-    )
+    fields = dict(vocab_size=len(WORDS) + 5, hidden_size=32, num_hidden_layers=num_layers, num_attention_heads=2,
+                  intermediate_size=37, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                  attention_probs_dropout_prob=0.0, num_labels=num_labels)
+    config = BertConfig(**{**fields, **overrides})
     torch.manual_seed(seed)
     return BertForSequenceClassification(config)
 

@@ -43,7 +43,7 @@ def test_char_lm_learns_with_compute_loss_alone(char_lm, capsys):
     assert scores["perplexity"] < 0.6 * characters  # uniform guessing scores `characters`
     assert summary["metric_for_best"] == "perplexity" and summary["best_checkpoint"] is None  # no output_dir
     # Throughput counts the (x, y) batches' tokens, not only their rows.
-    assert summary["train_tokens_per_s"] == pytest.approx(32 * summary["train_samples_per_s"], rel=1e-6)
+    assert summary["train_tokens_per_s"] == pytest.approx(32 * summary["train_samples_per_s"], rel=1e-5)  # both rounded to 3 decimals
     assert "eval perplexity" in capsys.readouterr().out
 
 

@@ -222,9 +222,10 @@ def test_out_of_memory_reports_estimates_of_lighter_flag_sets(model_dir, train_c
     assert re.search(r"out of memory at step 0 \(micro-batch of 8 rows\)", err), err
     estimates = dict(re.findall(r"\n    (.+?): (\d+\.\d) MiB", err))
     assert set(estimates) == {"these flags", "--batch-size 4 --accum 2 (or --auto-batch)", "+ --grad-checkpoint",
-                              "+ --optim adamw8bit", "+ --amp"}
+                              "+ --optim adamw8bit", "+ --amp", "+ --weights bf16"}
     # Halving the micro-batch cannot raise the estimated peak.
     assert float(estimates["--batch-size 4 --accum 2 (or --auto-batch)"]) <= float(estimates["these flags"])
+    assert float(estimates["+ --weights bf16"]) < float(estimates["+ --amp"])  # no fp32 weights, bf16 grads
 
 
 def demo_arguments() -> list[str]:

@@ -191,7 +191,7 @@ def test_every_second_block_is_checkpointed_with_the_same_grads_and_less_memory_
 
 
 def test_checkpointing_every_k_blocks_trades_memory_monotonically():
-    from transformers import BertConfig, BertForSequenceClassification
+    from transformers import BertConfig
 
     from looptrain import memory
 

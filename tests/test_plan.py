@@ -218,3 +218,33 @@ def test_a_budget_of_process_rss_keeps_only_candidates_whose_probe_fits(dataset)
     with pytest.raises(PlanError, match=r"nothing fits 1.00 GiB .* \+ 2\.\d+ GiB of the process's RSS measured besides tensors"):
         plan(model, train_set, collator, memory_budget=2**30, effective_batch=EFFECTIVE_BATCH,
              rss_baseline=current_rss_bytes() - 2 * 2**30, probe_budget=0.0)
+
+
+def test_bf16_weights_are_a_numerics_lever_and_probes_leave_the_fp32_weights_alone(dataset, monkeypatch):
+    """Under a budget that no fp32-weight mix fits, --amp lets the planner store the weights in bf16 (on a CPU
+    with native bf16; patched here so the test runs anywhere). The probe casts the model and restores it."""
+    import looptrain.plan as plan_module
+    from looptrain import memory
+
+    monkeypatch.setattr(plan_module, "amp_precision", lambda device: ("bf16", "patched: native bf16"))
+    train_set, collator = dataset
+    model = make_tiny_bert(num_labels=2, hidden_size=128, intermediate_size=512, num_attention_heads=4)
+    width = collator.batch_width([max(train_set.lengths)])
+
+    def lowest(**options) -> int:
+        return min(memory.estimate(model, batch, width, accum_steps=EFFECTIVE_BATCH // batch, gradient_checkpointing=True,
+                                   **options)["peak_memory_bytes"] for batch in (1, 2))
+
+    fp32_weights = min(lowest(precision=precision) for precision in ("fp32", "bf16"))
+    bf16_weights = lowest(weights="bf16")
+    assert fp32_weights > 1.15 * bf16_weights
+    budget = int(1.05 * (fp32_weights + bf16_weights) / 2)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    result = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH,
+                  levers=Levers(precision=True), probe_budget=5.0)
+    assert result.candidates and all(candidate.settings.weights == "bf16" for candidate in result.candidates)
+    assert result.winner.settings.loop_fields()["weights"] == "bf16"
+    for name, tensor in model.state_dict().items():  # probed in bf16, handed back in fp32, bit for bit
+        assert tensor.dtype == before[name].dtype and torch.equal(tensor, before[name]), name
+    with pytest.raises(PlanError, match=r"--weights bf16"):  # without the lever, nothing fits and it says what would
+        plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH, probe=False)

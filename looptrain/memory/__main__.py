@@ -2,6 +2,7 @@
 
     python -m looptrain.memory --preset bert-large --batch-size 32 --seq-len 128 --ladder
     python -m looptrain.memory --model DIR --batch-size 8 --seq-len 256 --precision bf16 --grad-checkpoint
+    python -m looptrain.memory --preset bert-large --weights bf16 --optim adafactor --optim-in-backward --grad-checkpoint
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import copy
 import sys
 from typing import Any, Sequence
 
+from looptrain.config import GRAD_DTYPES, WEIGHT_DTYPES
 from looptrain.memory.estimator import ESTIMATE_METER, PRESETS, estimate, ladder, load_config, preset_config
 from looptrain.optim import OPTIMIZER_NAMES
 from looptrain.precision import PRECISIONS
@@ -40,6 +42,10 @@ def _parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--ladder", action="store_true", help="print the table of strategy mixes")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
     parser.add_argument("--optim", choices=OPTIMIZER_NAMES, default="adamw")
+    parser.add_argument("--weights", choices=WEIGHT_DTYPES, default="fp32",
+                        help="parameter storage: bf16 = 2 B/param, no fp32 master copy, bf16 compute")
+    parser.add_argument("--grad-dtype", choices=GRAD_DTYPES, default="bf16",
+                        help="with --weights bf16: the dtype gradients accumulate in")
     parser.add_argument("--grad-checkpoint", action="store_true")
     parser.add_argument("--grad-checkpoint-every", type=int, default=1, help="with --grad-checkpoint: every k-th block")
     parser.add_argument("--optim-in-backward", action="store_true")
@@ -75,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "optimizer_in_backward": arguments.optim_in_backward, "freeze_embeddings": arguments.freeze_embeddings,
                 "freeze_layers": arguments.freeze_layers, "freeze_encoder": arguments.freeze_encoder,
                 "foreach": False if arguments.no_foreach else None, "accum_steps": arguments.accum,
-                "max_grad_norm": arguments.max_grad_norm,
+                "max_grad_norm": arguments.max_grad_norm, "weights": arguments.weights, "grad_dtype": arguments.grad_dtype,
             }
             rows = [("as given", estimate(config, **options))]
     except ValueError as error:

@@ -120,7 +120,8 @@ def _strategy_loop(model: nn.Module, optimizer_name: str, foreach, config: LoopC
 
 
 def _config(precision: str, accum_steps: int, max_grad_norm, gradient_checkpointing: bool,
-            optimizer_in_backward: bool, optimizer: str, foreach, checkpoint_every: int = 1) -> LoopConfig:
+            optimizer_in_backward: bool, optimizer: str, foreach, checkpoint_every: int = 1, *,
+            weights: str = "fp32", grad_dtype: str = "bf16") -> LoopConfig:
     """The LoopConfig of a strategy mix; invalid mixes raise `ConfigError` (a ValueError) naming the fields."""
     problem = optimizer_options_problem(optimizer, foreach)
     if problem:
@@ -128,7 +129,7 @@ def _config(precision: str, accum_steps: int, max_grad_norm, gradient_checkpoint
     return LoopConfig(
         precision=precision, accum_steps=accum_steps, max_grad_norm=max_grad_norm,
         gradient_checkpointing=gradient_checkpointing, checkpoint_every=checkpoint_every,
-        optimizer_in_backward=optimizer_in_backward,
+        optimizer_in_backward=optimizer_in_backward, weights=weights, grad_dtype=grad_dtype,
         device="cpu", eval_every="no", progress_bar=False, track_memory=True, log_every=10**9,
     )
 
@@ -150,6 +151,8 @@ def estimate(
     accum_steps: int = 1,
     num_labels: int = 2,
     max_grad_norm: float | None = 1.0,
+    weights: str = "fp32",
+    grad_dtype: str = "bf16",
 ) -> dict[str, Any]:
     """Estimate the peak memory of a training step on fake tensors, by driving the Loop's own update.
 
@@ -165,7 +168,7 @@ def estimate(
             name (``bert-base``, ``bert-large``, ``macbert-large``) or a local model dir / config.json.
         batch_size: micro-batch size.
         seq_len: tokens per sequence (every sequence padded to it).
-        precision: ``fp32``, ``bf16`` or ``fp16`` (CPU autocast op lists; fp32 master weights).
+        precision: ``fp32``, ``bf16`` or ``fp16`` (CPU autocast op lists).
         optimizer: a `looptrain.optim` name (bitsandbytes' CPU kernels run on the fake tensors).
         gradient_checkpointing: checkpoint the transformer blocks (non-reentrant).
         checkpoint_every: with gradient_checkpointing, every k-th block only (1: all).
@@ -177,6 +180,9 @@ def estimate(
         accum_steps: gradient accumulation steps.
         num_labels: classifier outputs.
         max_grad_norm: the Loop's clipping threshold (None: no clipping).
+        weights: ``fp32`` or ``bf16`` (bf16 storage, fp32 update one tensor at a time, stochastic
+            rounding; computes in bf16 whatever `precision` says).
+        grad_dtype: with bf16 weights, ``bf16`` or ``fp32`` accumulated gradients.
 
     Returns:
         ``peak_memory_bytes``, ``memory_meter`` ("estimate_fake_tensor_tracker"), ``memory_breakdown``
@@ -189,7 +195,7 @@ def estimate(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     config = _config(precision, accum_steps, max_grad_norm, gradient_checkpointing, optimizer_in_backward, optimizer,
-                     foreach, checkpoint_every)
+                     foreach, checkpoint_every, weights=weights, grad_dtype=grad_dtype)
     started = time.perf_counter()
     rng_states = state.capture_rng_state()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -235,7 +241,8 @@ def measure(model: nn.Module, batch_size: int, seq_len: int, **options: Any) -> 
     optimizer_name, foreach = options.pop("optimizer", "adamw"), options.pop("foreach", None)
     config = _config(options.pop("precision", "fp32"), options.pop("accum_steps", 1), options.pop("max_grad_norm", 1.0),
                      options.pop("gradient_checkpointing", False), options.pop("optimizer_in_backward", False),
-                     optimizer_name, foreach, options.pop("checkpoint_every", 1))
+                     optimizer_name, foreach, options.pop("checkpoint_every", 1),
+                     weights=options.pop("weights", "fp32"), grad_dtype=options.pop("grad_dtype", "bf16"))
     if options:
         raise TypeError(f"measure: unknown options {sorted(options)}")
     generator = torch.Generator().manual_seed(0)
@@ -263,6 +270,11 @@ ACCURACY_MIXES = {
     "bf16 + checkpointing + frozen first layer + adafactor": {
         "precision": "bf16", "gradient_checkpointing": True, "freeze_layers": 1, "optimizer": "adafactor"},
     "no clipping + frozen embeddings + sgd": {"max_grad_norm": None, "freeze_embeddings": True, "optimizer": "sgd"},
+    "bf16 weights": {"weights": "bf16"},
+    "bf16 weights + fp32 grads + accumulation 3": {"weights": "bf16", "grad_dtype": "fp32", "accum_steps": 3},
+    "bf16 weights + adamw8bit fused step": {"weights": "bf16", "optimizer": "adamw8bit", "optimizer_in_backward": True},
+    "bf16 weights + adafactor fused step + checkpointing": {
+        "weights": "bf16", "optimizer": "adafactor", "optimizer_in_backward": True, "gradient_checkpointing": True},
 }
 
 
@@ -282,4 +294,7 @@ def ladder(batch_size: int, seq_len: int) -> list[tuple[str, dict[str, Any]]]:
         ("bs 1 x acc + ckpt, AdamW8bit", {**checkpointed, "optimizer": "adamw8bit"}),
         (f"bs {batch_size} + ckpt + bf16, AdamW8bit fused into backward", {"gradient_checkpointing": True, "precision": "bf16", "optimizer": "adamw8bit", "optimizer_in_backward": True}),
         (f"bs {batch_size} + ckpt + bf16, Adafactor fused into backward", {"gradient_checkpointing": True, "precision": "bf16", "optimizer": "adafactor", "optimizer_in_backward": True}),
+        (f"bs {batch_size} + ckpt, bf16 weights, AdamW8bit fused", {"gradient_checkpointing": True, "weights": "bf16", "optimizer": "adamw8bit", "optimizer_in_backward": True}),
+        (f"bs {batch_size} + ckpt, bf16 weights, Adafactor fused", {"gradient_checkpointing": True, "weights": "bf16", "optimizer": "adafactor", "optimizer_in_backward": True}),
+        ("bs 1 x acc + ckpt, bf16 weights, Adafactor", {**checkpointed, "weights": "bf16", "optimizer": "adafactor"}),
     ]

@@ -128,6 +128,19 @@ class CpuTensorMeter:
                 self.tracker.classify(self._model, self._optimizer)
             self.tracker.set_phase(phase)
 
+    def restart_peak(self) -> None:
+        """Start a new peak from the live bytes (a new gradual-unfreezing stage): the trainable set may
+        have changed, so the gradient hooks follow it. Without the tensor tracker the RSS peak of the
+        process cannot be reset and stays the run's."""
+        if self.tracker is None or not self._active:
+            return
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self.tracker.classify(self._model, self._optimizer)
+        self._install_hooks(self.tracker, self._model, self._optimizer)
+        self.tracker.reset_peak()
+
     def stop(self) -> None:
         """Stop tracking ops (idempotent). Must run on the thread that called ``start``."""
         for hook in self._hooks:
@@ -215,6 +228,14 @@ class CudaMeter:
         """Close the current phase (did the peak rise in it?) and start ``phase``."""
         self._close_phase()
         self._phase = phase
+
+    def restart_peak(self) -> None:
+        """Start a new peak from the memory allocated now (a new gradual-unfreezing stage)."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._last_max = torch.cuda.max_memory_allocated(self.device)
+        self._peak_phase = self._phase
+        self._grads_at_peak = gradient_bytes(self._model) if self._model is not None else 0
 
     def stop(self) -> None:
         """Close the last phase."""

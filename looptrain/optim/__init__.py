@@ -2,7 +2,9 @@
 
 Modules:
     factory       `build_optimizer`, the optimizer names and which options each takes
+    per_parameter `PerParameterOptimizer`: one optimizer per parameter, built from an ordinary one
     in_backward   `OptimizerInBackward`: each parameter steps inside backward, clipping kept
+    bf16          bf16 weights: `BF16Optimizer`, `stochastic_round_`, `cast_to_bf16`
     state_bytes   `optimizer_state_bytes`: bytes of any optimizer's state
 """
 
@@ -16,10 +18,18 @@ from looptrain.optim.factory import (
     optimizer_options_problem,
     register_embedding_state_bits,
 )
+from looptrain.optim.bf16 import BF16Optimizer, cast_to_bf16, gradient_of, step_in_fp32_, stochastic_round_
 from looptrain.optim.in_backward import CLIP_MODES, OptimizerInBackward
+from looptrain.optim.per_parameter import PerParameterOptimizer
 from looptrain.optim.state_bytes import inner_optimizers, optimizer_state_bytes
 
 __all__ = [
+    "BF16Optimizer",
+    "PerParameterOptimizer",
+    "cast_to_bf16",
+    "gradient_of",
+    "step_in_fp32_",
+    "stochastic_round_",
     "CLIP_MODES",
     "EIGHT_BIT_OPTIMIZERS",
     "FOREACH_OPTIMIZERS",

@@ -16,6 +16,7 @@ backward.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
@@ -23,6 +24,7 @@ from torch import nn
 
 from looptrain.optim.per_parameter import PerParameterOptimizer
 
+GRAD_DTYPES = ("bf16", "fp32")
 _CHUNK = 1 << 22  # elements rounded at a time: bounds the rounding's own temporaries to ~48 MiB
 _HIGH_BITS = -65536  # 0xFFFF0000 as an int32: the bits a bf16 keeps of an fp32
 
@@ -54,6 +56,11 @@ def step_in_fp32_(parameter: nn.Parameter, optimizer: torch.optim.Optimizer, gra
     created and updated in fp32), then the result is rounded into the original bf16 storage:
     stochastically, or to nearest with `stochastic_rounding=False` (the control that stalls).
     """
+    if parameter.dtype != torch.bfloat16:  # a parameter kept in fp32 (a norm layer, say) steps as usual
+        parameter.grad = gradient.to(parameter.dtype)
+        optimizer.step()
+        parameter.grad = None
+        return
     storage = parameter.data
     parameter.data = storage.float()
     parameter.grad = gradient.float()
@@ -85,24 +92,53 @@ class BF16Optimizer(PerParameterOptimizer):
 
     def __init__(self, model_or_params: Any, optimizer: torch.optim.Optimizer, *, stochastic_rounding: bool = True,
                  grad_dtype: str = "bf16"):
-        super().__init__(model_or_params, optimizer)
-        if grad_dtype not in ("bf16", "fp32"):
-            raise ValueError(f"BF16Optimizer: grad_dtype must be 'bf16' or 'fp32', got {grad_dtype!r}.")
+        if grad_dtype not in GRAD_DTYPES:
+            raise ValueError(f"BF16Optimizer: grad_dtype must be one of {GRAD_DTYPES}, got {grad_dtype!r}.")
         self.stochastic_rounding = stochastic_rounding
         self.grad_dtype = grad_dtype
         self._handles = []
-        if grad_dtype == "fp32":
-            self._handles = [parameter.register_post_accumulate_grad_hook(_accumulate_in_fp32)
-                             for parameter in self.parameters]
+        super().__init__(model_or_params, optimizer)
+
+    def _adopt(self, parameter: nn.Parameter) -> None:
+        super()._adopt(parameter)
+        if self.grad_dtype == "fp32":
+            self._handles.append(parameter.register_post_accumulate_grad_hook(_accumulate_in_fp32))
+
+    def _steps_in_fp32(self, parameter: nn.Parameter) -> bool:
+        return parameter.dtype == torch.bfloat16
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The accumulated gradients: `main_grad` (fp32) or `.grad` (bf16), for the parameters that have one."""
+        found = (gradient_of(parameter) for parameter in self.parameters)
+        return [gradient for gradient in found if gradient is not None]
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scales the gradients to global norm `max_norm` at most; returns their norm before, in fp32.
+
+        What `torch.nn.utils.clip_grad_norm_` does, but reading the fp32 buffers when gradients
+        accumulate there, and always summing in fp32 (bf16 norms would be rounded to 3 digits).
+        """
+        gradients = self.gradients()
+        if not gradients:
+            return torch.zeros((), dtype=torch.float32)
+        norms = torch.stack([torch.linalg.vector_norm(gradient, 2, dtype=torch.float32) for gradient in gradients])
+        total = torch.linalg.vector_norm(norms, 2)
+        if math.isfinite(max_norm):
+            scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for gradient in gradients:
+                gradient.mul_(scale.to(gradient.dtype))
+        return total
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
         """Steps every parameter that has a gradient: fp32 update, then rounding into bf16."""
         for parameter in self.parameters:
-            gradient = getattr(parameter, "main_grad", None) if self.grad_dtype == "fp32" else parameter.grad
+            gradient = gradient_of(parameter)
             if gradient is None:
                 continue
             step_in_fp32_(parameter, self.optimizer_of(parameter), gradient, self.stochastic_rounding)
+        self.optimizer._opt_called = True  # LR schedulers built on the original check that it stepped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the gradients (and the fp32 buffers)."""
@@ -116,6 +152,12 @@ class BF16Optimizer(PerParameterOptimizer):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def gradient_of(parameter: nn.Parameter) -> Optional[torch.Tensor]:
+    """The parameter's accumulated gradient: its fp32 `main_grad` when it has one, else `.grad`."""
+    main_grad = getattr(parameter, "main_grad", None)
+    return main_grad if main_grad is not None else parameter.grad
 
 
 def _accumulate_in_fp32(parameter: nn.Parameter) -> None:

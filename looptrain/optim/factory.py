@@ -1,10 +1,11 @@
 """The optimizer factory: names, parameter groups, and the options each optimizer takes.
 
 `build_optimizer` makes AdamW (``foreach`` / ``fused`` exposed), bitsandbytes' 8-bit AdamW (paged
-or not, with 32-bit state for every embedding), Hugging Face's Adafactor and SGD, always over two
-parameter groups (weight decay / no weight decay) that hold every trainable parameter exactly once
-and no frozen one. The optimizer names and the rule "foreach only for adamw and sgd" are defined
-here once; the command line and the estimator read them from here.
+or not, with 32-bit state for every embedding), Hugging Face's Adafactor and SGD, always over
+parameter groups (weight decay / no weight decay, per depth with layer-wise learning-rate decay)
+that hold every trainable parameter exactly once and no frozen one. The optimizer names and the
+rule "foreach only for adamw and sgd" are defined here once; the command line and the estimator
+read them from here.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from looptrain.freeze import is_norm_module
+from looptrain.freeze import is_norm_module, layer_depths
 
 OPTIMIZER_NAMES = ("adamw", "adamw8bit", "paged_adamw8bit", "adafactor", "sgd")
 FOREACH_OPTIMIZERS = ("adamw", "sgd")  # torch optimizers with foreach / fused implementations
@@ -44,9 +45,10 @@ def optimizer_name_of(optimizer: Any) -> Optional[str]:
 
 
 def build_parameter_groups(
-    model: nn.Module, weight_decay: float, *, decay_embeddings: bool = True
+    model: nn.Module, weight_decay: float, *, decay_embeddings: bool = True,
+    layer_lr_decay: Optional[float] = None, lr: Optional[float] = None,
 ) -> list[dict[str, Any]]:
-    """Split the trainable parameters into a weight-decay group and a no-decay group.
+    """Split the trainable parameters into a weight-decay group and a no-decay group (per depth with LLRD).
 
     No decay on biases (parameters named ``bias``) and on every parameter of a normalisation layer
     (detected by module type, `looptrain.freeze.is_norm_module`, so ``LlamaRMSNorm`` counts).
@@ -54,47 +56,68 @@ def build_parameter_groups(
     Trainer's; pass ``decay_embeddings=False`` for the minGPT / nanoGPT convention. Frozen
     parameters are in no group; tied parameters appear once.
 
+    With `layer_lr_decay` (layer-wise learning-rate decay), each depth of
+    `looptrain.freeze.layer_depths` gets its own pair of groups: the head and the top block train at
+    `lr`, the block ``k`` below the top at ``lr * layer_lr_decay**k``, the embeddings at
+    ``lr * layer_lr_decay**L`` (``L`` blocks). Each group records its ``layer`` label.
+
     Args:
         model: The model.
         weight_decay: Weight decay of the decay group.
         decay_embeddings: Whether ``nn.Embedding`` weights are decayed.
+        layer_lr_decay: Per-block learning-rate factor in (0, 1], or None (one learning rate).
+        lr: The top learning rate (needed with `layer_lr_decay`).
 
     Returns:
-        A list of one or two param-group dicts (empty groups are left out).
+        A list of param-group dicts (empty groups are left out).
 
     Raises:
-        ValueError: If the model has no trainable parameter.
+        ValueError: If the model has no trainable parameter, or `layer_lr_decay` is out of (0, 1] or
+            given without `lr`.
     """
-    decay: list[nn.Parameter] = []
-    no_decay: list[nn.Parameter] = []
+    exempt_ids: set[int] = set()
+    ordered: list[nn.Parameter] = []
     seen: set[int] = set()
     for module in model.modules():
         for name, parameter in module.named_parameters(recurse=False):
             if id(parameter) in seen or not parameter.requires_grad:
                 continue
             seen.add(id(parameter))
-            exempt = (
-                name.endswith("bias")
-                or is_norm_module(module)
-                or (not decay_embeddings and isinstance(module, nn.Embedding))
-            )
-            (no_decay if exempt else decay).append(parameter)
+            ordered.append(parameter)
+            if name.endswith("bias") or is_norm_module(module) or (not decay_embeddings and isinstance(module, nn.Embedding)):
+                exempt_ids.add(id(parameter))
 
-    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
-    if not trainable:
+    if not ordered:
         raise ValueError(
             f"build_optimizer: {type(model).__name__} has no trainable parameter (all have "
             "requires_grad=False); unfreeze something, e.g. looptrain.freeze.unfreeze(model.classifier)."
         )
-    # minGPT's check: every trainable parameter in exactly one group, nothing else in any group.
-    grouped = [id(parameter) for parameter in decay + no_decay]
-    assert len(grouped) == len(set(grouped)), "a parameter landed in both weight-decay groups"
-    assert set(grouped) == {id(parameter) for parameter in trainable}, "parameter groups do not cover the trainable parameters"
 
-    groups = [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    def split(parameters: list[nn.Parameter], **options: Any) -> list[dict[str, Any]]:
+        decay = [parameter for parameter in parameters if id(parameter) not in exempt_ids]
+        no_decay = [parameter for parameter in parameters if id(parameter) in exempt_ids]
+        return [{"params": decay, "weight_decay": weight_decay, **options},
+                {"params": no_decay, "weight_decay": 0.0, **options}]
+
+    if layer_lr_decay is None:
+        groups = split(ordered)
+    else:
+        if not (isinstance(layer_lr_decay, (int, float)) and 0 < layer_lr_decay <= 1):
+            raise ValueError(f"build_optimizer: layer_lr_decay must be in (0, 1], got {layer_lr_decay!r}.")
+        if lr is None:
+            raise ValueError("build_optimizer: layer_lr_decay needs the top learning rate lr.")
+        trainable_ids = {id(parameter) for parameter in ordered}
+        depths = layer_depths(model)
+        groups = []
+        for index, (label, named) in enumerate(depths):
+            exponent = max(0, index - 1)  # the head and the top block (indices 0, 1) at lr
+            parameters = [parameter for _, parameter in named if id(parameter) in trainable_ids]
+            groups += split(parameters, lr=lr * layer_lr_decay**exponent, layer=label)
+
+    # minGPT's check: every trainable parameter in exactly one group, nothing else in any group.
+    grouped = [id(parameter) for group in groups for parameter in group["params"]]
+    assert len(grouped) == len(set(grouped)), "a parameter landed in two parameter groups"
+    assert set(grouped) == {id(parameter) for parameter in ordered}, "parameter groups do not cover the trainable parameters"
     return [group for group in groups if group["params"]]
 
 
@@ -148,6 +171,7 @@ def build_optimizer(
     fused: bool | None = None,
     embedding_bits: int = 32,
     decay_embeddings: bool = True,
+    layer_lr_decay: Optional[float] = None,
     **kwargs: Any,
 ) -> torch.optim.Optimizer:
     """Build an optimizer over the trainable parameters of `model`.
@@ -165,6 +189,9 @@ def build_optimizer(
         embedding_bits: Optimizer-state bits for ``nn.Embedding`` weights under the 8-bit
             optimizers: 32 (default, for stability) or 8.
         decay_embeddings: Whether embedding weights are in the weight-decay group.
+        layer_lr_decay: Layer-wise learning-rate decay: the block ``k`` below the top trains at
+            ``lr * layer_lr_decay**k``, the embeddings at ``lr * layer_lr_decay**L`` (see
+            `build_parameter_groups`); None: one learning rate.
         **kwargs: Passed to the optimizer class (e.g. ``momentum`` for sgd, ``beta1`` for adafactor,
             ``min_8bit_size`` for the 8-bit ones).
 
@@ -180,7 +207,8 @@ def build_optimizer(
         raise ValueError(f"build_optimizer: {problem}.")
     if embedding_bits not in (8, 32):
         raise ValueError(f"build_optimizer: embedding_bits must be 8 or 32, got {embedding_bits}.")
-    groups = build_parameter_groups(model, weight_decay, decay_embeddings=decay_embeddings)
+    groups = build_parameter_groups(model, weight_decay, decay_embeddings=decay_embeddings,
+                                    layer_lr_decay=layer_lr_decay, lr=lr)
 
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=foreach, fused=fused, **kwargs)

@@ -7,12 +7,14 @@ exists at once. Clipping is kept (per parameter, or by the previous step's globa
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterable
 from typing import Any, Optional
 
 import torch
 from torch import nn
+
+from looptrain.optim.bf16 import step_in_fp32_
+from looptrain.optim.per_parameter import PerParameterOptimizer
 
 CLIP_MODES = ("per_parameter", "previous_global")
 
@@ -20,51 +22,7 @@ CLIP_MODES = ("per_parameter", "previous_global")
 _CLIP_EPSILON = 1e-6
 
 
-def _clone_for_parameter(optimizer: torch.optim.Optimizer, group: dict[str, Any], parameter: nn.Parameter):
-    """A new optimizer of `optimizer`'s class over `parameter` alone, with `group`'s hyperparameters."""
-    optimizer_class = type(optimizer)
-    single_group = {**{key: value for key, value in group.items() if key != "params"}, "params": [parameter]}
-    options = {}
-    # bitsandbytes keeps optim_bits / min_8bit_size / ... outside the groups, in `args`.
-    if "args" in inspect.signature(optimizer_class.__init__).parameters and hasattr(optimizer, "args"):
-        options["args"] = optimizer.args
-    try:
-        clone = optimizer_class([single_group], **options)
-    except TypeError as error:
-        raise TypeError(
-            f"OptimizerInBackward: cannot rebuild {optimizer_class.__name__} from a param group "
-            f"({error}); it needs constructor arguments not stored in its param groups."
-        ) from error
-    if hasattr(clone, "mng"):
-        clone.mng = _private_override_manager(clone.mng, parameter)
-    if hasattr(optimizer, "name2qmap"):
-        # Share bitsandbytes' quantisation maps instead of one copy per parameter.
-        clone.name2qmap = optimizer.name2qmap
-    return clone
-
-
-def _private_override_manager(shared_manager: Any, parameter: nn.Parameter) -> Any:
-    """A bitsandbytes GlobalOptimManager private to one per-parameter optimizer.
-
-    bitsandbytes resolves overrides through ``index2config[(group_index, parameter_index)]`` in
-    its process-global manager, and every per-parameter optimizer has the single position (0, 0):
-    with the shared manager, the first embedding's 32-bit override would apply to every parameter
-    stepped after it. The private manager holds only this parameter's override.
-    """
-    private = type(shared_manager).__new__(type(shared_manager))
-    private.initialize()
-    config: dict[str, Any] = {}
-    for module, attribute, override in shared_manager.module_weight_config_triple:
-        if getattr(module, attribute) is parameter:
-            config.update(override)
-    config.update(shared_manager.pid2config.get(id(parameter), {}))
-    if config:
-        private.pid2config[id(parameter)] = config
-        private.index2config[(0, 0)] = config
-    return private
-
-
-class OptimizerInBackward:
+class OptimizerInBackward(PerParameterOptimizer):
     """Step every parameter inside backward, as soon as its gradient is accumulated.
 
     Built from an ordinary optimizer (from `build_optimizer` or any torch / bitsandbytes
@@ -93,11 +51,16 @@ class OptimizerInBackward:
     Every backward pass is an optimizer step: gradient accumulation and GradScaler (fp16) do not
     combine with it.
 
+    With ``bf16_weights=True`` the parameters are bf16 storage without fp32 master weights: each one
+    steps in fp32 and is written back with stochastic rounding (`looptrain.optim.bf16`).
+
     Args:
         model_or_params: The model or its parameters; trainable ones get hooks.
         optimizer: The optimizer whose groups hold those parameters; it must have no state yet.
         max_grad_norm: Clip threshold, or None for no clipping.
         clip: ``"per_parameter"`` or ``"previous_global"``.
+        bf16_weights: Step bf16 parameters in fp32 and round the result back into bf16.
+        stochastic_rounding: With `bf16_weights`: False rounds to nearest (the control that stalls).
 
     Raises:
         ValueError: Unknown `clip`, non-positive `max_grad_norm`, an optimizer that already has
@@ -111,60 +74,35 @@ class OptimizerInBackward:
         *,
         max_grad_norm: float | None = None,
         clip: str = "per_parameter",
+        bf16_weights: bool = False,
+        stochastic_rounding: bool = True,
     ):
         if clip not in CLIP_MODES:
             raise ValueError(f"OptimizerInBackward: clip must be one of {CLIP_MODES}, got {clip!r}.")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"OptimizerInBackward: max_grad_norm must be > 0 or None, got {max_grad_norm}.")
-        if any(len(state) for state in optimizer.state.values()):
-            raise ValueError(
-                "OptimizerInBackward: the optimizer already has state (it has stepped); wrap it "
-                "before the first step, or load its state into the wrapper with load_state_dict."
-            )
-        if isinstance(model_or_params, nn.Module):
-            named = [(name, parameter) for name, parameter in model_or_params.named_parameters()]
-        else:
-            named = [(f"parameter {index}", parameter) for index, parameter in enumerate(model_or_params)]
-        named = [(name, parameter) for name, parameter in named if parameter.requires_grad]
-        if not named:
-            raise ValueError("OptimizerInBackward: no trainable parameter (all have requires_grad=False).")
-
-        group_of = {}
-        for group in optimizer.param_groups:
-            for parameter in group["params"]:
-                group_of[id(parameter)] = group
-        missing = [name for name, parameter in named if id(parameter) not in group_of]
-        if missing:
-            raise ValueError(
-                f"OptimizerInBackward: trainable parameters {missing[:5]} are in no param group of "
-                f"{type(optimizer).__name__}; build the optimizer from the same model (build_optimizer) "
-                "or freeze them."
-            )
-
-        self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm
         self.clip = clip
-        self.parameters = [parameter for _, parameter in named]
-        self._group_of = group_of
-        self._per_parameter = {
-            id(parameter): _clone_for_parameter(optimizer, group_of[id(parameter)], parameter)
-            for parameter in self.parameters
-        }
+        self.bf16_weights = bf16_weights
+        self.stochastic_rounding = stochastic_rounding
         self._square_sum: torch.Tensor | None = None
         self._grad_norm: torch.Tensor | None = None
         self._previous_grad_norm: torch.Tensor | None = None
         self.steps = 0
-        self._handles = [parameter.register_post_accumulate_grad_hook(self._step_parameter) for parameter in self.parameters]
+        self._handles = []
+        super().__init__(model_or_params, optimizer)  # adopts each parameter: its optimizer and its hook
+
+    def _adopt(self, parameter: nn.Parameter) -> None:
+        super()._adopt(parameter)
+        self._handles.append(parameter.register_post_accumulate_grad_hook(self._step_parameter))
+
+    def _steps_in_fp32(self, parameter: nn.Parameter) -> bool:
+        return self.bf16_weights and parameter.dtype == torch.bfloat16
 
     @property
     def grad_norm(self) -> Optional[torch.Tensor]:
         """Global gradient norm (before clipping) of the last backward, a scalar tensor; None before the first."""
         return self._grad_norm
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The original optimizer's param groups (what schedulers and loggers read)."""
-        return self.optimizer.param_groups
 
     def _clip_scale(self, parameter_norm: torch.Tensor) -> torch.Tensor | None:
         if self.max_grad_norm is None:
@@ -187,13 +125,11 @@ class OptimizerInBackward:
         scale = self._clip_scale(parameter_norm)
         if scale is not None:
             gradient.mul_(scale.to(device=gradient.device, dtype=gradient.dtype))
-
-        per_parameter = self._per_parameter[id(parameter)]
-        # Copy the scheduler's current hyperparameters (lr, and betas/momentum/... if scheduled).
-        for key, value in self._group_of[id(parameter)].items():
-            if key != "params":
-                per_parameter.param_groups[0][key] = value
-        per_parameter.step()
+        per_parameter = self.optimizer_of(parameter)  # with the scheduler's current lr (and betas, ...)
+        if self.bf16_weights and parameter.dtype == torch.bfloat16:
+            step_in_fp32_(parameter, per_parameter, gradient, self.stochastic_rounding)
+        else:
+            per_parameter.step()
         parameter.grad = None
 
     def _end_of_backward(self) -> None:
@@ -209,65 +145,30 @@ class OptimizerInBackward:
     def step(self, closure: Any = None) -> None:
         """Nothing to do: every parameter stepped inside backward."""
 
-    def inner_optimizers(self) -> list[torch.optim.Optimizer]:
-        """The per-parameter optimizers, which hold the state (what memory meters count)."""
-        return list(self._per_parameter.values())
-
-    @property
-    def state(self) -> dict:
-        """Every per-parameter optimizer's state, merged."""
-        return {key: value for optimizer in self._per_parameter.values() for key, value in optimizer.state.items()}
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop any gradient left on the parameters (normally there is none after backward).
-
-        Args:
-            set_to_none: Kept for signature compatibility; gradients are always set to None.
-        """
-        for parameter in self.parameters:
-            parameter.grad = None
-
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume: per-parameter states, groups, clipping memory.
 
         Returns:
-            A dict with ``optimizer`` (the original's state_dict: groups and hyperparameters),
-            ``per_parameter`` (one state_dict per trainable parameter, in parameter order),
-            ``previous_grad_norm`` and ``steps``.
+            `PerParameterOptimizer.state_dict()` (``optimizer``: the original's groups and
+            hyperparameters; ``per_parameter``: one state_dict per trainable parameter, in order),
+            plus ``previous_grad_norm`` and ``steps``.
         """
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "per_parameter": [self._per_parameter[id(parameter)].state_dict() for parameter in self.parameters],
-            "previous_grad_norm": None if self._previous_grad_norm is None else self._previous_grad_norm.clone(),
-            "steps": self.steps,
-        }
+        previous = None if self._previous_grad_norm is None else self._previous_grad_norm.clone()
+        return {**super().state_dict(), "previous_grad_norm": previous, "steps": self.steps}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a `state_dict` taken from a wrapper over the same parameters.
-
-        Args:
-            state_dict: The output of `state_dict`.
+        """Restores a `state_dict` taken from a wrapper over the same parameters.
 
         Raises:
             ValueError: If the number of per-parameter states differs from the parameters here.
         """
-        per_parameter_states = state_dict["per_parameter"]
-        if len(per_parameter_states) != len(self.parameters):
-            raise ValueError(
-                f"OptimizerInBackward.load_state_dict: {len(per_parameter_states)} per-parameter states "
-                f"for {len(self.parameters)} trainable parameters; freeze the same parameters as the saved run."
-            )
-        self.optimizer.load_state_dict(state_dict["optimizer"])
-        # load_state_dict replaced the group dicts: re-point the parameter-to-group map.
-        self._group_of = {id(p): group for group in self.optimizer.param_groups for p in group["params"]}
-        for parameter, state in zip(self.parameters, per_parameter_states):
-            self._per_parameter[id(parameter)].load_state_dict(state)
+        super().load_state_dict(state_dict)
         previous = state_dict.get("previous_grad_norm")
         self._previous_grad_norm = None if previous is None else previous.clone()
         self.steps = int(state_dict.get("steps", 0))
 
     def remove(self) -> None:
-        """Remove the hooks: backward then leaves gradients in ``.grad`` again, and nothing steps.
+        """Removes the hooks: backward then leaves gradients in ``.grad`` again, and nothing steps.
 
         The per-parameter states are not copied back into ``self.optimizer``.
         """

@@ -165,4 +165,17 @@ class PerParameterOptimizer:
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self._index_groups()  # load_state_dict replaced the group dicts
         for parameter, state in zip(self.parameters, per_parameter_states):
-            self._per_parameter[id(parameter)].load_state_dict(state)
+            if not self._steps_in_fp32(parameter):
+                self._per_parameter[id(parameter)].load_state_dict(state)
+                continue
+            # torch casts loaded state to the parameter's dtype: show it an fp32 parameter so the state stays fp32
+            storage = parameter.data
+            parameter.data = torch.empty_like(storage, dtype=torch.float32)
+            try:
+                self._per_parameter[id(parameter)].load_state_dict(state)
+            finally:
+                parameter.data = storage
+
+    def _steps_in_fp32(self, parameter: nn.Parameter) -> bool:
+        """Whether this wrapper steps `parameter` through an fp32 copy (its state is then fp32)."""
+        return False

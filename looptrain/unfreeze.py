@@ -1,0 +1,77 @@
+"""Gradual unfreezing (ULMFiT): train the head first, then one more block from the top per stage.
+
+Stage 0 trains the head alone (what follows the last transformer block: pooler, classifier);
+stage ``k`` adds the top ``k`` blocks; the last stage adds the embeddings, and from then on the
+whole model trains. A stage starts every ``every`` optimizer updates, or at every epoch with
+``every="epoch"``. Only parameters that were trainable when the schedule was built take part: a
+parameter the user froze (``--freeze-embeddings``) stays frozen in every stage.
+
+The optimizer is built over all of them from the start. A frozen parameter gets no gradient, and
+every optimizer skips a parameter without one, so it creates no state until its stage begins; the
+parameters already training keep theirs untouched. Param groups therefore never change shape, and
+LR schedulers and checkpoints see the same optimizer in every stage.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+from torch import nn
+
+from looptrain.freeze import layer_depths
+
+Every = Union[int, str]
+
+
+class GradualUnfreezing:
+    """The stages of one model and which of them is in force.
+
+    Args:
+        model: A transformer whose block list `looptrain.freeze.find_transformer_blocks` finds.
+        every: Optimizer updates per stage (a positive int), or ``"epoch"`` (one stage per epoch).
+
+    Raises:
+        ValueError: `every` is neither, or the model has no trainable parameter outside its blocks
+            and embeddings and no block list.
+    """
+
+    def __init__(self, model: nn.Module, every: Every):
+        if not (every == "epoch" or (isinstance(every, int) and not isinstance(every, bool) and every >= 1)):
+            raise ValueError(f"unfreeze_every must be a positive number of optimizer updates or 'epoch', got {every!r}")
+        self.every = every
+        self.stages: list[tuple[str, list[nn.Parameter]]] = []
+        for label, named in layer_depths(model):
+            trainable = [parameter for _, parameter in named if parameter.requires_grad]
+            if trainable:  # a depth the user froze entirely is no stage
+                self.stages.append((label, trainable))
+        if not self.stages:
+            raise ValueError("unfreeze_every: the model has no trainable parameter to unfreeze")
+        self.stage = -1  # none applied yet
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        """Every parameter the schedule manages: the trainable set of the last stage."""
+        return [parameter for _, parameters in self.stages for parameter in parameters]
+
+    def stage_at(self, step: int, epoch: int) -> int:
+        """The stage in force before optimizer update `step + 1`, in epoch `epoch` (both from 0)."""
+        index = epoch if self.every == "epoch" else step // self.every
+        return min(index, len(self.stages) - 1)
+
+    def apply(self, stage: int) -> list[str]:
+        """Makes `stage` the one in force: its depths and those above train, the rest are frozen.
+
+        Returns:
+            The labels of the depths that train in this stage, from the top.
+        """
+        for index, (_, parameters) in enumerate(self.stages):
+            for parameter in parameters:
+                parameter.requires_grad_(index <= stage)
+        self.stage = stage
+        return [label for label, _ in self.stages[:stage + 1]]
+
+    def describe(self) -> str:
+        """One line: the stages in order and when each starts."""
+        unit = "epoch" if self.every == "epoch" else f"{self.every} updates"
+        labels = ", ".join(label for label, _ in self.stages)
+        return f"gradual unfreezing: {len(self.stages)} stages, one every {unit}: {labels}"
