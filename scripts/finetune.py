@@ -851,8 +851,10 @@ def final_table(summary: dict, baseline: dict | None, output_dir: Path) -> str:
     lines.append(f"| samples/s | {summary['train_samples_per_s']:.2f} | |")
     lines.append(f"| optimizer steps (skipped) | {summary['optimizer_steps']} ({summary['skipped_steps']}) | |")
     peak = summary.get("peak_memory_bytes")
+    unfreeze = summary.get("unfreeze")
     if peak is not None:
-        lines.append(f"| peak memory | {peak / 2**20:.1f} MiB ({summary['memory_meter']}) | |")
+        stage = f", last unfreezing stage ({unfreeze['stage']}/{unfreeze['stages']})" if unfreeze else ""
+        lines.append(f"| peak memory | {peak / 2**20:.1f} MiB ({summary['memory_meter']}{stage}) | |")
     if summary.get("estimated_peak_bytes"):
         lines.append(f"| estimated peak (worst batch) | {summary['estimated_peak_bytes'] / 2**20:.1f} MiB "
                      f"(error {summary['estimate_error']:+.1%}) | |")

@@ -173,3 +173,20 @@ def test_command_line_bert_large_persistent_state(capsys):
     row = next(line for line in output.splitlines() if line.startswith("| as given"))
     params, grads, optimizer_state = (float(cell) for cell in row.split("|")[3:6])  # GiB
     assert params + grads + optimizer_state == pytest.approx(16 * 335.1e6 / 1024**3, rel=0.01)
+
+
+def test_command_line_bf16_weights_rung(capsys, tmp_path):
+    """`--weights bf16`: 2 B/param of weights, and no stored gradient with the fused Adafactor step."""
+    options = {"optimizer": "adafactor", "optimizer_in_backward": True, "gradient_checkpointing": True}
+    bf16 = memory.estimate(small_bert(), 2, 16, weights="bf16", **options)["memory_breakdown"]
+    fp32 = memory.estimate(small_bert(), 2, 16, precision="bf16", **options)["memory_breakdown"]
+    numel = sum(parameter.numel() for parameter in small_bert().parameters())
+    assert fp32["params"] - bf16["params"] == 2 * numel  # integer buffers (position ids) keep their size
+    assert bf16["grads"] == 0
+    config = tmp_path / "config.json"
+    small_bert().config.to_json_file(config)
+    assert memory.main(["--config", str(config), "--batch-size", "2", "--seq-len", "16", "--weights", "bf16",
+                        "--optim", "adafactor", "--optim-in-backward", "--grad-checkpoint"]) == 0
+    assert any(line.startswith("| as given") for line in capsys.readouterr().out.splitlines())
+    assert memory.main(["--config", str(config), "--weights", "bf16", "--precision", "fp16"]) == 2
+    assert "weights='bf16' computes in bf16 and cannot run fp16 autocast" in capsys.readouterr().err

@@ -209,6 +209,7 @@ def test_cli_unfreeze_schedule_and_layer_lr_decay(model_dir, train_csv, tmp_path
     assert summary["config"]["unfreeze_every"] == 2 and summary["unfreeze"]["stages"] == 4
     out = capsys.readouterr().out
     assert re.search(r"unfreeze: stage 4/4 from step 6: embeddings trains", out), out
+    assert re.search(r"\| peak memory \| [\d.]+ MiB \(cpu_rss_delta, last unfreezing stage \(4/4\)\)", out), out
     config = json.loads((tmp_path / "run_config.json").read_text())
     assert config["arguments"]["layer_lr_decay"] == 0.8
 
