@@ -41,7 +41,8 @@ from looptrain.config import ConfigError, LoopConfig
 from looptrain.gradient_checkpointing import disable_gradient_checkpointing
 from looptrain.loop import Loop
 from looptrain.memory import estimate
-from looptrain.optim import OptimizerInBackward, build_optimizer, inner_optimizers
+from looptrain.memory.meters import proc_status_bytes, reset_peak_rss
+from looptrain.optim import build_optimizer, inner_optimizers
 from looptrain.precision import amp_precision, cpu_has_native_bf16, resolve_device
 
 GIB = 1024**3
@@ -627,13 +628,10 @@ def _probe(model: nn.Module, settings: Settings, batch: dict, device: str, max_g
     finally:
         for hook in hooks:
             hook.remove()
-        if isinstance(loop.optimizer, OptimizerInBackward):
+        if hasattr(loop.optimizer, "remove"):  # the wrappers' hooks (fused step, fp32 accumulation)
             loop.optimizer.remove()
         disable_gradient_checkpointing(model)
-        for parameter in model.parameters():
-            parameter.grad = None
-            if hasattr(parameter, "main_grad"):
-                del parameter.main_grad
+        loop.optimizer.zero_grad(set_to_none=True)  # the wrappers' zero_grad drops fp32 buffers too
         del loop, optimizer
         _restore_stash(model, stash)
         gc.collect()
@@ -670,18 +668,16 @@ def _restore_stash(model: nn.Module, stash: dict) -> None:
 
 def _status_bytes(field: str) -> int:
     """A `/proc/self/status` memory figure (VmRSS, VmHWM) in bytes."""
-    with open("/proc/self/status", encoding="utf-8") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise PlanError(f"/proc/self/status has no {field}: a budget of process RSS needs Linux")
+    try:
+        return proc_status_bytes(field)
+    except OSError as error:
+        raise PlanError(f"{error}: a budget of process RSS needs Linux") from error
 
 
 def _reset_peak_rss() -> None:
     """Sets the kernel's peak RSS mark (VmHWM) to the current RSS (Linux 4.0+)."""
     try:
-        with open("/proc/self/clear_refs", "w", encoding="utf-8") as clear_refs:
-            clear_refs.write("5")
+        reset_peak_rss()
     except OSError as error:
         raise PlanError(f"cannot reset the peak RSS mark ({error}): a budget of process RSS needs Linux 4.0+") from error
 

@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from looptrain.memory.meters import proc_status_bytes, reset_peak_rss
+
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "intermediate_size": 2048,
          "vocab_size": 21128}
@@ -44,14 +46,6 @@ LEARNING_RATE = 5e-5
 MIB = 2**20
 
 
-def _rss_bytes(field: str) -> int:
-    with open("/proc/self/status", encoding="utf-8") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def _baseline() -> int:
     """Imports both frameworks, resets the kernel's peak RSS mark; returns the RSS now."""
     import torch  # noqa: F401
@@ -59,9 +53,8 @@ def _baseline() -> int:
 
     import looptrain  # noqa: F401
 
-    with open("/proc/self/clear_refs", "w", encoding="utf-8") as clear_refs:
-        clear_refs.write("5")
-    return _rss_bytes("VmRSS")
+    reset_peak_rss()
+    return proc_status_bytes("VmRSS")
 
 
 def prepare(directory: Path, samples: int, seed: int) -> dict:
@@ -121,7 +114,7 @@ def worker_trainer(spec: dict) -> dict:
         trainer.save_model(os.path.join(output_dir, "final"))
     seconds = time.perf_counter() - started
     return {"seconds": seconds, "samples": len(features), "samples_per_s": len(features) / seconds,
-            "peak_rss_delta": _rss_bytes("VmHWM") - baseline}
+            "peak_rss_delta": proc_status_bytes("VmHWM") - baseline}
 
 
 def worker_looptrain(spec: dict) -> dict:
@@ -145,7 +138,7 @@ def worker_looptrain(spec: dict) -> dict:
     if code != 0:
         raise RuntimeError(f"finetune.py exited {code}")
     return {"seconds": seconds, "samples": spec["samples"], "samples_per_s": spec["samples"] / seconds,
-            "peak_rss_delta": _rss_bytes("VmHWM") - baseline, "plan": summary["plan"],
+            "peak_rss_delta": proc_status_bytes("VmHWM") - baseline, "plan": summary["plan"],
             "estimated_peak_bytes": summary["estimated_peak_bytes"], "train_seconds": summary["train_runtime_s"]}
 
 

@@ -186,10 +186,7 @@ class RandomBatchSampler(ShardedBatchSampler):
 
     def _global_batches(self, rng: np.random.Generator) -> list[list[int]]:
         order = rng.permutation(self.num_samples) if self.shuffle else np.arange(self.num_samples)
-        batches = _chunk(order.tolist(), self.batch_size)
-        if self.drop_last and batches and len(batches[-1]) < self.batch_size:
-            batches.pop()
-        return batches
+        return _chunk(order.tolist(), self.batch_size, self.drop_last)
 
 
 class LengthGroupedSampler(ShardedBatchSampler):

@@ -41,6 +41,25 @@ def current_rss_bytes() -> int:
         return peak_rss_bytes()
 
 
+def proc_status_bytes(field: str) -> int:
+    """A memory figure of ``/proc/self/status`` (``VmRSS``, ``VmHWM``) in bytes.
+
+    Raises:
+        OSError: no such file or field (not Linux).
+    """
+    with open("/proc/self/status", encoding="utf-8") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {field}")
+
+
+def reset_peak_rss() -> None:
+    """Sets the kernel's peak RSS mark (``VmHWM``) to the current RSS (Linux 4.0+; OSError elsewhere)."""
+    with open("/proc/self/clear_refs", "w", encoding="utf-8") as clear_refs:
+        clear_refs.write("5")
+
+
 def peak_rss_bytes() -> int:
     """The process's peak RSS since it started, from ``getrusage`` (KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
