@@ -14,6 +14,7 @@ from typing import Optional, Union
 
 from looptrain.precision import PRECISIONS, precision_problem, resolve_device
 from looptrain.run_log import TRACKERS
+from looptrain.unfreeze import valid_every
 
 CONFIG_PRECISIONS = (*PRECISIONS, "auto")
 WEIGHT_DTYPES = ("fp32", "bf16")
@@ -129,7 +130,7 @@ class LoopConfig:
             )
         problems.extend(_weights_problems(self))
         every = self.unfreeze_every
-        if every is not None and not (every == "epoch" or (isinstance(every, int) and not isinstance(every, bool) and every >= 1)):
+        if every is not None and not valid_every(every):
             problems.append(f"unfreeze_every must be None, 'epoch' or a positive number of optimizer updates (got {every!r})")
         if self.max_bad_windows < 1:
             problems.append(f"max_bad_windows must be >= 1 (got {self.max_bad_windows})")

@@ -106,7 +106,6 @@ class Loop:
         self.optimizer, self.scheduler = self._wrap_optimizer(optimizer), scheduler
         self._unfreezing = self._start_unfreezing(optimizer) if self.config.unfreeze_every is not None else None
         self._stage_peaks: list[int] = []
-        self._announced_stage = -1
         self.train_loader, self.eval_loader = train_loader, eval_loader
         self.precision = Precision(self.device, resolve_precision(self.config.compute_precision, self.device))
         self._trainable = (self._unfreezing.parameters if self._unfreezing is not None  # what clipping sees
@@ -279,10 +278,7 @@ class Loop:
                 f"unfreeze_every: the optimizer does not hold {missing[:3]} (and {max(0, len(missing) - 3)} more), which "
                 "the schedule unfreezes later; build the optimizer over the whole model before the Loop "
                 "(build_optimizer(model, ...)), and let the schedule freeze it")
-        schedule.apply(0)
-        if self.config.gradient_checkpointing:
-            enable_gradient_checkpointing(self.model, every=self.config.checkpoint_every)
-        return schedule
+        return schedule  # the first window enters the stage due (stage 1, or a later one on resume)
 
     def _follow_unfreezing(self) -> None:
         """Enters the unfreezing stage due before this update (a window never changes stage midway).
@@ -291,16 +287,14 @@ class Loop:
         (the last stage's is the one the summary reports; the earlier ones are kept beside it)."""
         schedule = self._unfreezing
         stage = schedule.stage_at(self.step, self.epoch)
-        if stage == self._announced_stage:
+        if stage == schedule.stage:
             return
-        if stage != schedule.stage:
-            if self.micro_step > 0:
-                self._stage_peaks.append(int(self.meter.summary(self.model, self.optimizer)["peak_memory_bytes"]))
-            schedule.apply(stage)
-            if self.config.gradient_checkpointing:
-                enable_gradient_checkpointing(self.model, every=self.config.checkpoint_every)
-            self.meter.restart_peak()
-        self._announced_stage = stage
+        if schedule.stage >= 0:  # the stage that ends now had its own peak
+            self._stage_peaks.append(int(self.meter.summary(self.model, self.optimizer)["peak_memory_bytes"]))
+        schedule.apply(stage)
+        if self.config.gradient_checkpointing:
+            enable_gradient_checkpointing(self.model, every=self.config.checkpoint_every)
+        self.meter.restart_peak()
         label = schedule.stages[stage][0]
         trainable = sum(parameter.numel() for parameter in self.model.parameters() if parameter.requires_grad)
         self._log.event({"event": "unfreeze", "step": self.step, "stage": stage + 1, "stages": len(schedule.stages),

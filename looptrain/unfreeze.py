@@ -23,6 +23,11 @@ from looptrain.freeze import layer_depths
 Every = Union[int, str]
 
 
+def valid_every(every: object) -> bool:
+    """Whether `every` names a stage length: a positive int of optimizer updates, or "epoch"."""
+    return every == "epoch" or (isinstance(every, int) and not isinstance(every, bool) and every >= 1)
+
+
 class GradualUnfreezing:
     """The stages of one model and which of them is in force.
 
@@ -36,7 +41,7 @@ class GradualUnfreezing:
     """
 
     def __init__(self, model: nn.Module, every: Every):
-        if not (every == "epoch" or (isinstance(every, int) and not isinstance(every, bool) and every >= 1)):
+        if not valid_every(every):
             raise ValueError(f"unfreeze_every must be a positive number of optimizer updates or 'epoch', got {every!r}")
         self.every = every
         self.stages: list[tuple[str, list[nn.Parameter]]] = []

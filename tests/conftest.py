@@ -86,6 +86,16 @@ def make_tiny_bert(num_labels: int = 3, num_layers: int = 2, seed: int = 0, **ov
     return BertForSequenceClassification(config)
 
 
+def task_batches(count: int, seed: int, rows: int = 16, length: int = 12) -> list[dict]:
+    """A learnable sequence task for the tiny BERT: the label is the first token's id modulo 3."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(count):
+        ids = torch.randint(5, len(WORDS) + 5, (rows, length), generator=generator)
+        batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids[:, 0] % 3})
+    return batches
+
+
 def make_tiny_tokenizer():
     """A fast WordPiece tokenizer over WORDS, built in memory with the `tokenizers` library."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import WORDS, SmallMLP, make_tiny_bert, mlp_batches, quiet_config
+from conftest import SmallMLP, make_tiny_bert, mlp_batches, quiet_config, task_batches
 from looptrain import ConfigError, Loop, build_optimizer, optimizer_state_bytes
 from looptrain.optim import BF16Optimizer, OptimizerInBackward, cast_to_bf16, gradient_of, stochastic_round_
 
@@ -120,16 +120,6 @@ def test_fp32_accumulation_sums_each_micro_batch_exactly_and_beats_bf16_sums():
 
 
 # ------------------------------------------------------------------ it learns
-def task_batches(count: int, seed: int, rows: int = 16, length: int = 12) -> list[dict]:
-    """A learnable sequence task for the tiny BERT: the label is the first token's id modulo 3."""
-    generator = torch.Generator().manual_seed(seed)
-    batches = []
-    for _ in range(count):
-        ids = torch.randint(5, len(WORDS) + 5, (rows, length), generator=generator)
-        batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids[:, 0] % 3})
-    return batches
-
-
 def held_out_loss(model: nn.Module, batches: list[dict]) -> float:
     model.eval()
     bf16 = next(model.parameters()).dtype == BF16

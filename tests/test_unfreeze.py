@@ -8,14 +8,12 @@ import re
 import pytest
 import torch
 
-from conftest import load_finetune_script, make_tiny_bert, quiet_config, write_csv
+from conftest import load_finetune_script, make_tiny_bert, quiet_config, task_batches, write_csv
 from looptrain import ConfigError, Loop, LoopConfig, build_optimizer, freeze_embeddings
 from looptrain.config import check_process_group
 from looptrain.freeze import layer_depths
 from looptrain.gradient_checkpointing import checkpointed_block_indices
 from looptrain.optim import build_parameter_groups
-
-from test_bf16 import task_batches
 
 finetune = load_finetune_script("finetune_for_unfreeze")
 
