@@ -1,5 +1,6 @@
 # The README's two commands. Each creates .venv and installs what it needs by itself.
-#   make test   run the test suite
+#   make test   lint, then run the test suite
+#   make lint   ruff over the whole tree (tests and scripts included); the rule set is in pyproject.toml
 #   make demo   fine-tune the embedded model on the embedded data (a few minutes on 2 CPU cores)
 # GPU users: make test TORCH_SPEC='torch>=2.4' (keeps or installs a CUDA build instead of the CPU pin).
 
@@ -15,7 +16,7 @@ DEMO_ARGS ?= --amp --batch-size 8 --accum 4 --lr 1e-4 --group-by-length --max-tr
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: test demo install clean
+.PHONY: test lint demo install clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,7 +27,10 @@ $(STAMP): setup.cfg pyproject.toml
 
 install: $(STAMP)
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+test: lint
 	$(PY) -m pytest -q
 
 demo: $(STAMP)

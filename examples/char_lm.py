@@ -23,7 +23,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without install
 
-from looptrain import Loop, LoopConfig  # noqa: E402
+from looptrain import Loop, LoopConfig
 
 TEXT = """\
 Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to

@@ -25,7 +25,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without install
 
-from looptrain import Loop, LoopConfig  # noqa: E402
+from looptrain import Loop, LoopConfig
 
 TAGS = ["O", "B-PER", "I-PER", "B-LOC"]
 # Some words are a first name or a place depending on context: "jordan hopper" is a person, "in jordan" a place.

@@ -10,7 +10,7 @@ when it is an integer tensor (nanoGPT's `x, y`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,7 +18,7 @@ from torch import nn
 from looptrain import distributed
 
 IGNORE_INDEX = -100
-Items = Union[torch.Tensor, int]
+Items = torch.Tensor | int
 
 
 def first_dimension(batch: Any) -> int:
@@ -40,7 +40,7 @@ def first_dimension(batch: Any) -> int:
     )
 
 
-def labels_of(batch: Any) -> Optional[torch.Tensor]:
+def labels_of(batch: Any) -> torch.Tensor | None:
     """A dict batch's `labels`; a list / tuple batch's last element when it holds integer ids; else None."""
     if isinstance(batch, Mapping):
         labels = batch.get("labels")
@@ -77,7 +77,8 @@ def as_loss_sum(loss: Any, items: Items, device: torch.device) -> tuple[torch.Te
         mean = True
     if not isinstance(loss, torch.Tensor):
         raise TypeError(
-            f"compute_loss returned {type(loss).__name__}; return a scalar tensor (the mean loss) or (loss_sum, num_items)"
+            f"compute_loss returned {type(loss).__name__}; return a scalar tensor (the mean loss) or "
+            "(loss_sum, num_items)"
         )
     items = torch.as_tensor(items, dtype=torch.float32).to(device)
     return (loss.float() * items if mean else loss.float()), items

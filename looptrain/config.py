@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional, Union
 
 from looptrain.precision import PRECISIONS, precision_problem, resolve_device
 from looptrain.run_log import TRACKERS
@@ -36,32 +35,42 @@ class LoopConfig:
     max_steps: int = -1  # stop after this many optimizer updates (-1: run all epochs)
     accum_steps: int = 1  # micro-batches per optimizer update (gradient accumulation)
     seed: int = 42  # seeds python, numpy and torch before the model sees data
-    unfreeze_every: Union[int, str, None] = None  # gradual unfreezing: head first, one more block from the top every N updates or "epoch"
+    unfreeze_every: int | str | None = None  # gradual unfreezing: head first, one more block from the top
+                                             # every N updates or "epoch"
     # --- precision and stability ---
-    precision: str = "fp32"  # autocast dtype: fp32 (off), bf16, fp16 (with a GradScaler), or auto (what is fast on this device)
-    max_grad_norm: Optional[float] = 1.0  # clip gradients to this norm after unscaling (None: off)
-    clip_mode: str = "auto"  # global | per_parameter | previous_global; auto = global, or per_parameter with optimizer_in_backward
+    precision: str = "fp32"  # autocast dtype: fp32 (off), bf16, fp16 (with a GradScaler), or auto (what is fast
+                             # on this device)
+    max_grad_norm: float | None = 1.0  # clip gradients to this norm after unscaling (None: off)
+    clip_mode: str = "auto"  # global | per_parameter | previous_global; auto = global, or per_parameter with
+                             # optimizer_in_backward
     # --- memory strategies ---
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more time
     checkpoint_every: int = 1  # with gradient_checkpointing: checkpoint every k-th block (1: all; 2: every other one)
     optimizer_in_backward: bool = False  # step each parameter inside backward and free its grad at once
-    weights: str = "fp32"  # parameter storage: fp32, or bf16 (2 B/param, no fp32 master copy: updates in fp32, rounded back stochastically)
-    stochastic_rounding: bool = True  # with weights=bf16: round each update up or down at random, unbiased (False: to nearest, small updates vanish)
-    grad_dtype: str = "bf16"  # with weights=bf16: gradients accumulate in bf16 (2 B/param) or fp32 (4 B/param, for long accumulation windows)
+    weights: str = "fp32"  # parameter storage: fp32, or bf16 (2 B/param, no fp32 master copy: updates in fp32,
+                           # rounded back stochastically)
+    stochastic_rounding: bool = True  # with weights=bf16: round each update up or down at random, unbiased
+                                      # (False: to nearest, small updates vanish)
+    grad_dtype: str = "bf16"  # with weights=bf16: gradients accumulate in bf16 (2 B/param) or fp32 (4 B/param,
+                              # for long accumulation windows)
     # --- device ---
     device: str = "auto"  # auto (cuda when present, else cpu), cpu, cuda, cuda:1, ...
     # --- logging, evaluation, checkpoints ---
     log_every: int = 10  # optimizer updates between log lines
     progress_bar: bool = True  # tqdm bar on a terminal; plain log lines otherwise
-    eval_every: Union[int, str] = "epoch"  # "epoch", N optimizer updates, or "no"
-    output_dir: Optional[str] = None  # metrics.jsonl, checkpoints and summary.json go here (None: write nothing)
-    save_total_limit: Optional[int] = None  # keep this many newest checkpoints, plus the best (None: keep all)
-    metric_for_best: Optional[str] = None  # eval metric that picks the best checkpoint (None: f1 when evaluated, else loss)
-    greater_is_better: Optional[bool] = None  # direction of metric_for_best (None: lower for loss/perplexity/error names)
+    eval_every: int | str = "epoch"  # "epoch", N optimizer updates, or "no"
+    output_dir: str | None = None  # metrics.jsonl, checkpoints and summary.json go here (None: write nothing)
+    save_total_limit: int | None = None  # keep this many newest checkpoints, plus the best (None: keep all)
+    metric_for_best: str | None = None  # eval metric that picks the best checkpoint (None: f1 when evaluated,
+                                        # else loss)
+    greater_is_better: bool | None = None  # direction of metric_for_best (None: lower for loss/perplexity/error names)
     load_best_at_end: bool = False  # reload the best checkpoint's weights when training ends
-    resume: Optional[str] = None  # "auto" (continue the run in output_dir, if it is this run) or a checkpoint directory (forced)
-    overwrite: bool = False  # a fresh run into an output_dir holding another run moves that run aside (never deletes it)
-    run_identity: dict = field(default_factory=dict)  # besides the schedule and seed, what makes this the same run (the CLI: model, data files)
+    resume: str | None = None  # "auto" (continue the run in output_dir, if it is this run) or a checkpoint
+                               # directory (forced)
+    overwrite: bool = False  # a fresh run into an output_dir holding another run moves that run aside
+                             # (never deletes it)
+    run_identity: dict = field(default_factory=dict)  # besides the schedule and seed, what makes this the same
+                                                      # run (the CLI: model, data files)
     max_bad_windows: int = 5  # stop after this many consecutive windows with a non-finite loss or gradient
     auto_batch: bool = False  # on out-of-memory, halve the micro-batch and double accumulation, then retry
     track_memory: bool = True  # CPU: count every tensor for an exact peak and breakdown (slower); False: RSS only
@@ -73,14 +82,17 @@ class LoopConfig:
         if self.epochs < 1:
             problems.append(f"epochs must be >= 1 (got {self.epochs})")
         if self.max_steps == 0 or self.max_steps < -1:
-            problems.append(f"max_steps must be a positive number of updates or -1 for 'no limit' (got {self.max_steps})")
+            problems.append(
+                f"max_steps must be a positive number of updates or -1 for 'no limit' (got {self.max_steps})"
+            )
         if self.accum_steps < 1:
             problems.append(f"accum_steps must be >= 1 (got {self.accum_steps}); use 1 for no accumulation")
         if self.precision not in CONFIG_PRECISIONS:
             problems.append(f"precision must be one of {', '.join(CONFIG_PRECISIONS)} (got {self.precision!r})")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             problems.append(f"max_grad_norm must be > 0, or None to disable clipping (got {self.max_grad_norm})")
-        if not isinstance(self.checkpoint_every, int) or isinstance(self.checkpoint_every, bool) or self.checkpoint_every < 1:
+        if (not isinstance(self.checkpoint_every, int) or isinstance(self.checkpoint_every, bool)
+                or self.checkpoint_every < 1):
             problems.append(f"checkpoint_every must be a positive integer (got {self.checkpoint_every!r})")
         elif self.checkpoint_every > 1 and not self.gradient_checkpointing:
             problems.append("checkpoint_every > 1 chooses which blocks gradient checkpointing recomputes: "
@@ -90,15 +102,25 @@ class LoopConfig:
         if self.log_every < 1:
             problems.append(f"log_every must be >= 1 (got {self.log_every})")
         if not _valid_eval_every(self.eval_every):
-            problems.append(f"eval_every must be 'epoch', 'no' or a positive number of updates (got {self.eval_every!r})")
+            problems.append(
+                f"eval_every must be 'epoch', 'no' or a positive number of updates (got {self.eval_every!r})"
+            )
         if self.save_total_limit is not None and self.save_total_limit < 1:
-            problems.append(f"save_total_limit must be >= 1, or None to keep every checkpoint (got {self.save_total_limit})")
+            problems.append(
+                f"save_total_limit must be >= 1, or None to keep every checkpoint (got {self.save_total_limit})"
+            )
         if self.metric_for_best is not None and (not isinstance(self.metric_for_best, str) or not self.metric_for_best):
-            problems.append(f"metric_for_best must be a metric name such as 'f1' or 'loss', or None (got {self.metric_for_best!r})")
+            problems.append(
+                f"metric_for_best must be a metric name such as 'f1' or 'loss', or None "
+                f"(got {self.metric_for_best!r})"
+            )
         trackers = [name.strip() for name in str(self.report_to).split(",") if name.strip()]
         unknown = [name for name in trackers if name not in ("none", *TRACKERS)]
         if unknown or not trackers:
-            problems.append(f"report_to must be 'none' or comma-separated names from {', '.join(TRACKERS)} (got {self.report_to!r})")
+            problems.append(
+                f"report_to must be 'none' or comma-separated names from {', '.join(TRACKERS)} "
+                f"(got {self.report_to!r})"
+            )
         elif self.output_dir is None and "none" not in trackers:
             problems.append(f"report_to={self.report_to!r} writes its files under output_dir: set output_dir")
         if self.optimizer_in_backward:
@@ -131,7 +153,9 @@ class LoopConfig:
         problems.extend(_weights_problems(self))
         every = self.unfreeze_every
         if every is not None and not valid_every(every):
-            problems.append(f"unfreeze_every must be None, 'epoch' or a positive number of optimizer updates (got {every!r})")
+            problems.append(
+                f"unfreeze_every must be None, 'epoch' or a positive number of optimizer updates (got {every!r})"
+            )
         if self.max_bad_windows < 1:
             problems.append(f"max_bad_windows must be >= 1 (got {self.max_bad_windows})")
         if self.auto_batch and self.optimizer_in_backward:
@@ -146,7 +170,9 @@ class LoopConfig:
         if self.resume is not None and self.output_dir is None and self.resume == "auto":
             problems.append("resume='auto' looks for checkpoints in output_dir: set output_dir")
         if self.overwrite and self.resume is not None:
-            problems.append("overwrite=True starts a fresh run, resume continues one: pass one of them (--overwrite, --resume)")
+            problems.append(
+                "overwrite=True starts a fresh run, resume continues one: pass one of them (--overwrite, --resume)"
+            )
         if not isinstance(self.run_identity, dict):
             problems.append(f"run_identity must be a dict of JSON values (got {type(self.run_identity).__name__})")
         if not self.device or not isinstance(self.device, str):
@@ -181,7 +207,8 @@ class LoopConfig:
 
     def identity(self) -> dict:
         """What makes a run the same run: its schedule and seed, plus `run_identity` (see `looptrain.ledger`)."""
-        identity = {"accum_steps": self.accum_steps, "epochs": self.epochs, "max_steps": self.max_steps, "seed": self.seed}
+        identity = {"accum_steps": self.accum_steps, "epochs": self.epochs, "max_steps": self.max_steps,
+                    "seed": self.seed}
         if self.unfreeze_every is not None:  # which parameters train at each step
             identity["unfreeze_every"] = self.unfreeze_every
         return {**identity, **self.run_identity}
@@ -197,7 +224,9 @@ def default_best_mode(metric_name: str) -> str:
     return "min" if any(word in name for word in LOWER_IS_BETTER_WORDS) else "max"
 
 
-def check_process_group(config: LoopConfig, world_size: int, *, sharded: bool, optimizer_name: Optional[str] = None) -> None:
+def check_process_group(
+    config: LoopConfig, world_size: int, *, sharded: bool, optimizer_name: str | None = None
+) -> None:
     """The checks that depend on the process group (torchrun), as `ConfigError` naming the options.
 
     Args:
@@ -250,7 +279,9 @@ def _weights_problems(config: LoopConfig) -> list:
     if config.weights == "fp32":
         problems = []
         if not config.stochastic_rounding:
-            problems.append("stochastic_rounding=False only applies with weights='bf16' (fp32 weights are never rounded)")
+            problems.append(
+                "stochastic_rounding=False only applies with weights='bf16' (fp32 weights are never rounded)"
+            )
         if config.grad_dtype != "bf16":
             problems.append("grad_dtype only applies with weights='bf16' (fp32 weights have fp32 gradients)")
         return problems
@@ -289,7 +320,10 @@ def _valid_eval_every(value) -> bool:
 
 
 def field_help() -> dict:
-    """Each field's one-line comment in the class body, for help texts (empty when no source is available)."""
+    """Each field's comment in the class body, for help texts (empty when no source is available).
+
+    A comment that does not fit on the field's line goes on in comment lines indented past the field.
+    """
     import inspect
     import re
 
@@ -297,5 +331,19 @@ def field_help() -> dict:
         source = inspect.getsource(LoopConfig)
     except (OSError, TypeError):
         return {}
-    pattern = re.compile(r"^\s+(\w+): [^=]+=.*?#\s*(.+)$")
-    return {match.group(1): match.group(2).strip() for match in map(pattern.match, source.splitlines()) if match}
+    pattern = re.compile(r"^(\s+)(\w+): [^=]+=.*?#\s*(.+)$")
+    continuation = re.compile(r"^(\s+)#\s*(.+)$")  # a comment line indented past the field: the comment goes on
+    helps: dict = {}
+    field_indent, name = None, None
+    for line in source.splitlines():
+        match = pattern.match(line)
+        if match:
+            field_indent, name = len(match.group(1)), match.group(2)
+            helps[name] = match.group(3).strip()
+            continue
+        more = continuation.match(line)
+        if more and name is not None and len(more.group(1)) > field_indent:
+            helps[name] += " " + more.group(2).strip()
+        else:
+            name = None
+    return helps

@@ -244,7 +244,9 @@ class FullStateOptimizer:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         self.module, self.optimizer = module, optimizer
-        self.full = get_optimizer_state_dict(module, optimizer, options=_full_options(cpu_offload=False)) if gather else None
+        self.full = (
+            get_optimizer_state_dict(module, optimizer, options=_full_options(cpu_offload=False)) if gather else None
+        )
 
     def state_dict(self):
         return self.full

@@ -11,11 +11,10 @@ from __future__ import annotations
 import fnmatch
 import re
 from collections.abc import Iterable, Sequence
-from typing import Union
 
 from torch import nn
 
-ModuleOrParameters = Union[nn.Module, nn.Parameter, Iterable[Union[nn.Module, nn.Parameter]]]
+ModuleOrParameters = nn.Module | nn.Parameter | Iterable[nn.Module | nn.Parameter]
 
 # Attribute names under which architectures keep their list of repeated blocks, e.g.
 # BERT/RoBERTa/DeBERTa/ELECTRA `encoder.layer`, GPT-2 `h`, LLaMA/Mistral `layers`, T5 `block`.

@@ -179,7 +179,8 @@ def enable_gradient_checkpointing(model: nn.Module, segments: int | None = None,
         # Model-level flags (GPT-2, LLaMA) make the model drop the KV cache while training, as HF's
         # own switch does; the blocks above decide what is recomputed.
         for module in model.modules():
-            if module not in blocks and hasattr(module, "gradient_checkpointing") and not _is_hf_checkpointing_layer(module):
+            if (module not in blocks and hasattr(module, "gradient_checkpointing")
+                    and not _is_hf_checkpointing_layer(module)):
                 module.gradient_checkpointing = True
     return checkpointed
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 import signal
 import threading
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -34,12 +35,14 @@ class SignalGuard:
 
     def __init__(self, echo: Callable[[str], None] = print):
         self.echo = echo
-        self.received: Optional[str] = None  # the name of the first signal caught ("SIGTERM", "SIGINT")
+        self.received: str | None = None  # the name of the first signal caught ("SIGTERM", "SIGINT")
         self._previous: dict = {}
 
-    def __enter__(self) -> "SignalGuard":
+    def __enter__(self) -> SignalGuard:
         if threading.current_thread() is threading.main_thread():  # handlers install on the main thread only
-            self._previous = {number: signal.signal(number, self._request_stop) for number in (signal.SIGTERM, signal.SIGINT)}
+            self._previous = {
+                number: signal.signal(number, self._request_stop) for number in (signal.SIGTERM, signal.SIGINT)
+            }
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -74,7 +77,9 @@ class BadWindowGuard:
         self.max_bad_windows = max_bad_windows
         self.in_a_row = 0
 
-    def check(self, loss_is_finite: bool, stepped: bool, scaler_enabled: bool, where: str, last_checkpoint: Any) -> Optional[str]:
+    def check(
+        self, loss_is_finite: bool, stepped: bool, scaler_enabled: bool, where: str, last_checkpoint: Any
+    ) -> str | None:
         """Records one window; returns why it was skipped (None when it stepped).
 
         Args:
@@ -135,7 +140,8 @@ def memory_held(model: Any, optimizer: Any, device: torch.device) -> str:
     from looptrain.optim import optimizer_state_bytes
 
     lines = [f"  held at the failure: params {parameter_bytes(model) / 2**20:.1f} MiB, grads "
-             f"{gradient_bytes(model) / 2**20:.1f} MiB, optimizer state {optimizer_state_bytes(optimizer) / 2**20:.1f} MiB"]
+             f"{gradient_bytes(model) / 2**20:.1f} MiB, optimizer state "
+             f"{optimizer_state_bytes(optimizer) / 2**20:.1f} MiB"]
     if device.type == "cuda":
         lines.append(f"  CUDA allocated {torch.cuda.memory_allocated(device) / 2**20:.1f} MiB of "
                      f"{torch.cuda.get_device_properties(device).total_memory / 2**20:.0f} MiB")

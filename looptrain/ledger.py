@@ -21,15 +21,17 @@ import hashlib
 import json
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 from looptrain import state
 
 LOCK_FILE = ".looptrain.lock"
 RUN_FILE = "run.json"
 # What a run writes at the top of its output directory; their presence means a run lives there.
-RUN_ARTIFACTS = (RUN_FILE, "metrics.jsonl", "summary.json", "final")  # run_config.json is written just before a run begins
+# (run_config.json is not among them: it is written just before a run begins.)
+RUN_ARTIFACTS = (RUN_FILE, "metrics.jsonl", "summary.json", "final")
 _HELD: dict[str, list] = {}  # locks this process holds: path -> [file descriptor, count] (re-entrant)
 
 
@@ -68,7 +70,7 @@ class OutputDirLock:
         self.path = Path(output_dir) / LOCK_FILE
         self.echo = echo
 
-    def __enter__(self) -> "OutputDirLock":
+    def __enter__(self) -> OutputDirLock:
         key = str(self.path.resolve())
         if key in _HELD:
             _HELD[key][1] += 1
@@ -85,7 +87,9 @@ class OutputDirLock:
                     f"{holder.get('host', '?')}, since {holder.get('started', '?')}); wait for it to finish, or "
                     "pass another --output-dir (output_dir)"
                 )
-            if holder.get("pid") and not (holder.get("host") == socket.gethostname() and _pid_alive(int(holder["pid"]))):
+            if holder.get("pid") and not (
+                holder.get("host") == socket.gethostname() and _pid_alive(int(holder["pid"]))
+            ):
                 self.echo(f"notice: taking over the lock of {self.path.parent} left by PID {holder['pid']}, which is "
                           "no longer running (a killed run)")
             os.ftruncate(descriptor, 0)
@@ -157,7 +161,7 @@ class RunLedger:
     def run_file(self) -> Path:
         return self.output_dir / RUN_FILE
 
-    def read(self) -> Optional[dict]:
+    def read(self) -> dict | None:
         """The directory's run.json, or None when there is none (or it cannot be read)."""
         try:
             return json.loads(self.run_file.read_text(encoding="utf-8"))
@@ -172,7 +176,7 @@ class RunLedger:
         found += [name for name in RUN_ARTIFACTS if (self.output_dir / name).exists()]
         return found
 
-    def begin(self, identity: dict, resume: Optional[str], overwrite: bool = False) -> dict:
+    def begin(self, identity: dict, resume: str | None, overwrite: bool = False) -> dict:
         """Checks the directory against this run before anything is read or written.
 
         Args:

@@ -28,7 +28,7 @@ import math
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -90,7 +90,7 @@ class Loop:
     """
 
     def __init__(self, model: nn.Module, optimizer: Any, train_loader, *, eval_loader=None, scheduler=None,
-                 config: Optional[LoopConfig] = None):
+                 config: LoopConfig | None = None):
         self.config = config if config is not None else LoopConfig()
         self._place = distributed.init_distributed(self.config.device)  # torchrun's group, if launched by it
         self.device = distributed.device_for(resolve_device(self.config.device), self._place)
@@ -113,20 +113,22 @@ class Loop:
         if not self._trainable:
             raise ValueError("the model has no trainable parameters: unfreeze some (see looptrain.freeze)")
         # The tensor tracker is not built for DTensors: sharded runs measure RSS (CPU) or the allocator (CUDA).
-        self.meter = make_meter(self.device, track_tensors=self.config.track_memory and not distributed.is_fsdp(self.model))
+        self.meter = make_meter(self.device,
+                                track_tensors=self.config.track_memory and not distributed.is_fsdp(self.model))
         self.output_dir = Path(self.config.output_dir) if self.config.output_dir else None
         self.step = self.micro_step = self.skipped_steps = 0
         self.epoch = self.batch_in_epoch = 0
-        self.last_eval: Optional[dict] = None
-        self.best = state.BestTracker(self.config.metric_for_best or "loss", self.config.best_mode_for(self.config.metric_for_best or "loss"))
-        self.interrupted: Optional[str] = None
+        self.last_eval: dict | None = None
+        self.best = state.BestTracker(self.config.metric_for_best or "loss",
+                                      self.config.best_mode_for(self.config.metric_for_best or "loss"))
+        self.interrupted: str | None = None
         self._log = RunLog(self.output_dir, is_main=self._place.is_main, report_to=self.config.report_to,
                            progress_bar=self.config.progress_bar)
         self._signals = SignalGuard(echo=self._log.echo)
         self._bad_windows = BadWindowGuard(self.config.max_bad_windows)
         self._micro_batch_splits = 1  # auto_batch doubles it after an out-of-memory
-        self._epoch_rng_state: Optional[torch.Tensor] = None
-        self._rng_after_skip: Optional[dict] = None
+        self._epoch_rng_state: torch.Tensor | None = None
+        self._rng_after_skip: dict | None = None
         self._last_eval_step = self._last_checkpoint_step = -1
         self._first_step = 0
         self._run_checkpoints: set[str] = set()
@@ -194,14 +196,16 @@ class Loop:
                 self.batch_in_epoch += len(window)
                 loss_sum, num_items = float(result.loss_sum), int(result.num_items)
                 batches.check_item_counts(num_items, int(result.loss_items), self._where())
-                self._log.totals.add_window(*batches.window_samples_and_tokens(window, self.device), loss_sum, num_items)
+                self._log.totals.add_window(*batches.window_samples_and_tokens(window, self.device), loss_sum,
+                                            num_items)
                 self._log.advance_progress(int(result.stepped))
                 reason = self._bad_windows.check(math.isfinite(loss_sum), result.stepped, self.scaler.is_enabled(),
                                                  self._where(), self._last_good_checkpoint())
                 if reason is not None:
                     self._log.event({"event": "skipped", "step": self.step, "micro_step": self.micro_step,
                                      "skipped_steps": self.skipped_steps, "reason": reason})
-                self.on_step_end(step=self.step, loss_sum=result.loss_sum, num_items=num_items, grad_norm=result.grad_norm)
+                self.on_step_end(step=self.step, loss_sum=result.loss_sum, num_items=num_items,
+                                 grad_norm=result.grad_norm)
                 self._log.heartbeat(self._progress_line)
                 if result.stepped and self.step % config.log_every == 0:
                     self._log_train(result.grad_norm)
@@ -227,7 +231,8 @@ class Loop:
         self.wrapped_model.train()
         micro_batches = [piece for batch in window for piece in split_batch(batch, self._micro_batch_splits)]
         counts = [self.count_items(batch) for batch in micro_batches]  # before any forward, as HF's num_items_in_batch
-        (num_items,) = distributed.all_reduce_tensors_sum(batches.total_items(counts, self.device))  # the window's items, every rank
+        # The window's items, summed over every rank.
+        (num_items,) = distributed.all_reduce_tensors_sum(batches.total_items(counts, self.device))
         divisor = num_items.clamp(min=1.0) / self._place.world_size  # DDP and FSDP2 average gradients over ranks
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         loss_items = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -239,7 +244,8 @@ class Loop:
                 with self.precision.autocast():
                     micro_loss, micro_items = as_loss_sum(self.compute_loss(batch), items, self.device)
                 self.meter.mark("backward")
-                self.precision.backward(micro_loss / divisor)  # each item weighs 1 / (the window's items): the exact mean
+                # Each item weighs 1 / (the window's items): the exact mean.
+                self.precision.backward(micro_loss / divisor)
             loss_sum += micro_loss.detach()
             loss_items += micro_items
             self.micro_step += 1
@@ -275,8 +281,8 @@ class Loop:
                    if parameter.requires_grad and id(parameter) not in held]
         if missing:
             raise ValueError(
-                f"unfreeze_every: the optimizer does not hold {missing[:3]} (and {max(0, len(missing) - 3)} more), which "
-                "the schedule unfreezes later; build the optimizer over the whole model before the Loop "
+                f"unfreeze_every: the optimizer does not hold {missing[:3]} (and {max(0, len(missing) - 3)} more), "
+                "which the schedule unfreezes later; build the optimizer over the whole model before the Loop "
                 "(build_optimizer(model, ...)), and let the schedule freeze it")
         return schedule  # the first window enters the stage due (stage 1, or a later one on resume)
 
@@ -411,7 +417,9 @@ class Loop:
             batch = move_to(batch, self.device)
             with self.precision.autocast():
                 evaluation.update(self.eval_step(batch))
-            self._log.heartbeat(lambda: f"evaluating at step {self.step}: batch {index}" + _of_length(loader))
+            self._log.heartbeat(
+                lambda index=index: f"evaluating at step {self.step}: batch {index}" + _of_length(loader)
+            )
         self.wrapped_model.train(was_training)
         shards = distributed.all_gather_objects(evaluation)  # under DDP each rank scored its own shard
         evaluation = shards[0]
@@ -456,7 +464,7 @@ class Loop:
         self._log.totals.restart_clock()  # evaluation and saving are not training time
 
     # ------------------------------------------------------------------ checkpoints and resume
-    def _save_checkpoint(self, eval_metrics: Optional[dict]) -> None:
+    def _save_checkpoint(self, eval_metrics: dict | None) -> None:
         """Writes `checkpoint-<step>/` atomically; the best moves to it once it is safely on disk."""
         best = copy.deepcopy(self.best)
         name = state.checkpoint_name(self.step)
@@ -496,7 +504,8 @@ class Loop:
             self._log.echo(f"warning: {warning}")
         forced = self.config.resume not in (None, "auto")
         if self.output_dir is None:
-            return {"action": "resume" if forced else "fresh", "checkpoints": [Path(self.config.resume)] if forced else []}
+            return {"action": "resume" if forced else "fresh",
+                    "checkpoints": [Path(self.config.resume)] if forced else []}
         plan = None
         if self._place.is_main:
             plan = self._ledger.begin(self.config.identity(), self.config.resume, self.config.overwrite)
@@ -506,7 +515,8 @@ class Loop:
                 self._log.event({"event": "resume", "step": 0, "checkpoint": None,
                                  "message": "no checkpoint of this run yet: training starts again from scratch; the "
                                             "events after this one supersede any logged before it"},
-                                line=f"resume=auto: no checkpoint of this run in {self.output_dir} yet, starting from scratch")
+                                line=f"resume=auto: no checkpoint of this run in {self.output_dir} yet, "
+                                     "starting from scratch")
             elif self.config.resume == "auto" and plan["action"] == "fresh":
                 self._log.echo(f"resume=auto: nothing in {self.output_dir} yet, starting from scratch")
         return distributed.all_gather_objects(plan)[0]  # every rank follows rank 0's decision
@@ -556,7 +566,8 @@ class Loop:
         self._log.event({"event": "resume", "step": self.step, "micro_step": self.micro_step, "epoch": self.epoch,
                          "checkpoint": str(path),
                          "message": "the events after this one supersede any logged before it for later steps"},
-                        line=f"resumed from {path} at step {self.step} (epoch {self.epoch}, micro-batch {self.batch_in_epoch})")
+                        line=f"resumed from {path} at step {self.step} (epoch {self.epoch}, "
+                             f"micro-batch {self.batch_in_epoch})")
 
     def _load_best(self) -> None:
         """Loads the best checkpoint's weights into the model (`load_best_at_end`)."""
@@ -578,7 +589,7 @@ class Loop:
     def _reached_max_steps(self) -> bool:
         return 0 < self.config.max_steps <= self.step
 
-    def _planned_updates(self) -> Optional[int]:
+    def _planned_updates(self) -> int | None:
         try:
             return planned_updates(len(self.train_loader), self.config)
         except TypeError:  # a loader without a length
@@ -587,7 +598,7 @@ class Loop:
     def _where(self, step_only: bool = False) -> str:
         return f"step {self.step}" if step_only else f"step {self.step} (micro-step {self.micro_step})"
 
-    def _last_good_checkpoint(self) -> Optional[Path]:
+    def _last_good_checkpoint(self) -> Path | None:
         return state.latest_checkpoint(self.output_dir) if self.output_dir is not None else None
 
     def _progress_line(self) -> str:
@@ -661,7 +672,9 @@ class _captured_output:
         self.captured: dict = {}
 
     def __enter__(self) -> dict:
-        self._handle = self.model.register_forward_hook(lambda module, args, output: self.captured.update(output=output))
+        self._handle = self.model.register_forward_hook(
+            lambda module, args, output: self.captured.update(output=output)
+        )
         return self.captured
 
     def __exit__(self, *exc_info) -> None:
@@ -675,7 +688,7 @@ def _of_length(loader: Any) -> str:
         return ""
 
 
-def _logits_of(output: Any) -> Optional[torch.Tensor]:
+def _logits_of(output: Any) -> torch.Tensor | None:
     if isinstance(output, torch.Tensor):
         return output
     if isinstance(output, Mapping):
@@ -683,5 +696,5 @@ def _logits_of(output: Any) -> Optional[torch.Tensor]:
     return getattr(output, "logits", None)
 
 
-def _vocab_size_of(model: nn.Module) -> Optional[int]:
+def _vocab_size_of(model: nn.Module) -> int | None:
     return getattr(getattr(model, "config", None), "vocab_size", None)

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,7 +48,7 @@ __all__ = [
 
 IGNORE_INDEX = -100
 
-ArrayLike = Union[torch.Tensor, np.ndarray, Sequence[int]]
+ArrayLike = torch.Tensor | np.ndarray | Sequence[int]
 # A head with more outputs than this is taken for a vocabulary, not a label set: its confusion
 # matrix would not fit in memory (50k classes: 20 GB). Override Loop.make_metrics for such tasks.
 MAX_CLASSES = 1024
@@ -282,8 +282,8 @@ class ClassificationMetrics:
 
     def update(
         self,
-        logits_or_predictions: Union[torch.Tensor, Mapping[str, Any]],
-        labels: Optional[torch.Tensor] = None,
+        logits_or_predictions: torch.Tensor | Mapping[str, Any],
+        labels: torch.Tensor | None = None,
         loss_sum: float | torch.Tensor | None = None,
         count: int | None = None,
     ) -> None:
@@ -342,7 +342,7 @@ class ClassificationMetrics:
                 "(or on none) so that the mean loss covers the same items as the scores."
             )
 
-    def merge(self, other: "ClassificationMetrics") -> None:
+    def merge(self, other: ClassificationMetrics) -> None:
         """Adds another accumulator's counts (another rank's shard of the evaluation set)."""
         size = max(self._matrix.shape[0], other._matrix.shape[0])
         self._grow(size)
@@ -381,7 +381,7 @@ class ClassificationMetrics:
         return result
 
 
-def scoreable_logits(logits: Any, labels: Any, vocab_size: Optional[int] = None) -> bool:
+def scoreable_logits(logits: Any, labels: Any, vocab_size: int | None = None) -> bool:
     """Whether `logits` are class scores for integer `labels` (one row of scores per label).
 
     True for `[N, C]` logits with `[N]` labels (sequence classification), `[N, T, C]` with `[N, T]`
@@ -412,13 +412,13 @@ class EvalMetrics:
         num_labels: the number of classes, when known (the macro F1 then averages over all of them).
     """
 
-    def __init__(self, num_labels: Optional[int] = None):
+    def __init__(self, num_labels: int | None = None):
         self.num_labels = num_labels
         self.loss_sum = 0.0
         self.items = 0.0
         self.rows = 0
         self.token_level = False
-        self.classification: Optional[ClassificationMetrics] = None
+        self.classification: ClassificationMetrics | None = None
 
     def update(self, output: Mapping[str, Any]) -> None:
         """Adds one `eval_step` output: `loss_sum` and `num_items`, and `logits`/`predictions` with `labels`."""
@@ -434,14 +434,16 @@ class EvalMetrics:
             rows = int(output.get("rows", items))
             self.rows += rows
             self.token_level = self.token_level or items > rows
-        if output.get("labels") is not None and (output.get("logits") is not None or output.get("predictions") is not None):
+        if output.get("labels") is not None and (
+            output.get("logits") is not None or output.get("predictions") is not None
+        ):
             if self.classification is None:
                 self.classification = ClassificationMetrics(num_labels=self.num_labels)
             scores = output["logits"] if output.get("logits") is not None else output["predictions"]
             self.classification.update(scores, output["labels"])
             self.token_level = self.token_level or output["labels"].dim() > 1
 
-    def merge(self, other: "EvalMetrics") -> None:
+    def merge(self, other: EvalMetrics) -> None:
         """Adds another rank's sums (its shard of the evaluation set)."""
         self.loss_sum += other.loss_sum
         self.items += other.items

@@ -32,15 +32,16 @@ import gc
 import math
 import re
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 from torch import nn
 
 from looptrain.config import ConfigError, LoopConfig
 from looptrain.gradient_checkpointing import disable_gradient_checkpointing
 from looptrain.loop import Loop
-from looptrain.memory import estimate
+from looptrain.memory import bounding_windows, estimate, estimate_windows
 from looptrain.memory.meters import proc_status_bytes, reset_peak_rss
 from looptrain.optim import build_optimizer, inner_optimizers
 from looptrain.precision import amp_precision, cpu_has_native_bf16, resolve_device
@@ -103,7 +104,7 @@ class Settings:
     gradient_checkpointing: bool = False
     checkpoint_every: int = 1
     optimizer_in_backward: bool = False
-    foreach: Optional[bool] = None
+    foreach: bool | None = None
     padding: str = "dynamic"
     group_by_length: bool = False
     weights: str = "fp32"  # "bf16": bf16 storage, updates in fp32 rounded back stochastically (computes in bf16)
@@ -147,7 +148,7 @@ class Candidate:
     estimated_peak_bytes: int
     padded_tokens: int = 0  # an epoch's padded tokens under these settings' batching
     updates: int = 0  # optimizer updates per epoch
-    seconds_per_epoch: Optional[float] = None  # predicted: from the probe, or the prior scaled to the probes' seconds
+    seconds_per_epoch: float | None = None  # predicted: from the probe, or the prior scaled to the probes' seconds
     prior: float = 0.0  # the unitless prior that orders the probes
     probed: bool = False
     probe: dict = field(default_factory=dict)  # seconds per padded token, per optimizer step, probe seconds
@@ -170,7 +171,7 @@ class Plan:
     estimates: int  # estimator runs made
     estimate_seconds: float
     probe_seconds: float
-    probe_budget_seconds: Optional[float]
+    probe_budget_seconds: float | None
     num_samples: int
     meter: str = "of live tensors"  # or "of process RSS" (then probes' measured peaks must fit too)
     notes: list[str] = field(default_factory=list)
@@ -185,7 +186,8 @@ class Plan:
 
     def table(self, top: int = 5) -> str:
         """The ranked candidates (the top `top`), the winner first, with estimates and speeds."""
-        lines = [f"plan for a budget of {format_bytes(self.budget_bytes)} {self.meter} (fits: estimate x {1 + self.margin:.2f} within it; "
+        lines = [f"plan for a budget of {format_bytes(self.budget_bytes)} {self.meter} "
+                 f"(fits: estimate x {1 + self.margin:.2f} within it; "
                  f"worst batch {self.worst_width} tokens wide), effective batch {self.effective_batch}, {self.device}:",
                  "| rank | micro-batch x accum | precision | optimizer | checkpointing | fused step | grouping | "
                  "est. peak | samples/s | speed from |",
@@ -196,13 +198,17 @@ class Plan:
             speed = f"{self.num_samples / candidate.seconds_per_epoch:.1f}" if measured else "-"
             lines.append(
                 f"| {rank}{' (winner)' if rank == 1 else ''} | {settings.batch_size} x {settings.accum_steps} | "
-                f"{settings.precision}{' + bf16 weights' if settings.weights == 'bf16' else ''} | {settings.optimizer} | {settings.checkpointing} | "
-                f"{'yes' if settings.optimizer_in_backward else 'no'} | {'yes' if settings.group_by_length else 'no'} | "
+                f"{settings.precision}{' + bf16 weights' if settings.weights == 'bf16' else ''} | "
+                f"{settings.optimizer} | {settings.checkpointing} | "
+                f"{'yes' if settings.optimizer_in_backward else 'no'} | "
+                f"{'yes' if settings.group_by_length else 'no'} | "
                 f"{format_bytes(candidate.estimated_peak_bytes)} | {speed} | "
                 f"{'probe' if candidate.probed else 'prior, scaled to the probes' if measured else 'prior only'} |")
-        lines.append(f"{len(self.candidates)} candidates fit; {self.estimates} estimates in {self.estimate_seconds:.1f} s, "
+        lines.append(f"{len(self.candidates)} candidates fit; "
+                     f"{self.estimates} estimates in {self.estimate_seconds:.1f} s, "
                      f"probes {self.probe_seconds:.1f} s"
-                     + (f" (budget {self.probe_budget_seconds:.0f} s)" if self.probe_budget_seconds is not None else ""))
+                     + (f" (budget {self.probe_budget_seconds:.0f} s)"
+                        if self.probe_budget_seconds is not None else ""))
         lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)
 
@@ -234,18 +240,18 @@ def plan(
     *,
     memory_budget: int,
     effective_batch: int,
-    base: Optional[Settings] = None,
+    base: Settings | None = None,
     levers: Levers = Levers(),
     fixed: Sequence[str] = (),
     device: str = "cpu",
     epochs: int = 1,
-    max_grad_norm: Optional[float] = 1.0,
-    margin: Optional[float] = None,
+    max_grad_norm: float | None = 1.0,
+    margin: float | None = None,
     probe: bool = True,
-    probe_budget: Optional[float] = None,
+    probe_budget: float | None = None,
     probe_fraction: float = 0.10,
     seed: int = 42,
-    rss_baseline: Optional[int] = None,
+    rss_baseline: int | None = None,
     echo: Callable[[str], None] = lambda line: None,
 ) -> Plan:
     """Plans the fastest training that fits `memory_budget`, keeping `effective_batch` exact.
@@ -300,7 +306,8 @@ def plan(
                              device, max_grad_norm, rss_baseline)
         search.overhead = max(0, first.probe["peak_rss_bytes"] - first.estimated_peak_bytes)
         echo(f"  process RSS besides the estimated tensors: {format_bytes(search.overhead)} (measured: "
-             f"{format_bytes(first.probe['peak_rss_bytes'])} at {first.settings.batch_size} x {first.settings.accum_steps})")
+             f"{format_bytes(first.probe['peak_rss_bytes'])} "
+             f"at {first.settings.batch_size} x {first.settings.accum_steps})")
         candidates = _costed_candidates(search, dataset, collator, lengths, effective_batch, base, levers, set(fixed),
                                         device_type, seed)
     if not candidates:
@@ -322,7 +329,7 @@ def plan(
     return result
 
 
-def _costed_candidates(search: "_Search", dataset, collator, lengths, effective_batch: int, base: Settings,
+def _costed_candidates(search: _Search, dataset, collator, lengths, effective_batch: int, base: Settings,
                        levers: Levers, fixed: set, device_type: str, seed: int) -> list[Candidate]:
     """The candidates that fit, with their epoch's padded tokens and updates and their prior, best prior first."""
     from looptrain import data as data_module
@@ -379,7 +386,8 @@ class _Search:
             self.echo(f"  estimate {settings.batch_size} x {settings.accum_steps}, {settings.precision}"
                       f"{', bf16 weights' if settings.weights == 'bf16' else ''}, "
                       f"{settings.optimizer}, checkpointing {settings.checkpointing}"
-                      f"{', fused step' if settings.optimizer_in_backward else ''}{extra}: {format_bytes(self.cache[key])}")
+                      f"{', fused step' if settings.optimizer_in_backward else ''}{extra}: "
+                      f"{format_bytes(self.cache[key])}")
         return self.cache[key]
 
     def fits(self, settings: Settings) -> bool:
@@ -413,7 +421,8 @@ def _candidate_settings(search: _Search, effective_batch: int, base: Settings, l
     if levers.optimizer_family and "optimizer" not in fixed:
         family = OPTIMIZER_FAMILIES.get(base.optimizer, (base.optimizer,))
         optimizers = [name for name in family if device_type == "cuda" or not name.startswith("paged")]
-    modes = [(base.gradient_checkpointing, base.checkpoint_every)] if "gradient_checkpointing" in fixed else list(CHECKPOINT_MODES)
+    modes = ([(base.gradient_checkpointing, base.checkpoint_every)] if "gradient_checkpointing" in fixed
+             else list(CHECKPOINT_MODES))
     fused_options = [base.optimizer_in_backward] if "optimizer_in_backward" in fixed else [False, True]
     chosen: list[Settings] = []
     for precision, weights in dict.fromkeys(numerics):
@@ -431,14 +440,16 @@ def _candidate_settings(search: _Search, effective_batch: int, base: Settings, l
                                and (not heavier or size > best)]  # a heavier lever must buy a larger micro-batch
                     size = _largest_fitting(search, template, options, effective_batch)
                     if size is not None:
-                        chosen.append(dataclasses.replace(template, batch_size=size, accum_steps=effective_batch // size))
+                        chosen.append(dataclasses.replace(template, batch_size=size,
+                                                          accum_steps=effective_batch // size))
                         best = max(best, size)
     return chosen
 
 
-def _largest_fitting(search: _Search, template: Settings, sizes: list[int], effective_batch: int) -> Optional[int]:
+def _largest_fitting(search: _Search, template: Settings, sizes: list[int], effective_batch: int) -> int | None:
     """The largest micro-batch in `sizes` that fits (memory grows with it: a binary search)."""
-    sizes = [size for size in sizes if _valid(dataclasses.replace(template, batch_size=size, accum_steps=effective_batch // size))]
+    sizes = [size for size in sizes
+             if _valid(dataclasses.replace(template, batch_size=size, accum_steps=effective_batch // size))]
     low, high, best = 0, len(sizes) - 1, None
     while low <= high:
         middle = (low + high) // 2
@@ -458,7 +469,8 @@ def _nothing_fits_message(search: _Search, effective_batch: int, base: Settings,
     lines = [f"nothing fits {format_bytes(search.budget)} (with a {search.margin:.0%} margin) at the worst batch "
              f"({search.width} tokens wide), even micro-batch 1 x {effective_batch} with gradient checkpointing: "
              f"estimated {format_bytes(search.peak(lightest))}"
-             + (f" + {format_bytes(search.overhead)} of the process's RSS measured besides tensors" if search.overhead else "")
+             + (f" + {format_bytes(search.overhead)} of the process's RSS measured besides tensors"
+                if search.overhead else "")
              + "."]
     suggestions = []
     if not levers.optimizer_family and base.optimizer == "adamw":
@@ -514,8 +526,8 @@ def _prior_seconds(candidate: Candidate, model: Any, device_type: str) -> float:
 
 
 def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, lengths, device: str, epochs: int,
-                      max_grad_norm, probe_budget: Optional[float], probe_fraction: float, seed: int,
-                      rss_baseline: Optional[int], echo) -> None:
+                      max_grad_norm, probe_budget: float | None, probe_fraction: float, seed: int,
+                      rss_baseline: int | None, echo) -> None:
     """Probes candidates within the probe budget and re-ranks them by the measured speed.
 
     The most promising candidate of each precision and optimizer is always probed (no precision is
@@ -592,7 +604,7 @@ def _predicted_probe_seconds(candidate: Candidate, probed: list[Candidate]) -> f
 
 
 def _probe(model: nn.Module, settings: Settings, batch: dict, device: str, max_grad_norm,
-           rss_baseline: Optional[int] = None) -> dict:
+           rss_baseline: int | None = None) -> dict:
     """One warm-up and up to 3 timed updates of the Loop on `batch`, learning rate 0.
 
     Each update is a window of `min(accum_steps, 2)` micro-batches, as in the estimator: from the
@@ -613,7 +625,8 @@ def _probe(model: nn.Module, settings: Settings, batch: dict, device: str, max_g
     hooks = []
     for inner in inner_optimizers(loop.optimizer):
         hooks.append(inner.register_step_pre_hook(lambda *args: step_seconds.append(-time.perf_counter())))
-        hooks.append(inner.register_step_post_hook(lambda *args: step_seconds.__setitem__(-1, step_seconds[-1] + time.perf_counter())))
+        hooks.append(inner.register_step_post_hook(
+            lambda *args: step_seconds.__setitem__(-1, step_seconds[-1] + time.perf_counter())))
     windows, optimizer_steps = [], []
     try:
         loop._run_window([batch] * micro_batches)  # warm-up: optimizer state, kernel selection, first-call costs
@@ -639,7 +652,8 @@ def _probe(model: nn.Module, settings: Settings, batch: dict, device: str, max_g
     optimizer_seconds = 0.0 if settings.optimizer_in_backward else optimizer_steps[middle]
     result = {"micro_step_seconds": (windows[middle] - optimizer_seconds) / micro_batches,
               "optimizer_step_seconds": optimizer_seconds,
-              "probe_seconds": sum(windows), "timed_updates": len(windows), "batch_shape": list(batch["input_ids"].shape)}
+              "probe_seconds": sum(windows), "timed_updates": len(windows),
+              "batch_shape": list(batch["input_ids"].shape)}
     if rss_baseline is not None:
         # The fp32 tensors set aside are resident during the probe, but the run will not hold them.
         stashed = sum(tensor.numel() * tensor.element_size() for tensor in stash.values())
@@ -679,7 +693,8 @@ def _reset_peak_rss() -> None:
     try:
         reset_peak_rss()
     except OSError as error:
-        raise PlanError(f"cannot reset the peak RSS mark ({error}): a budget of process RSS needs Linux 4.0+") from error
+        raise PlanError(f"cannot reset the peak RSS mark ({error}): "
+                        "a budget of process RSS needs Linux 4.0+") from error
 
 
 def current_rss_bytes() -> int:
@@ -696,5 +711,39 @@ def worst_batch_estimate(model: Any, settings: Settings, width: int, max_grad_no
                     weights=settings.weights)["peak_memory_bytes"]
 
 
+def run_windows(sampler: Any, lengths: Sequence[int], collator: Any, accum_steps: int, epochs: int = 1,
+                max_steps: int = 0) -> list[list[tuple[int, int]]]:
+    """The micro-batch shapes ``(rows, padded width)`` of every window a run trains on, in order.
+
+    Read from the sampler's own epochs (`epoch_batches(epoch)`: no batch is built, no resume offset is
+    consumed), cut into windows as the Loop cuts them (the last one of an epoch may be shorter), and
+    stopped after `max_steps` windows when that is set.
+    """
+    windows: list[list[tuple[int, int]]] = []
+    for epoch in range(epochs):
+        shapes = [(len(batch), int(collator.batch_width([lengths[index] for index in batch])))
+                  for batch in sampler.epoch_batches(epoch)]
+        windows.extend(shapes[start:start + accum_steps] for start in range(0, len(shapes), accum_steps))
+        if 0 < max_steps <= len(windows):
+            return windows[:max_steps]
+    return windows
+
+
+def run_batches_estimate(model: Any, settings: Settings, windows: Sequence[Sequence[tuple[int, int]]], *,
+                         fresh: bool = True, max_grad_norm=1.0, num_labels: int = 2) -> int:
+    """`estimate_windows` of `settings` over the batches a run will see (`run_windows`), where it sees them.
+
+    The run's peak, not the dataset's worst case: a length-grouped sampler gives its longest batch first,
+    before any optimizer state exists, so pricing that batch beside the state (as `worst_batch_estimate`
+    does) describes a moment the run never has. `bounding_windows` keeps the few windows that decide it.
+    """
+    return estimate_windows(
+        model, bounding_windows(windows, fresh=fresh), precision=settings.precision, optimizer=settings.optimizer,
+        gradient_checkpointing=settings.gradient_checkpointing, checkpoint_every=settings.checkpoint_every,
+        optimizer_in_backward=settings.optimizer_in_backward, foreach=settings.foreach,
+        accum_steps=settings.accum_steps, num_labels=num_labels, max_grad_norm=max_grad_norm,
+        weights=settings.weights)["peak_memory_bytes"]
+
+
 __all__ = ["Candidate", "Levers", "Plan", "PlanError", "Settings", "current_rss_bytes", "parse_size", "plan",
-           "worst_batch_estimate"]
+           "run_batches_estimate", "run_windows", "worst_batch_estimate"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -45,7 +45,7 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 # ---------------------------------------------------------------------- what this CPU does natively
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cpu_name() -> str:
     """The CPU's model name (/proc/cpuinfo on Linux; the platform's processor string elsewhere)."""
     try:
@@ -119,7 +119,7 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return amp_precision(device)[0] if precision == "auto" else precision
 
 
-def emulation_warning(device: torch.device, precision: str) -> Optional[str]:
+def emulation_warning(device: torch.device, precision: str) -> str | None:
     """A one-line warning when `precision` runs emulated (slowly) on this CPU, else None."""
     if device.type != "cpu" or precision == "fp32":
         return None
@@ -132,7 +132,7 @@ def emulation_warning(device: torch.device, precision: str) -> Optional[str]:
     return None
 
 
-def precision_problem(device: torch.device, precision: str) -> Optional[str]:
+def precision_problem(device: torch.device, precision: str) -> str | None:
     """Why `precision` cannot run on `device`, or None when it can ("auto" always can)."""
     if precision in ("fp32", "auto"):
         return None

@@ -10,8 +10,9 @@ have. Sharded (FSDP2) models are saved and loaded through full-state views.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,8 +32,8 @@ def start_epoch(
     loader: Iterable,
     epoch: int,
     skip: int = 0,
-    epoch_rng_state: Optional[torch.Tensor] = None,
-    rng_after_skip: Optional[dict] = None,
+    epoch_rng_state: torch.Tensor | None = None,
+    rng_after_skip: dict | None = None,
 ) -> tuple[Iterator, torch.Tensor]:
     """Starts an epoch's batches; in mid-epoch (`skip > 0`) replays its order and skips the consumed ones.
 
@@ -78,13 +79,14 @@ def _full_state_views(model: nn.Module, optimizer: Any, gather: bool) -> tuple[n
     """The model and optimizer as checkpoints see them: full-state views of a sharded (FSDP2) model."""
     if not distributed.is_fsdp(model):
         return model, optimizer
-    return distributed.FullStateModel(model, gather=gather), distributed.FullStateOptimizer(model, optimizer, gather=gather)
+    return (distributed.FullStateModel(model, gather=gather),
+            distributed.FullStateOptimizer(model, optimizer, gather=gather))
 
 
 def save_training_checkpoint(
     output_dir: Path, step: int, *, model: nn.Module, optimizer: Any, scheduler: Any, precision: Any,
-    trainer_state: dict, metrics: Optional[dict], save_total_limit: Optional[int], best_checkpoint: Optional[str],
-    run_checkpoints: Optional[set] = None,
+    trainer_state: dict, metrics: dict | None, save_total_limit: int | None, best_checkpoint: str | None,
+    run_checkpoints: set | None = None,
 ) -> Path:
     """Writes `checkpoint-<step>` (rank 0; every rank calls it, gathering is collective) and rotates.
 
@@ -105,7 +107,7 @@ def save_training_checkpoint(
 
 def load_training_checkpoint(
     path: Path, *, model: nn.Module, optimizer: Any, scheduler: Any, precision: Any, device: torch.device
-) -> tuple[dict, Optional[dict]]:
+) -> tuple[dict, dict | None]:
     """Loads weights, optimizer, scheduler and scaler state and this rank's RNG state from `path`.
 
     Returns:

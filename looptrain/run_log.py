@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional, Protocol
+from typing import Protocol
 
 from tqdm.auto import tqdm
 
@@ -59,7 +60,7 @@ class TensorBoardTracker:
         self.writer.close()
 
 
-def make_trackers(report_to: str, output_dir: Optional[Path]) -> list:
+def make_trackers(report_to: str, output_dir: Path | None) -> list:
     """The trackers `report_to` names ("none", or comma-separated names from `TRACKERS`)."""
     names = [name.strip() for name in report_to.split(",") if name.strip() and name.strip() != "none"]
     trackers = []
@@ -114,9 +115,11 @@ class Totals:
         return result
 
     def run_figures(self) -> dict:
-        """Whole-run throughput and mean train loss (None when no item was seen)."""
+        """Whole-run counts, throughput and mean train loss (None when no item was seen)."""
         seconds = max(self.run_seconds, 1e-9)
         return {
+            "train_samples": self.run_samples,
+            "train_tokens": self.run_tokens,
             "train_samples_per_s": round(self.run_samples / seconds, 3),
             "train_tokens_per_s": round(self.run_tokens / seconds, 3),
             "train_loss": self.run_loss_sum / self.run_items if self.run_items else None,
@@ -144,14 +147,14 @@ class RunLog:
         progress_bar: show a tqdm bar when stderr is a terminal.
     """
 
-    def __init__(self, output_dir: Optional[Path], *, is_main: bool, report_to: str = "none", progress_bar: bool = True):
+    def __init__(self, output_dir: Path | None, *, is_main: bool, report_to: str = "none", progress_bar: bool = True):
         self.output_dir = output_dir
         self.is_main = is_main
         self.totals = Totals()
         self._want_bar = progress_bar
         self._bar = None
         self._report_to = report_to
-        self._trackers: Optional[list] = None  # made at the first event: nothing is written before the run begins
+        self._trackers: list | None = None  # made at the first event: nothing is written before the run begins
         self._last_line = time.monotonic()
 
     def echo(self, line: str) -> None:
@@ -169,7 +172,7 @@ class RunLog:
         if self.is_main and self._bar is None and time.monotonic() - self._last_line >= HEARTBEAT_SECONDS:
             self.echo(describe())
 
-    def event(self, record: dict, line: Optional[str] = None) -> None:
+    def event(self, record: dict, line: str | None = None) -> None:
         """Appends one event to `metrics.jsonl`, gives it to the trackers, and prints it (rank 0).
 
         Args:
@@ -188,7 +191,7 @@ class RunLog:
             tracker.log(record)
         self.echo(format_record(record) if line is None else line)
 
-    def open_progress(self, total: Optional[int], initial: int) -> None:
+    def open_progress(self, total: int | None, initial: int) -> None:
         """A tqdm bar over optimizer updates, on a terminal only (elsewhere the log lines report progress)."""
         if self._want_bar and self.is_main and sys.stderr.isatty():
             self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)

@@ -511,7 +511,9 @@ def checkpoint_weight_shapes(checkpoint: str | os.PathLike) -> dict[str, tuple[i
         try:
             weight_map = json.loads((checkpoint / MODEL_INDEX_FILE).read_text(encoding="utf-8"))["weight_map"]
         except (OSError, ValueError, KeyError) as error:
-            raise CheckpointError(f"cannot read {checkpoint / MODEL_INDEX_FILE}: {error}; resume from another checkpoint.") from error
+            raise CheckpointError(
+                f"cannot read {checkpoint / MODEL_INDEX_FILE}: {error}; resume from another checkpoint."
+            ) from error
         files = [checkpoint / shard for shard in sorted(set(weight_map.values()))]
     else:
         raise CheckpointError(
@@ -579,7 +581,9 @@ def load_model_weights(checkpoint: str | os.PathLike, model: nn.Module) -> None:
 
 def _not_a_checkpoint_error(path: Path) -> CheckpointError:
     if not path.exists():
-        return CheckpointError(f"checkpoint {path} does not exist; pass --resume auto or an existing checkpoint-<step> dir.")
+        return CheckpointError(
+            f"checkpoint {path} does not exist; pass --resume auto or an existing checkpoint-<step> dir."
+        )
     candidates = list_checkpoints(path) if path.is_dir() else []
     if candidates:
         return CheckpointError(

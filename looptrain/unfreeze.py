@@ -14,13 +14,11 @@ LR schedulers and checkpoints see the same optimizer in every stage.
 
 from __future__ import annotations
 
-from typing import Union
-
 from torch import nn
 
 from looptrain.freeze import layer_depths
 
-Every = Union[int, str]
+Every = int | str
 
 
 def valid_every(every: object) -> bool:

@@ -36,9 +36,11 @@ from typing import Any
 
 MIB = 1024 * 1024
 GIB = 1024**3
-FULL_SIZE = {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096, "vocab_size": 21128}
+FULL_SIZE = {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096,
+             "vocab_size": 21128}
 # The measured shape: the 36.6M-parameter BERT of REFERENCE_NUMBERS.md (Trainer timings exist for it).
-SMALL_SHAPE = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "intermediate_size": 2048, "vocab_size": 21128}
+SMALL_SHAPE = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "intermediate_size": 2048,
+               "vocab_size": 21128}
 MALLOC_ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 EFFECTIVE_BATCH = 32
 SEQ_LEN = 128
@@ -60,16 +62,20 @@ def rungs() -> list[dict[str, Any]]:
         "batch_size": EFFECTIVE_BATCH, "accum_steps": 1,
     }
     checkpointed = {**base, **accumulated, "gradient_checkpointing": True}
-    fused = {**base, "gradient_checkpointing": True, "precision": "bf16", "optimizer_in_backward": True, "trainer_optim": None}
+    fused = {**base, "gradient_checkpointing": True, "precision": "bf16", "optimizer_in_backward": True,
+             "trainer_optim": None}
     return [
         {**base, "name": "1 baseline: bs 32, fp32, AdamW"},
         {**base, **accumulated, "name": "2 + accumulation (bs 1 x 32)"},
         {**checkpointed, "name": "3 + gradient checkpointing"},
         {**checkpointed, "optimizer": "adafactor", "trainer_optim": "adafactor", "name": "4 + Adafactor"},
-        {**checkpointed, "optimizer": "adafactor", "trainer_optim": "adafactor", "freeze_encoder": True, "name": "5 + freeze encoder (head only)"},
-        {**checkpointed, "optimizer": "adafactor", "trainer_optim": "adafactor", "freeze_encoder": True, "seq_len": SEQ_LEN // 2, "name": "6 + max_length 64"},
+        {**checkpointed, "optimizer": "adafactor", "trainer_optim": "adafactor", "freeze_encoder": True,
+         "name": "5 + freeze encoder (head only)"},
+        {**checkpointed, "optimizer": "adafactor", "trainer_optim": "adafactor", "freeze_encoder": True,
+         "seq_len": SEQ_LEN // 2, "name": "6 + max_length 64"},
         {**base, "precision": "bf16", "name": "7 bs 32, bf16 autocast"},
-        {**checkpointed, "optimizer": "adamw8bit", "trainer_optim": "adamw_bnb_8bit", "name": "8 bs 1 x 32 + ckpt, AdamW8bit (32-bit embeddings)"},
+        {**checkpointed, "optimizer": "adamw8bit", "trainer_optim": "adamw_bnb_8bit",
+         "name": "8 bs 1 x 32 + ckpt, AdamW8bit (32-bit embeddings)"},
         {**fused, "optimizer": "adamw8bit", "name": "9 bs 32 + ckpt + bf16, AdamW8bit fused into backward"},
         {**fused, "optimizer": "adafactor", "name": "10 bs 32 + ckpt + bf16, Adafactor fused into backward"},
         {**checkpointed, "foreach": False, "name": "11 bs 1 x 32 + ckpt, AdamW foreach=False"},
@@ -130,7 +136,8 @@ def _random_rows(samples: int, seq_len: int, vocab_size: int) -> list[dict[str, 
     input_ids = torch.randint(0, vocab_size, (samples, seq_len), generator=generator)
     labels = torch.randint(0, 2, (samples,), generator=generator)
     return [
-        {"input_ids": input_ids[index], "attention_mask": torch.ones(seq_len, dtype=torch.long), "labels": labels[index]}
+        {"input_ids": input_ids[index], "attention_mask": torch.ones(seq_len, dtype=torch.long),
+         "labels": labels[index]}
         for index in range(samples)
     ]
 
@@ -162,7 +169,8 @@ def run_looptrain(rung: dict[str, Any], shape: dict[str, int], updates: int, tra
     config = LoopConfig(
         epochs=1, max_steps=updates, accum_steps=accum_steps, precision=rung["precision"],
         gradient_checkpointing=rung["gradient_checkpointing"], optimizer_in_backward=rung["optimizer_in_backward"],
-        track_memory=track_memory, device="cpu", log_every=10**6, eval_every="no", progress_bar=False, max_grad_norm=1.0,
+        track_memory=track_memory, device="cpu", log_every=10**6, eval_every="no", progress_bar=False,
+        max_grad_norm=1.0,
     )
     loop = TimedLoop(model, optimizer, loader, config=config)
     started = time.perf_counter()
@@ -310,8 +318,10 @@ def _ms(value: Any) -> str:
 
 def print_tables(rows: list[dict[str, Any]], arguments: argparse.Namespace) -> None:
     print(f"\n### Measured: {arguments.shape_label}, seq 128 (64 for rung 6), effective batch 32, "
-          f"{arguments.updates} updates ({arguments.updates * EFFECTIVE_BATCH} samples; time = median of updates 2..{arguments.updates})\n")
-    print("| rung | looptrain RSS Δ MiB | Trainer RSS Δ MiB | memory ratio | looptrain ms/sample | Trainer ms/sample | time ratio | looptrain tracker peak MiB (− weights) | estimate (this shape) MiB | estimate error |")
+          f"{arguments.updates} updates ({arguments.updates * EFFECTIVE_BATCH} samples; "
+          f"time = median of updates 2..{arguments.updates})\n")
+    print("| rung | looptrain RSS Δ MiB | Trainer RSS Δ MiB | memory ratio | looptrain ms/sample | Trainer ms/sample "
+          "| time ratio | looptrain tracker peak MiB (− weights) | estimate (this shape) MiB | estimate error |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         ours, theirs = row["looptrain"], row["trainer"]
@@ -321,24 +331,33 @@ def print_tables(rows: list[dict[str, Any]], arguments: argparse.Namespace) -> N
         error = f"{(estimate_small - tracker_peak) / tracker_peak:+.1%}" if tracker_peak else "n/a"
         # The RSS deltas start after model load, so the weights are in the tracker's peak only.
         weights = (tracked.get("tracker_breakdown") or {}).get("params")
-        tracker_cell = f"{_mib(tracker_peak)} ({_mib(tracker_peak - weights)})" if tracker_peak and weights is not None else _mib(tracker_peak)
+        if tracker_peak and weights is not None:
+            tracker_cell = f"{_mib(tracker_peak)} ({_mib(tracker_peak - weights)})"
+        else:
+            tracker_cell = _mib(tracker_peak)
         print(
-            f"| {row['rung']['name']} | {_mib(ours.get('peak_rss_delta_bytes'))} | {_mib(theirs.get('peak_rss_delta_bytes'))} | "
-            f"{_ratio(ours.get('peak_rss_delta_bytes'), theirs.get('peak_rss_delta_bytes'))} | {_ms(ours.get('seconds_per_sample'))} | "
-            f"{_ms(theirs.get('seconds_per_sample'))} | {_ratio(ours.get('seconds_per_sample'), theirs.get('seconds_per_sample'))} | "
+            f"| {row['rung']['name']} | {_mib(ours.get('peak_rss_delta_bytes'))} | "
+            f"{_mib(theirs.get('peak_rss_delta_bytes'))} | "
+            f"{_ratio(ours.get('peak_rss_delta_bytes'), theirs.get('peak_rss_delta_bytes'))} | "
+            f"{_ms(ours.get('seconds_per_sample'))} | "
+            f"{_ms(theirs.get('seconds_per_sample'))} | "
+            f"{_ratio(ours.get('seconds_per_sample'), theirs.get('seconds_per_sample'))} | "
             f"{tracker_cell} | {_mib(estimate_small)} | {error} |"
         )
-    print("\n### Estimated at full size: macbert-large shape (hidden 1024, 24 layers, vocab 21128, 325.5M params), effective batch 32\n")
+    print("\n### Estimated at full size: macbert-large shape (hidden 1024, 24 layers, vocab 21128, 325.5M params), "
+          "effective batch 32\n")
     print("| rung | estimated peak GiB | params | grads | optimizer state | activations + temps | peak phase |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
         full = row["estimate_full"]
         breakdown = full["memory_breakdown"]
         print(
-            f"| {row['rung']['name']} | {full['peak_memory_bytes'] / GIB:.2f} | {breakdown['params'] / GIB:.2f} | {breakdown['grads'] / GIB:.2f} | "
-            f"{breakdown['optimizer_state'] / GIB:.2f} | {breakdown['activations_and_temps'] / GIB:.2f} | {breakdown['peak_phase']} |"
+            f"| {row['rung']['name']} | {full['peak_memory_bytes'] / GIB:.2f} | {breakdown['params'] / GIB:.2f} | "
+            f"{breakdown['grads'] / GIB:.2f} | {breakdown['optimizer_state'] / GIB:.2f} | "
+            f"{breakdown['activations_and_temps'] / GIB:.2f} | {breakdown['peak_phase']} |"
         )
-    errors = [row for row in rows if "error" in row["looptrain"] or "error" in row["trainer"] or "error" in row["looptrain_tracked"]]
+    errors = [row for row in rows
+              if "error" in row["looptrain"] or "error" in row["trainer"] or "error" in row["looptrain_tracked"]]
     for row in errors:
         for key in ("looptrain", "trainer", "looptrain_tracked"):
             if "error" in row[key]:
@@ -349,20 +368,25 @@ def print_tables(rows: list[dict[str, Any]], arguments: argparse.Namespace) -> N
 def print_targets(rows: list[dict[str, Any]]) -> None:
     """The issue's targets, each with the figures it is judged on."""
     print("\n### Targets\n")
-    both = [row for row in rows if row["rung"]["trainer_optim"] and "peak_rss_delta_bytes" in row["trainer"] and "peak_rss_delta_bytes" in row["looptrain"]]
+    both = [row for row in rows if row["rung"]["trainer_optim"] and "peak_rss_delta_bytes" in row["trainer"]
+            and "peak_rss_delta_bytes" in row["looptrain"]]
     def margin(row: dict[str, Any], key: str, unit: float, unit_name: str) -> str:
         ours, theirs = row["looptrain"][key], row["trainer"][key]
         return f"{row['rung']['name'].split()[0]} (+{(ours - theirs) / unit:.2f} {unit_name}, {ours / theirs:.3f}×)"
 
-    memory_misses = [margin(row, "peak_rss_delta_bytes", MIB, "MiB") for row in both if row["looptrain"]["peak_rss_delta_bytes"] > row["trainer"]["peak_rss_delta_bytes"]]
-    time_misses = [margin(row, "seconds_per_sample", 1e-3, "ms/sample") for row in both if row["looptrain"]["seconds_per_sample"] > row["trainer"]["seconds_per_sample"]]
-    print(f"- memory parity (looptrain RSS Δ ≤ 1.0× Trainer's) at {len(both) - len(memory_misses)}/{len(both)} rungs; missed: {memory_misses or 'none'}")
-    print(f"- time parity (looptrain s/sample ≤ 1.0× Trainer's) at {len(both) - len(time_misses)}/{len(both)} rungs; missed: {time_misses or 'none'}")
+    memory_misses = [margin(row, "peak_rss_delta_bytes", MIB, "MiB") for row in both
+                     if row["looptrain"]["peak_rss_delta_bytes"] > row["trainer"]["peak_rss_delta_bytes"]]
+    time_misses = [margin(row, "seconds_per_sample", 1e-3, "ms/sample") for row in both
+                   if row["looptrain"]["seconds_per_sample"] > row["trainer"]["seconds_per_sample"]]
+    print(f"- memory parity (looptrain RSS Δ ≤ 1.0× Trainer's) at {len(both) - len(memory_misses)}/{len(both)} rungs; "
+          f"missed: {memory_misses or 'none'}")
+    print(f"- time parity (looptrain s/sample ≤ 1.0× Trainer's) at {len(both) - len(time_misses)}/{len(both)} rungs; "
+          f"missed: {time_misses or 'none'}")
     by_number = {row["rung"]["name"].split()[0]: row for row in rows}
     trainer_eight_bit = by_number.get("8", {}).get("trainer", {}).get("peak_rss_delta_bytes")
     fused_eight_bit = by_number.get("9", {}).get("looptrain", {}).get("peak_rss_delta_bytes")
-    print(f"- 8-bit full fine-tune: looptrain rung 9 RSS Δ {_mib(fused_eight_bit)} MiB vs Trainer rung 8 {_mib(trainer_eight_bit)} MiB: "
-          f"{_ratio(fused_eight_bit, trainer_eight_bit)}× (target ≤ 0.80×)")
+    print(f"- 8-bit full fine-tune: looptrain rung 9 RSS Δ {_mib(fused_eight_bit)} MiB vs Trainer rung 8 "
+          f"{_mib(trainer_eight_bit)} MiB: {_ratio(fused_eight_bit, trainer_eight_bit)}× (target ≤ 0.80×)")
     errors = []
     for row in rows:
         peak = row["looptrain_tracked"].get("tracker_peak_bytes")
@@ -378,8 +402,10 @@ def print_targets(rows: list[dict[str, Any]]) -> None:
         return
     lowest = min(full_fine_tunes, key=lambda row: row["estimate_full"]["peak_memory_bytes"])
     lowest_eight_bit = min(eight_bit, key=lambda row: row["estimate_full"]["peak_memory_bytes"])
-    print(f"- full-size full fine-tune, lowest estimate: {lowest['rung']['name']}: {lowest['estimate_full']['peak_memory_bytes'] / GIB:.2f} GiB "
-          f"(targets: fits in 4 GiB; best looptrain rung ≤ 2.5 GiB); lowest with 8-bit AdamW: {lowest_eight_bit['rung']['name']}: "
+    print(f"- full-size full fine-tune, lowest estimate: {lowest['rung']['name']}: "
+          f"{lowest['estimate_full']['peak_memory_bytes'] / GIB:.2f} GiB "
+          f"(targets: fits in 4 GiB; best looptrain rung ≤ 2.5 GiB); lowest with 8-bit AdamW: "
+          f"{lowest_eight_bit['rung']['name']}: "
           f"{lowest_eight_bit['estimate_full']['peak_memory_bytes'] / GIB:.2f} GiB")
 
 
@@ -399,9 +425,11 @@ def plot(rows: list[dict[str, Any]], path: str, arguments: argparse.Namespace) -
     full = [row["estimate_full"]["peak_memory_bytes"] / GIB for row in rows]
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(13, 10), constrained_layout=True)
     width = 0.27
-    top.bar([p - width for p in positions], ours, width, label="looptrain: peak RSS − RSS after model load", color="#1f77b4")
+    top.bar([p - width for p in positions], ours, width, label="looptrain: peak RSS − RSS after model load",
+            color="#1f77b4")
     top.bar(positions, theirs, width, label="HF Trainer: peak RSS − RSS after model load", color="#ff7f0e")
-    top.bar([p + width for p in positions], tracker, width, label="looptrain: tensor-tracker peak (live tensors, weights included)", color="#9ecae1")
+    top.bar([p + width for p in positions], tracker, width,
+            label="looptrain: tensor-tracker peak (live tensors, weights included)", color="#9ecae1")
     for position, row in zip(positions, rows):
         if not row["rung"]["trainer_optim"]:
             top.text(position, 5, "Trainer\nn/a", ha="center", va="bottom", fontsize=8, color="#ff7f0e")
@@ -471,7 +499,7 @@ def tracker_overhead(baseline_module_path: str, repeats: int = 5, steps: int = 3
         batch = {"input_ids": torch.randint(0, vocab, (8, 128)), "attention_mask": torch.ones(8, 128, dtype=torch.long),
                  "labels": torch.zeros(8, dtype=torch.long)}
 
-        def step(meter) -> None:  # marks as the Loop does
+        def step(meter, model=model, batch=batch, optimizer=optimizer) -> None:  # marks as the Loop does
             meter.mark("forward")
             loss = model(**batch).loss
             meter.mark("backward")
@@ -512,10 +540,14 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=SMALL_SHAPE["num_attention_heads"])
     parser.add_argument("--plot", default="docs/ladder.png", help="where to write the PNG ('' for none)")
     parser.add_argument("--json", default="", help="also write every figure to this JSON file")
-    parser.add_argument("--from-json", default="", help="print the tables and plot of an earlier --json file, run nothing")
+    parser.add_argument("--from-json", default="",
+                        help="print the tables and plot of an earlier --json file, run nothing")
     parser.add_argument("--tracker-overhead", action="store_true", help="only time the tracker's overhead (no ladder)")
-    parser.add_argument("--baseline-memory", default="", help="with --tracker-overhead: an older looptrain/memory.py to compare")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads of this process, for --tracker-overhead (0: torch's default; ladder workers keep the default)")
+    parser.add_argument("--baseline-memory", default="",
+                        help="with --tracker-overhead: an older looptrain/memory.py to compare")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads of this process, for --tracker-overhead (0: torch's default; "
+                             "ladder workers keep the default)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per subprocess")
     return parser.parse_args(argv)
 
@@ -530,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
 
     shape = {**SMALL_SHAPE, "hidden_size": arguments.hidden, "num_hidden_layers": arguments.layers,
              "num_attention_heads": arguments.heads, "intermediate_size": 4 * arguments.hidden}
-    arguments.shape_label = f"BERT hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, {shape['num_attention_heads']} heads, vocab {shape['vocab_size']}"
+    arguments.shape_label = (f"BERT hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, "
+                             f"{shape['num_attention_heads']} heads, vocab {shape['vocab_size']}")
     if arguments.threads:
         torch.set_num_threads(arguments.threads)
     if arguments.tracker_overhead:
@@ -541,12 +574,14 @@ def main(argv: list[str] | None = None) -> int:
             saved = json.load(handle)
         rows, shape = saved["rows"], saved["shape"]
         arguments.updates = saved["updates"]
-        arguments.shape_label = f"BERT hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, {shape['num_attention_heads']} heads, vocab {shape['vocab_size']}"
+        arguments.shape_label = (f"BERT hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, "
+                                 f"{shape['num_attention_heads']} heads, vocab {shape['vocab_size']}")
         print_tables(rows, arguments)
         if arguments.plot:
             plot(rows, arguments.plot, arguments)
         return 0
-    selected = [rung for rung in rungs() if not arguments.rungs or rung["name"].split()[0] in arguments.rungs.split(",")]
+    selected = [rung for rung in rungs()
+                if not arguments.rungs or rung["name"].split()[0] in arguments.rungs.split(",")]
     from looptrain.precision import cpu_description
 
     print(f"machine: {os.cpu_count()} CPU cores, {cpu_description()}; torch {torch.__version__}, "
@@ -557,18 +592,26 @@ def main(argv: list[str] | None = None) -> int:
         row = {"rung": rung}
         base_spec = {"rung": rung, "shape": shape}
         # Interleaved per rung, so load from other work on the machine hits both frameworks alike.
-        row["looptrain"] = measure_in_subprocess({**base_spec, "framework": "looptrain", "updates": arguments.updates, "track_memory": False}, arguments.timeout)
+        row["looptrain"] = measure_in_subprocess(
+            {**base_spec, "framework": "looptrain", "updates": arguments.updates, "track_memory": False},
+            arguments.timeout)
         if rung["trainer_optim"]:
-            row["trainer"] = measure_in_subprocess({**base_spec, "framework": "trainer", "updates": arguments.updates}, arguments.timeout)
+            row["trainer"] = measure_in_subprocess(
+                {**base_spec, "framework": "trainer", "updates": arguments.updates}, arguments.timeout)
         else:
             row["trainer"] = {}
-        row["looptrain_tracked"] = measure_in_subprocess({**base_spec, "framework": "looptrain", "updates": arguments.tracked_updates, "track_memory": True}, arguments.timeout)
+        row["looptrain_tracked"] = measure_in_subprocess(
+            {**base_spec, "framework": "looptrain", "updates": arguments.tracked_updates, "track_memory": True},
+            arguments.timeout)
         row["estimate_small"] = estimate_rung(rung, shape)
         row["estimate_full"] = estimate_rung(rung, FULL_SIZE)
         row["load_average"] = os.getloadavg()
-        print(f"done: {rung['name']}: looptrain {_mib(row['looptrain'].get('peak_rss_delta_bytes'))} MiB {_ms(row['looptrain'].get('seconds_per_sample'))} ms/sample, "
-              f"Trainer {_mib(row['trainer'].get('peak_rss_delta_bytes'))} MiB {_ms(row['trainer'].get('seconds_per_sample'))} ms/sample, "
-              f"tracker {_mib(row['looptrain_tracked'].get('tracker_peak_bytes'))} MiB, estimate {row['estimate_full']['peak_memory_bytes'] / GIB:.2f} GiB full size; "
+        print(f"done: {rung['name']}: looptrain {_mib(row['looptrain'].get('peak_rss_delta_bytes'))} MiB "
+              f"{_ms(row['looptrain'].get('seconds_per_sample'))} ms/sample, "
+              f"Trainer {_mib(row['trainer'].get('peak_rss_delta_bytes'))} MiB "
+              f"{_ms(row['trainer'].get('seconds_per_sample'))} ms/sample, "
+              f"tracker {_mib(row['looptrain_tracked'].get('tracker_peak_bytes'))} MiB, "
+              f"estimate {row['estimate_full']['peak_memory_bytes'] / GIB:.2f} GiB full size; "
               f"load {row['load_average'][0]:.1f}", flush=True)
         rows.append(row)
         if arguments.json:  # after every rung, so a crash later loses nothing

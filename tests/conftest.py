@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import os
 import random
 from pathlib import Path
@@ -70,7 +71,8 @@ def quiet_config(**fields):
 def mlp_batches(count: int, rows: int = 8, seed: int = 0) -> list[dict]:
     """`count` batches for SmallMLP: 8 features, labels in 0..2."""
     generator = torch.Generator().manual_seed(seed)
-    return [{"x": torch.randn(rows, 8, generator=generator), "labels": torch.randint(0, 3, (rows,), generator=generator)}
+    return [{"x": torch.randn(rows, 8, generator=generator),
+             "labels": torch.randint(0, 3, (rows,), generator=generator)}
             for _ in range(count)]
 
 
@@ -78,9 +80,9 @@ def make_tiny_bert(num_labels: int = 3, num_layers: int = 2, seed: int = 0, **ov
     """A tiny BertForSequenceClassification with dropout off (deterministic)."""
     from transformers import BertConfig, BertForSequenceClassification
 
-    fields = dict(vocab_size=len(WORDS) + 5, hidden_size=32, num_hidden_layers=num_layers, num_attention_heads=2,
-                  intermediate_size=37, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                  attention_probs_dropout_prob=0.0, num_labels=num_labels)
+    fields = {"vocab_size": len(WORDS) + 5, "hidden_size": 32, "num_hidden_layers": num_layers,
+              "num_attention_heads": 2, "intermediate_size": 37, "max_position_embeddings": 64,
+              "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "num_labels": num_labels}
     config = BertConfig(**{**fields, **overrides})
     torch.manual_seed(seed)
     return BertForSequenceClassification(config)
@@ -138,6 +140,70 @@ def random_token_batches(lengths, vocab_size: int, num_labels: int = 3, seed: in
     return batches
 
 
+# ------------------------------------------------------------------ the CPU a test pretends to run on
+# Tests of a hardware-dependent choice (what --amp means, which precisions the planner tries, bf16 weights as a
+# lever) pin the CPU with these fixtures and assert both behaviours, so no result depends on the machine. They
+# carry the `hardware` marker (added below), which .ci/run runs a second time under the AVX2 variables.
+CPU_KINDS = {
+    "avx2": {"native_bf16": False, "native_fp16": False, "capability": "AVX2", "amx": False},
+    "native-bf16": {"native_bf16": True, "native_fp16": False, "capability": "AVX512", "amx": True},
+}
+CPU_KIND_FIXTURES = {"cpu_kind", "avx2_cpu", "amx_cpu"}
+
+
+def pin_cpu(monkeypatch, kind: str) -> str:
+    """Makes looptrain see the CPU `kind` of CPU_KINDS: oneDNN's bf16/fp16 report and torch's capability.
+
+    Modules that imported the capability functions by name hold their own binding: every looptrain module
+    loaded so far is patched, not only looptrain.precision.
+    """
+    import sys
+
+    from looptrain import precision
+
+    facts = CPU_KINDS[kind]
+    replacements = {
+        precision.cpu_has_native_bf16: lambda: facts["native_bf16"],
+        precision.cpu_has_native_fp16: lambda: facts["native_fp16"],
+    }
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "looptrain" or name.startswith("looptrain.")):
+            continue
+        for attribute in ("cpu_has_native_bf16", "cpu_has_native_fp16"):
+            original = getattr(module, attribute, None)
+            if original in replacements:
+                monkeypatch.setattr(module, attribute, replacements[original])
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: facts["capability"])
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: facts["amx"], raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: facts["native_bf16"], raising=False)
+    return kind
+
+
+@pytest.fixture(params=sorted(CPU_KINDS))
+def cpu_kind(request, monkeypatch) -> str:
+    """Runs the test once per CPU kind ("avx2", "native-bf16"), pinned; the test asserts each kind's behaviour."""
+    return pin_cpu(monkeypatch, request.param)
+
+
+@pytest.fixture
+def avx2_cpu(monkeypatch):
+    """A CPU like a 2-core AMD EPYC with AVX2 only: oneDNN has no native bf16 or fp16 there."""
+    return pin_cpu(monkeypatch, "avx2")
+
+
+@pytest.fixture
+def amx_cpu(monkeypatch):
+    """A CPU with AMX (Sapphire Rapids and later): native bf16."""
+    return pin_cpu(monkeypatch, "native-bf16")
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that pins the CPU kind tests a hardware-dependent choice: it gets the `hardware` marker."""
+    for item in items:
+        if CPU_KIND_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.hardware)
+
+
 @pytest.fixture
 def tiny_bert():
     return make_tiny_bert()
@@ -152,27 +218,33 @@ def tiny_tokenizer():
 def _reset_bnb_overrides():
     """bitsandbytes' GlobalOptimManager is process-global: start and end every test clean."""
     yield
+    # Any exception, not only ImportError: a bitsandbytes built for another torch fails on import with
+    # AttributeError (or RuntimeError, OSError), and this teardown runs after every test: a miss would fail them all.
     try:
         from bitsandbytes.optim import GlobalOptimManager
-    except Exception:  # bitsandbytes missing or unloadable: nothing to reset
+    except Exception:  # noqa: BLE001 (bitsandbytes missing or unloadable: nothing to reset)
         return
     manager = GlobalOptimManager.get_instance()
     manager.initialize()
 
 
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory):
-    """A tiny BERT encoder (dropout off) and its fast tokenizer, saved like a hub checkpoint."""
+def save_tiny_bert(directory: Path, vocab_size: int = len(WORDS) + 5) -> Path:
+    """A tiny BERT encoder (dropout off, seed 0) and the tiny fast tokenizer, saved like a hub checkpoint."""
     from transformers import BertConfig, BertModel
 
-    directory = tmp_path_factory.mktemp("tiny-bert")
-    config = BertConfig(vocab_size=len(WORDS) + 5, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+    config = BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=37, max_position_embeddings=64, hidden_dropout_prob=0.0,
                         attention_probs_dropout_prob=0.0)
     torch.manual_seed(0)
     BertModel(config).save_pretrained(directory)
     make_tiny_tokenizer().save_pretrained(directory)
     return directory
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """A tiny BERT encoder (dropout off) and its fast tokenizer, saved like a hub checkpoint."""
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny-bert"))
 
 
 def write_csv(path: Path, rows: int, seed: int = 0) -> Path:
@@ -196,3 +268,24 @@ def load_finetune_script(module_name: str = "finetune_script"):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# ------------------------------------------------------------------ the reference run of the reliability suites
+# tests/test_reliability.py and tests/test_ledger.py share these. Module scope, as before: each module gets its own
+# data and its own uninterrupted run. The command line they run (flags, one thread) stays in test_reliability.py.
+@pytest.fixture(scope="module")
+def data_files(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("reliability-data")
+    return write_csv(directory / "train.csv", 32, seed=5), write_csv(directory / "eval.csv", 16, seed=6)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(model_dir, data_files, tmp_path_factory):
+    """The reference run, in-process: its final weights are what every interrupted run must reach."""
+    from test_reliability import TOTAL_STEPS, argv, run_in_process
+
+    output_dir = tmp_path_factory.mktemp("uninterrupted")
+    assert run_in_process(argv(model_dir, data_files, output_dir)) == 0
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert summary["optimizer_steps"] == TOTAL_STEPS
+    return output_dir

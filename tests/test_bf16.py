@@ -8,9 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import SmallMLP, make_tiny_bert, mlp_batches, quiet_config, task_batches
 from looptrain import ConfigError, Loop, build_optimizer, optimizer_state_bytes
 from looptrain.optim import BF16Optimizer, OptimizerInBackward, cast_to_bf16, gradient_of, stochastic_round_
+
+from conftest import SmallMLP, make_tiny_bert, mlp_batches, quiet_config, task_batches
 
 BF16 = torch.bfloat16
 
@@ -58,7 +59,8 @@ def test_weights_stay_bf16_in_place_and_the_state_is_fp32():
     pointers = [parameter.data_ptr() for parameter in model.parameters()]
     optimizer = BF16Optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     for batch in mlp_batches(3):
-        model(**{key: value.to(BF16) if value.is_floating_point() else value for key, value in batch.items()})["loss"].backward()
+        inputs = {key: value.to(BF16) if value.is_floating_point() else value for key, value in batch.items()}
+        model(**inputs)["loss"].backward()
         optimizer.step()
         optimizer.zero_grad()
     assert [parameter.data_ptr() for parameter in model.parameters()] == pointers
@@ -75,7 +77,8 @@ def test_clip_grad_norm_reads_fp32_buffers_and_equals_torch_on_the_same_gradient
     optimizer = BF16Optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), grad_dtype="fp32")
     for batch in mlp_batches(2):
         model(x=batch["x"].to(BF16), labels=batch["labels"])["loss"].backward()
-    assert all(parameter.grad is None and parameter.main_grad.dtype == torch.float32 for parameter in model.parameters())
+    assert all(parameter.grad is None and parameter.main_grad.dtype == torch.float32
+               for parameter in model.parameters())
     reference = [nn.Parameter(parameter.main_grad.clone()) for parameter in model.parameters()]
     for parameter in reference:
         parameter.grad = parameter.detach().clone()
@@ -137,7 +140,8 @@ def pretrained():
 
 def fine_tune(pretrained: nn.Module, optimizer: str = "adamw", lr: float = 3e-5, **fields) -> float:
     model = copy.deepcopy(pretrained)
-    Loop(model, build_optimizer(model, optimizer, lr, 0.01), task_batches(150, seed=2), config=quiet_config(**fields)).fit()
+    Loop(model, build_optimizer(model, optimizer, lr, 0.01), task_batches(150, seed=2),
+         config=quiet_config(**fields)).fit()
     assert next(model.parameters()).dtype == (BF16 if fields.get("weights") == "bf16" else torch.float32)
     return held_out_loss(model, task_batches(10, seed=99))
 
@@ -243,7 +247,8 @@ def test_a_model_cast_by_the_user_keeps_its_fp32_norms():
     kept = cast_to_bf16(model, keep_fp32=(nn.LayerNorm,))
     assert kept and all("LayerNorm" in name for name in kept)
     before = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
-    Loop(model, build_optimizer(model, "adamw", 1e-3), task_batches(3, seed=0), config=quiet_config(weights="bf16")).fit()
+    Loop(model, build_optimizer(model, "adamw", 1e-3), task_batches(3, seed=0),
+         config=quiet_config(weights="bf16")).fit()
     for name, parameter in model.named_parameters():
         assert parameter.dtype == (torch.float32 if name in kept else BF16), name
     assert all(not torch.equal(before[name], dict(model.named_parameters())[name]) for name in kept)

@@ -10,9 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import SmallMLP
 from looptrain import Loop, LoopConfig
 from looptrain.optim import build_optimizer
+
+from conftest import SmallMLP
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

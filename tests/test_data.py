@@ -37,8 +37,10 @@ def long_tailed_lengths(count: int = 2000, seed: int = 0, cap: int = 256) -> lis
 def all_samplers(lengths, num_replicas=1, rank=0, seed=0):
     return {
         "random": RandomBatchSampler(len(lengths), 8, seed=seed, num_replicas=num_replicas, rank=rank),
-        "length": LengthGroupedSampler(lengths, 8, seed=seed, mega_batch_multiplier=4, num_replicas=num_replicas, rank=rank),
-        "tokens": TokenBudgetBatchSampler(lengths, 512, seed=seed, mega_batch_size=200, num_replicas=num_replicas, rank=rank),
+        "length": LengthGroupedSampler(lengths, 8, seed=seed, mega_batch_multiplier=4, num_replicas=num_replicas,
+                                       rank=rank),
+        "tokens": TokenBudgetBatchSampler(lengths, 512, seed=seed, mega_batch_size=200, num_replicas=num_replicas,
+                                          rank=rank),
     }
 
 
@@ -86,7 +88,8 @@ def test_jsonl_and_sequence_of_dicts(tmp_path):
 
 def test_missing_column_suggests_closest(tmp_path):
     path = write(tmp_path / "d.csv", "sentence,label\nx,0\n")
-    with pytest.raises(DataError, match=r"column 'sentense' not found.*available columns: sentence, label.*Did you mean 'sentence'"):
+    with pytest.raises(DataError, match=r"column 'sentense' not found.*available columns: sentence, label"
+                                        r".*Did you mean 'sentence'"):
         read_classification_data(path, "sentense")
 
 
@@ -141,7 +144,8 @@ def test_repeated_column_name_is_refused(tmp_path, name, separator):
     # Before: the row dict kept the last 'text' column, and training used it silently.
     header = separator.join(["text", "label", " text "])
     path = write(tmp_path / name, f"{header}\n" + separator.join(["a", "pos", "b"]) + "\n")
-    with pytest.raises(DataError, match=r"column 'text' appears 2 times in the header \(columns 1, 3\); rename or remove"):
+    with pytest.raises(DataError,
+                       match=r"column 'text' appears 2 times in the header \(columns 1, 3\); rename or remove"):
         read_classification_data(path)
 
 
@@ -236,17 +240,20 @@ def test_tokenize_truncates_counts_and_does_not_pad(tiny_tokenizer):
 
 
 def test_tokenize_pairs_and_collator_token_types(tiny_tokenizer):
-    data = read_classification_data([{"a": "good movie", "b": "fun", "label": 0}, {"a": "bad", "b": "dull plot", "label": 1}], ("a", "b"))
+    data = read_classification_data([{"a": "good movie", "b": "fun", "label": 0},
+                                     {"a": "bad", "b": "dull plot", "label": 1}], ("a", "b"))
     dataset = tokenize(data, tiny_tokenizer, max_length=32, progress=False)
     assert dataset.lengths == [6, 6]
     # The tiny tokenizer does not return token types; hand-add them to check the collator's path.
-    features = [dict(dataset[0], token_type_ids=[0, 0, 0, 0, 1, 1]), dict(input_ids=[2, 3], attention_mask=[1, 1], token_type_ids=[0, 0], labels=1)]
+    features = [dict(dataset[0], token_type_ids=[0, 0, 0, 0, 1, 1]),
+                {"input_ids": [2, 3], "attention_mask": [1, 1], "token_type_ids": [0, 0], "labels": 1}]
     batch = DynamicPaddingCollator(tiny_tokenizer)(features)
     assert batch["token_type_ids"].tolist() == [[0, 0, 0, 0, 1, 1], [0, 0, 0, 0, 0, 0]]
 
 
 def test_collator_shapes_and_multiple_of(tiny_tokenizer):
-    features = [{"input_ids": [2] * length, "attention_mask": [1] * length, "labels": length % 3} for length in (3, 9, 5)]
+    features = [{"input_ids": [2] * length, "attention_mask": [1] * length, "labels": length % 3}
+                for length in (3, 9, 5)]
     batch = DynamicPaddingCollator(tiny_tokenizer)(features)
     assert batch["input_ids"].shape == (3, 9) and batch["input_ids"].dtype == torch.long
     assert batch["attention_mask"].sum(dim=1).tolist() == [3, 9, 5]

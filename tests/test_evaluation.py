@@ -9,10 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import SmallMLP, mlp_batches
-from conftest import quiet_config as quiet
 from looptrain import EvaluationError, Loop
 from looptrain.metrics import ClassificationMetrics, EvalMetrics
+
+from conftest import SmallMLP, mlp_batches
+from conftest import quiet_config as quiet
 
 
 class Regressor(nn.Module):
@@ -149,7 +150,8 @@ def test_the_final_evaluation_is_logged_and_a_best_candidate(tmp_path):
             return {**evaluation.compute(), "step_score": self.step}
 
     model = SmallMLP()
-    summary = LatestIsBest(model, torch.optim.SGD(model.parameters(), lr=0.1), mlp_batches(7), eval_loader=mlp_batches(1),
+    summary = LatestIsBest(model, torch.optim.SGD(model.parameters(), lr=0.1), mlp_batches(7),
+                           eval_loader=mlp_batches(1),
                            config=quiet(metric_for_best="step_score", output_dir=str(tmp_path), eval_every=3)).fit()
     events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [event["step"] for event in events if event["event"] == "eval"] == [3, 6, 7]
@@ -227,6 +229,7 @@ def test_heartbeat_lines_show_progress_without_a_terminal(monkeypatch, capsys):
          config=quiet(accum_steps=2, eval_every="epoch")).fit()
     lines = capsys.readouterr().out.splitlines()
     training = [line for line in lines if line.startswith("training: step")]
-    assert [line.split(" (")[0] for line in training] == ["training: step 1/3", "training: step 2/3", "training: step 3/3"]
+    assert [line.split(" (")[0] for line in training] == ["training: step 1/3", "training: step 2/3",
+                                                           "training: step 3/3"]
     assert "s to go" in training[0]
     assert any(line.startswith("evaluating at step 3: batch 2/2") for line in lines)

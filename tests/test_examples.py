@@ -43,7 +43,9 @@ def test_char_lm_learns_with_compute_loss_alone(char_lm, capsys):
     assert scores["perplexity"] < 0.6 * characters  # uniform guessing scores `characters`
     assert summary["metric_for_best"] == "perplexity" and summary["best_checkpoint"] is None  # no output_dir
     # Throughput counts the (x, y) batches' tokens, not only their rows.
-    assert summary["train_tokens_per_s"] == pytest.approx(32 * summary["train_samples_per_s"], rel=1e-5)  # both rounded to 3 decimals
+    assert summary["train_tokens"] == 32 * summary["train_samples"] == 32 * 8 * 45
+    # The rates are rounded to 3 decimals: they agree to what that rounding allows, however slow the machine.
+    assert abs(summary["train_tokens_per_s"] - 32 * summary["train_samples_per_s"]) <= 0.0005 * (32 + 1)
     assert "eval perplexity" in capsys.readouterr().out
 
 
@@ -55,7 +57,8 @@ def test_char_lm_accumulation_over_tuple_batches_is_exact(char_lm):
         pairs = char_lm.windows_of(ids, 16, 32, torch.Generator().manual_seed(0))
         torch.manual_seed(0)
         model = char_lm.CharGPT(len(characters), 16, width=16, layers=1)
-        loop = char_lm.CharLMLoop(model, torch.optim.SGD(model.parameters(), lr=0.5), char_lm.batched(pairs, batch_size),
+        loop = char_lm.CharLMLoop(model, torch.optim.SGD(model.parameters(), lr=0.5),
+                                  char_lm.batched(pairs, batch_size),
                                   config=char_lm.LoopConfig(accum_steps=accum, max_grad_norm=None, eval_every="no",
                                                             progress_bar=False, track_memory=False, device="cpu"))
         loop.fit()
@@ -63,7 +66,7 @@ def test_char_lm_accumulation_over_tuple_batches_is_exact(char_lm):
 
     reference, accumulated = train(8, 1), train(4, 2)
     for (name, expected), actual in zip(reference.state_dict().items(), accumulated.state_dict().values()):
-        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_token_classification_learns_with_compute_loss_alone():

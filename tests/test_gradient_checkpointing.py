@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import make_tiny_bert, random_token_batches
 from looptrain.freeze import freeze_embeddings, freeze_layers
 from looptrain.gradient_checkpointing import (
     CheckpointedSequential,
@@ -16,6 +15,8 @@ from looptrain.gradient_checkpointing import (
     disable_gradient_checkpointing,
     enable_gradient_checkpointing,
 )
+
+from conftest import make_tiny_bert, random_token_batches
 
 
 def _grads(model, batch):

@@ -19,9 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from conftest import WORDS, make_tiny_tokenizer
-from looptrain import LedgerError, Loop, LoopConfig, state
 from test_reliability import (
     CHILD_ENV,
     ROOT,
@@ -33,12 +30,16 @@ from test_reliability import (
     start,
     wait_for_checkpoint,
 )
-from test_reliability import data_files, uninterrupted  # noqa: F401  (fixtures)
+
+from looptrain import LedgerError, Loop, LoopConfig, state
+
+from conftest import WORDS, make_tiny_tokenizer
 
 
 def tree_snapshot(directory: Path) -> dict[str, bytes]:
     """Every file under `directory` (relative path -> content), to prove nothing changed."""
-    return {str(path.relative_to(directory)): path.read_bytes() for path in sorted(directory.rglob("*")) if path.is_file()}
+    return {str(path.relative_to(directory)): path.read_bytes()
+            for path in sorted(directory.rglob("*")) if path.is_file()}
 
 
 def copy_run(source: Path, destination: Path) -> Path:
@@ -82,7 +83,8 @@ def test_overwrite_moves_the_previous_run_aside_and_deletes_nothing(model_dir, d
     assert TOTAL_STEPS // 3 in kept and max(kept) == TOTAL_STEPS // 3  # this run's own: the newest and the best
 
 
-def test_resume_auto_refuses_another_schedule_and_names_the_fields(model_dir, data_files, uninterrupted, tmp_path, capsys):
+def test_resume_auto_refuses_another_schedule_and_names_the_fields(model_dir, data_files, uninterrupted, tmp_path,
+                                                                    capsys):
     output_dir = copy_run(uninterrupted, tmp_path / "run")
     run_file = json.loads((output_dir / "run.json").read_text())
     (output_dir / "run.json").write_text(json.dumps({**run_file, "status": "interrupted"}))  # as if killed
@@ -183,7 +185,8 @@ def test_rotation_deletes_only_checkpoints_of_this_run(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ corrupt checkpoints
-def test_a_truncated_checkpoint_falls_back_to_the_previous_good_one(model_dir, data_files, uninterrupted, tmp_path, capsys):
+def test_a_truncated_checkpoint_falls_back_to_the_previous_good_one(model_dir, data_files, uninterrupted, tmp_path,
+                                                                     capsys):
     output_dir = tmp_path / "truncated"
     process = start(argv(model_dir, data_files, output_dir), tmp_path / "truncated.log")
     deadline = time.monotonic() + 120
@@ -212,7 +215,8 @@ def test_a_truncated_checkpoint_named_explicitly_is_a_checkpoint_error(model_dir
     weights.write_bytes(weights.read_bytes()[:100])
     shutil.rmtree(output_dir / "final")
     assert run_in_process(argv(model_dir, data_files, output_dir, "--resume", str(checkpoint))) == 2
-    assert re.search(rf"error: cannot read {re.escape(str(weights))}: the file is corrupt or truncated", error_of(capsys))
+    assert re.search(rf"error: cannot read {re.escape(str(weights))}: the file is corrupt or truncated",
+                     error_of(capsys))
 
 
 def test_a_truncated_model_file_is_a_usage_error_naming_it(model_dir, data_files, tmp_path, capsys):
@@ -287,7 +291,8 @@ def test_data_that_is_not_what_the_user_thinks_is_refused(model_dir, tmp_path, c
 
 def test_numeric_labels_that_are_not_ids_train_with_a_notice(model_dir, tmp_path, capsys):
     data = tmp_path / "train.csv"
-    data.write_text("text,label\n" + "".join(f"film {i},{label}\n" for i, label in enumerate(["0.0", "1.5", "2.7"] * 4)))
+    data.write_text("text,label\n"
+                    + "".join(f"film {i},{label}\n" for i, label in enumerate(["0.0", "1.5", "2.7"] * 4)))
     assert run_in_process(["--model", str(model_dir), "--data", str(data), "--output-dir", str(tmp_path / "run"),
                            "--max-steps", "1", "--max-length", "32", "--no-track-memory", "--no-progress-bar"]) == 0
     assert re.search(r"notice: .*the labels look numeric but are not all integer ids.*treated as 3 class names",

@@ -8,11 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import DtypeProbe, OneWeight, make_tiny_bert, random_token_batches
 from looptrain import Loop, LoopConfig
 
+from conftest import DtypeProbe, OneWeight, make_tiny_bert, random_token_batches
+
 SUMMARY_KEYS = {
-    "train_runtime_s", "train_samples_per_s", "train_tokens_per_s", "optimizer_steps", "skipped_steps",
+    "train_runtime_s", "train_samples", "train_tokens", "train_samples_per_s", "train_tokens_per_s", "optimizer_steps",
+    "skipped_steps",
     "peak_memory_bytes", "memory_meter", "peak_rss_bytes", "memory_breakdown", "final_eval", "best_metric",
     "best_checkpoint", "config",
 }
@@ -43,13 +45,14 @@ def split_batch(batch: dict, sizes: list[int]) -> list[dict]:
 def train_bert(batches: list[dict], accum_steps: int, epochs: int = 1, **config) -> nn.Module:
     model = make_tiny_bert(seed=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    Loop(model, optimizer, batches, config=quiet(accum_steps=accum_steps, epochs=epochs, max_grad_norm=None, **config)).fit()
+    Loop(model, optimizer, batches,
+         config=quiet(accum_steps=accum_steps, epochs=epochs, max_grad_norm=None, **config)).fit()
     return model
 
 
 def assert_same_weights(first: nn.Module, second: nn.Module, **tolerance) -> None:
     for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items()):
-        torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}", **tolerance)
+        torch.testing.assert_close(a, b, msg=lambda m, name=name: f"{name}: {m}", **tolerance)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +84,7 @@ def test_partial_last_window_is_stepped_and_normalised_by_what_it_holds(eight_un
     # Dividing the last window by accum_steps (3) instead of its 2 items gives a different model.
     wrong = make_tiny_bert(seed=0)
     optimizer = torch.optim.SGD(wrong.parameters(), lr=0.5)
-    for index, window in enumerate([[0, 1, 2], [3, 4, 5], [6, 7]]):
+    for window in [[0, 1, 2], [3, 4, 5], [6, 7]]:
         for position in window:
             piece = split_batch(eight_uneven, [1] * 8)[position]
             (wrong(**piece).loss / 3).backward()
@@ -118,7 +121,8 @@ class TokenLoop(Loop):
     def compute_loss(self, batch):
         targets = batch["labels"] if "labels" in batch else batch["targets"]
         logits = self.model(batch["input_ids"])
-        loss_sum = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+        loss_sum = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100,
+                                               reduction="sum")
         return loss_sum, (targets != -100).sum()
 
 
@@ -196,7 +200,8 @@ def test_one_weight_oracle_with_partial_window():
     assert model.w.item() == pytest.approx(w, rel=1e-6)
 
 
-@pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)])
+@pytest.mark.parametrize("precision, dtype",
+                         [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)])
 def test_autocast_dtype_inside_forward(precision, dtype):
     model = DtypeProbe()
     batches = [{"x": torch.randn(3, 4), "labels": torch.tensor([0, 1, 0])} for _ in range(2)]
@@ -253,7 +258,7 @@ def test_clip_after_unscale_logs_the_fp32_norm_and_clips_the_same():
         recorded = []
 
         class Recording(Loop):
-            def on_step_end(self, *, grad_norm, **_):
+            def on_step_end(self, *, grad_norm, recorded=recorded, **_):
                 recorded.append(float(grad_norm))
 
         Recording(model, torch.optim.SGD(model.parameters(), lr=0.5), batches,

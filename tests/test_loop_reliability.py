@@ -11,10 +11,11 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from conftest import SmallMLP, mlp_batches
-from conftest import quiet_config as quiet
 from looptrain import Loop, TrainingDiverged
 from looptrain.guards import OUT_OF_MEMORY_ERRORS
+
+from conftest import SmallMLP, mlp_batches
+from conftest import quiet_config as quiet
 
 
 def poisoned(batches: list[dict], positions: set[int]) -> list[dict]:
@@ -102,7 +103,7 @@ def test_auto_batch_halves_the_micro_batch_and_keeps_the_exact_update():
     assert max(limited.rows_seen[-4:]) <= 2
     assert summary["optimizer_steps"] == 2 and summary["micro_steps"] == 16  # 4 batches x 4 pieces
     for (name, expected), actual in zip(reference.state_dict().items(), limited.state_dict().values()):
-        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_out_of_memory_without_auto_batch_explains_and_suggests():

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SmallMLP
 from torch import nn
 
 from looptrain import memory
+
+from conftest import SmallMLP
 
 # Estimate vs measured CPU tensor peak: the estimator runs the same tracker on fake tensors, so the
 # differences are what fake execution cannot see (the 8-bit optimizer is modelled). Aim: 10%.

@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import SmallMLP, make_tiny_bert, random_token_batches
 from looptrain.freeze import freeze_embeddings, freeze_layers
 from looptrain.optim import (
     OPTIMIZER_NAMES,
@@ -17,6 +16,8 @@ from looptrain.optim import (
     build_parameter_groups,
     optimizer_state_bytes,
 )
+
+from conftest import SmallMLP, make_tiny_bert, random_token_batches
 
 
 class EmbedMLP(nn.Module):
@@ -38,7 +39,8 @@ class EmbedMLP(nn.Module):
 
 def _data(steps=4, seed=0):
     generator = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, 200, (4, 2), generator=generator), torch.randint(0, 3, (4,), generator=generator)) for _ in range(steps)]
+    return [(torch.randint(0, 200, (4, 2), generator=generator), torch.randint(0, 3, (4,), generator=generator))
+            for _ in range(steps)]
 
 
 def _group_ids(optimizer):
@@ -121,7 +123,8 @@ def test_8bit_state_on_bert_embeddings_is_32bit():
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=200, hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, max_position_embeddings=80)
+    config = BertConfig(vocab_size=200, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=80)
     model = BertForSequenceClassification(config)
     optimizer = build_optimizer(model, "adamw8bit", lr=1e-3)
     batch = random_token_batches([[5, 7]], vocab_size=200)[0]
@@ -198,8 +201,9 @@ def test_step_in_backward_matches_plain_optimizer(name):
     for expected, actual in zip(plain_model.parameters(), fused_model.parameters()):
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
     if name == "adamw8bit":
-        assert fused._per_parameter[id(fused_model.embed.weight)].state[fused_model.embed.weight]["state1"].dtype == torch.float32
-        assert fused._per_parameter[id(fused_model.hidden.weight)].state[fused_model.hidden.weight]["state1"].dtype == torch.uint8
+        embed, hidden = fused_model.embed.weight, fused_model.hidden.weight
+        assert fused._per_parameter[id(embed)].state[embed]["state1"].dtype == torch.float32
+        assert fused._per_parameter[id(hidden)].state[hidden]["state1"].dtype == torch.uint8
     assert optimizer_state_bytes(fused) == optimizer_state_bytes(plain) or name == "adamw8bit"
 
 
@@ -246,7 +250,9 @@ def test_previous_global_clipping_scales_by_last_steps_norm():
     plain_model = EmbedMLP()
     fused_model = copy.deepcopy(plain_model)
     plain = build_optimizer(plain_model, "sgd", lr=0.1)
-    fused = OptimizerInBackward(
+    # Never read by name: constructing it registers the hooks that step fused_model inside backward(); the name
+    # makes its lifetime (the whole test) explicit.
+    _fused = OptimizerInBackward(
         fused_model, build_optimizer(fused_model, "sgd", lr=0.1), max_grad_norm=0.05, clip="previous_global"
     )
     previous_norm = None
@@ -281,7 +287,8 @@ def test_state_dict_round_trip_continues_identically(name):
 
     resumed_model = EmbedMLP()
     resumed_model.load_state_dict(saved_model)
-    resumed = OptimizerInBackward(resumed_model, build_optimizer(resumed_model, name, lr=1e-2), max_grad_norm=1.0, clip="previous_global")
+    resumed = OptimizerInBackward(resumed_model, build_optimizer(resumed_model, name, lr=1e-2), max_grad_norm=1.0,
+                                  clip="previous_global")
     resumed.load_state_dict(saved)
     for ids, labels in data[3:]:
         resumed_model(ids, labels).backward()

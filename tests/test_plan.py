@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import load_finetune_script, make_tiny_bert, make_tiny_tokenizer, write_csv
 from looptrain import Loop, LoopConfig, data
 from looptrain.optim import build_optimizer
 from looptrain.plan import Levers, PlanError, Settings, parse_size, plan
+
+from conftest import load_finetune_script, make_tiny_bert, make_tiny_tokenizer, write_csv
 
 ROOT = Path(__file__).resolve().parent.parent
 EFFECTIVE_BATCH = 16
@@ -44,13 +45,19 @@ def test_sizes_parse_in_every_unit():
         parse_size("4 gigs")
 
 
-def test_every_candidate_keeps_the_effective_batch_and_fits(dataset):
+def test_every_candidate_keeps_the_effective_batch_and_fits(dataset, cpu_kind):
     train_set, collator = dataset
     model = make_tiny_bert(num_labels=2)
     budget = budget_between(model, train_set, collator, 4, 8)
     result = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH,
                   levers=Levers(precision=True), probe=False)
-    assert len(result.candidates) >= 3
+    numerics = {(c.settings.precision, c.settings.weights) for c in result.candidates}
+    if cpu_kind == "native-bf16":  # --amp means bf16 here: bf16 autocast and bf16 weights are tried beside fp32
+        assert {("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16")} <= numerics
+        assert len(result.candidates) >= 3
+    else:  # bf16 is emulated (several times slower): fp32 alone, with and without the fused step or checkpointing
+        assert numerics == {("fp32", "fp32")}
+        assert len(result.candidates) >= 2
     for candidate in result.candidates:
         assert candidate.settings.batch_size * candidate.settings.accum_steps == EFFECTIVE_BATCH
         assert candidate.estimated_peak_bytes * (1 + result.margin) <= budget
@@ -93,7 +100,8 @@ def test_the_winner_measured_by_the_tracker_stays_within_the_budget(dataset):
     summary = Loop(model, optimizer, loader, config=config).fit()
     assert summary["memory_meter"] == "cpu_tensor_tracker"
     assert summary["peak_memory_bytes"] <= budget
-    assert abs(summary["peak_memory_bytes"] - result.winner.estimated_peak_bytes) <= 0.1 * result.winner.estimated_peak_bytes
+    estimated = result.winner.estimated_peak_bytes
+    assert abs(summary["peak_memory_bytes"] - estimated) <= 0.1 * estimated
 
 
 def test_one_very_long_sample_is_planned_for(dataset, tmp_path):
@@ -123,7 +131,7 @@ def test_when_nothing_fits_the_error_says_what_would(dataset):
         plan(model, train_set, collator, memory_budget=150_000, effective_batch=EFFECTIVE_BATCH, probe=False)
 
 
-def test_the_probe_is_bounded(dataset):
+def test_the_probe_is_bounded(dataset, cpu_kind):
     train_set, collator = dataset
     model = make_tiny_bert(num_labels=2)
     budget = budget_between(model, train_set, collator, 4, 8)
@@ -215,33 +223,52 @@ def test_a_budget_of_process_rss_keeps_only_candidates_whose_probe_fits(dataset)
     for candidate in result.candidates:  # only measured candidates are eligible, and they measured within it
         assert candidate.probed and 0 <= candidate.probe["peak_rss_bytes"] * (1 + result.margin) <= 2**30
     # The same budget counted from 2 GiB below the process's RSS: every probe measures over it.
-    with pytest.raises(PlanError, match=r"nothing fits 1.00 GiB .* \+ 2\.\d+ GiB of the process's RSS measured besides tensors"):
+    with pytest.raises(PlanError,
+                       match=r"nothing fits 1.00 GiB .* \+ 2\.\d+ GiB of the process's RSS measured besides tensors"):
         plan(model, train_set, collator, memory_budget=2**30, effective_batch=EFFECTIVE_BATCH,
              rss_baseline=current_rss_bytes() - 2 * 2**30, probe_budget=0.0)
 
 
-def test_bf16_weights_are_a_numerics_lever_and_probes_leave_the_fp32_weights_alone(dataset, monkeypatch):
-    """Under a budget that no fp32-weight mix fits, --amp lets the planner store the weights in bf16 (on a CPU
-    with native bf16; patched here so the test runs anywhere). The probe casts the model and restores it."""
-    import looptrain.plan as plan_module
+def wider_bert():
+    return make_tiny_bert(num_labels=2, hidden_size=128, intermediate_size=512, num_attention_heads=4)
+
+
+@pytest.fixture(scope="module")
+def bf16_weights_budget(dataset) -> int:
+    """A budget between wider_bert's lowest fp32-weight estimate (fp32 or bf16 autocast) and its bf16-weight one."""
     from looptrain import memory
 
-    monkeypatch.setattr(plan_module, "amp_precision", lambda device: ("bf16", "patched: native bf16"))
     train_set, collator = dataset
-    model = make_tiny_bert(num_labels=2, hidden_size=128, intermediate_size=512, num_attention_heads=4)
+    model = wider_bert()
     width = collator.batch_width([max(train_set.lengths)])
 
     def lowest(**options) -> int:
-        return min(memory.estimate(model, batch, width, accum_steps=EFFECTIVE_BATCH // batch, gradient_checkpointing=True,
-                                   **options)["peak_memory_bytes"] for batch in (1, 2))
+        return min(memory.estimate(model, batch, width, accum_steps=EFFECTIVE_BATCH // batch,
+                                   gradient_checkpointing=True, **options)["peak_memory_bytes"] for batch in (1, 2))
 
     fp32_weights = min(lowest(precision=precision) for precision in ("fp32", "bf16"))
     bf16_weights = lowest(weights="bf16")
     assert fp32_weights > 1.15 * bf16_weights
-    budget = int(1.05 * (fp32_weights + bf16_weights) / 2)
+    return int(1.05 * (fp32_weights + bf16_weights) / 2)
+
+
+def test_bf16_weights_are_a_numerics_lever_and_probes_leave_the_fp32_weights_alone(dataset, bf16_weights_budget,
+                                                                                   cpu_kind):
+    """Under a budget that no fp32-weight mix fits, --amp lets the planner store the weights in bf16 on a CPU with
+    native bf16; on an AVX2 CPU (emulated bf16) it does not, and says nothing fits. The probe casts the model and
+    restores it."""
+    train_set, collator = dataset
+    model, budget = wider_bert(), bf16_weights_budget
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    if cpu_kind == "avx2":
+        with pytest.raises(PlanError, match=r"nothing fits") as refused:
+            plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH,
+                 levers=Levers(precision=True), probe=False)
+        assert "--weights bf16" not in str(refused.value)  # not offered where bf16 is emulated
+        return
+    # A probe budget of 0 measures one candidate of each precision: the bf16-weight winner is probed.
     result = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH,
-                  levers=Levers(precision=True), probe_budget=5.0)
+                  levers=Levers(precision=True), probe_budget=0.0)
     assert result.candidates and all(candidate.settings.weights == "bf16" for candidate in result.candidates)
     assert result.winner.settings.loop_fields()["weights"] == "bf16"
     for name, tensor in model.state_dict().items():  # probed in bf16, handed back in fp32, bit for bit

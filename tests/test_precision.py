@@ -5,25 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DtypeProbe
 from looptrain import Loop, LoopConfig, precision
 
+from conftest import DtypeProbe
 
-@pytest.fixture
-def avx2_cpu(monkeypatch):
-    """A CPU like a 2-core AMD EPYC with AVX2 only: oneDNN has no native bf16 or fp16 there."""
-    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
-    monkeypatch.setattr(precision, "cpu_has_native_fp16", lambda: False)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-
-
-@pytest.fixture
-def amx_cpu(monkeypatch):
-    """A CPU with AMX (Sapphire Rapids and later): native bf16."""
-    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+pytestmark = pytest.mark.hardware
 
 
 def test_amp_on_a_cpu_without_native_bf16_means_fp32_and_says_why(avx2_cpu):

@@ -23,8 +23,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import load_finetune_script, write_csv
 from looptrain import state
+
+from conftest import load_finetune_script
 
 ROOT = Path(__file__).resolve().parent.parent
 # One thread everywhere: bitwise equality between processes needs the same kernels and reduction splits,
@@ -40,12 +41,6 @@ TRAINING = ["--batch-size", "2", "--epochs", "3", "--eval-every", "2", "--save-t
 
 
 finetune = load_finetune_script("finetune_script_reliability")
-
-
-@pytest.fixture(scope="module")
-def data_files(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("reliability-data")
-    return write_csv(directory / "train.csv", 32, seed=5), write_csv(directory / "eval.csv", 16, seed=6)
 
 
 @contextmanager
@@ -78,16 +73,6 @@ def assert_bitwise_equal(first: dict, second: dict) -> None:
     assert first.keys() == second.keys()
     different = [key for key in first if not torch.equal(first[key], second[key])]
     assert not different, f"tensors differ after resume: {different}"
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(model_dir, data_files, tmp_path_factory):
-    """The reference run, in-process: its final weights are what every interrupted run must reach."""
-    output_dir = tmp_path_factory.mktemp("uninterrupted")
-    assert run_in_process(argv(model_dir, data_files, output_dir)) == 0
-    summary = json.loads((output_dir / "summary.json").read_text())
-    assert summary["optimizer_steps"] == TOTAL_STEPS
-    return output_dir
 
 
 def start(arguments: list[str], log_path: Path, *, child: list[str] | None = None) -> subprocess.Popen:
@@ -247,7 +232,8 @@ def test_resume_refuses_a_checkpoint_file_that_would_run_code(
     assert finetune.main(argv(model_dir, data_files, output_dir, "--resume", str(output_dir / latest.name))) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    assert re.search(rf"finetune\.py: error: refusing to load \S*{re.escape(file_name)}: .*could execute code", err), err
+    assert re.search(rf"finetune\.py: error: refusing to load \S*{re.escape(file_name)}: .*could execute code",
+                     err), err
     assert not marker.exists()
     assert not (output_dir / "final").exists()
 

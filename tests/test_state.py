@@ -13,7 +13,6 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import SmallMLP, make_tiny_bert
 from looptrain import state as state_module
 from looptrain.state import (
     BestTracker,
@@ -26,6 +25,8 @@ from looptrain.state import (
     rotate_checkpoints,
     save_checkpoint,
 )
+
+from conftest import SmallMLP, make_tiny_bert
 
 
 def _train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, seed: int = 0, scheduler=None):
@@ -273,7 +274,8 @@ def test_not_a_checkpoint_errors_name_the_fix(tmp_path):
         load_checkpoint(run / "checkpoint-3", model=nn.Linear(8, 16, bias=False))
     # Optimizer requested but none saved.
     with pytest.raises(CheckpointError, match="has no optimizer.pt"):
-        load_checkpoint(run / "checkpoint-3", model=SmallMLP(), optimizer=torch.optim.SGD(SmallMLP().parameters(), lr=1))
+        load_checkpoint(run / "checkpoint-3", model=SmallMLP(),
+                        optimizer=torch.optim.SGD(SmallMLP().parameters(), lr=1))
 
 
 class _TiedModel(nn.Module):

@@ -8,12 +8,13 @@ import re
 import pytest
 import torch
 
-from conftest import load_finetune_script, make_tiny_bert, quiet_config, task_batches, write_csv
 from looptrain import ConfigError, Loop, LoopConfig, build_optimizer, freeze_embeddings
 from looptrain.config import check_process_group
 from looptrain.freeze import layer_depths
 from looptrain.gradient_checkpointing import checkpointed_block_indices
 from looptrain.optim import build_parameter_groups
+
+from conftest import load_finetune_script, make_tiny_bert, quiet_config, task_batches, write_csv
 
 finetune = load_finetune_script("finetune_for_unfreeze")
 
@@ -101,7 +102,8 @@ def depth_names(model) -> dict[str, set[str]]:
 def test_unfreezing_trains_the_head_first_then_one_block_per_stage_embeddings_last(fields):
     model = make_tiny_bert(num_layers=2)
     depths = depth_names(model)
-    loop = RecordingLoop(model, build_optimizer(model, "adamw", 1e-2), task_batches(8 * fields.get("accum_steps", 1), seed=0),
+    loop = RecordingLoop(model, build_optimizer(model, "adamw", 1e-2),
+                         task_batches(8 * fields.get("accum_steps", 1), seed=0),
                          config=quiet_config(unfreeze_every=2, gradient_checkpointing=True, **fields))
     summary = loop.fit()
     head, top, bottom, embeddings = (depths[label] for label in
@@ -128,7 +130,7 @@ def test_parameters_keep_their_optimizer_state_when_others_join():
     depths = depth_names(model)
     assert {names[key] for key in loop.state_at_3} == depths["head"]
     stepped = {names[id(parameter)]: int(state["step"]) for parameter, state in optimizer.state.items()}
-    assert stepped == {**{name: 6 for name in depths["head"]}, **{name: 3 for name in depths["bert.encoder.layer.1"]}}
+    assert stepped == {**dict.fromkeys(depths["head"], 6), **dict.fromkeys(depths["bert.encoder.layer.1"], 3)}
     for parameter, state in optimizer.state.items():  # the head's moments went on from step 3, not from zero
         if id(parameter) in loop.state_at_3:
             assert not torch.equal(state["exp_avg"], loop.state_at_3[id(parameter)])
@@ -139,7 +141,8 @@ def test_parameters_the_user_froze_stay_frozen_in_every_stage():
     freeze_embeddings(model)
     embeddings = {name: parameter.detach().clone() for name, parameter in model.named_parameters()
                   if name.startswith("bert.embeddings.")}
-    loop = Loop(model, build_optimizer(model, "adamw", 1e-2), task_batches(6, seed=0), config=quiet_config(unfreeze_every=1))
+    loop = Loop(model, build_optimizer(model, "adamw", 1e-2), task_batches(6, seed=0),
+                config=quiet_config(unfreeze_every=1))
     summary = loop.fit()
     assert summary["unfreeze"]["stages"] == 3  # head, two blocks: the embeddings are no stage
     for name, parameter in model.named_parameters():
@@ -178,7 +181,8 @@ def test_resume_in_a_later_stage_is_exact(tmp_path):
 def test_an_optimizer_without_the_later_stages_is_refused():
     model = make_tiny_bert(num_layers=2)
     head_only = torch.optim.AdamW(model.classifier.parameters(), lr=1e-3)
-    with pytest.raises(ValueError, match=r"unfreeze_every: the optimizer does not hold .*build the optimizer over the whole model"):
+    with pytest.raises(ValueError,
+                       match=r"unfreeze_every: the optimizer does not hold .*build the optimizer over the whole model"):
         Loop(model, head_only, task_batches(2, seed=0), config=quiet_config(unfreeze_every=1))
 
 
@@ -215,7 +219,8 @@ def test_cli_unfreeze_schedule_and_layer_lr_decay(model_dir, train_csv, tmp_path
 @pytest.mark.parametrize("flags, message", [
     (["--layer-lr-decay", "1.5"], r"--layer-lr-decay must be in \(0, 1\] \(got 1.5\)"),
     (["--unfreeze-schedule", "often"], r"expected 'epoch' or a number of optimizer updates per stage, got 'often'"),
-    (["--unfreeze-schedule", "2", "--freeze-encoder"], r"--unfreeze-schedule unfreezes blocks that --freeze-encoder keeps frozen"),
+    (["--unfreeze-schedule", "2", "--freeze-encoder"],
+     r"--unfreeze-schedule unfreezes blocks that --freeze-encoder keeps frozen"),
     (["--no-stochastic-rounding"], r"stochastic_rounding=False .*--weights bf16|--no-stochastic-rounding"),
 ])
 def test_cli_refuses_bad_unfreezing_and_bf16_flags(model_dir, train_csv, tmp_path, capsys, flags, message):

@@ -53,7 +53,9 @@ class ShardedBatchSampler:
         self.num_replicas = default_replicas if num_replicas is None else int(num_replicas)
         self.rank = default_rank if rank is None else int(rank)
         if self.num_replicas < 1 or not 0 <= self.rank < self.num_replicas:
-            raise DataError(f"rank must be in [0, num_replicas), got rank={self.rank}, num_replicas={self.num_replicas}")
+            raise DataError(
+                f"rank must be in [0, num_replicas), got rank={self.rank}, num_replicas={self.num_replicas}"
+            )
         if uneven not in ("split", "drop"):
             raise DataError(f"uneven must be 'split' or 'drop', got {uneven!r}")
         self.seed = int(seed)
@@ -335,7 +337,8 @@ class TokenBudgetBatchSampler(ShardedBatchSampler):
         order = rng.permutation(count)
         batches: list[list[int]] = []
         for start in range(0, count, self.mega_batch_size):
-            batches.extend(self._fill(_sort_by_length(order[start : start + self.mega_batch_size], self._budget_lengths)))
+            mega_batch = order[start : start + self.mega_batch_size]
+            batches.extend(self._fill(_sort_by_length(mega_batch, self._budget_lengths)))
         return batches
 
     def _fill(self, sorted_indices: list[int]) -> list[list[int]]:

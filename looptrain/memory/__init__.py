@@ -3,7 +3,8 @@
 Modules:
     tracker     `StorageTracker`: live tensor bytes by storage, their peak, phase and breakdown
     meters      `CpuTensorMeter` / `CudaMeter` (`make_meter`): a real run's peak; `format_memory_table`
-    estimator   `estimate`: a training step's peak on fake tensors, driving the Loop's own update
+    estimator   `estimate`: a training step's peak on fake tensors, driving the Loop's own update;
+                `estimate_windows` / `bounding_windows`: a run's peak over the batches it will see
     __main__    the estimator's command line (`python -m looptrain.memory`)
 
 The tracker and the meters are leaves (the Loop uses them); the estimator sits above the Loop, so
@@ -21,7 +22,10 @@ from looptrain.memory.meters import (
 from looptrain.memory.tracker import StorageTracker, gradient_bytes, parameter_bytes, tensor_bytes
 from looptrain.optim import optimizer_state_bytes
 
-_ESTIMATOR_NAMES = ("ACCURACY_MIXES", "ESTIMATE_METER", "PRESETS", "estimate", "ladder", "load_config", "measure", "preset_config", "random_batch")
+# The estimator's names, imported on first use by `__getattr__`; they are listed in `__all__` below as well
+# (literal strings, so that static tools can read it).
+_ESTIMATOR_NAMES = ("ACCURACY_MIXES", "ESTIMATE_METER", "PRESETS", "bounding_windows", "estimate", "estimate_windows",
+                    "ladder", "load_config", "measure", "preset_config", "random_batch")
 
 __all__ = [
     "CpuTensorMeter",
@@ -35,7 +39,18 @@ __all__ = [
     "parameter_bytes",
     "peak_rss_bytes",
     "tensor_bytes",
-    *_ESTIMATOR_NAMES,
+    # the estimator's (`_ESTIMATOR_NAMES`)
+    "ACCURACY_MIXES",
+    "ESTIMATE_METER",
+    "PRESETS",
+    "bounding_windows",
+    "estimate",
+    "estimate_windows",
+    "ladder",
+    "load_config",
+    "measure",
+    "preset_config",
+    "random_batch",
 ]
 
 

@@ -17,6 +17,7 @@ import copy
 import json
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -29,9 +30,12 @@ from looptrain.loop import Loop
 from looptrain.optim import build_optimizer, optimizer_options_problem
 
 PRESETS = {
-    "bert-base": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072, "vocab_size": 30522},
-    "bert-large": {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096, "vocab_size": 30522},
-    "macbert-large": {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096, "vocab_size": 21128},
+    "bert-base": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072,
+                  "vocab_size": 30522},
+    "bert-large": {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096,
+                   "vocab_size": 30522},
+    "macbert-large": {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
+                      "intermediate_size": 4096, "vocab_size": 21128},
 }
 ESTIMATE_METER = "estimate_fake_tensor_tracker"
 
@@ -68,7 +72,8 @@ def _fake_model(model_or_config: Any, num_labels: int, fake_mode) -> nn.Module:
     if isinstance(model_or_config, nn.Module):
         memo: dict[int, Any] = {}
         for parameter in model_or_config.parameters():
-            memo[id(parameter)] = nn.Parameter(fake_mode.from_tensor(parameter.detach()), requires_grad=parameter.requires_grad)
+            memo[id(parameter)] = nn.Parameter(fake_mode.from_tensor(parameter.detach()),
+                                               requires_grad=parameter.requires_grad)
         for buffer in model_or_config.buffers():
             memo[id(buffer)] = fake_mode.from_tensor(buffer)
         return copy.deepcopy(model_or_config, memo)
@@ -162,6 +167,8 @@ def estimate(
     autocast, scaled backward, unscale, clip, step, zero) on one window of ``min(accum_steps, 2)``
     micro-batches (from the second micro-batch on, memory repeats) under the CPU meter's tracker.
     No real memory is allocated and nothing is computed. The RNG states are left as they were.
+    This prices a ``batch_size x seq_len`` batch in the worst state a batch can meet (gradients and
+    optimizer state alive beside it); `estimate_windows` prices the windows a run really sees.
 
     Args:
         model_or_config: an ``nn.Module`` (copied, never modified), a transformers config, a preset
@@ -192,8 +199,50 @@ def estimate(
     Raises:
         ValueError: an invalid mix (`looptrain.ConfigError` names the fields), an unknown preset.
     """
+    window = [(batch_size, seq_len)] * min(accum_steps, 2)
+    return estimate_windows(
+        model_or_config, [window, window], precision=precision, optimizer=optimizer,
+        gradient_checkpointing=gradient_checkpointing, checkpoint_every=checkpoint_every,
+        optimizer_in_backward=optimizer_in_backward, freeze_embeddings=freeze_embeddings, freeze_layers=freeze_layers,
+        freeze_encoder=freeze_encoder, foreach=foreach, accum_steps=accum_steps, num_labels=num_labels,
+        max_grad_norm=max_grad_norm, weights=weights, grad_dtype=grad_dtype)
+
+
+def estimate_windows(
+    model_or_config: Any,
+    windows: Sequence[Sequence[tuple[int, int]]],
+    *,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    gradient_checkpointing: bool = False,
+    checkpoint_every: int = 1,
+    optimizer_in_backward: bool = False,
+    freeze_embeddings: bool = False,
+    freeze_layers: int = 0,
+    freeze_encoder: bool = False,
+    foreach: bool | None = None,
+    accum_steps: int = 1,
+    num_labels: int = 2,
+    max_grad_norm: float | None = 1.0,
+    weights: str = "fp32",
+    grad_dtype: str = "bf16",
+) -> dict[str, Any]:
+    """`estimate` over given accumulation windows: the Loop's update driven once per window, in order.
+
+    Args:
+        model_or_config: as in `estimate`.
+        windows: each window's micro-batch shapes ``(rows, width)``, driven from a fresh start (no
+            gradients, no optimizer state: the first update creates it), e.g. `bounding_windows` of
+            the shapes a run's sampler gives.
+        precision, optimizer, ...: the strategy, as in `estimate`.
+
+    Returns:
+        The same dict as `estimate`: the peak over all the windows, its breakdown and phase.
+    """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    if not windows or not all(windows):
+        raise ValueError("estimate_windows needs at least one window, and every window at least one (rows, width)")
     config = _config(precision, accum_steps, max_grad_norm, gradient_checkpointing, optimizer_in_backward, optimizer,
                      foreach, checkpoint_every, weights=weights, grad_dtype=grad_dtype)
     started = time.perf_counter()
@@ -205,11 +254,16 @@ def estimate(
         loop = _strategy_loop(model, optimizer, foreach, config, {
             "freeze_embeddings": freeze_embeddings, "freeze_layers": freeze_layers, "freeze_encoder": freeze_encoder})
         with fake_mode:
-            window = [random_batch(batch_size, seq_len, _vocab_size(model), num_labels) for _ in range(min(accum_steps, 2))]
+            # One batch per (position, shape): a shape met again at the same place reuses its batch.
+            batches: dict[tuple[int, int, int], dict] = {}
+            for window in windows:
+                for position, (rows, width) in enumerate(window):
+                    if (position, rows, width) not in batches:
+                        batches[position, rows, width] = random_batch(rows, width, _vocab_size(model), num_labels)
             loop.meter.start(loop.model, loop.optimizer)
             try:
-                for _ in range(2):  # the second update, with optimizer state present, is the one that peaks
-                    loop._run_window(window)
+                for window in windows:
+                    loop._run_window([batches[position, rows, width] for position, (rows, width) in enumerate(window)])
             finally:
                 loop.meter.stop()
             summary = loop.meter.summary()
@@ -228,6 +282,39 @@ def estimate(
     }
 
 
+def bounding_windows(windows: Sequence[Sequence[tuple[int, int]]], *,
+                     fresh: bool = True) -> list[list[tuple[int, int]]]:
+    """The few windows whose `estimate_windows` peak is the peak of a run over all of `windows`.
+
+    `windows` are a run's accumulation windows in order, each its micro-batches' ``(rows, width)``.
+    A micro-batch's memory depends on its shape and on what lives beside it: the optimizer state
+    (from the first update on) and the gradients (from a window's second micro-batch on: the update
+    before ended with ``zero_grad(set_to_none=True)``). So a fresh run's first window is kept as it
+    is (a length-grouped sampler puts the longest batch there, where neither exists yet), and every
+    later window is stood for by the widest shapes met first in a window and met later in one
+    (every shape no other shape has both more rows and more width than), driven after it.
+
+    Args:
+        windows: the run's windows, in order.
+        fresh: the run starts without optimizer state (False for a resumed run: every window then
+            counts as a later one, and the later windows are driven twice, the second time with state).
+    """
+    windows = [list(window) for window in windows if window]
+    first, later = (windows[:1], windows[1:]) if fresh else ([], windows)
+    leading = _widest({window[0] for window in later})
+    following = _widest({shape for window in later for shape in window[1:]})
+    steady = [[leading[index % len(leading)]] + ([following[index % len(following)]] if following else [])
+              for index in range(max(len(leading), len(following)))] if leading else []
+    return first + steady if fresh else steady + steady
+
+
+def _widest(shapes: set) -> list[tuple[int, int]]:
+    """The shapes that no other shape covers in both rows and width, widest first."""
+    return sorted((shape for shape in shapes
+                   if not any(other != shape and other[0] >= shape[0] and other[1] >= shape[1] for other in shapes)),
+                  key=lambda shape: (-shape[1], -shape[0]))
+
+
 def measure(model: nn.Module, batch_size: int, seq_len: int, **options: Any) -> dict[str, Any]:
     """Runs the same strategy mix for real, through `Loop.fit`, and returns its summary (tracker meter).
 
@@ -235,7 +322,8 @@ def measure(model: nn.Module, batch_size: int, seq_len: int, **options: Any) -> 
     tensor tracker on: the measured side of the estimator's accuracy check. ``model`` is modified
     (frozen, checkpointed, trained); pass a fresh one. Options are those of `estimate`.
     """
-    freeze_options = {name: options.pop(name) for name in ("freeze_embeddings", "freeze_layers", "freeze_encoder") if name in options}
+    freeze_options = {name: options.pop(name) for name in ("freeze_embeddings", "freeze_layers", "freeze_encoder")
+                      if name in options}
     freeze_options = {"freeze_embeddings": False, "freeze_layers": 0, "freeze_encoder": False, **freeze_options}
     num_labels = options.pop("num_labels", 2)
     optimizer_name, foreach = options.pop("optimizer", "adamw"), options.pop("foreach", None)
@@ -288,13 +376,20 @@ def ladder(batch_size: int, seq_len: int) -> list[tuple[str, dict[str, Any]]]:
         ("+ gradient checkpointing", checkpointed),
         ("+ Adafactor", {**checkpointed, "optimizer": "adafactor"}),
         ("+ freeze encoder (head only)", {**checkpointed, "optimizer": "adafactor", "freeze_encoder": True}),
-        (f"+ seq {seq_len // 2}", {**checkpointed, "optimizer": "adafactor", "freeze_encoder": True, "seq_len": seq_len // 2}),
+        (f"+ seq {seq_len // 2}",
+         {**checkpointed, "optimizer": "adafactor", "freeze_encoder": True, "seq_len": seq_len // 2}),
         (f"bs {batch_size}, bf16 autocast", {"precision": "bf16"}),
         ("bs 1 x acc + ckpt, AdamW foreach=False", {**checkpointed, "foreach": False}),
         ("bs 1 x acc + ckpt, AdamW8bit", {**checkpointed, "optimizer": "adamw8bit"}),
-        (f"bs {batch_size} + ckpt + bf16, AdamW8bit fused into backward", {"gradient_checkpointing": True, "precision": "bf16", "optimizer": "adamw8bit", "optimizer_in_backward": True}),
-        (f"bs {batch_size} + ckpt + bf16, Adafactor fused into backward", {"gradient_checkpointing": True, "precision": "bf16", "optimizer": "adafactor", "optimizer_in_backward": True}),
-        (f"bs {batch_size} + ckpt, bf16 weights, AdamW8bit fused", {"gradient_checkpointing": True, "weights": "bf16", "optimizer": "adamw8bit", "optimizer_in_backward": True}),
-        (f"bs {batch_size} + ckpt, bf16 weights, Adafactor fused", {"gradient_checkpointing": True, "weights": "bf16", "optimizer": "adafactor", "optimizer_in_backward": True}),
+        (f"bs {batch_size} + ckpt + bf16, AdamW8bit fused into backward",
+         {"gradient_checkpointing": True, "precision": "bf16", "optimizer": "adamw8bit",
+          "optimizer_in_backward": True}),
+        (f"bs {batch_size} + ckpt + bf16, Adafactor fused into backward",
+         {"gradient_checkpointing": True, "precision": "bf16", "optimizer": "adafactor",
+          "optimizer_in_backward": True}),
+        (f"bs {batch_size} + ckpt, bf16 weights, AdamW8bit fused",
+         {"gradient_checkpointing": True, "weights": "bf16", "optimizer": "adamw8bit", "optimizer_in_backward": True}),
+        (f"bs {batch_size} + ckpt, bf16 weights, Adafactor fused",
+         {"gradient_checkpointing": True, "weights": "bf16", "optimizer": "adafactor", "optimizer_in_backward": True}),
         ("bs 1 x acc + ckpt, bf16 weights, Adafactor", {**checkpointed, "weights": "bf16", "optimizer": "adafactor"}),
     ]

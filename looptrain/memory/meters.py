@@ -13,7 +13,8 @@ import contextlib
 import os
 import resource
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -132,7 +133,9 @@ class CpuTensorMeter:
                 self._classify_on_mark = True
                 continue
             self._hooks.append(
-                inner.register_step_post_hook(lambda opt, args, kwargs: tracker.track_all(optimizer_state_tensors(opt), CATEGORY_OPTIMIZER))
+                inner.register_step_post_hook(
+                    lambda opt, args, kwargs: tracker.track_all(optimizer_state_tensors(opt), CATEGORY_OPTIMIZER)
+                )
             )
 
     def mark(self, phase: str) -> None:
@@ -171,7 +174,7 @@ class CpuTensorMeter:
             self._active = False
 
     @contextlib.contextmanager
-    def tracking(self, model: nn.Module, optimizer: Any = None) -> Iterator["CpuTensorMeter"]:
+    def tracking(self, model: nn.Module, optimizer: Any = None) -> Iterator[CpuTensorMeter]:
         """``start`` on entry and ``stop`` on exit, exceptions included."""
         self.start(model, optimizer)
         try:
@@ -184,13 +187,15 @@ class CpuTensorMeter:
         model = model if model is not None else self._model
         optimizer = optimizer if optimizer is not None else self._optimizer
         peak_rss = peak_rss_bytes()
-        result: dict[str, Any] = {"memory_meter": self.name, "peak_rss_bytes": peak_rss, "rss_baseline_bytes": self.rss_baseline_bytes}
+        result: dict[str, Any] = {"memory_meter": self.name, "peak_rss_bytes": peak_rss,
+                                  "rss_baseline_bytes": self.rss_baseline_bytes}
         tracker = self.tracker
         if tracker is not None:
             at_peak = tracker.peak_category_bytes
             result["peak_memory_bytes"] = int(tracker.peak_bytes)
             result["memory_breakdown"] = _breakdown(
-                at_peak[CATEGORY_PARAMS], at_peak[CATEGORY_GRADS], at_peak[CATEGORY_OPTIMIZER], tracker.peak_bytes, tracker.peak_phase
+                at_peak[CATEGORY_PARAMS], at_peak[CATEGORY_GRADS], at_peak[CATEGORY_OPTIMIZER], tracker.peak_bytes,
+                tracker.peak_phase,
             )
             result["phase_peak_bytes"] = {phase: int(value) for phase, value in tracker.phase_peak_bytes.items()}
         else:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -70,7 +71,7 @@ def optimizer_state_tensors(optimizer: Any) -> list[torch.Tensor]:
 # --------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _bnb_python_kernels() -> dict[str, Callable[..., Any]]:
     """bitsandbytes' CPU optimizer kernels, which are Python functions built from torch ops.
 
@@ -81,7 +82,7 @@ def _bnb_python_kernels() -> dict[str, Callable[..., Any]]:
     """
     try:
         from bitsandbytes.backends.cpu import ops as bnb_cpu_ops
-    except Exception:  # not installed or its native library failed to load
+    except Exception:  # noqa: BLE001 (not installed, or its native library fails to load with any error type)
         return {}
     kernels = {}
     for op_name, attribute in (
@@ -149,7 +150,7 @@ class StorageTracker(TorchDispatchMode):
         self._records: dict[int, _StorageRecord] = {}
         self._sequence = 0
         self.current_bytes = 0
-        self.category_bytes = {category: 0 for category in CATEGORIES}
+        self.category_bytes = dict.fromkeys(CATEGORIES, 0)
         self.phase = "setup"
         self.peak_bytes = 0
         self.peak_phase = "setup"

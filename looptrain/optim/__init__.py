@@ -8,6 +8,7 @@ Modules:
     state_bytes   `optimizer_state_bytes`: bytes of any optimizer's state
 """
 
+from looptrain.optim.bf16 import BF16Optimizer, cast_to_bf16, gradient_of, step_in_fp32_, stochastic_round_
 from looptrain.optim.factory import (
     EIGHT_BIT_OPTIMIZERS,
     FOREACH_OPTIMIZERS,
@@ -18,7 +19,6 @@ from looptrain.optim.factory import (
     optimizer_options_problem,
     register_embedding_state_bits,
 )
-from looptrain.optim.bf16 import BF16Optimizer, cast_to_bf16, gradient_of, step_in_fp32_, stochastic_round_
 from looptrain.optim.in_backward import CLIP_MODES, OptimizerInBackward
 from looptrain.optim.per_parameter import PerParameterOptimizer
 from looptrain.optim.state_bytes import inner_optimizers, optimizer_state_bytes

@@ -17,7 +17,7 @@ backward.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ _CHUNK = 1 << 22  # elements rounded at a time: bounds the rounding's own tempor
 _HIGH_BITS = -65536  # 0xFFFF0000 as an int32: the bits a bf16 keeps of an fp32
 
 
-def stochastic_round_(target: torch.Tensor, value: torch.Tensor, generator: Optional[torch.Generator] = None) -> None:
+def stochastic_round_(target: torch.Tensor, value: torch.Tensor, generator: torch.Generator | None = None) -> None:
     """Writes fp32 `value` into bf16 `target`, rounding each element up or down at random, unbiased.
 
     Adds a uniform random integer in [0, 2^16) to the 16 low bits of each fp32 bit pattern and drops
@@ -38,7 +38,9 @@ def stochastic_round_(target: torch.Tensor, value: torch.Tensor, generator: Opti
     numbers too. Works chunk by chunk on contiguous memory.
     """
     if target.dtype != torch.bfloat16 or value.dtype != torch.float32:
-        raise TypeError(f"stochastic_round_: expected a bf16 target and an fp32 value, got {target.dtype} and {value.dtype}")
+        raise TypeError(
+            f"stochastic_round_: expected a bf16 target and an fp32 value, got {target.dtype} and {value.dtype}"
+        )
     flat_target = target.view(-1)
     flat_value = value.contiguous().view(-1)
     for start in range(0, flat_value.numel(), _CHUNK):
@@ -154,7 +156,7 @@ class BF16Optimizer(PerParameterOptimizer):
         self._handles = []
 
 
-def gradient_of(parameter: nn.Parameter) -> Optional[torch.Tensor]:
+def gradient_of(parameter: nn.Parameter) -> torch.Tensor | None:
     """The parameter's accumulated gradient: its fp32 `main_grad` when it has one, else `.grad`."""
     main_grad = getattr(parameter, "main_grad", None)
     return main_grad if main_grad is not None else parameter.grad

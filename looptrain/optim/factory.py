@@ -10,7 +10,7 @@ read them from here.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,7 +22,7 @@ FOREACH_OPTIMIZERS = ("adamw", "sgd")  # torch optimizers with foreach / fused i
 EIGHT_BIT_OPTIMIZERS = ("adamw8bit", "paged_adamw8bit")  # bitsandbytes
 
 
-def optimizer_options_problem(name: str, foreach: Optional[bool] = None, fused: Optional[bool] = None) -> Optional[str]:
+def optimizer_options_problem(name: str, foreach: bool | None = None, fused: bool | None = None) -> str | None:
     """Why `name` with these options cannot be built, or None. The command line and the estimator ask too."""
     if name not in OPTIMIZER_NAMES:
         return f"unknown optimizer {name!r}; valid names are {', '.join(OPTIMIZER_NAMES)}"
@@ -34,7 +34,7 @@ def optimizer_options_problem(name: str, foreach: Optional[bool] = None, fused: 
     return None
 
 
-def optimizer_name_of(optimizer: Any) -> Optional[str]:
+def optimizer_name_of(optimizer: Any) -> str | None:
     """The `build_optimizer` name of an optimizer object, when it is one of those (else None)."""
     inner = getattr(optimizer, "optimizer", optimizer)  # OptimizerInBackward wraps one
     class_name = type(inner).__name__
@@ -46,7 +46,7 @@ def optimizer_name_of(optimizer: Any) -> Optional[str]:
 
 def build_parameter_groups(
     model: nn.Module, weight_decay: float, *, decay_embeddings: bool = True,
-    layer_lr_decay: Optional[float] = None, lr: Optional[float] = None,
+    layer_lr_decay: float | None = None, lr: float | None = None,
 ) -> list[dict[str, Any]]:
     """Split the trainable parameters into a weight-decay group and a no-decay group (per depth with LLRD).
 
@@ -84,7 +84,8 @@ def build_parameter_groups(
                 continue
             seen.add(id(parameter))
             ordered.append(parameter)
-            if name.endswith("bias") or is_norm_module(module) or (not decay_embeddings and isinstance(module, nn.Embedding)):
+            if (name.endswith("bias") or is_norm_module(module)
+                    or (not decay_embeddings and isinstance(module, nn.Embedding))):
                 exempt_ids.add(id(parameter))
 
     if not ordered:
@@ -117,7 +118,9 @@ def build_parameter_groups(
     # minGPT's check: every trainable parameter in exactly one group, nothing else in any group.
     grouped = [id(parameter) for group in groups for parameter in group["params"]]
     assert len(grouped) == len(set(grouped)), "a parameter landed in two parameter groups"
-    assert set(grouped) == {id(parameter) for parameter in ordered}, "parameter groups do not cover the trainable parameters"
+    assert set(grouped) == {id(parameter) for parameter in ordered}, (
+        "parameter groups do not cover the trainable parameters"
+    )
     return [group for group in groups if group["params"]]
 
 
@@ -171,7 +174,7 @@ def build_optimizer(
     fused: bool | None = None,
     embedding_bits: int = 32,
     decay_embeddings: bool = True,
-    layer_lr_decay: Optional[float] = None,
+    layer_lr_decay: float | None = None,
     **kwargs: Any,
 ) -> torch.optim.Optimizer:
     """Build an optimizer over the trainable parameters of `model`.

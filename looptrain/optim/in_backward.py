@@ -8,7 +8,7 @@ exists at once. Clipping is kept (per parameter, or by the previous step's globa
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -100,14 +100,17 @@ class OptimizerInBackward(PerParameterOptimizer):
         return self.bf16_weights and parameter.dtype == torch.bfloat16
 
     @property
-    def grad_norm(self) -> Optional[torch.Tensor]:
+    def grad_norm(self) -> torch.Tensor | None:
         """Global gradient norm (before clipping) of the last backward, a scalar tensor; None before the first."""
         return self._grad_norm
 
     def _clip_scale(self, parameter_norm: torch.Tensor) -> torch.Tensor | None:
         if self.max_grad_norm is None:
             return None
-        reference = parameter_norm if (self.clip == "per_parameter" or self._previous_grad_norm is None) else self._previous_grad_norm
+        if self.clip == "per_parameter" or self._previous_grad_norm is None:
+            reference = parameter_norm
+        else:
+            reference = self._previous_grad_norm
         return torch.clamp(self.max_grad_norm / (reference + _CLIP_EPSILON), max=1.0)
 
     @torch.no_grad()

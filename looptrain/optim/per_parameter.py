@@ -104,12 +104,16 @@ class PerParameterOptimizer:
             self._adopt(parameter)
 
     def _index_groups(self) -> None:
-        self._group_of = {id(parameter): group for group in self.optimizer.param_groups for parameter in group["params"]}
+        self._group_of = {
+            id(parameter): group for group in self.optimizer.param_groups for parameter in group["params"]
+        }
 
     def _adopt(self, parameter: nn.Parameter) -> None:
         """Gives `parameter` its own optimizer (subclasses add their hooks)."""
         self.parameters.append(parameter)
-        self._per_parameter[id(parameter)] = clone_for_parameter(self.optimizer, self._group_of[id(parameter)], parameter)
+        self._per_parameter[id(parameter)] = clone_for_parameter(
+            self.optimizer, self._group_of[id(parameter)], parameter
+        )
 
     def optimizer_of(self, parameter: nn.Parameter) -> torch.optim.Optimizer:
         """The parameter's own optimizer, with its group's current hyperparameters copied in."""
