@@ -211,6 +211,13 @@ class LoopConfig:
                     "seed": self.seed}
         if self.unfreeze_every is not None:  # which parameters train at each step
             identity["unfreeze_every"] = self.unfreeze_every
+        # What changes the update's math or the checkpoint's state layout, named when not the default (so a run
+        # saved before these were part of the identity still matches itself).
+        if self.weights != "fp32":
+            identity.update(weights=self.weights, grad_dtype=self.grad_dtype,
+                            stochastic_rounding=self.stochastic_rounding)
+        if self.optimizer_in_backward:
+            identity["optimizer_in_backward"] = True
         return {**identity, **self.run_identity}
 
     def to_dict(self) -> dict:

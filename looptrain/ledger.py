@@ -32,6 +32,8 @@ RUN_FILE = "run.json"
 # What a run writes at the top of its output directory; their presence means a run lives there.
 # (run_config.json is not among them: it is written just before a run begins.)
 RUN_ARTIFACTS = (RUN_FILE, "metrics.jsonl", "summary.json", "final")
+# Files that belong to a run but do not by themselves mean a run lives here; --overwrite moves them aside too.
+MOVED_WITH_A_RUN = ("run_config.json",)
 _HELD: dict[str, list] = {}  # locks this process holds: path -> [file descriptor, count] (re-entrant)
 
 
@@ -181,7 +183,8 @@ class RunLedger:
 
         Args:
             identity: what makes this run the same run (`run_identity`).
-            resume: None (a fresh run), "auto", or a checkpoint directory (forced: no identity check).
+            resume: None (a fresh run), "auto", or a checkpoint directory (forced: no identity check; refused
+                when it lies outside `output_dir` and another run lives there).
             overwrite: a fresh run moves another run's files aside into `previous-<time>/`.
 
         Returns:
@@ -189,13 +192,22 @@ class RunLedger:
             for "resume", the checkpoints to try, newest first.
 
         Raises:
-            LedgerError: another run lives here (fresh run without `overwrite`), or `resume="auto"`
-                meets a run with another identity (the message lists the fields that differ).
+            LedgerError: another run lives here (a fresh run without `overwrite`, or a forced resume from
+                another directory), or `resume="auto"` meets a run with another identity (the message lists
+                the fields that differ).
         """
         saved = self.read()
-        if resume not in (None, "auto"):
-            return {"action": "resume", "checkpoints": [Path(resume)], "run": saved}
         previous = self.another_run_lives_here()
+        if resume not in (None, "auto"):
+            checkpoint = Path(resume)
+            if previous and checkpoint.resolve().parent != self.output_dir.resolve():
+                # A checkpoint of another directory would continue into this one: its checkpoints, final/ and
+                # summary would be overwritten, then rotated away. Only the run's own checkpoints may be forced.
+                raise LedgerError(
+                    f"--resume {checkpoint}: that checkpoint is not in {self.output_dir}, which already holds "
+                    f"another run ({', '.join(previous)}); resume it into its own directory, into an empty "
+                    "--output-dir, or copy the checkpoint into this directory to continue this run from it")
+            return {"action": "resume", "checkpoints": [checkpoint], "run": saved}
         if resume == "auto" and previous:
             if saved is None:
                 raise LedgerError(
@@ -218,7 +230,7 @@ class RunLedger:
                     f"{self.output_dir} already holds another run ({', '.join(previous)}); continue it with "
                     "--resume auto, move it aside with --overwrite (overwrite=True: nothing is deleted), or pass "
                     "another --output-dir")
-            self._move_aside(previous)
+            self._move_aside(previous + [name for name in MOVED_WITH_A_RUN if (self.output_dir / name).exists()])
         return {"action": "fresh", "checkpoints": [], "run": None}
 
     def _move_aside(self, names: list[str]) -> None:

@@ -73,14 +73,43 @@ def test_overwrite_moves_the_previous_run_aside_and_deletes_nothing(model_dir, d
                                "--overwrite")) == 0
     (aside,) = output_dir.glob("previous-*")
     assert "moved the previous run's files" in capsys.readouterr().out
+    # Everything of the old run is moved, its run_config.json included; the lock file stays with the directory.
     assert tree_snapshot(aside) == {name: content for name, content in before.items()
-                                    if not name.startswith(("run_config.json", ".looptrain.lock"))}
+                                    if not name.startswith(".looptrain.lock")}
     summary = json.loads((output_dir / "summary.json").read_text())
     assert summary["optimizer_steps"] == TOTAL_STEPS // 3
     events = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     assert max(event["step"] for event in events) == TOTAL_STEPS // 3  # only this run's records
     kept = [int(path.name.split("-")[1]) for path in state.list_checkpoints(output_dir)]
     assert TOTAL_STEPS // 3 in kept and max(kept) == TOTAL_STEPS // 3  # this run's own: the newest and the best
+
+
+def test_a_forced_resume_from_another_directory_into_a_finished_run_refuses_and_leaves_it_intact(
+        model_dir, data_files, uninterrupted, tmp_path, capsys):
+    finished = copy_run(uninterrupted, tmp_path / "runA")  # a finished run, with checkpoints named like runB's
+    other = copy_run(uninterrupted, tmp_path / "runB")
+    before = tree_snapshot(finished)
+    checkpoint = state.list_checkpoints(other)[0]
+    assert run_in_process(argv(model_dir, data_files, finished, "--resume", str(checkpoint))) == 2
+    err = error_of(capsys)
+    assert re.search(rf"--resume {re.escape(str(checkpoint))}: that checkpoint is not in {re.escape(str(finished))}, "
+                     r"which already holds another run \(checkpoint-\d+.*\); resume it into its own directory",
+                     err), err
+    assert tree_snapshot(finished) == before  # final/, checkpoints, summary, run.json and metrics: byte for byte
+    # Into an empty directory, the same forced resume is allowed (the original guarantee of --resume DIR).
+    assert run_in_process(argv(model_dir, data_files, tmp_path / "fresh", "--resume", str(checkpoint))) == 0
+
+
+def test_resume_auto_with_other_weights_storage_refuses_before_writing(model_dir, data_files, uninterrupted,
+                                                                      tmp_path, capsys):
+    output_dir = copy_run(uninterrupted, tmp_path / "run")
+    run_file = json.loads((output_dir / "run.json").read_text())
+    (output_dir / "run.json").write_text(json.dumps({**run_file, "status": "interrupted"}))  # as if killed
+    before = tree_snapshot(output_dir)
+    assert run_in_process(argv(model_dir, data_files, output_dir, "--resume", "auto", "--weights", "bf16")) == 2
+    err = error_of(capsys)
+    assert "is another run; these settings differ (saved -> now)" in err and 'weights: null -> "bf16"' in err
+    assert tree_snapshot(output_dir) == before  # run.json and run_config.json untouched
 
 
 def test_resume_auto_refuses_another_schedule_and_names_the_fields(model_dir, data_files, uninterrupted, tmp_path,
