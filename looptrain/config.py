@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 
 from looptrain.precision import PRECISIONS, precision_problem, resolve_device
 from looptrain.run_log import TRACKERS
+from looptrain.state import default_mode
 from looptrain.unfreeze import valid_every
 
 CONFIG_PRECISIONS = (*PRECISIONS, "auto")
 WEIGHT_DTYPES = ("fp32", "bf16")
 GRAD_DTYPES = ("bf16", "fp32")
 CLIP_MODES = ("auto", "global", "per_parameter", "previous_global")
-LOWER_IS_BETTER_WORDS = ("loss", "perplexity", "ppl", "error", "mae", "mse", "rmse", "wer", "cer")
 
 
 class ConfigError(ValueError):
@@ -186,7 +186,7 @@ class LoopConfig:
         """"max" or "min" for the best-checkpoint metric: `greater_is_better`, else by its name."""
         if self.greater_is_better is not None:
             return "max" if self.greater_is_better else "min"
-        return default_best_mode(metric_name)
+        return default_mode(metric_name)
 
     @property
     def compute_precision(self) -> str:
@@ -223,12 +223,6 @@ class LoopConfig:
     def to_dict(self) -> dict:
         """A JSON-ready copy of every field."""
         return dataclasses.asdict(self)
-
-
-def default_best_mode(metric_name: str) -> str:
-    """"min" for names of losses and errors (loss, perplexity, mae, ...), "max" for scores."""
-    name = metric_name.lower()
-    return "min" if any(word in name for word in LOWER_IS_BETTER_WORDS) else "max"
 
 
 def check_process_group(

@@ -78,9 +78,13 @@ class CheckpointError(RuntimeError):
 # ---------------------------------------------------------------------------------------------
 
 
+LOWER_IS_BETTER_WORDS = ("loss", "perplexity", "ppl", "error", "mae", "mse", "rmse", "wer", "cer")
+
+
 def default_mode(metric_name: str) -> str:
-    """"min" for losses (names containing "loss"), "max" for scores such as f1 and accuracy."""
-    return "min" if "loss" in metric_name else "max"
+    """"min" for names of losses and errors (loss, perplexity, mae, ...), "max" for scores such as f1."""
+    name = metric_name.lower()
+    return "min" if any(word in name for word in LOWER_IS_BETTER_WORDS) else "max"
 
 
 def is_better(metric: float, best: float | None, mode: str) -> bool:

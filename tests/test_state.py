@@ -330,6 +330,12 @@ def test_is_better_and_best_tracker():
     with pytest.raises(ValueError, match="'max' or 'min'"):
         is_better(1.0, 0.0, "up")
     assert BestTracker("loss").mode == "min" and BestTracker("f1").mode == "max"
+    # A tracker built directly agrees with LoopConfig on every lower-is-better name (it once maximised perplexity).
+    from looptrain import LoopConfig
+
+    for name in ("perplexity", "eval_ppl", "mae", "word_error_rate", "accuracy", "f1_binary"):
+        assert BestTracker(name).mode == LoopConfig().best_mode_for(name), name
+    assert BestTracker("perplexity").mode == "min" and BestTracker("accuracy").mode == "max"
 
     tracker = BestTracker("f1")
     assert tracker.update({"f1": 0.5, "loss": 1.0}, "checkpoint-10", step=10)
