@@ -63,9 +63,15 @@ class PlanError(ValueError):
 
 
 def parse_size(text: str) -> int:
-    """"4GiB", "3.5 GB", "512MiB", "1073741824" -> bytes (B, KB, MB, GB, TB decimal; KiB ... TiB binary)."""
+    """"4GiB", "3.5 GB", "512MiB", "1073741824B" -> bytes (B, KB, MB, GB, TB decimal; KiB ... TiB binary).
+
+    A number without a unit is refused: "4" meant as 4 GiB would plan for 4 bytes.
+    """
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = (match.group(2) if match else "").lower() or "b"
+    if match and not match.group(2):
+        raise PlanError(f"the memory size {text!r} has no unit: write {match.group(1)}GiB, {match.group(1)}MiB or, "
+                        f"for bytes, {match.group(1)}B")
+    unit = (match.group(2) if match else "").lower()
     if not match or unit not in _UNITS:
         raise PlanError(f"cannot read the memory size {text!r}: write a number and a unit, e.g. 4GiB, 3.5GB or 512MiB "
                         "(units B, KiB, MiB, GiB, KB, MB, GB)")

@@ -14,6 +14,7 @@ import argparse
 import builtins
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -334,6 +335,9 @@ def check_flags(args, parser: argparse.ArgumentParser) -> None:
                          "(--optim adamw)")
     elif args.plan_only or args.plan_time is not None:
         raise UsageError("--plan-only and --plan-time belong to --memory-budget: add --memory-budget SIZE")
+    if args.json and not args.plan_only:
+        raise UsageError("--json prints the plan of --plan-only as JSON (scripts/plan.py --json); add --plan-only, "
+                         "or drop --json (a training run writes its figures to summary.json)")
     if args.effective_batch is not None:
         if args.effective_batch < 1:
             raise UsageError(f"--effective-batch must be >= 1 (got {args.effective_batch})")
@@ -590,6 +594,8 @@ def run(args) -> dict:
     hf_logging.disable_progress_bar()  # no "Loading weights" / "Writing model shards" bars: the loop reports progress
     place = distributed.init_distributed(args.device)  # under torchrun: join the group before building samplers
     print = builtins.print if place.is_main else _silent  # one process speaks
+    if args.json and place.is_main:  # --plan-only --json: stdout holds the JSON alone, the progress goes to stderr
+        print = functools.partial(builtins.print, file=sys.stderr)
     model_path = args.model
     if model_path is None:
         model_path = str(embedded_model_path())

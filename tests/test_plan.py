@@ -39,10 +39,13 @@ def budget_between(model, dataset, collator, small: int, large: int, **options) 
 
 
 def test_sizes_parse_in_every_unit():
-    assert [parse_size(text) for text in ("4GiB", "3.5 GB", "512MiB", "100KB", "1024", "2KiB")] == [
+    assert [parse_size(text) for text in ("4GiB", "3.5 GB", "512MiB", "100KB", "1024B", "2KiB")] == [
         4 * 2**30, 3_500_000_000, 512 * 2**20, 100_000, 1024, 2048]
     with pytest.raises(PlanError, match="write a number and a unit, e.g. 4GiB"):
         parse_size("4 gigs")
+    # A bare number is refused, not read as bytes: "--memory-budget 4" once planned for 4 bytes.
+    with pytest.raises(PlanError, match=r"the memory size '4' has no unit: write 4GiB, 4MiB or, for bytes, 4B"):
+        parse_size("4")
 
 
 def test_every_candidate_keeps_the_effective_batch_and_fits(dataset, cpu_kind):
@@ -192,8 +195,9 @@ def test_plan_script_prints_json_and_the_command_line_and_writes_nothing(model_d
     output_dir = tmp_path / "never-written"
     assert plan_script.main(["--model", str(model_dir), "--data", str(train_csv), "--output-dir", str(output_dir),
                              "--max-length", "32", "--memory-budget", "1MiB", "--effective-batch", "16", "--json"]) == 0
-    out = capsys.readouterr().out
-    printed = json.loads(out[out.index("{"):])
+    captured = capsys.readouterr()
+    printed = json.loads(captured.out)  # stdout is the JSON alone; the planner's progress and table go to stderr
+    assert "winner:" in captured.err
     assert printed["settings"]["batch_size"] * printed["settings"]["accum_steps"] == 16
     assert printed["command"][:2] == ["python", "scripts/finetune.py"] and "--memory-budget" not in printed["command"]
     assert f"--batch-size {printed['settings']['batch_size']}" in " ".join(printed["command"])
@@ -205,6 +209,8 @@ def test_plan_script_prints_json_and_the_command_line_and_writes_nothing(model_d
     (["--memory-budget", "4 gigs"], r"--memory-budget: cannot read the memory size '4 gigs'"),
     (["--optim", "auto"], r"--optim auto lets the planner choose the optimizer: add --memory-budget SIZE"),
     (["--plan-only"], r"--plan-only and --plan-time belong to --memory-budget"),
+    (["--memory-budget", "4"], r"--memory-budget: the memory size '4' has no unit: write 4GiB, 4MiB or, for bytes, 4B"),
+    (["--json"], r"--json prints the plan of --plan-only as JSON .*add --plan-only, or drop --json"),
     (["--effective-batch", "10", "--batch-size", "4"], r"--effective-batch 10 with --batch-size 4"),
 ])
 def test_planner_flag_errors(model_dir, train_csv, tmp_path, capsys, flags, message):
