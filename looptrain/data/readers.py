@@ -149,6 +149,9 @@ def read_classification_data(
         if label_names is None:
             notices.extend(_check_label_kinds(raw_labels, label_locations, source_name))
         labels, names = _map_labels(raw_labels, label_names, num_labels, source_name)
+        if label_names is None and num_labels is None and names is None:
+            labels, names, notice = _ids_that_skip_a_class(labels, source_name)
+            notices.extend([notice] if notice else [])
         if label_names is None and num_labels is None:
             # Training data defines the classes; eval data (read with the train mapping) may hold one.
             _check_several_classes(labels, names, label_column, source_name)
@@ -427,6 +430,25 @@ def _map_labels(
         )
     label2id = {name: index for index, name in enumerate(names)}
     return [label2id[str(label)] for label in raw_labels], names
+
+
+def _ids_that_skip_a_class(labels: list[int], source_name: str) -> tuple[list[int], list[str] | None, str | None]:
+    """Training ids that are not 0..N-1 (``1, 2``; ``0, 1000``) become class names, with a notice.
+
+    Used as ids they would give the classifier a class that never occurs (ids 1 and 2 make a 3-class head),
+    which every macro average then counts. As names, sorted by value, they map to ids 0..N-1 and back.
+    """
+    present = sorted(set(labels))
+    if present == list(range(len(present))):
+        return labels, None, None
+    names = [str(value) for value in present]
+    index = {value: position for position, value in enumerate(present)}
+    shown = ", ".join(f"{value} -> {index[value]}" for value in present[:_EXAMPLES_PER_KIND + 2])
+    more = ", ..." if len(present) > _EXAMPLES_PER_KIND + 2 else ""
+    notice = (f"{source_name}: the integer labels are not the class ids 0..{len(present) - 1} "
+              f"(they are {', '.join(names[:_EXAMPLES_PER_KIND + 2])}{more}), so they are read as {len(present)} "
+              f"class names: {shown}{more} (id2label in the saved config maps them back)")
+    return [index[value] for value in labels], names, notice
 
 
 def _check_several_classes(labels: list[int], names: list[str] | None, label_column: str, source_name: str) -> None:
