@@ -122,7 +122,8 @@ def test_null_and_empty_text(tmp_path):
 def test_undecodable_bytes_strict_names_line_and_replace_reads(tmp_path):
     path = tmp_path / "d.csv"
     path.write_bytes(b"text,label\ngood,1\nbad \xff\xfe bytes,0\n")
-    with pytest.raises(DataError, match=r"d\.csv:3: .*not valid utf-8.*encoding_errors='replace'"):
+    with pytest.raises(DataError, match=r"d\.csv:3: .*not valid utf-8.*: --encoding-errors replace on the command "
+                                        r"line, encoding_errors='replace' in Python"):
         read_classification_data(str(path))
     data = read_classification_data(str(path), encoding_errors="replace")
     assert data.texts[1] == "bad \ufffd\ufffd bytes"
@@ -438,3 +439,10 @@ def test_integer_labels_that_are_not_0_to_n_minus_1_become_class_names_with_a_no
     dense = read_classification_data([{"text": "a", "label": 1}, {"text": "b", "label": 0}])
     assert dense.labels == [1, 0] and dense.label_names is None and dense.notices == []
     assert read_classification_data([{"text": "a", "label": 2}], num_labels=3).labels == [2]
+
+
+def test_a_semicolon_separated_csv_is_named_as_such(tmp_path):
+    path = write(tmp_path / "export.csv", "text;label\ngood film;pos\nbad film;neg\n")
+    with pytest.raises(DataError, match=r"export\.csv: the header 'text;label' is one column that contains "
+                                        r"semicolons: the file looks semicolon-separated .*save it with commas"):
+        read_classification_data(path)

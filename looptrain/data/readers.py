@@ -194,8 +194,9 @@ def _decode_file(path: str, encoding: str, encoding_errors: str) -> str:
         line = raw.count(b"\n", 0, error.start) + 1
         raise DataError(
             f"{path}:{line}: bytes {raw[error.start:error.end]!r} are not valid {encoding} ({error.reason}); "
-            f"re-save the file as {encoding}, pass the right encoding=..., or pass encoding_errors='replace' "
-            "(--encoding-errors replace)"
+            f"re-save the file as {encoding}, or replace the bad bytes with U+FFFD: --encoding-errors replace "
+            "on the command line, encoding_errors='replace' in Python (where encoding=... also reads other "
+            "encodings)"
         ) from error
 
 
@@ -227,6 +228,12 @@ def _check_header(header: list[str], delimiter: str, path: str) -> None:
         raise DataError(
             f"{path}: the header {header[0]!r} is one column that contains tabs: the file looks tab-separated; "
             f"rename it to {os.path.splitext(path)[0]}.tsv"
+        )
+    if delimiter == "," and len(header) == 1 and ";" in header[0]:
+        raise DataError(
+            f"{path}: the header {header[0]!r} is one column that contains semicolons: the file looks "
+            "semicolon-separated (a spreadsheet's CSV in some locales); save it with commas as the separator, "
+            f"or with tabs as {os.path.splitext(path)[0]}.tsv"
         )
     counts = Counter(name for name in header if name)
     for name, count in counts.items():
