@@ -81,6 +81,8 @@ class LoopConfig:
         problems = []
         if self.epochs < 1:
             problems.append(f"epochs must be >= 1 (got {self.epochs})")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+            problems.append(f"seed must be an integer from 0 to 2**32 - 1 (got {self.seed!r})")
         if self.max_steps == 0 or self.max_steps < -1:
             problems.append(
                 f"max_steps must be a positive number of updates or -1 for 'no limit' (got {self.max_steps})"

@@ -13,6 +13,7 @@ from looptrain.config import ConfigError
         ({"accum_steps": 0}, r"accum_steps must be >= 1 \(got 0\)"),
         ({"epochs": 0}, r"epochs must be >= 1"),
         ({"max_steps": 0}, r"max_steps must be a positive number"),
+        ({"seed": -1}, r"seed must be an integer from 0 to 2\*\*32 - 1 \(got -1\)"),
         ({"precision": "fp8"}, r"precision must be one of fp32, bf16, fp16, auto \(got 'fp8'\)"),
         ({"max_grad_norm": 0.0}, r"max_grad_norm must be > 0, or None"),
         ({"clip_mode": "sometimes"}, r"clip_mode must be one of"),

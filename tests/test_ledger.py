@@ -353,6 +353,8 @@ def test_a_checkpoint_head_with_another_label_count_is_reinitialised_with_a_noti
     (["--max-tokens", "1"], r"--max-tokens 1 is smaller than one --max-length 32 sample"),
     (["--freeze-layers", "5"], r"--freeze-layers 5 but the model has 2 transformer blocks"),
     (["--overwrite", "--resume", "auto"], r"overwrite=True starts a fresh run, resume continues one"),
+    (["--seed", "-1"],
+     r"seed must be an integer from 0 to 2\*\*32 - 1 \(got -1\)\s+\(on the command line: seed is --seed"),
 ])
 def test_bad_flags_are_usage_errors_before_any_model_loads(model_dir, data_files, tmp_path, capsys, flags, message):
     assert run_in_process(argv(model_dir, data_files, tmp_path / "run", *flags)) == 2
