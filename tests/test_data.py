@@ -446,3 +446,13 @@ def test_a_semicolon_separated_csv_is_named_as_such(tmp_path):
     with pytest.raises(DataError, match=r"export\.csv: the header 'text;label' is one column that contains "
                                         r"semicolons: the file looks semicolon-separated .*save it with commas"):
         read_classification_data(path)
+
+
+def test_a_row_with_more_fields_than_the_header_is_refused_not_cut(tmp_path):
+    path = write(tmp_path / "d.csv", "text,label\n\"quoted, fine\",pos\ngood, but long,pos\n")
+    with pytest.raises(DataError, match=r"d\.csv:3: 3 fields but the header names 2 columns; quote a text that "
+                                        r"contains the separator"):
+        read_classification_data(path)
+    # An empty trailing field is formatting, not data.
+    trailing = write(tmp_path / "t.csv", "text,label\ngood film,pos,\nbad film,neg,\n")
+    assert read_classification_data(trailing).texts == ["good film", "bad film"]

@@ -212,7 +212,13 @@ def _delimited_rows(text: str, delimiter: str, path: str) -> tuple[_Rows, list[s
         while (values := _next_record(reader, path)) is not None:
             if not values or all(not value.strip() for value in values):
                 continue  # blank lines are formatting, not samples
-            # Short rows leave missing columns as None, which the null-text check then reports.
+            # Short rows leave missing columns as None, which the null-text check then reports. A long row would
+            # lose its extra fields silently: most often an unquoted comma inside a text, which split it.
+            if len(values) > len(header) and any(value.strip() for value in values[len(header):]):
+                raise DataError(
+                    f"{path}:{reader.line_num}: {len(values)} fields but the header names {len(header)} columns; "
+                    "quote a text that contains the separator (\"a, b\"), or add the missing column names"
+                )
             row = dict(zip(header, values))
             yield f"line {reader.line_num}", row
 
