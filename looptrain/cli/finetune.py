@@ -642,24 +642,59 @@ def run(args) -> dict:
         return train(args, config, place, model_path, print)
 
 
+@dataclasses.dataclass
+class Inputs:
+    """What a run trains on: the model, its tokenizer, the tokenized data sets and their collator."""
+
+    model: typing.Any
+    tokenizer: typing.Any
+    train_set: typing.Any
+    eval_set: typing.Any  # None without evaluation data
+    collator: typing.Any
+
+
 def train(args, config, place, model_path: str, print) -> dict:
     """Everything after the output directory's checks: data, model, the Loop, final/ and the tables."""
-    import torch
-
-    from looptrain import Loop, distributed, memory, metrics, seed_everything
-    from looptrain import data as data_module
+    from looptrain import Loop, distributed, seed_everything
     from looptrain.guards import OUT_OF_MEMORY_ERRORS
-    from looptrain.loop import planned_updates
-    from looptrain.optim import build_optimizer
-    from looptrain.precision import amp_precision, cpu_description, resolve_device, resolve_precision
-    from looptrain.state import write_json_atomic
+    from looptrain.precision import amp_precision, resolve_device, resolve_precision
 
     device = distributed.device_for(resolve_device(config.device), place)
     if config.precision == "auto" and args.memory_budget is None:
         print(amp_precision(device)[1])
     output_dir = Path(config.output_dir)
     seed_everything(config.seed)
-    model_config = load_model_config(model_path, args)  # flags checked against it before any weight is read
+    inputs = load_inputs(args, model_path, print)
+
+    plan_result = None
+    if args.memory_budget is not None:
+        settings, plan_result = planned_settings(args, config, inputs.model, inputs.train_set, inputs.collator,
+                                                 device, output_dir, print)
+        if args.plan_only:
+            return plan_only_output(args, plan_result, print)
+        apply_settings(args, settings)
+        config = dataclasses.replace(config, **settings.loop_fields())
+    precision = resolve_precision(config.compute_precision, device)
+    train_loader, eval_loader, estimated_peak = make_loaders(args, config, place, inputs, plan_result, print)
+    optimizer, scheduler = build_optimization(args, config, inputs.model, device, len(train_loader))
+    prepare_output_dir(args, config, place, model_path, inputs.model, precision, device, plan_result)
+
+    loop = Loop(inputs.model, optimizer, train_loader, eval_loader=eval_loader, scheduler=scheduler, config=config)
+    try:
+        summary = loop.fit()
+    except OUT_OF_MEMORY_ERRORS as error:
+        raise OutOfMemory(f"{error}\n{what_would_fit(inputs.model.config, args, precision, loop.device)}") from error
+    if summary["interrupted"]:
+        return summary  # a checkpoint was saved; no final/ for an unfinished run
+    return write_outputs(summary, place, inputs, output_dir, plan_result, estimated_peak, print)
+
+
+def load_inputs(args, model_path: str, print) -> Inputs:
+    """The model config (flags checked against it before any weight is read), the data, the tokenizer, the model
+    (frozen as asked), and the tokenized data sets."""
+    from looptrain import data as data_module
+
+    model_config = load_model_config(model_path, args)
     train_data, eval_data, data_description = load_data(args)
     for notice in dict.fromkeys(train_data.notices + (eval_data.notices if eval_data is not None else [])):
         print(f"notice: {notice}")
@@ -680,36 +715,54 @@ def train(args, config, place, model_path: str, print) -> dict:
               f"to {args.max_length} tokens")
     collator = data_module.DynamicPaddingCollator(
         tokenizer, padding=args.padding, max_length=args.max_length, pad_to_multiple_of=args.pad_to_multiple_of)
-    plan_result = None
-    if args.memory_budget is not None:
-        settings, plan_result = planned_settings(args, config, model, train_set, collator, device, output_dir, print)
-        if args.plan_only:
-            return plan_only_output(args, plan_result, print)
-        apply_settings(args, settings)
-        config = dataclasses.replace(config, **settings.loop_fields())
-    precision = resolve_precision(config.compute_precision, device)
+    return Inputs(model, tokenizer, train_set, eval_set, collator)
+
+
+def make_loaders(args, config, place, inputs: Inputs, plan_result, print):
+    """The train loader, this run's memory estimate over its batches, the eval loader; prints the padding."""
+    import torch
+
+    from looptrain import data as data_module
+
     grouping = "tokens" if args.max_tokens else ("length" if args.group_by_length else "random")
     train_loader = data_module.make_train_loader(
-        train_set, args.batch_size, collator, grouping=grouping, max_tokens=args.max_tokens,
+        inputs.train_set, args.batch_size, inputs.collator, grouping=grouping, max_tokens=args.max_tokens,
         seed=config.seed, num_workers=args.num_workers, pin_memory=torch.cuda.is_available())
-    estimated_peak = run_estimate(args, config, model, train_set, collator, train_loader, plan_result)
+    estimated_peak = run_estimate(args, config, inputs.model, inputs.train_set, inputs.collator, train_loader,
+                                  plan_result)
     eval_loader = None
-    if eval_set is not None:
+    if inputs.eval_set is not None:
         eval_loader = data_module.make_eval_loader(
-            eval_set, args.eval_batch_size, collator, num_workers=args.num_workers,
+            inputs.eval_set, args.eval_batch_size, inputs.collator, num_workers=args.num_workers,
             num_replicas=place.world_size, rank=place.rank)
     _, padding_line = data_module.padding_stats(
-        train_loader, train_set.lengths, padding=args.padding, max_length=args.max_length,
+        train_loader, inputs.train_set.lengths, padding=args.padding, max_length=args.max_length,
         pad_to_multiple_of=args.pad_to_multiple_of)
     print(f"batches ({grouping}, {args.padding} padding): {padding_line}")
+    return train_loader, eval_loader, estimated_peak
+
+
+def build_optimization(args, config, model, device, batches_per_epoch: int):
+    """The optimizer and the schedule (an FSDP model is sharded first: fully_shard replaces the parameters)."""
+    from looptrain import distributed
+    from looptrain.loop import planned_updates
+    from looptrain.optim import build_optimizer
 
     if args.fsdp:  # shard before the optimizer is built: fully_shard replaces the parameters
         model.to(device)
         distributed.shard_model(model)
     optimizer = build_optimizer(model, args.optim, args.lr, weight_decay=args.weight_decay,
                                 foreach=False if args.no_foreach else None, layer_lr_decay=args.layer_lr_decay)
-    scheduler = build_scheduler(optimizer, args, planned_updates(len(train_loader), config))
+    scheduler = build_scheduler(optimizer, args, planned_updates(batches_per_epoch, config))
+    return optimizer, scheduler
 
+
+def prepare_output_dir(args, config, place, model_path: str, model, precision: str, device, plan_result) -> None:
+    """Checks a forced resume's weights fit the model, then writes run_config.json (main process)."""
+    from looptrain.precision import cpu_description
+    from looptrain.state import write_json_atomic
+
+    output_dir = Path(config.output_dir)
     # a forced resume: a model that does not fit fails before anything is written
     if config.resume not in (None, "auto"):
         from looptrain.state import check_weights_fit, resolve_resume_checkpoint
@@ -723,16 +776,14 @@ def train(args, config, place, model_path: str, print) -> dict:
                     "plan": plan_result.to_dict() if plan_result is not None else None}
         write_json_atomic(output_dir / "run_config.json", resolved)
 
-    loop = Loop(model, optimizer, train_loader, eval_loader=eval_loader, scheduler=scheduler, config=config)
-    try:
-        summary = loop.fit()
-    except OUT_OF_MEMORY_ERRORS as error:
-        raise OutOfMemory(f"{error}\n{what_would_fit(model.config, args, precision, loop.device)}") from error
-    if summary["interrupted"]:
-        return summary  # a checkpoint was saved; no final/ for an unfinished run
+
+def write_outputs(summary: dict, place, inputs: Inputs, output_dir: Path, plan_result, estimated_peak, print) -> dict:
+    """A finished run's final/ and summary.json (its plan and its estimate's error added), then the two tables."""
+    from looptrain import distributed, memory, metrics
+    from looptrain.state import write_json_atomic
 
     final_dir = output_dir / "final"
-    baseline = metrics.majority_baseline(eval_set.labels) if eval_set is not None else None
+    baseline = metrics.majority_baseline(inputs.eval_set.labels) if inputs.eval_set is not None else None
     summary["majority_baseline"] = baseline
     summary["final_dir"] = str(final_dir)
     summary["plan"] = plan_result.to_dict() if plan_result is not None else None
@@ -740,9 +791,9 @@ def train(args, config, place, model_path: str, print) -> dict:
     measured = summary.get("peak_memory_bytes")
     summary["estimate_error"] = (round((measured - estimated_peak) / estimated_peak, 4)
                                  if estimated_peak and measured is not None else None)
-    distributed.save_pretrained(model, final_dir)  # safetensors; gathers a sharded model's weights first
+    distributed.save_pretrained(inputs.model, final_dir)  # safetensors; gathers a sharded model's weights first
     if place.is_main:
-        tokenizer.save_pretrained(final_dir)
+        inputs.tokenizer.save_pretrained(final_dir)
         write_json_atomic(output_dir / "summary.json", summary)  # the loop's summary plus the two keys above
     distributed.barrier()
     print(final_table(summary, baseline, output_dir))
