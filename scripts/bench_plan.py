@@ -126,11 +126,8 @@ def worker_trainer(spec: dict) -> dict:
 def worker_looptrain(spec: dict) -> dict:
     """looptrain's command line with --memory-budget = Trainer's peak: plan, train one epoch, save."""
     baseline = _baseline()
-    import importlib.util
+    from looptrain.cli import finetune
 
-    specification = importlib.util.spec_from_file_location("finetune_cli", ROOT / "scripts" / "finetune.py")
-    finetune = importlib.util.module_from_spec(specification)
-    specification.loader.exec_module(finetune)
     with tempfile.TemporaryDirectory() as output_dir:
         argv = ["--model", spec["model_dir"], "--data", spec["data"], "--output-dir", output_dir,
                 "--max-length", str(MAX_LENGTH), "--memory-budget", f"{spec['budget']}B", "--effective-batch",

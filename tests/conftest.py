@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import os
 import random
@@ -259,15 +258,6 @@ def write_csv(path: Path, rows: int, seed: int = 0) -> Path:
             generator.shuffle(words)
             writer.writerow([" ".join(words), label])
     return path
-
-
-def load_finetune_script(module_name: str = "finetune_script"):
-    """scripts/finetune.py as a module, so tests call its main(argv) in-process."""
-    path = Path(__file__).resolve().parent.parent / "scripts" / "finetune.py"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # ------------------------------------------------------------------ the reference run of the reliability suites

@@ -12,7 +12,6 @@ One launch pays torchrun's start-up and the imports once for every run of the di
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import shutil
@@ -21,14 +20,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parent.parent
+from looptrain.cli import finetune
 
 
 def main(plan_path: str) -> int:
     plan_file = Path(plan_path)
-    specification = importlib.util.spec_from_file_location("finetune_script", ROOT / "scripts" / "finetune.py")
-    finetune = importlib.util.module_from_spec(specification)
-    specification.loader.exec_module(finetune)
     for step in json.loads(plan_file.read_text()):
         if "copy" in step:
             source, target = step["copy"]

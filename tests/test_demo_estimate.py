@@ -15,12 +15,11 @@ import random
 
 import pytest
 
+from looptrain.cli import finetune
 from looptrain.memory import bounding_windows, estimate, estimate_windows
 from looptrain.plan import run_windows
 
-from conftest import WORDS, load_finetune_script, save_tiny_bert
-
-finetune = load_finetune_script("finetune_demo_estimate")
+from conftest import WORDS, save_tiny_bert
 
 
 def test_bounding_windows_keep_the_first_window_and_the_widest_later_shapes():

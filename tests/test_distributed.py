@@ -13,7 +13,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from conftest import load_finetune_script, write_csv
+from looptrain.cli import finetune
+
+from conftest import write_csv
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,7 +48,7 @@ def runs(model_dir, tmp_path_factory):
     common = ["--model", str(model_dir), "--data", str(train), "--eval-data", str(evaluation), "--max-length", "32",
               "--lr", "1e-3", "--epochs", "2", "--accum", "2", "--eval-every", "epoch", "--eval-batch-size", "4",
               "--log-every", "1", "--device", "cpu", "--no-track-memory", "--no-progress-bar"]
-    assert load_finetune_script("finetune_script_ddp").main(
+    assert finetune.main(
         [*common, "--batch-size", "8", "--output-dir", str(root / "one")]) == 0
     steps = [
         {"name": "two", "argv": [*common, "--batch-size", "4", "--output-dir", str(root / "two")]},

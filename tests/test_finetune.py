@@ -11,12 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import load_finetune_script, write_csv
+from looptrain.cli import finetune
+
+from conftest import write_csv
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-finetune = load_finetune_script("finetune_script")
 
 
 @pytest.fixture(scope="module")

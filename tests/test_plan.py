@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
 from looptrain import Loop, LoopConfig, data
+from looptrain.cli import finetune
 from looptrain.optim import build_optimizer
 from looptrain.plan import Levers, PlanError, Settings, parse_size, plan
 
-from conftest import load_finetune_script, make_tiny_bert, make_tiny_tokenizer, write_csv
+from conftest import make_tiny_bert, make_tiny_tokenizer, write_csv
 
-ROOT = Path(__file__).resolve().parent.parent
 EFFECTIVE_BATCH = 16
 
 
@@ -151,7 +150,6 @@ def test_the_probe_is_bounded(dataset, cpu_kind):
 
 
 # ------------------------------------------------------------------------------------------ the command line
-finetune = load_finetune_script("finetune_script_plan")
 
 
 @pytest.fixture(scope="module")
@@ -187,11 +185,8 @@ def test_every_run_reports_its_estimate_error(model_dir, train_csv, tmp_path):
 
 
 def test_plan_script_prints_json_and_the_command_line_and_writes_nothing(model_dir, train_csv, tmp_path, capsys):
-    import importlib.util
+    from looptrain.cli import plan as plan_script
 
-    specification = importlib.util.spec_from_file_location("plan_script", ROOT / "scripts" / "plan.py")
-    plan_script = importlib.util.module_from_spec(specification)
-    specification.loader.exec_module(plan_script)
     output_dir = tmp_path / "never-written"
     assert plan_script.main(["--model", str(model_dir), "--data", str(train_csv), "--output-dir", str(output_dir),
                              "--max-length", "32", "--memory-budget", "1MiB", "--effective-batch", "16", "--json"]) == 0

@@ -24,8 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from looptrain import state
-
-from conftest import load_finetune_script
+from looptrain.cli import finetune
 
 ROOT = Path(__file__).resolve().parent.parent
 # One thread everywhere: bitwise equality between processes needs the same kernels and reduction splits,
@@ -38,9 +37,6 @@ TOTAL_STEPS = 48
 TRAINING = ["--batch-size", "2", "--epochs", "3", "--eval-every", "2", "--save-total-limit", "2", "--seed", "3",
             "--max-length", "32", "--lr", "1e-3", "--precision", "fp32", "--device", "cpu",
             "--no-track-memory", "--no-progress-bar"]
-
-
-finetune = load_finetune_script("finetune_script_reliability")
 
 
 @contextmanager

@@ -9,14 +9,13 @@ import pytest
 import torch
 
 from looptrain import ConfigError, Loop, LoopConfig, build_optimizer, freeze_embeddings
+from looptrain.cli import finetune
 from looptrain.config import check_process_group
 from looptrain.freeze import layer_depths
 from looptrain.gradient_checkpointing import checkpointed_block_indices
 from looptrain.optim import build_parameter_groups
 
-from conftest import load_finetune_script, make_tiny_bert, quiet_config, task_batches, write_csv
-
-finetune = load_finetune_script("finetune_for_unfreeze")
+from conftest import make_tiny_bert, quiet_config, task_batches, write_csv
 
 
 # ------------------------------------------------------------------ layer-wise learning-rate decay

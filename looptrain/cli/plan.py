@@ -1,0 +1,29 @@
+"""Plan only: the fastest exact settings that fit a memory budget, and the command line that trains them.
+
+    python scripts/plan.py --model DIR --data train.csv --memory-budget 4GiB [--effective-batch 32] [--json]
+    looptrain-plan --model DIR --data train.csv --memory-budget 4GiB     # the same, once installed
+
+It takes every flag of `scripts/finetune.py` (the data, the model, `--amp`, `--optim auto`,
+`--group-by-length`, ...) and runs its planner (`looptrain.plan`, docs/plan.md) without training:
+it prints the ranked table and the `finetune.py` command line of the winner. Nothing is written.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs `finetune.py --plan-only` with these arguments; returns its exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--memory-budget" not in {token.split("=")[0] for token in argv}:
+        print("plan.py: error: --memory-budget SIZE is required (e.g. --memory-budget 4GiB)", file=sys.stderr)
+        return 2
+    from looptrain.cli import finetune
+
+    return finetune.main([*argv, "--plan-only"])
+
+
+def main_entry() -> None:
+    """The `looptrain-plan` console script: exits with main's code."""
+    sys.exit(main())
