@@ -46,7 +46,7 @@ from looptrain.optim import BF16Optimizer, OptimizerInBackward, PerParameterOpti
 from looptrain.precision import Precision, resolve_device, resolve_precision
 from looptrain.run import Run, planned_updates
 from looptrain.seeding import seed_everything
-from looptrain.unfreeze import GradualUnfreezing
+from looptrain.unfreeze import GradualUnfreezing, check_optimizer_holds
 
 __all__ = ["EvaluationError", "Loop", "TrainingDiverged", "WindowResult", "planned_updates"]
 
@@ -83,6 +83,7 @@ class Loop:
             torchrun, else `model` itself. Hooks call it.
         step: optimizer updates applied. micro_step: forward/backward passes.
         skipped_steps: windows whose update was skipped. epoch, batch_in_epoch: the data position.
+        run: the `looptrain.run.Run` keeping output_dir: lock, ledger, checkpoints, resume, best, summary.
     """
 
     def __init__(self, model: nn.Module, optimizer: Any, train_loader, *, eval_loader=None, scheduler=None,
@@ -269,14 +270,7 @@ class Loop:
     def _start_unfreezing(self, optimizer: Any) -> GradualUnfreezing:
         """Gradual unfreezing over the parameters trainable now, which the optimizer must already hold."""
         schedule = GradualUnfreezing(self.model, self.config.unfreeze_every)
-        held = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
-        missing = [name for name, parameter in self.model.named_parameters()
-                   if parameter.requires_grad and id(parameter) not in held]
-        if missing:
-            raise ValueError(
-                f"unfreeze_every: the optimizer does not hold {missing[:3]} (and {max(0, len(missing) - 3)} more), "
-                "which the schedule unfreezes later; build the optimizer over the whole model before the Loop "
-                "(build_optimizer(model, ...)), and let the schedule freeze it")
+        check_optimizer_holds(self.model, optimizer)
         return schedule  # the first window enters the stage due (stage 1, or a later one on resume)
 
     def _follow_unfreezing(self) -> None:
@@ -371,12 +365,12 @@ class Loop:
         evaluated on its own loss) and keeps the logits the model produced on the way when a dict
         batch has integer `labels` they can be scored against (classification, token classification).
         """
-        with _captured_output(self.model) as captured:
+        with metrics.captured_output(self.model) as captured:
             loss_sum, num_items = as_loss_sum(self.compute_loss(batch), self.count_items(batch), self.device)
         output = {"loss_sum": loss_sum, "num_items": num_items, "rows": first_dimension(batch)}
-        logits = _logits_of(captured.get("output"))
+        logits = metrics.logits_of(captured.get("output"))
         labels = batch.get("labels") if isinstance(batch, Mapping) else None  # (x, y) batches: a language model's
-        if metrics.scoreable_logits(logits, labels, vocab_size=_vocab_size_of(self.model)):
+        if metrics.scoreable_logits(logits, labels, vocab_size=metrics.vocab_size_of(self.model)):
             output["logits"], output["labels"] = logits, labels
         return output
 
@@ -471,37 +465,8 @@ class Loop:
                 "stages": len(self._unfreezing.stages), "earlier_stage_peak_bytes": self._stage_peaks}
 
 
-class _captured_output:
-    """Keeps the last output of `model`'s forward while entered (the logits `compute_loss` saw)."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-        self.captured: dict = {}
-
-    def __enter__(self) -> dict:
-        self._handle = self.model.register_forward_hook(
-            lambda module, args, output: self.captured.update(output=output)
-        )
-        return self.captured
-
-    def __exit__(self, *exc_info) -> None:
-        self._handle.remove()
-
-
 def _of_length(loader: Any) -> str:
     try:
         return f"/{len(loader)}"
     except TypeError:
         return ""
-
-
-def _logits_of(output: Any) -> torch.Tensor | None:
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, Mapping):
-        return output.get("logits")
-    return getattr(output, "logits", None)
-
-
-def _vocab_size_of(model: nn.Module) -> int | None:
-    return getattr(getattr(model, "config", None), "vocab_size", None)
