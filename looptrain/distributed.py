@@ -72,11 +72,6 @@ def current() -> DistributedInfo:
     )
 
 
-def is_main_process() -> bool:
-    """True on rank 0, and in a single process: the one that writes files and prints."""
-    return current().is_main
-
-
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     """Sums a few numbers over every rank (returned unchanged in a single process)."""
     if not current().is_distributed:

@@ -21,19 +21,15 @@ Everything else is internal (`_`-prefixed).
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import json
 import math
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from looptrain import batches, distributed, ledger, metrics, resume, state
+from looptrain import batches, distributed, metrics, resume, state
 from looptrain.batches import as_loss_sum, first_dimension, move_to, split_batch
 from looptrain.config import ConfigError, LoopConfig, check_process_group
 from looptrain.gradient_checkpointing import enable_gradient_checkpointing
@@ -47,10 +43,10 @@ from looptrain.guards import (
 )
 from looptrain.memory import make_meter
 from looptrain.optim import BF16Optimizer, OptimizerInBackward, PerParameterOptimizer, cast_to_bf16, optimizer_name_of
-from looptrain.precision import Precision, cpu_description, emulation_warning, resolve_device, resolve_precision
-from looptrain.run_log import RunLog
+from looptrain.precision import Precision, resolve_device, resolve_precision
+from looptrain.run import Run, planned_updates
 from looptrain.seeding import seed_everything
-from looptrain.unfreeze import GradualUnfreezing
+from looptrain.unfreeze import GradualUnfreezing, check_optimizer_holds
 
 __all__ = ["EvaluationError", "Loop", "TrainingDiverged", "WindowResult", "planned_updates"]
 
@@ -87,6 +83,7 @@ class Loop:
             torchrun, else `model` itself. Hooks call it.
         step: optimizer updates applied. micro_step: forward/backward passes.
         skipped_steps: windows whose update was skipped. epoch, batch_in_epoch: the data position.
+        run: the `looptrain.run.Run` keeping output_dir: lock, ledger, checkpoints, resume, best, summary.
     """
 
     def __init__(self, model: nn.Module, optimizer: Any, train_loader, *, eval_loader=None, scheduler=None,
@@ -115,29 +112,31 @@ class Loop:
         # The tensor tracker is not built for DTensors: sharded runs measure RSS (CPU) or the allocator (CUDA).
         self.meter = make_meter(self.device,
                                 track_tensors=self.config.track_memory and not distributed.is_fsdp(self.model))
-        self.output_dir = Path(self.config.output_dir) if self.config.output_dir else None
         self.step = self.micro_step = self.skipped_steps = 0
         self.epoch = self.batch_in_epoch = 0
         self.last_eval: dict | None = None
-        self.best = state.BestTracker(self.config.metric_for_best or "loss",
-                                      self.config.best_mode_for(self.config.metric_for_best or "loss"))
         self.interrupted: str | None = None
-        self._log = RunLog(self.output_dir, is_main=self._place.is_main, report_to=self.config.report_to,
-                           progress_bar=self.config.progress_bar)
+        # The output directory: lock, ledger, checkpoints, resume, best, summary, progress lines.
+        self.run = Run(self.config, self, is_main=self._place.is_main)
+        self._log = self.run.log  # the events the loop itself reports (unfreezing, auto_batch, skipped windows)
         self._signals = SignalGuard(echo=self._log.echo)
         self._bad_windows = BadWindowGuard(self.config.max_bad_windows)
         self._micro_batch_splits = 1  # auto_batch doubles it after an out-of-memory
-        self._epoch_rng_state: torch.Tensor | None = None
-        self._rng_after_skip: dict | None = None
-        self._last_eval_step = self._last_checkpoint_step = -1
-        self._first_step = 0
-        self._run_checkpoints: set[str] = set()
-        self._ledger = ledger.RunLedger(self.output_dir, echo=self._log.echo) if self.output_dir is not None else None
 
     @property
     def scaler(self) -> torch.amp.GradScaler:
         """The GradScaler (enabled for fp16 only), owned by `self.precision`."""
         return self.precision.scaler
+
+    @property
+    def output_dir(self):
+        """Where the run writes (`self.run.output_dir`), or None."""
+        return self.run.output_dir
+
+    @property
+    def best(self) -> state.BestTracker:
+        """The best checkpoint so far (`self.run.best`)."""
+        return self.run.best
 
     # ------------------------------------------------------------------ the lifecycle
     def fit(self) -> dict:
@@ -150,45 +149,39 @@ class Loop:
             The run's summary, the same dict that is written to `output_dir/summary.json`.
         """
         started = time.perf_counter()
-        with self._output_dir_lock():
-            plan = self._begin()  # before anything is read or written: this run's place in output_dir
+        with self.run.lock():
+            plan = self.run.begin()  # before anything is read or written: this run's place in output_dir
             if plan["action"] == "finished":
-                return self._finished_run_summary()
+                return self.run.finished_run_summary()
             self._check_evaluation()  # the eval hooks and metric_for_best fail now, not after hours of training
             if plan["checkpoints"]:
-                self._restore(plan["checkpoints"])
-            self._log.open_progress(self._planned_updates(), initial=self.step)
-            self._first_step = self.step  # the heartbeat's time-to-go counts the updates of this run
+                self.run.restore(plan["checkpoints"])  # weights, optimizer, scaler, RNG, counters, data position
+            self.run.open_progress()
             self.meter.start(self.model, self.optimizer)
             self._log.totals.restart_clock()
             try:
                 with self._signals:
                     self._train()
             except BaseException:
-                self._record_status("failed")
+                self.run.record_status("failed")
                 raise
             finally:  # an exception must not leave the memory tracker installed or the bar open
                 self._log.close_progress()
                 self.meter.stop()
             if self.interrupted is None:
-                if self.eval_loader is not None and self._last_eval_step != self.step:
+                if self.eval_loader is not None and self.run.last_eval_step != self.step:
                     self._evaluate_and_save()  # the final evaluation: logged, and a candidate for the best
                 if self.config.load_best_at_end and self.best.best_checkpoint is not None:
-                    self._load_best()
-            summary = self._summary(time.perf_counter() - started)
-            if self.output_dir is not None and self._place.is_main:
-                state.write_json_atomic(self.output_dir / "summary.json", summary)
-            self._record_status("interrupted" if self.interrupted else "finished")
-            self._log.close()
-            return summary
+                    self.run.load_best()
+            summary = self.run.summary(time.perf_counter() - started, micro_batch_splits=self._micro_batch_splits,
+                                       unfreeze=self._unfreeze_figures())
+            return self.run.finish(summary)  # summary.json, run.json's status, the log closed
 
     def _train(self) -> None:
         """Epochs of accumulation windows, each ending in one optimizer update; stops early on a signal."""
         config = self.config
         while self.epoch < config.epochs and not self._reached_max_steps():
-            epoch_batches, self._epoch_rng_state = resume.start_epoch(
-                self.train_loader, self.epoch, self.batch_in_epoch, self._epoch_rng_state, self._rng_after_skip)
-            self._rng_after_skip = None
+            epoch_batches = self.run.start_epoch()  # in mid-epoch after a resume: the same order, the rest of it
             for window in resume.windows(epoch_batches, config.accum_steps):
                 if self._unfreezing is not None:
                     self._follow_unfreezing()
@@ -200,19 +193,20 @@ class Loop:
                                             num_items)
                 self._log.advance_progress(int(result.stepped))
                 reason = self._bad_windows.check(math.isfinite(loss_sum), result.stepped, self.scaler.is_enabled(),
-                                                 self._where(), self._last_good_checkpoint())
+                                                 self._where(), self.run.last_good_checkpoint())
                 if reason is not None:
                     self._log.event({"event": "skipped", "step": self.step, "micro_step": self.micro_step,
                                      "skipped_steps": self.skipped_steps, "reason": reason})
                 self.on_step_end(step=self.step, loss_sum=result.loss_sum, num_items=num_items,
                                  grad_norm=result.grad_norm)
-                self._log.heartbeat(self._progress_line)
+                self._log.heartbeat(self.run.progress_line)
                 if result.stepped and self.step % config.log_every == 0:
-                    self._log_train(result.grad_norm)
+                    self.run.log_train(result.grad_norm)
                 if result.stepped and isinstance(config.eval_every, int) and self.step % config.eval_every == 0:
                     self._evaluate_and_save()
                 if self._signals.stop_requested(self.device):
-                    self._save_on_interrupt()
+                    self.interrupted = self._signals.received or "signal"
+                    self.run.save_on_interrupt()
                     return
                 if self._reached_max_steps():
                     return
@@ -276,14 +270,7 @@ class Loop:
     def _start_unfreezing(self, optimizer: Any) -> GradualUnfreezing:
         """Gradual unfreezing over the parameters trainable now, which the optimizer must already hold."""
         schedule = GradualUnfreezing(self.model, self.config.unfreeze_every)
-        held = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
-        missing = [name for name, parameter in self.model.named_parameters()
-                   if parameter.requires_grad and id(parameter) not in held]
-        if missing:
-            raise ValueError(
-                f"unfreeze_every: the optimizer does not hold {missing[:3]} (and {max(0, len(missing) - 3)} more), "
-                "which the schedule unfreezes later; build the optimizer over the whole model before the Loop "
-                "(build_optimizer(model, ...)), and let the schedule freeze it")
+        check_optimizer_holds(self.model, optimizer)
         return schedule  # the first window enters the stage due (stage 1, or a later one on resume)
 
     def _follow_unfreezing(self) -> None:
@@ -378,12 +365,12 @@ class Loop:
         evaluated on its own loss) and keeps the logits the model produced on the way when a dict
         batch has integer `labels` they can be scored against (classification, token classification).
         """
-        with _captured_output(self.model) as captured:
+        with metrics.captured_output(self.model) as captured:
             loss_sum, num_items = as_loss_sum(self.compute_loss(batch), self.count_items(batch), self.device)
         output = {"loss_sum": loss_sum, "num_items": num_items, "rows": first_dimension(batch)}
-        logits = _logits_of(captured.get("output"))
+        logits = metrics.logits_of(captured.get("output"))
         labels = batch.get("labels") if isinstance(batch, Mapping) else None  # (x, y) batches: a language model's
-        if metrics.scoreable_logits(logits, labels, vocab_size=_vocab_size_of(self.model)):
+        if metrics.scoreable_logits(logits, labels, vocab_size=metrics.vocab_size_of(self.model)):
             output["logits"], output["labels"] = logits, labels
         return output
 
@@ -451,234 +438,31 @@ class Loop:
             raise EvaluationError(
                 f"metric_for_best={name!r} is not among the evaluation metrics {sorted(scores)}; choose one of "
                 "those (--metric-for-best), or override Loop.compute_metrics to produce it")
-        self.best = state.BestTracker(name, self.config.best_mode_for(name))
+        self.run.best = state.BestTracker(name, self.config.best_mode_for(name))
 
     def _evaluate_and_save(self) -> None:
         """The evaluation point: evaluate (when there is eval data), log, and write a checkpoint."""
         if self.eval_loader is not None:
             self.last_eval = self.evaluate()
-            self._last_eval_step = self.step
-            self._log.event({"event": "eval", "step": self.step, "epoch": self._epoch_progress(), **self.last_eval})
-        if self.output_dir is not None and (self.eval_loader is not None or self._last_checkpoint_step != self.step):
-            self._save_checkpoint(self.last_eval if self.eval_loader is not None else None)
+            self.run.last_eval_step = self.step
+            self._log.event({"event": "eval", "step": self.step, "epoch": self.run.epoch_progress(), **self.last_eval})
+        if self.output_dir is not None and (self.eval_loader is not None or self.run.last_checkpoint_step != self.step):
+            self.run.save_checkpoint(self.last_eval if self.eval_loader is not None else None)
         self._log.totals.restart_clock()  # evaluation and saving are not training time
-
-    # ------------------------------------------------------------------ checkpoints and resume
-    def _save_checkpoint(self, eval_metrics: dict | None) -> None:
-        """Writes `checkpoint-<step>/` atomically; the best moves to it once it is safely on disk."""
-        best = copy.deepcopy(self.best)
-        name = state.checkpoint_name(self.step)
-        if eval_metrics is not None:
-            best.update(eval_metrics, name, step=self.step)
-        self._run_checkpoints.add(name)
-        resume.save_training_checkpoint(
-            self.output_dir, self.step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-            precision=self.precision, trainer_state={**self._trainer_state(), "best": best.state_dict()},
-            metrics=eval_metrics, save_total_limit=self.config.save_total_limit, best_checkpoint=best.best_checkpoint,
-            run_checkpoints=self._run_checkpoints)
-        self.best = best
-        self._last_checkpoint_step = self.step
-
-    def _trainer_state(self) -> dict:
-        """The counters and positions an exact resume needs (JSON-ready)."""
-        return {
-            "step": self.step, "micro_step": self.micro_step, "epoch": self.epoch,
-            "batch_in_epoch": self.batch_in_epoch, "skipped_steps": self.skipped_steps,
-            "last_eval": self.last_eval, "last_eval_step": self._last_eval_step,
-            "run_checkpoints": sorted(self._run_checkpoints),
-            # The data order of an epoch is drawn from torch's RNG when its iterator starts: keep the
-            # state of that moment so a resume in mid-epoch replays the same order.
-            "epoch_rng_state": None if self._epoch_rng_state is None else self._epoch_rng_state.tolist(),
-        }
-
-    def _output_dir_lock(self):
-        """The output directory's lock (rank 0, with an output_dir): one run at a time in it."""
-        if self.output_dir is None or not self._place.is_main:
-            return contextlib.nullcontext()
-        return ledger.OutputDirLock(self.output_dir, echo=self._log.echo)
-
-    def _begin(self) -> dict:
-        """What this run may do in output_dir: `looptrain.ledger.RunLedger.begin`, decided by rank 0."""
-        warning = emulation_warning(self.device, self.precision.name)
-        if warning:
-            self._log.echo(f"warning: {warning}")
-        forced = self.config.resume not in (None, "auto")
-        if self.output_dir is None:
-            return {"action": "resume" if forced else "fresh",
-                    "checkpoints": [Path(self.config.resume)] if forced else []}
-        plan = None
-        if self._place.is_main:
-            plan = self._ledger.begin(self.config.identity(), self.config.resume, self.config.overwrite)
-            if plan["action"] != "finished":
-                self._record_status("running")
-            if self.config.resume == "auto" and plan["action"] == "fresh" and plan["run"] is not None:
-                self._log.event({"event": "resume", "step": 0, "checkpoint": None,
-                                 "message": "no checkpoint of this run yet: training starts again from scratch; the "
-                                            "events after this one supersede any logged before it"},
-                                line=f"resume=auto: no checkpoint of this run in {self.output_dir} yet, "
-                                     "starting from scratch")
-            elif self.config.resume == "auto" and plan["action"] == "fresh":
-                self._log.echo(f"resume=auto: nothing in {self.output_dir} yet, starting from scratch")
-        return distributed.all_gather_objects(plan)[0]  # every rank follows rank 0's decision
-
-    def _record_status(self, status: str) -> None:
-        """Writes this run's identity and status into output_dir/run.json (rank 0)."""
-        if self.output_dir is not None and self._place.is_main:
-            self._ledger.write(self.config.identity(), status, step=self.step,
-                               last_checkpoint=state.checkpoint_name(self._last_checkpoint_step)
-                               if self._last_checkpoint_step >= 0 else None)
-
-    def _finished_run_summary(self) -> dict:
-        """`resume="auto"` on a finished run: nothing to train; its summary.json is left as it is."""
-        path = self.output_dir / "summary.json"
-        summary = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-        self._log.echo(f"the run in {self.output_dir} finished at step {summary.get('optimizer_steps', '?')}: "
-                       "nothing to train; summary.json and its checkpoints are left as they are")
-        self._log.close()
-        return {**summary, "already_finished": True}
-
-    def _restore(self, checkpoints: list) -> None:
-        """Restores weights, optimizer, scheduler, scaler, RNG and position from the first checkpoint that reads.
-
-        With `resume="auto"` a checkpoint that cannot be read (a truncated file) is reported and the
-        next older one is tried; a checkpoint named explicitly must read.
-        """
-        forced = self.config.resume not in (None, "auto")
-        for index, candidate in enumerate(checkpoints):
-            try:
-                path = state.resolve_resume_checkpoint(str(candidate), self.output_dir) if forced else Path(candidate)
-                saved, self._rng_after_skip = resume.load_training_checkpoint(
-                    path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                    precision=self.precision, device=self.device)
-                break
-            except state.CheckpointError as error:
-                if forced or index == len(checkpoints) - 1:
-                    raise
-                self._log.echo(f"notice: {error}\n  falling back to {Path(checkpoints[index + 1]).name}")
-        self.step, self.micro_step, self.epoch = saved["step"], saved["micro_step"], saved["epoch"]
-        self.batch_in_epoch, self.skipped_steps = saved["batch_in_epoch"], saved["skipped_steps"]
-        self.best.load_state_dict(saved["best"])
-        self.last_eval, self._last_eval_step = saved["last_eval"], saved["last_eval_step"]
-        self._last_checkpoint_step = self.step
-        self._run_checkpoints = set(saved.get("run_checkpoints", [])) | {path.name}
-        if saved["epoch_rng_state"] is not None:
-            self._epoch_rng_state = torch.tensor(saved["epoch_rng_state"], dtype=torch.uint8)
-        self._log.event({"event": "resume", "step": self.step, "micro_step": self.micro_step, "epoch": self.epoch,
-                         "checkpoint": str(path),
-                         "message": "the events after this one supersede any logged before it for later steps"},
-                        line=f"resumed from {path} at step {self.step} (epoch {self.epoch}, "
-                             f"micro-batch {self.batch_in_epoch})")
-
-    def _load_best(self) -> None:
-        """Loads the best checkpoint's weights into the model (`load_best_at_end`)."""
-        path = self.output_dir / self.best.best_checkpoint
-        saved = resume.load_weights(path, self.model, self.device)
-        self.last_eval = saved.get("last_eval")
-        self._log.echo(f"loaded the best checkpoint {path.name} ({self.best.metric_name}={self.best.best_metric:.4f})")
-
-    def _save_on_interrupt(self) -> None:
-        """A signal asked the run to stop: save where it stands so `resume='auto'` continues from here."""
-        self.interrupted = self._signals.received or "signal"
-        if self.output_dir is not None and self._last_checkpoint_step != self.step:
-            self._save_checkpoint(None)
-        where = f"saved checkpoint-{self.step}" if self.output_dir is not None else "nothing saved (no output_dir)"
-        self._log.echo(f"interrupted by {self.interrupted} at step {self.step}: {where}; "
-                       "continue with resume='auto' (--resume auto)")
 
     # ------------------------------------------------------------------ small helpers
     def _reached_max_steps(self) -> bool:
         return 0 < self.config.max_steps <= self.step
 
-    def _planned_updates(self) -> int | None:
-        try:
-            return planned_updates(len(self.train_loader), self.config)
-        except TypeError:  # a loader without a length
-            return self.config.max_steps if self.config.max_steps > 0 else None
-
     def _where(self, step_only: bool = False) -> str:
         return f"step {self.step}" if step_only else f"step {self.step} (micro-step {self.micro_step})"
 
-    def _last_good_checkpoint(self) -> Path | None:
-        return state.latest_checkpoint(self.output_dir) if self.output_dir is not None else None
-
-    def _progress_line(self) -> str:
-        """"step 12/32 (epoch 0.38), 41.2 s of training, about 68 s to go": the heartbeat line."""
-        totals, planned = self._log.totals, self._planned_updates()
-        line = f"training: step {self.step}" + (f"/{planned}" if planned else "") + f" (epoch {self._epoch_progress()})"
-        line += f", {totals.run_seconds:.0f} s of training"
-        done = self.step - self._first_step
-        if planned and done > 0:
-            line += f", about {totals.run_seconds / done * (planned - self.step):.0f} s to go"
-        return line
-
-    def _epoch_progress(self) -> float:
-        try:
-            return round(self.epoch + self.batch_in_epoch / len(self.train_loader), 4)
-        except (TypeError, ZeroDivisionError):
-            return float(self.epoch)
-
-    def _log_train(self, grad_norm: torch.Tensor) -> None:
-        interval = self._log.totals.pop_interval()
-        groups = self.optimizer.param_groups
-        record = {
-            "event": "train", "step": self.step, "micro_step": self.micro_step, "epoch": self._epoch_progress(),
-            "loss": interval["loss"], "lr": float(groups[0]["lr"]) if groups else 0.0, "grad_norm": float(grad_norm),
-            "samples_per_s": interval["samples_per_s"], "tokens_per_s": interval["tokens_per_s"],
-            "skipped_steps": self.skipped_steps,
-            "peak_memory_bytes": self.meter.summary(self.model, self.optimizer)["peak_memory_bytes"],
-        }
-        self._log.advance_progress(0, loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
-                                   samples_s=f"{record['samples_per_s']:.1f}")
-        self._log.event(record)
-
-    def _summary(self, runtime_seconds: float) -> dict:
-        """The run's summary: throughput, counters, memory, final evaluation, best checkpoint."""
-        result = {
-            "train_runtime_s": round(runtime_seconds, 3),
-            **self._log.totals.run_figures(),
-            "optimizer_steps": self.step,
-            "skipped_steps": self.skipped_steps,
-            "micro_steps": self.micro_step,
-            "epochs_completed": self.epoch,
-            "device": str(self.device),
-            "cpu": cpu_description(),
-            "precision": self.precision.name,
-            "final_eval": self.last_eval,
-            "metric_for_best": self.best.metric_name,
-            "best_metric": self.best.best_metric,
-            "best_checkpoint": self.best.best_checkpoint,
-            "interrupted": self.interrupted,
-            "micro_batch_splits": self._micro_batch_splits,
-            "config": self.config.to_dict(),
-        }
-        result.update(self.meter.summary(self.model, self.optimizer))
-        if self._unfreezing is not None:  # peak_memory_bytes is then the last stage's, the one that must fit
-            result["unfreeze"] = {"every": self.config.unfreeze_every, "stage": self._unfreezing.stage + 1,
-                                  "stages": len(self._unfreezing.stages), "earlier_stage_peak_bytes": self._stage_peaks}
-        return result
-
-
-def planned_updates(num_batches: int, config: LoopConfig) -> int:
-    """Optimizer updates a run makes over `num_batches` micro-batches an epoch (partial windows included)."""
-    windows = math.ceil(num_batches / config.accum_steps) * config.epochs
-    return min(windows, config.max_steps) if config.max_steps > 0 else windows
-
-
-class _captured_output:
-    """Keeps the last output of `model`'s forward while entered (the logits `compute_loss` saw)."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-        self.captured: dict = {}
-
-    def __enter__(self) -> dict:
-        self._handle = self.model.register_forward_hook(
-            lambda module, args, output: self.captured.update(output=output)
-        )
-        return self.captured
-
-    def __exit__(self, *exc_info) -> None:
-        self._handle.remove()
+    def _unfreeze_figures(self) -> dict | None:
+        """Gradual unfreezing's part of the summary: the stage reached and the earlier stages' peaks."""
+        if self._unfreezing is None:
+            return None
+        return {"every": self.config.unfreeze_every, "stage": self._unfreezing.stage + 1,
+                "stages": len(self._unfreezing.stages), "earlier_stage_peak_bytes": self._stage_peaks}
 
 
 def _of_length(loader: Any) -> str:
@@ -686,15 +470,3 @@ def _of_length(loader: Any) -> str:
         return f"/{len(loader)}"
     except TypeError:
         return ""
-
-
-def _logits_of(output: Any) -> torch.Tensor | None:
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, Mapping):
-        return output.get("logits")
-    return getattr(output, "logits", None)
-
-
-def _vocab_size_of(model: nn.Module) -> int | None:
-    return getattr(getattr(model, "config", None), "vocab_size", None)

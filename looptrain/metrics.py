@@ -27,9 +27,10 @@ Conventions (the same as scikit-learn's with `zero_division=0`):
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -42,8 +43,11 @@ __all__ = [
     "confusion_matrix",
     "f1_scores",
     "ClassificationMetrics",
+    "captured_output",
+    "logits_of",
     "majority_baseline",
     "scoreable_logits",
+    "vocab_size_of",
 ]
 
 IGNORE_INDEX = -100
@@ -379,6 +383,31 @@ class ClassificationMetrics:
             result["loss"] = self._loss_sum / self._loss_count if self._loss_count else math.nan
         result["count"] = total
         return result
+
+
+@contextlib.contextmanager
+def captured_output(model: torch.nn.Module) -> Iterator[dict]:
+    """Keeps the last output of `model`'s forward under "output" while entered (the logits a loss saw)."""
+    captured: dict = {}
+    handle = model.register_forward_hook(lambda module, args, output: captured.update(output=output))
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+def logits_of(output: Any) -> torch.Tensor | None:
+    """The logits of a model's output: the tensor itself, a mapping's "logits", or an object's `.logits`."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping):
+        return output.get("logits")
+    return getattr(output, "logits", None)
+
+
+def vocab_size_of(model: torch.nn.Module) -> int | None:
+    """The model's vocabulary size from its config (HF models), or None."""
+    return getattr(getattr(model, "config", None), "vocab_size", None)
 
 
 def scoreable_logits(logits: Any, labels: Any, vocab_size: int | None = None) -> bool:

@@ -50,6 +50,7 @@ __all__ = [
     "checkpoint_name",
     "default_mode",
     "unwrap_model",
+    "write_json_atomic",
 ]
 
 CHECKPOINT_PREFIX = "checkpoint-"

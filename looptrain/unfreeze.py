@@ -26,6 +26,18 @@ def valid_every(every: object) -> bool:
     return every == "epoch" or (isinstance(every, int) and not isinstance(every, bool) and every >= 1)
 
 
+def check_optimizer_holds(model: nn.Module, optimizer) -> None:
+    """Raises ValueError when `optimizer` lacks a trainable parameter of `model`, which a later stage would train."""
+    held = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
+    missing = [name for name, parameter in model.named_parameters()
+               if parameter.requires_grad and id(parameter) not in held]
+    if missing:
+        raise ValueError(
+            f"unfreeze_every: the optimizer does not hold {missing[:3]} (and {max(0, len(missing) - 3)} more), "
+            "which the schedule unfreezes later; build the optimizer over the whole model before the Loop "
+            "(build_optimizer(model, ...)), and let the schedule freeze it")
+
+
 class GradualUnfreezing:
     """The stages of one model and which of them is in force.
 
