@@ -4,7 +4,7 @@
     python scripts/plan.py --model DIR --data train.csv --memory-budget 4GiB [--effective-batch 32] [--json]
 
 It takes every flag of `scripts/finetune.py` (the data, the model, `--amp`, `--optim auto`,
-`--group-by-length`, ...) and runs its planner (`looptrain.plan`, docs/plan.md) without training:
+`--group-by-length`, ...) and runs its planner (`looptrain.planning.plan`, docs/plan.md) without training:
 it prints the ranked table and the `finetune.py` command line of the winner. Nothing is written.
 """
 

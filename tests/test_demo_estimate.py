@@ -15,8 +15,7 @@ import random
 
 import pytest
 
-from looptrain.memory import bounding_windows, estimate, estimate_windows
-from looptrain.plan import run_windows
+from looptrain.planning import bounding_windows, estimate, estimate_windows, run_windows
 
 from conftest import WORDS, load_finetune_script, save_tiny_bert
 
