@@ -2,7 +2,8 @@
 
 The loop is `Loop` + `LoopConfig`; the strategies live in small modules: `looptrain.freeze`,
 `looptrain.gradient_checkpointing`, `looptrain.optim`, `looptrain.data`, `looptrain.memory`,
-`looptrain.metrics`, `looptrain.state`.
+`looptrain.metrics`, `looptrain.state`. Above the Loop, `looptrain.planning` holds the estimator
+(`estimate`) and the planner (`plan`).
 """
 
 from looptrain.config import ConfigError, LoopConfig
@@ -28,8 +29,9 @@ from looptrain.gradient_checkpointing import disable_gradient_checkpointing, ena
 from looptrain.guards import TrainingDiverged
 from looptrain.ledger import LedgerError
 from looptrain.loop import EvaluationError, Loop
-from looptrain.memory import estimate, format_memory_table, make_meter
-from looptrain.optim import OptimizerInBackward, build_optimizer, optimizer_state_bytes
+from looptrain.metrics import EvalMetrics
+from looptrain.optim import build_optimizer, optimizer_state_bytes
+from looptrain.planning import PlanError, estimate, plan
 from looptrain.seeding import seed_everything
 from looptrain.state import CheckpointError
 
@@ -38,28 +40,28 @@ __all__ = [
     "ConfigError",
     "DataError",
     "DynamicPaddingCollator",
+    "EvalMetrics",
     "EvaluationError",
     "LedgerError",
     "LengthGroupedSampler",
     "Loop",
     "LoopConfig",
-    "OptimizerInBackward",
+    "PlanError",
     "TokenBudgetBatchSampler",
     "TrainingDiverged",
     "build_optimizer",
     "disable_gradient_checkpointing",
     "enable_gradient_checkpointing",
     "estimate",
-    "format_memory_table",
     "freeze_by_pattern",
     "freeze_embeddings",
     "freeze_encoder",
     "freeze_layers",
     "freeze_report",
     "make_eval_loader",
-    "make_meter",
     "make_train_loader",
     "optimizer_state_bytes",
+    "plan",
     "read_classification_data",
     "seed_everything",
     "tokenize",

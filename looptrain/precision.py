@@ -149,13 +149,6 @@ def precision_problem(device: torch.device, precision: str) -> str | None:
 
 
 # ---------------------------------------------------------------------- the plugin
-def _is_fake(tensor: torch.Tensor) -> bool:
-    """A fake tensor (the estimator's) has a shape but no value to test."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(tensor, FakeTensor)
-
-
 class Precision:
     """Autocast, the GradScaler and the optimizer step it guards, for one device and precision.
 
@@ -190,15 +183,8 @@ class Precision:
         """Applies the update unless the gradients are not finite; returns whether it was applied.
 
         fp16: the scaler steps unless some gradient overflowed, then lowers or keeps its scale (a
-        skip shows as a lower scale). fp32/bf16: a non-finite gradient norm skips the step. A fake
-        norm (the estimator's run has shapes, not values) always steps: the step's memory is what
-        is being measured.
+        skip shows as a lower scale). fp32/bf16: a non-finite gradient norm skips the step.
         """
-        if _is_fake(grad_norm):
-            optimizer.step()
-            if self.scaler.is_enabled():
-                self.scaler.update()  # closes the unscale_ of this window (no value to read on fake tensors)
-            return True
         if self.scaler.is_enabled():
             scale_before = self.scaler.get_scale()
             self.scaler.step(optimizer)

@@ -12,6 +12,6 @@ from pathlib import Path
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without install
-    from looptrain.memory import main
+    from looptrain.cli.estimate import main
 
     sys.exit(main())

@@ -16,8 +16,7 @@ import random
 import pytest
 
 from looptrain.cli import finetune
-from looptrain.memory import bounding_windows, estimate, estimate_windows
-from looptrain.plan import run_windows
+from looptrain.planning import bounding_windows, estimate, estimate_windows, run_windows
 
 from conftest import WORDS, save_tiny_bert
 

@@ -1,4 +1,4 @@
-"""Tests for looptrain.memory: the CPU tensor tracker, the meters' breakdown and the estimator."""
+"""Tests for looptrain.memory (the CPU tensor tracker, the meters' breakdown) and the estimator (looptrain.planning)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from looptrain import memory
+from looptrain import memory, optim, planning
+from looptrain.cli.estimate import main as estimate_main
 
 from conftest import SmallMLP
 
@@ -82,7 +83,7 @@ def test_adamw_persistent_state_is_16_bytes_per_parameter():
     assert breakdown["params"] == 4 * num_parameters
     assert breakdown["grads"] == 4 * num_parameters
     assert breakdown["optimizer_state"] == 8 * num_parameters + step_tensors
-    assert memory.optimizer_state_bytes(optimizer) == 8 * num_parameters + step_tensors
+    assert optim.optimizer_state_bytes(optimizer) == 8 * num_parameters + step_tensors
     assert summary["memory_meter"] == "cpu_tensor_tracker"
     assert summary["peak_memory_bytes"] >= 16 * num_parameters
     assert summary["peak_rss_bytes"] >= summary["rss_baseline_bytes"] > 50 * 2**20  # python + torch are resident
@@ -116,7 +117,7 @@ def test_eight_bit_state_is_under_a_third_of_adamw():
     for optimizer in (adamw, eight_bit):
         model(torch.randn(2, 256)).sum().backward()
         optimizer.step()
-    assert memory.optimizer_state_bytes(eight_bit) < memory.optimizer_state_bytes(adamw) / 3
+    assert optim.optimizer_state_bytes(eight_bit) < optim.optimizer_state_bytes(adamw) / 3
 
 
 def test_cuda_meter_is_chosen_for_cuda_and_rss_meter_without_tracking():
@@ -132,7 +133,7 @@ def test_cuda_meter_is_chosen_for_cuda_and_rss_meter_without_tracking():
     assert summary["peak_memory_bytes"] >= memory.parameter_bytes(model)
 
 
-MIXES = memory.ACCURACY_MIXES
+MIXES = planning.ACCURACY_MIXES
 
 
 @pytest.mark.parametrize("mix", list(MIXES))
@@ -142,8 +143,8 @@ def test_estimate_matches_the_peak_of_a_real_loop_fit(mix):
     options = MIXES[mix]
     if options.get("optimizer") == "adamw8bit":
         pytest.importorskip("bitsandbytes")
-    estimated = memory.estimate(small_bert(), 4, 32, **options)
-    measured = memory.measure(small_bert(), 4, 32, **options)
+    estimated = planning.estimate(small_bert(), 4, 32, **options)
+    measured = planning.measure(small_bert(), 4, 32, **options)
     assert measured["memory_meter"] == "cpu_tensor_tracker" and measured["optimizer_steps"] == 2
     error = abs(estimated["peak_memory_bytes"] - measured["peak_memory_bytes"]) / measured["peak_memory_bytes"]
     assert error <= ESTIMATE_TOLERANCE, (mix, estimated["peak_memory_bytes"], measured["peak_memory_bytes"])
@@ -153,22 +154,22 @@ def test_estimate_matches_the_peak_of_a_real_loop_fit(mix):
 def test_estimate_leaves_the_model_untouched():
     model = small_bert()
     before = {name: p.clone() for name, p in model.named_parameters()}
-    memory.estimate(model, 2, 16, freeze_encoder=True)
+    planning.estimate(model, 2, 16, freeze_encoder=True)
     assert all(p.requires_grad for p in model.parameters())
     assert all(torch.equal(before[name], p) for name, p in model.named_parameters())
 
 
 def test_invalid_mix_names_the_option():
     with pytest.raises(ValueError, match="optimizer_in_backward=True cannot be combined with accum_steps > 1"):
-        memory.estimate(small_bert(), 2, 16, optimizer_in_backward=True, accum_steps=2)
+        planning.estimate(small_bert(), 2, 16, optimizer_in_backward=True, accum_steps=2)
     with pytest.raises(ValueError, match="foreach/fused apply to adamw and sgd only, not .adafactor."):
-        memory.estimate(small_bert(), 2, 16, optimizer="adafactor", foreach=False)
+        planning.estimate(small_bert(), 2, 16, optimizer="adafactor", foreach=False)
     with pytest.raises(ValueError, match="unknown preset"):
-        memory.preset_config("bert-huge")
+        planning.preset_config("bert-huge")
 
 
 def test_command_line_bert_large_persistent_state(capsys):
-    assert memory.main(["--preset", "bert-large", "--batch-size", "1", "--seq-len", "8"]) == 0
+    assert estimate_main(["--preset", "bert-large", "--batch-size", "1", "--seq-len", "8"]) == 0
     output = capsys.readouterr().out
     assert "335.1M parameters" in output
     row = next(line for line in output.splitlines() if line.startswith("| as given"))
@@ -179,15 +180,15 @@ def test_command_line_bert_large_persistent_state(capsys):
 def test_command_line_bf16_weights_rung(capsys, tmp_path):
     """`--weights bf16`: 2 B/param of weights, and no stored gradient with the fused Adafactor step."""
     options = {"optimizer": "adafactor", "optimizer_in_backward": True, "gradient_checkpointing": True}
-    bf16 = memory.estimate(small_bert(), 2, 16, weights="bf16", **options)["memory_breakdown"]
-    fp32 = memory.estimate(small_bert(), 2, 16, precision="bf16", **options)["memory_breakdown"]
+    bf16 = planning.estimate(small_bert(), 2, 16, weights="bf16", **options)["memory_breakdown"]
+    fp32 = planning.estimate(small_bert(), 2, 16, precision="bf16", **options)["memory_breakdown"]
     numel = sum(parameter.numel() for parameter in small_bert().parameters())
     assert fp32["params"] - bf16["params"] == 2 * numel  # integer buffers (position ids) keep their size
     assert bf16["grads"] == 0
     config = tmp_path / "config.json"
     small_bert().config.to_json_file(config)
-    assert memory.main(["--config", str(config), "--batch-size", "2", "--seq-len", "16", "--weights", "bf16",
+    assert estimate_main(["--config", str(config), "--batch-size", "2", "--seq-len", "16", "--weights", "bf16",
                         "--optim", "adafactor", "--optim-in-backward", "--grad-checkpoint"]) == 0
     assert any(line.startswith("| as given") for line in capsys.readouterr().out.splitlines())
-    assert memory.main(["--config", str(config), "--weights", "bf16", "--precision", "fp16"]) == 2
+    assert estimate_main(["--config", str(config), "--weights", "bf16", "--precision", "fp16"]) == 2
     assert "weights='bf16' computes in bf16 and cannot run fp16 autocast" in capsys.readouterr().err

@@ -11,7 +11,7 @@ import torch
 from looptrain import Loop, LoopConfig, data
 from looptrain.cli import finetune
 from looptrain.optim import build_optimizer
-from looptrain.plan import Levers, PlanError, Settings, parse_size, plan
+from looptrain.planning import Levers, PlanError, Settings, parse_size, plan
 
 from conftest import make_tiny_bert, make_tiny_tokenizer, write_csv
 
@@ -28,11 +28,11 @@ def dataset(tmp_path_factory):
 
 def budget_between(model, dataset, collator, small: int, large: int, **options) -> int:
     """A budget that fits micro-batch `small` but not `large` (fp32 AdamW, no checkpointing, 5% margin)."""
-    from looptrain import memory
+    from looptrain import planning
 
     width = collator.batch_width([max(dataset.lengths)])
-    low = memory.estimate(model, small, width, accum_steps=EFFECTIVE_BATCH // small, **options)["peak_memory_bytes"]
-    high = memory.estimate(model, large, width, accum_steps=EFFECTIVE_BATCH // large, **options)["peak_memory_bytes"]
+    low = planning.estimate(model, small, width, accum_steps=EFFECTIVE_BATCH // small, **options)["peak_memory_bytes"]
+    high = planning.estimate(model, large, width, accum_steps=EFFECTIVE_BATCH // large, **options)["peak_memory_bytes"]
     assert high > low * 1.1
     return int(1.05 * (low + high) / 2)
 
@@ -214,12 +214,12 @@ def test_planner_flag_errors(model_dir, train_csv, tmp_path, capsys, flags, mess
 
 
 def test_a_budget_of_process_rss_keeps_only_candidates_whose_probe_fits(dataset):
-    from looptrain.plan import current_rss_bytes
+    from looptrain.planning import rss_baseline_bytes
 
     train_set, collator = dataset
     model = make_tiny_bert(num_labels=2)
     result = plan(model, train_set, collator, memory_budget=2**30, effective_batch=EFFECTIVE_BATCH,
-                  rss_baseline=current_rss_bytes(), probe_budget=0.0)
+                  rss_baseline=rss_baseline_bytes(), probe_budget=0.0)
     assert result.meter == "of process RSS" and result.candidates
     for candidate in result.candidates:  # only measured candidates are eligible, and they measured within it
         assert candidate.probed and 0 <= candidate.probe["peak_rss_bytes"] * (1 + result.margin) <= 2**30
@@ -227,7 +227,7 @@ def test_a_budget_of_process_rss_keeps_only_candidates_whose_probe_fits(dataset)
     with pytest.raises(PlanError,
                        match=r"nothing fits 1.00 GiB .* \+ 2\.\d+ GiB of the process's RSS measured besides tensors"):
         plan(model, train_set, collator, memory_budget=2**30, effective_batch=EFFECTIVE_BATCH,
-             rss_baseline=current_rss_bytes() - 2 * 2**30, probe_budget=0.0)
+             rss_baseline=rss_baseline_bytes() - 2 * 2**30, probe_budget=0.0)
 
 
 def wider_bert():
@@ -237,14 +237,14 @@ def wider_bert():
 @pytest.fixture(scope="module")
 def bf16_weights_budget(dataset) -> int:
     """A budget between wider_bert's lowest fp32-weight estimate (fp32 or bf16 autocast) and its bf16-weight one."""
-    from looptrain import memory
+    from looptrain import planning
 
     train_set, collator = dataset
     model = wider_bert()
     width = collator.batch_width([max(train_set.lengths)])
 
     def lowest(**options) -> int:
-        return min(memory.estimate(model, batch, width, accum_steps=EFFECTIVE_BATCH // batch,
+        return min(planning.estimate(model, batch, width, accum_steps=EFFECTIVE_BATCH // batch,
                                    gradient_checkpointing=True, **options)["peak_memory_bytes"] for batch in (1, 2))
 
     fp32_weights = min(lowest(precision=precision) for precision in ("fp32", "bf16"))

@@ -343,7 +343,7 @@ def check_flags(args, parser: argparse.ArgumentParser) -> None:
             raise UsageError("--fsdp shards across processes: launch with torchrun --nproc_per_node N "
                              "scripts/finetune.py ... (one process has nothing to shard across)")
     if args.memory_budget is not None:
-        from looptrain.plan import PlanError, parse_size
+        from looptrain.planning import PlanError, parse_size
 
         try:
             args.memory_budget_bytes = parse_size(args.memory_budget)
@@ -476,10 +476,6 @@ def load_data(args):
         train, eval_data = split(everything, eval_fraction, TextClassificationData)
     else:
         train, eval_data = everything, None
-    if train.label_names is None and train.num_labels > 2 * len(set(train.labels)) + 10:
-        raise UsageError(f"the labels of {description} are integers up to {train.num_labels - 1} but only "
-                         f"{len(set(train.labels))} distinct values: class ids must be 0..N-1; if these are "
-                         "codes rather than class indices, write them as strings (e.g. \"c17\") to map them")
     if args.max_train_samples is not None:
         train = take(train, args.max_train_samples, TextClassificationData)
     if eval_data is not None and args.max_eval_samples is not None:
@@ -803,7 +799,7 @@ def write_outputs(summary: dict, place, inputs: Inputs, output_dir: Path, plan_r
 
 def planned_settings(args, config, model, train_set, collator, device, output_dir: Path, print):
     """The plan's settings for --memory-budget: a resumed run keeps its saved plan, a new one plans."""
-    from looptrain.plan import Levers, Settings, plan
+    from looptrain.planning import Levers, Settings, plan
 
     saved = output_dir / "run_config.json"
     if config.resume == "auto" and saved.is_file():  # the ledger already matched this run's identity
@@ -878,9 +874,9 @@ def apply_settings(args, settings) -> None:
 
 
 def run_estimate(args, config, model, train_set, collator, train_loader, plan_result) -> int | None:
-    """`looptrain.memory.estimate` of this run's settings over the batches its sampler will give it, where
+    """`looptrain.planning.estimate` of this run's settings over the batches its sampler will give it, where
     it gives them (every run reports its own error; a planned run reports its plan's worst-batch estimate)."""
-    from looptrain.plan import Settings, run_batches_estimate, run_windows
+    from looptrain.planning import Settings, run_batches_estimate, run_windows
 
     if plan_result is not None:
         return plan_result.winner.estimated_peak_bytes
@@ -917,10 +913,10 @@ class OutOfMemory(Exception):
 
 
 def what_would_fit(model_config, args, precision: str, device) -> str:
-    """Estimated peaks (looptrain.memory.estimate) of this run and of a few lighter flag sets."""
+    """Estimated peaks (looptrain.planning.estimate) of this run and of a few lighter flag sets."""
     import torch
 
-    from looptrain import memory
+    from looptrain import planning
     from looptrain.precision import amp_precision
 
     current = {"precision": precision, "optimizer": args.optim, "gradient_checkpointing": args.gradient_checkpointing,
@@ -948,11 +944,11 @@ def what_would_fit(model_config, args, precision: str, device) -> str:
     if args.weights == "fp32":
         candidates.append(("+ --weights bf16", batch, {**current, "precision": "bf16", "weights": "bf16"}))
     budget = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    lines = [f"  estimated peak of live tensors at --max-length {args.max_length} (looptrain.memory.estimate"
+    lines = [f"  estimated peak of live tensors at --max-length {args.max_length} (looptrain.planning.estimate"
              + (f"; this GPU has {budget / 2**30:.1f} GiB)" if budget else ")") + ":"]
     for label, micro_batch, options in candidates:
         try:
-            peak = memory.estimate(model_config, micro_batch, args.max_length, **options)["peak_memory_bytes"]
+            peak = planning.estimate(model_config, micro_batch, args.max_length, **options)["peak_memory_bytes"]
         except Exception as error:  # noqa: BLE001 (advice printed while reporting an OOM: must never mask it)
             lines.append(f"    {label}: no estimate ({type(error).__name__}: {error})")
             continue
@@ -1004,10 +1000,10 @@ def rss_at_start() -> int | None:
     import transformers  # noqa: F401
 
     import looptrain  # noqa: F401
-    from looptrain.plan import PlanError, current_rss_bytes
+    from looptrain.planning import PlanError, rss_baseline_bytes
 
     try:
-        return current_rss_bytes()
+        return rss_baseline_bytes()
     except PlanError:  # not Linux: budgets of live tensors still work
         return None
 
@@ -1021,7 +1017,7 @@ def main(argv: list[str] | None = None) -> int:
     args._rss_at_start = rss_at_start()
     from looptrain import CheckpointError, ConfigError, DataError, EvaluationError, TrainingDiverged
     from looptrain.ledger import LedgerError
-    from looptrain.plan import PlanError
+    from looptrain.planning import PlanError
 
     user_errors = (UsageError, ConfigError, DataError, CheckpointError, TrainingDiverged, OutOfMemory, LedgerError,
                    EvaluationError, PlanError)

@@ -20,7 +20,6 @@ from torch.utils._pytree import tree_flatten
 
 from looptrain.optim import inner_optimizers
 
-PHASES = ("forward", "backward", "optimizer", "eval")
 CATEGORY_PARAMS = "params"
 CATEGORY_GRADS = "grads"
 CATEGORY_OPTIMIZER = "optimizer_state"

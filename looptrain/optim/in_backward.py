@@ -104,6 +104,10 @@ class OptimizerInBackward(PerParameterOptimizer):
         """Global gradient norm (before clipping) of the last backward, a scalar tensor; None before the first."""
         return self._grad_norm
 
+    def _is_finite(self, value: torch.Tensor) -> bool:
+        """Whether a scalar tensor is finite (a host sync; the estimator's subclass, with no values, says yes)."""
+        return bool(torch.isfinite(value))
+
     def _clip_scale(self, parameter_norm: torch.Tensor) -> torch.Tensor | None:
         if self.max_grad_norm is None:
             return None
@@ -122,7 +126,7 @@ class OptimizerInBackward(PerParameterOptimizer):
         gradient = parameter.grad
         parameter_norm = torch.linalg.vector_norm(gradient, 2, dtype=torch.float32)
         self._square_sum = self._square_sum + parameter_norm.to(self._square_sum.device) ** 2
-        if not _is_finite(parameter_norm):  # never write a non-finite update into the weights
+        if not self._is_finite(parameter_norm):  # never write a non-finite update into the weights
             parameter.grad = None
             return
         scale = self._clip_scale(parameter_norm)
@@ -137,7 +141,7 @@ class OptimizerInBackward(PerParameterOptimizer):
 
     def _end_of_backward(self) -> None:
         self._grad_norm = torch.sqrt(self._square_sum)
-        if _is_finite(self._grad_norm):  # a non-finite norm would clip every later step to zero
+        if self._is_finite(self._grad_norm):  # a non-finite norm would clip every later step to zero
             self._previous_grad_norm = self._grad_norm
         self._square_sum = None
         self.steps += 1
@@ -178,10 +182,3 @@ class OptimizerInBackward(PerParameterOptimizer):
         for handle in self._handles:
             handle.remove()
         self._handles = []
-
-
-def _is_finite(value: torch.Tensor) -> bool:
-    """Whether a scalar tensor is finite; a fake one (the estimator's: no value) counts as finite."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(value, FakeTensor) or bool(torch.isfinite(value))

@@ -11,7 +11,7 @@ the estimator, and drives both:
    stochastic rounding too), the optimizer within its family
    (adamw → adamw8bit → paged_adamw8bit). Levers that change the task (freezing, a shorter max length)
    are never applied; when nothing fits they are suggested, with their estimates.
-2. **Fits**: `looptrain.memory.estimate` at the dataset's longest padded batch (its worst batch), plus a
+2. **Fits**: `looptrain.planning.estimate` at the dataset's longest padded batch (its worst batch), plus a
    safety margin (`DEFAULT_MARGIN`), must be within the budget. For each precision, optimizer and
    checkpointing mode, the largest micro-batch that fits is found by a search over the divisors of
    the effective batch (memory only grows with the micro-batch).
@@ -41,14 +41,14 @@ from torch import nn
 from looptrain.config import ConfigError, LoopConfig
 from looptrain.gradient_checkpointing import disable_gradient_checkpointing
 from looptrain.loop import Loop
-from looptrain.memory import bounding_windows, estimate, estimate_windows
 from looptrain.memory.meters import proc_status_bytes, reset_peak_rss
 from looptrain.optim import build_optimizer, inner_optimizers
+from looptrain.planning.estimator import bounding_windows, estimate, estimate_windows
 from looptrain.precision import amp_precision, cpu_has_native_bf16, resolve_device
 
 GIB = 1024**3
 # The share of the budget kept free above the estimate. CPU: the estimate is within 2.3% of the tensor
-# tracker on every mix of memory.ACCURACY_MIXES; 5% leaves room for that and for batches the estimate
+# tracker on every mix of planning.ACCURACY_MIXES; 5% leaves room for that and for batches the estimate
 # shapes differently. CUDA: the caching allocator rounds and fragments, and kernels take workspaces the
 # estimate does not see (about 10-20% of the peak on typical runs); 15% covers that, unchecked here.
 DEFAULT_MARGIN = {"cpu": 0.05, "cuda": 0.15}
@@ -159,10 +159,6 @@ class Candidate:
     probed: bool = False
     probe: dict = field(default_factory=dict)  # seconds per padded token, per optimizer step, probe seconds
 
-    @property
-    def samples_per_epoch(self) -> int:
-        return self.probe.get("samples", 0)
-
 
 @dataclass
 class Plan:
@@ -185,10 +181,6 @@ class Plan:
     @property
     def winner(self) -> Candidate:
         return self.candidates[0]
-
-    @property
-    def planning_seconds(self) -> float:
-        return self.estimate_seconds + self.probe_seconds
 
     def table(self, top: int = 5) -> str:
         """The ranked candidates (the top `top`), the winner first, with estimates and speeds."""
@@ -282,7 +274,7 @@ def plan(
         probe_fraction: see `probe_budget`.
         seed: the run's seed (batching order).
         rss_baseline: the budget is of process RSS above this many bytes (Linux): candidates must also
-            fit by the peak RSS their probe measures (`current_rss_bytes()` at the start is typical).
+            fit by the peak RSS their probe measures (`rss_baseline_bytes()` at the start is typical).
             None: the budget is of live tensor bytes, the estimate alone decides (the tracker's meter).
         echo: prints progress lines.
 
@@ -703,8 +695,14 @@ def _reset_peak_rss() -> None:
                         "a budget of process RSS needs Linux 4.0+") from error
 
 
-def current_rss_bytes() -> int:
-    """The process's resident set size now (for `plan(rss_baseline=...)`)."""
+def rss_baseline_bytes() -> int:
+    """The process's resident set size now, from ``VmRSS``, as `plan(rss_baseline=...)` counts it.
+
+    Unlike `looptrain.memory.current_rss_bytes` (which falls back to the peak), it has no fallback.
+
+    Raises:
+        PlanError: not Linux (a budget of process RSS needs it).
+    """
     return _status_bytes("VmRSS")
 
 
@@ -751,5 +749,5 @@ def run_batches_estimate(model: Any, settings: Settings, windows: Sequence[Seque
         weights=settings.weights)["peak_memory_bytes"]
 
 
-__all__ = ["Candidate", "Levers", "Plan", "PlanError", "Settings", "current_rss_bytes", "parse_size", "plan",
+__all__ = ["Candidate", "Levers", "Plan", "PlanError", "Settings", "parse_size", "plan", "rss_baseline_bytes",
            "run_batches_estimate", "run_windows", "worst_batch_estimate"]

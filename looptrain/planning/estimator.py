@@ -8,6 +8,10 @@ Loop does: autocast casts, the GradScaler's unscale, clipping, the optimizer ste
 CPU kernels included), the fused step. `measure` runs the same strategy for real, through
 `Loop.fit`, for the accuracy check.
 
+Fake tensors have shapes but no values, so the two checks of a gradient's finiteness cannot be read:
+the estimator brings its own behaviour for them (`FakePrecision`, `FakeOptimizerInBackward`: every
+update steps, since its memory is what is measured), and production code never branches on fakes.
+
 It sits above the Loop, as the planner does; leaf modules never import it.
 """
 
@@ -27,7 +31,8 @@ from looptrain import freeze as freezing
 from looptrain import state
 from looptrain.config import LoopConfig
 from looptrain.loop import Loop
-from looptrain.optim import build_optimizer, optimizer_options_problem
+from looptrain.optim import OptimizerInBackward, build_optimizer, optimizer_options_problem
+from looptrain.precision import Precision
 
 PRESETS = {
     "bert-base": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072,
@@ -115,6 +120,31 @@ def _freeze(model: nn.Module, freeze_embeddings: bool, freeze_layers: int, freez
         freezing.freeze_embeddings(model)
     if freeze_layers:
         freezing.freeze_layers(model, freeze_layers)
+
+
+class FakePrecision(Precision):
+    """`Precision` on fake tensors: a gradient norm has no value to test, so every update steps."""
+
+    def step(self, optimizer: Any, grad_norm: torch.Tensor) -> bool:
+        """Steps the optimizer (and, under fp16, updates the scaler); returns True: the step's memory is measured."""
+        optimizer.step()
+        if self.scaler.is_enabled():
+            self.scaler.update()  # closes the unscale_ of this window (no value to read on fake tensors)
+        return True
+
+
+class FakeOptimizerInBackward(OptimizerInBackward):
+    """`OptimizerInBackward` on fake tensors: a norm has no value to test, so every gradient counts as finite."""
+
+    def _is_finite(self, value: torch.Tensor) -> bool:
+        return True
+
+
+def _on_fake_tensors(loop: Loop) -> None:
+    """Gives `loop` the estimator's fake-tensor behaviour, where the Loop would read a value (finiteness)."""
+    loop.precision = FakePrecision(loop.device, loop.precision.name)
+    if isinstance(loop.optimizer, OptimizerInBackward):
+        loop.optimizer.__class__ = FakeOptimizerInBackward  # its hooks are already registered: same object, same state
 
 
 def _strategy_loop(model: nn.Module, optimizer_name: str, foreach, config: LoopConfig, freeze_options: dict) -> Loop:
@@ -253,6 +283,7 @@ def estimate_windows(
         # Built outside the fake mode: optimizers' constant tables (bitsandbytes' quantisation maps) are real.
         loop = _strategy_loop(model, optimizer, foreach, config, {
             "freeze_embeddings": freeze_embeddings, "freeze_layers": freeze_layers, "freeze_encoder": freeze_encoder})
+        _on_fake_tensors(loop)
         with fake_mode:
             # One batch per (position, shape): a shape met again at the same place reuses its batch.
             batches: dict[tuple[int, int, int], dict] = {}

@@ -1,0 +1,62 @@
+"""Planning: above the Loop, the estimator and the planner drive its public update (see docs/architecture.md).
+
+Modules:
+    estimator   `estimate`: a training step's peak on fake tensors, driving the Loop's own update;
+                `estimate_windows` / `bounding_windows`: a run's peak over the batches it will see;
+                `measure`: the same strategy run for real, for the accuracy check
+    planner     `plan`: a memory budget in, the fastest exact training configuration that fits out
+
+Their command lines live in `looptrain.cli` (`python -m looptrain.memory` is the estimate's).
+"""
+
+from looptrain.planning.estimator import (
+    ACCURACY_MIXES,
+    ESTIMATE_METER,
+    PRESETS,
+    bounding_windows,
+    estimate,
+    estimate_windows,
+    ladder,
+    load_config,
+    measure,
+    preset_config,
+    random_batch,
+)
+from looptrain.planning.planner import (
+    Candidate,
+    Levers,
+    Plan,
+    PlanError,
+    Settings,
+    parse_size,
+    plan,
+    rss_baseline_bytes,
+    run_batches_estimate,
+    run_windows,
+    worst_batch_estimate,
+)
+
+__all__ = [
+    "ACCURACY_MIXES",
+    "ESTIMATE_METER",
+    "PRESETS",
+    "Candidate",
+    "Levers",
+    "Plan",
+    "PlanError",
+    "Settings",
+    "bounding_windows",
+    "estimate",
+    "estimate_windows",
+    "ladder",
+    "load_config",
+    "measure",
+    "parse_size",
+    "plan",
+    "preset_config",
+    "random_batch",
+    "rss_baseline_bytes",
+    "run_batches_estimate",
+    "run_windows",
+    "worst_batch_estimate",
+]
