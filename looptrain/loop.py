@@ -1,7 +1,7 @@
 """`Loop`: the training control flow, written out so that a reader can follow every step.
 
 `fit()` is the lifecycle: check the evaluation hooks, resume, then epochs of accumulation windows,
-evaluating and saving on schedule, and a final evaluation. `_run_window()` is one optimizer update,
+evaluating and saving on schedule, and a final evaluation. `run_update()` is one optimizer update,
 on one screen, in nanoGPT's order:
 
     count the window's items (before any forward, over every rank)
@@ -216,11 +216,22 @@ class Loop:
                 self._evaluate_and_save()
 
     # ------------------------------------------------------------------ one optimizer update
-    def _run_window(self, window: list) -> WindowResult:
+    def run_update(self, window: list) -> WindowResult:
         """One optimizer update over one accumulation window of micro-batches.
 
-        The estimator drives this same method on fake tensors, so it makes no host sync beyond
-        `Precision.step`'s finiteness check: item counts stay tensors.
+        `fit` calls it once per window; it is public so that what sits above the Loop can drive exactly
+        the update `fit` runs: the estimator (`looptrain.planning.estimate`, on fake tensors), the
+        planner's probes and the benchmarks. Customise training through the hooks (`compute_loss`,
+        `count_items`, ...), not by overriding this method: it owns exact accumulation. It makes no
+        host sync beyond `Precision.step`'s finiteness check (item counts stay tensors).
+
+        Args:
+            window: the window's micro-batches, as the train loader yields them (the last window of an
+                epoch may be shorter than `accum_steps`).
+
+        Returns:
+            The window's summed loss and item count (tensors), the gradient norm, and whether the
+            optimizer stepped (`WindowResult`); `step` and `micro_step` are advanced.
         """
         self.wrapped_model.train()
         micro_batches = [piece for batch in window for piece in split_batch(batch, self._micro_batch_splits)]
@@ -311,10 +322,10 @@ class Loop:
         return optimizer
 
     def _run_window_retrying(self, window: list) -> WindowResult:
-        """`_run_window`, retried with each micro-batch split in two after an out-of-memory (`auto_batch`)."""
+        """`run_update`, retried with each micro-batch split in two after an out-of-memory (`auto_batch`)."""
         while True:
             try:
-                return self._run_window(window)
+                return self.run_update(window)
             except OUT_OF_MEMORY_ERRORS as error:
                 self.optimizer.zero_grad(set_to_none=True)  # the failed window's partial gradients
                 for parameter in self._trainable:

@@ -223,14 +223,14 @@ def test_out_of_memory_reports_estimates_of_lighter_flag_sets(model_dir, train_c
     from looptrain import Loop
     from looptrain.guards import OUT_OF_MEMORY_ERRORS
 
-    real_run_window = Loop._run_window
+    realrun_update = Loop.run_update
 
     def out_of_memory(self, window):
         if isinstance(window[0]["input_ids"], FakeTensor):  # the estimator drives the same method: let it run
-            return real_run_window(self, window)
+            return realrun_update(self, window)
         raise OUT_OF_MEMORY_ERRORS[0]("CUDA out of memory (simulated)")
 
-    monkeypatch.setattr(Loop, "_run_window", out_of_memory)
+    monkeypatch.setattr(Loop, "run_update", out_of_memory)
     assert run(model_dir, train_csv, tmp_path, "--batch-size", "8") == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err

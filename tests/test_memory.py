@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -138,7 +140,7 @@ MIXES = planning.ACCURACY_MIXES
 
 @pytest.mark.parametrize("mix", list(MIXES))
 def test_estimate_matches_the_peak_of_a_real_loop_fit(mix):
-    # estimate() drives Loop._run_window on fake tensors; measure() runs Loop.fit for real with the
+    # estimate() drives Loop.run_update on fake tensors; measure() runs Loop.fit for real with the
     # tensor tracker: the same update, so the same peak up to what fake execution cannot see.
     options = MIXES[mix]
     if options.get("optimizer") == "adamw8bit":
@@ -192,3 +194,16 @@ def test_command_line_bf16_weights_rung(capsys, tmp_path):
     assert any(line.startswith("| as given") for line in capsys.readouterr().out.splitlines())
     assert estimate_main(["--config", str(config), "--weights", "bf16", "--precision", "fp16"]) == 2
     assert "weights='bf16' computes in bf16 and cannot run fp16 autocast" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--batch-size", "0"], r"argument --batch-size: must be >= 1 \(got 0\)"),
+    (["--seq-len", "-5"], r"argument --seq-len: must be >= 1 \(got -5\)"),
+    (["--accum", "two"], r"argument --accum: expected an integer, got 'two'"),
+])
+def test_command_line_sizes_are_checked_before_estimating(capsys, flags, message):
+    with pytest.raises(SystemExit) as exited:
+        estimate_main(["--preset", "bert-base", *flags])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and "Traceback" not in err

@@ -35,6 +35,21 @@ def _table(rows: list[tuple[str, dict[str, Any]]],
     return "\n".join(lines)
 
 
+def _at_least(minimum: int):
+    """An argparse type: an integer >= `minimum`, or a usage error naming the bound."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum} (got {value})")
+        return value
+
+    return parse
+
+
 def _parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m looptrain.memory",
                                      description="Estimate the peak memory of a training step on fake tensors.")
@@ -42,9 +57,9 @@ def _parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     source.add_argument("--preset", choices=sorted(PRESETS), help="a built-in BERT shape (no download)")
     source.add_argument("--config", help="a config.json file (with model_type)")
     source.add_argument("--model", help="a local model directory (its config only is read)")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--num-labels", type=int, default=2)
+    parser.add_argument("--batch-size", type=_at_least(1), default=32)
+    parser.add_argument("--seq-len", type=_at_least(1), default=128)
+    parser.add_argument("--num-labels", type=_at_least(1), default=2)
     parser.add_argument("--ladder", action="store_true", help="print the table of strategy mixes")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
     parser.add_argument("--optim", choices=OPTIMIZER_NAMES, default="adamw")
@@ -53,13 +68,14 @@ def _parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--grad-dtype", choices=GRAD_DTYPES, default="bf16",
                         help="with --weights bf16: the dtype gradients accumulate in")
     parser.add_argument("--grad-checkpoint", action="store_true")
-    parser.add_argument("--grad-checkpoint-every", type=int, default=1, help="with --grad-checkpoint: every k-th block")
+    parser.add_argument("--grad-checkpoint-every", type=_at_least(1), default=1,
+                        help="with --grad-checkpoint: every k-th block")
     parser.add_argument("--optim-in-backward", action="store_true")
     parser.add_argument("--freeze-embeddings", action="store_true")
-    parser.add_argument("--freeze-layers", type=int, default=0)
+    parser.add_argument("--freeze-layers", type=_at_least(0), default=0)
     parser.add_argument("--freeze-encoder", action="store_true")
     parser.add_argument("--no-foreach", action="store_true")
-    parser.add_argument("--accum", type=int, default=1)
+    parser.add_argument("--accum", type=_at_least(1), default=1)
     parser.add_argument("--max-grad-norm", type=float, default=1.0,
                         help="the Loop's clipping threshold (clipping temporaries)")
     return parser.parse_args(argv)

@@ -2,7 +2,7 @@
 
 `estimate` builds the model on fake tensors (`FakeTensorMode`: shapes and dtypes, no storage, no
 compute), applies the strategy with looptrain's own freeze, checkpointing and optimizer modules,
-builds a real `Loop` over it, and drives the Loop's own update (`Loop._run_window`, the method
+builds a real `Loop` over it, and drives the Loop's own update (`Loop.run_update`, the method
 `fit()` calls) for two optimizer steps under the `StorageTracker`. What it measures is what the
 Loop does: autocast casts, the GradScaler's unscale, clipping, the optimizer step (bitsandbytes'
 CPU kernels included), the fused step. `measure` runs the same strategy for real, through
@@ -193,7 +193,7 @@ def estimate(
 
     The model is built under ``FakeTensorMode`` (from a config, a preset name, a local path, or a
     fake copy of a real model), the strategy is applied with looptrain's own modules, and a `Loop`
-    with this strategy's `LoopConfig` runs two optimizer updates (`Loop._run_window`: forward under
+    with this strategy's `LoopConfig` runs two optimizer updates (`Loop.run_update`: forward under
     autocast, scaled backward, unscale, clip, step, zero) on one window of ``min(accum_steps, 2)``
     micro-batches (from the second micro-batch on, memory repeats) under the CPU meter's tracker.
     No real memory is allocated and nothing is computed. The RNG states are left as they were.
@@ -294,7 +294,7 @@ def estimate_windows(
             loop.meter.start(loop.model, loop.optimizer)
             try:
                 for window in windows:
-                    loop._run_window([batches[position, rows, width] for position, (rows, width) in enumerate(window)])
+                    loop.run_update([batches[position, rows, width] for position, (rows, width) in enumerate(window)])
             finally:
                 loop.meter.stop()
             summary = loop.meter.summary()

@@ -16,7 +16,7 @@ the estimator, and drives both:
    checkpointing mode, the largest micro-batch that fits is found by a search over the divisors of
    the effective batch (memory only grows with the micro-batch).
 3. **Fastest**: each candidate that fits is probed on this device, most promising first, for as long
-   as the probe budget allows: one warm-up and one timed update of the real Loop (`Loop._run_window`)
+   as the probe budget allows: one warm-up and one timed update of the real Loop (`Loop.run_update`)
    on a real batch of the worst shape, with the learning rate at 0 so the weights do not change. The
    measured time per padded token and per optimizer step, times the padded tokens and the updates of
    an epoch under that candidate's batching, predict the epoch's time; candidates left unprobed keep
@@ -627,13 +627,13 @@ def _probe(model: nn.Module, settings: Settings, batch: dict, device: str, max_g
             lambda *args: step_seconds.__setitem__(-1, step_seconds[-1] + time.perf_counter())))
     windows, optimizer_steps = [], []
     try:
-        loop._run_window([batch] * micro_batches)  # warm-up: optimizer state, kernel selection, first-call costs
+        loop.run_update([batch] * micro_batches)  # warm-up: optimizer state, kernel selection, first-call costs
         if rss_baseline is not None:
             _reset_peak_rss()
         while len(windows) < 3 and sum(windows) < 1.0:  # up to 3 timed updates, fewer when one takes a second
             step_seconds.clear()
             started = time.perf_counter()
-            loop._run_window([batch] * micro_batches)
+            loop.run_update([batch] * micro_batches)
             windows.append(time.perf_counter() - started)
             optimizer_steps.append(sum(step_seconds))
     finally:
