@@ -9,6 +9,7 @@ the `Loop`, and by the command line before any model loads).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass, field
 
 from looptrain.precision import PRECISIONS, precision_problem, resolve_device
@@ -125,6 +126,10 @@ class LoopConfig:
             )
         elif self.output_dir is None and "none" not in trackers:
             problems.append(f"report_to={self.report_to!r} writes its files under output_dir: set output_dir")
+        elif "tensorboard" in trackers and importlib.util.find_spec("tensorboard") is None:
+            # Checked now, not at the first log line after minutes of training.
+            problems.append("report_to='tensorboard' needs the tensorboard package: pip install tensorboard "
+                            "(or pip install 'looptrain[tensorboard]')")
         if self.optimizer_in_backward:
             if self.accum_steps > 1:
                 problems.append(

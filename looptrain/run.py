@@ -210,8 +210,16 @@ class Run:
 
     # ------------------------------------------------------------------ progress
     def open_progress(self) -> None:
-        """The progress bar from the current step; the heartbeat's time-to-go counts this run's updates."""
-        self.log.open_progress(self.planned_updates(), initial=self.training.step)
+        """The progress bar from the current step; the heartbeat's time-to-go counts this run's updates.
+
+        A `max_steps` that the epochs cannot reach is said once here, not discovered at the end.
+        """
+        planned, config = self.planned_updates(), self.config
+        if planned is not None and 0 < planned < config.max_steps:
+            self.log.echo(f"notice: max_steps={config.max_steps} (--max-steps) but {config.epochs} epoch(s) of this "
+                          f"data make {planned} updates: the run stops at {planned}; raise epochs (--epochs) to "
+                          f"reach {config.max_steps}")
+        self.log.open_progress(planned, initial=self.training.step)
         self._first_step = self.training.step
 
     def planned_updates(self) -> int | None:

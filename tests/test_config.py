@@ -68,3 +68,16 @@ def test_best_metric_direction_defaults_by_name_and_can_be_forced():
 def test_defaults_are_valid_and_serialisable():
     config = LoopConfig()
     assert config.to_dict()["accum_steps"] == 1 and config.precision == "fp32"
+
+
+def test_tensorboard_without_its_package_is_refused_before_training(monkeypatch, tmp_path):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "tensorboard" else real_find_spec(name, *args))
+    with pytest.raises(ConfigError, match=r"report_to='tensorboard' needs the tensorboard package: pip install "
+                                          r"tensorboard"):
+        LoopConfig(report_to="tensorboard", output_dir=str(tmp_path))
+    monkeypatch.undo()
+    assert LoopConfig(report_to="tensorboard", output_dir=str(tmp_path)).report_to == "tensorboard"

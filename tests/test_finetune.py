@@ -273,3 +273,13 @@ def test_the_demo_arguments_run_a_few_steps_on_the_embedded_model_and_data(tmp_p
     assert summary["optimizer_steps"] == 2 and summary["precision"] == resolved["precision"]
     assert summary["cpu"] == resolved["cpu"] and summary["final_eval"]["count"] == 32
     assert (tmp_path / "final" / "model.safetensors").exists()
+
+
+def test_bf16_weights_with_amp_say_what_they_compute_in_on_any_cpu(model_dir, train_csv, tmp_path, capsys, cpu_kind):
+    """--amp names what it picks on this CPU, but bf16 weights compute in bf16 whatever it picks: on an AVX2 CPU
+    the run once printed "training in fp32" and then trained in bf16."""
+    assert run(model_dir, train_csv, tmp_path, "--weights", "bf16", "--amp", "--max-steps", "1") == 0
+    out = capsys.readouterr().out
+    assert "--weights bf16: the forward and backward compute in bf16 (the weights are bf16)" in out
+    assert "training in fp32" not in out and "--amp: " not in out
+    assert json.loads((tmp_path / "summary.json").read_text())["precision"] == "bf16"

@@ -291,3 +291,16 @@ def test_max_steps_stops_early_and_fit_evaluates(eight_uneven):
         model.eval()
         predictions = model(**eight_uneven).logits.argmax(-1)
     assert summary["final_eval"]["accuracy"] == (predictions == eight_uneven["labels"]).float().mean().item()
+
+
+def test_a_max_steps_the_epochs_cannot_reach_is_said_at_the_start(eight_uneven, capsys):
+    model = make_tiny_bert(seed=0)
+    batches = split_batch(eight_uneven, [1] * 8)  # 8 micro-batches, accumulation 2: 4 updates an epoch
+    summary = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), batches,
+                   config=quiet(max_steps=100, epochs=2, accum_steps=2)).fit()
+    assert summary["optimizer_steps"] == 8
+    notices = [line for line in capsys.readouterr().out.splitlines() if line.startswith("notice: max_steps")]
+    assert notices == ["notice: max_steps=100 (--max-steps) but 2 epoch(s) of this data make 8 updates: the run "
+                       "stops at 8; raise epochs (--epochs) to reach 100"]
+    Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, config=quiet(max_steps=3, epochs=2)).fit()
+    assert "notice: max_steps" not in capsys.readouterr().out  # reachable: nothing to say

@@ -369,9 +369,18 @@ def test_bad_eval_file_is_named(model_dir, data_files, tmp_path, capsys):
     (["--eval-split", "1.5"], "--eval-split must be in [0, 1) (got 1.5)"),
     (["--batch-size", "0"], "--batch-size must be >= 1 (got 0)"),
     (["--amp", "--precision", "fp32"], "--amp and --precision fp32 contradict each other"),
+    (["--weights", "bf16", "--precision", "fp32"], "--weights bf16 computes in bf16, so --precision fp32 cannot hold"),
+    (["--json"], "--json prints the plan of --plan-only as JSON"),
 ])
 def test_incompatible_flags_are_refused_before_any_work(model_dir, data_files, tmp_path, capsys, flags, message):
     train, _ = data_files
     err = cli_error(model_dir, capsys, ["--data", str(train), "--output-dir", str(tmp_path / "out"), *flags])
     assert message in err
     assert not (tmp_path / "out").exists(), "a refused run must not create its output directory"
+
+
+def test_an_eval_split_that_leaves_no_training_sample_is_a_usage_error(model_dir, data_files, tmp_path, capsys):
+    train, _ = data_files  # 32 samples: 0.99 of them rounds to all 32
+    err = cli_error(model_dir, capsys, ["--data", str(train), "--output-dir", str(tmp_path / "out"),
+                                        "--eval-split", "0.99"])
+    assert "--eval-split 0.99 of 32 samples leaves no training sample; lower --eval-split" in err

@@ -293,6 +293,9 @@ def check_flags(args, parser: argparse.ArgumentParser) -> None:
     given = {token.split("=")[0] for token in (args._argv or [])}
     if args.amp and "--precision" in given and args.precision != "auto":
         raise UsageError(f"--amp and --precision {args.precision} contradict each other; pass one of them")
+    if args.weights == "bf16" and "--precision" in given and args.precision not in ("bf16", "auto"):
+        raise UsageError(f"--weights bf16 computes in bf16, so --precision {args.precision} cannot hold; drop "
+                         "--precision (or keep fp32 weights)")
     if args.freeze_encoder and (args.freeze_layers or args.freeze_embeddings):
         raise UsageError("--freeze-encoder already freezes the embeddings and every layer; drop "
                          "--freeze-layers/--freeze-embeddings or use them without --freeze-encoder")
@@ -489,6 +492,9 @@ def split(data, eval_fraction: float, cls):
 
     order = np.random.default_rng(SPLIT_SEED).permutation(len(data))
     num_eval = max(1, int(round(len(data) * eval_fraction)))
+    if num_eval >= len(data):
+        raise UsageError(f"--eval-split {eval_fraction} of {len(data)} samples leaves no training sample; lower "
+                         "--eval-split, or pass a separate --eval-data file")
     return subset(data, order[num_eval:], cls), subset(data, order[:num_eval], cls)
 
 
@@ -656,8 +662,10 @@ def train(args, config, place, model_path: str, print) -> dict:
     from looptrain.precision import amp_precision, resolve_device, resolve_precision
 
     device = distributed.device_for(resolve_device(config.device), place)
-    if config.precision == "auto" and args.memory_budget is None:
+    if config.precision == "auto" and args.memory_budget is None and config.weights == "fp32":
         print(amp_precision(device)[1])
+    elif config.weights == "bf16":  # the weights decide: bf16 compute, whatever --amp would pick on this CPU
+        print("--weights bf16: the forward and backward compute in bf16 (the weights are bf16)")
     output_dir = Path(config.output_dir)
     seed_everything(config.seed)
     inputs = load_inputs(args, model_path, print)
