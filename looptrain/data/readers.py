@@ -225,22 +225,25 @@ def _delimited_rows(text: str, delimiter: str, path: str) -> tuple[_Rows, list[s
     return rows(), header
 
 
+# A .csv header read as one column because another character separates it: (that character, what it is
+# called, what the file looks like, the fix).
+_FOREIGN_SEPARATORS = (
+    ("\t", "tabs", "tab-separated", "rename it to {stem}.tsv"),
+    (";", "semicolons", "semicolon-separated (a spreadsheet's CSV in some locales)",
+     "save it with commas as the separator, or with tabs as {stem}.tsv"),
+)
+
+
 def _check_header(header: list[str], delimiter: str, path: str) -> None:
-    """Refuses a tab-separated header in a .csv file, and a column name given twice.
+    """Refuses a .csv header that another separator (tab, semicolon) holds together, and a column name given twice.
 
     Blank names (the empty cells trailing separators leave) cannot be asked for, so they may repeat.
     """
-    if delimiter == "," and len(header) == 1 and "\t" in header[0]:
-        raise DataError(
-            f"{path}: the header {header[0]!r} is one column that contains tabs: the file looks tab-separated; "
-            f"rename it to {os.path.splitext(path)[0]}.tsv"
-        )
-    if delimiter == "," and len(header) == 1 and ";" in header[0]:
-        raise DataError(
-            f"{path}: the header {header[0]!r} is one column that contains semicolons: the file looks "
-            "semicolon-separated (a spreadsheet's CSV in some locales); save it with commas as the separator, "
-            f"or with tabs as {os.path.splitext(path)[0]}.tsv"
-        )
+    if delimiter == "," and len(header) == 1:
+        for separator, plural, kind, fix in _FOREIGN_SEPARATORS:
+            if separator in header[0]:
+                raise DataError(f"{path}: the header {header[0]!r} is one column that contains {plural}: the file "
+                                f"looks {kind}; {fix.format(stem=os.path.splitext(path)[0])}")
     counts = Counter(name for name in header if name)
     for name, count in counts.items():
         if count > 1:

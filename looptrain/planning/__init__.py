@@ -33,7 +33,6 @@ from looptrain.planning.planner import (
     rss_baseline_bytes,
     run_batches_estimate,
     run_windows,
-    worst_batch_estimate,
 )
 
 __all__ = [
@@ -58,5 +57,4 @@ __all__ = [
     "rss_baseline_bytes",
     "run_batches_estimate",
     "run_windows",
-    "worst_batch_estimate",
 ]

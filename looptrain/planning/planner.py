@@ -139,6 +139,13 @@ class Settings:
             flags += ["--weights", self.weights]
         return flags
 
+    def estimate_options(self) -> dict:
+        """The keyword options of `estimate` / `estimate_windows` for these settings (besides the batch)."""
+        return {"precision": self.precision, "optimizer": self.optimizer,
+                "gradient_checkpointing": self.gradient_checkpointing, "checkpoint_every": self.checkpoint_every,
+                "optimizer_in_backward": self.optimizer_in_backward, "foreach": self.foreach,
+                "accum_steps": self.accum_steps, "weights": self.weights}
+
     def loop_fields(self) -> dict:
         """The `LoopConfig` fields of these settings."""
         return {"accum_steps": self.accum_steps, "precision": self.precision,
@@ -371,12 +378,9 @@ class _Search:
                settings.foreach, settings.weights, tuple(sorted(task.items())))
         if key not in self.cache:
             started = time.perf_counter()
-            result = estimate(
-                self.model, settings.batch_size, task.pop("seq_len", self.width), precision=settings.precision,
-                optimizer=settings.optimizer, gradient_checkpointing=settings.gradient_checkpointing,
-                checkpoint_every=settings.checkpoint_every, optimizer_in_backward=settings.optimizer_in_backward,
-                foreach=settings.foreach, accum_steps=settings.accum_steps, num_labels=self.num_labels,
-                max_grad_norm=self.max_grad_norm, weights=settings.weights, **task)
+            result = estimate(self.model, settings.batch_size, task.pop("seq_len", self.width),
+                              **settings.estimate_options(), num_labels=self.num_labels,
+                              max_grad_norm=self.max_grad_norm, **task)
             self.seconds += time.perf_counter() - started
             self.count += 1
             self.cache[key] = result["peak_memory_bytes"]
@@ -706,15 +710,6 @@ def rss_baseline_bytes() -> int:
     return _status_bytes("VmRSS")
 
 
-def worst_batch_estimate(model: Any, settings: Settings, width: int, max_grad_norm=1.0, num_labels: int = 2) -> int:
-    """`estimate` of `settings` at a batch `width` tokens wide: what every run reports beside its meter."""
-    return estimate(model, settings.batch_size, width, precision=settings.precision, optimizer=settings.optimizer,
-                    gradient_checkpointing=settings.gradient_checkpointing, checkpoint_every=settings.checkpoint_every,
-                    optimizer_in_backward=settings.optimizer_in_backward, foreach=settings.foreach,
-                    accum_steps=settings.accum_steps, num_labels=num_labels, max_grad_norm=max_grad_norm,
-                    weights=settings.weights)["peak_memory_bytes"]
-
-
 def run_windows(sampler: Any, lengths: Sequence[int], collator: Any, accum_steps: int, epochs: int = 1,
                 max_steps: int = 0) -> list[list[tuple[int, int]]]:
     """The micro-batch shapes ``(rows, padded width)`` of every window a run trains on, in order.
@@ -738,16 +733,13 @@ def run_batches_estimate(model: Any, settings: Settings, windows: Sequence[Seque
     """`estimate_windows` of `settings` over the batches a run will see (`run_windows`), where it sees them.
 
     The run's peak, not the dataset's worst case: a length-grouped sampler gives its longest batch first,
-    before any optimizer state exists, so pricing that batch beside the state (as `worst_batch_estimate`
-    does) describes a moment the run never has. `bounding_windows` keeps the few windows that decide it.
+    before any optimizer state exists, so pricing that batch beside the state (as the planner does, to be
+    safe under a budget) describes a moment the run never has. `bounding_windows` keeps the few windows
+    that decide it.
     """
-    return estimate_windows(
-        model, bounding_windows(windows, fresh=fresh), precision=settings.precision, optimizer=settings.optimizer,
-        gradient_checkpointing=settings.gradient_checkpointing, checkpoint_every=settings.checkpoint_every,
-        optimizer_in_backward=settings.optimizer_in_backward, foreach=settings.foreach,
-        accum_steps=settings.accum_steps, num_labels=num_labels, max_grad_norm=max_grad_norm,
-        weights=settings.weights)["peak_memory_bytes"]
+    return estimate_windows(model, bounding_windows(windows, fresh=fresh), **settings.estimate_options(),
+                            num_labels=num_labels, max_grad_norm=max_grad_norm)["peak_memory_bytes"]
 
 
 __all__ = ["Candidate", "Levers", "Plan", "PlanError", "Settings", "parse_size", "plan", "rss_baseline_bytes",
-           "run_batches_estimate", "run_windows", "worst_batch_estimate"]
+           "run_batches_estimate", "run_windows"]
