@@ -42,11 +42,11 @@ from looptrain.guards import (
     split_after_out_of_memory,
 )
 from looptrain.memory import make_meter
-from looptrain.optim import BF16Optimizer, OptimizerInBackward, PerParameterOptimizer, cast_to_bf16, optimizer_name_of
+from looptrain.optim import BF16Optimizer, cast_to_bf16, optimizer_name_of, wrap_for_config
 from looptrain.precision import Precision, resolve_device, resolve_precision
 from looptrain.run import Run, planned_updates
 from looptrain.seeding import seed_everything
-from looptrain.unfreeze import GradualUnfreezing, check_optimizer_holds
+from looptrain.unfreeze import start_unfreezing
 
 __all__ = ["EvaluationError", "Loop", "TrainingDiverged", "WindowResult", "planned_updates"]
 
@@ -100,9 +100,9 @@ class Loop:
         if self.config.gradient_checkpointing:
             enable_gradient_checkpointing(self.model, every=self.config.checkpoint_every)
         self.wrapped_model = distributed.wrap_model(self.model, self.device)
-        self.optimizer, self.scheduler = self._wrap_optimizer(optimizer), scheduler
-        self._unfreezing = self._start_unfreezing(optimizer) if self.config.unfreeze_every is not None else None
-        self._stage_peaks: list[int] = []
+        # The fused step and bf16 weights turn the optimizer into one optimizer per parameter.
+        self.optimizer, self.scheduler = wrap_for_config(self.model, optimizer, self.config), scheduler
+        self._unfreezing = start_unfreezing(self.model, optimizer, self.config.unfreeze_every)  # None without it
         self.train_loader, self.eval_loader = train_loader, eval_loader
         self.precision = Precision(self.device, resolve_precision(self.config.compute_precision, self.device))
         self._trainable = (self._unfreezing.parameters if self._unfreezing is not None  # what clipping sees
@@ -173,8 +173,9 @@ class Loop:
                     self._evaluate_and_save()  # the final evaluation: logged, and a candidate for the best
                 if self.config.load_best_at_end and self.best.best_checkpoint is not None:
                     self.run.load_best()
+            unfreeze = self._unfreezing.summary() if self._unfreezing is not None else None
             summary = self.run.summary(time.perf_counter() - started, micro_batch_splits=self._micro_batch_splits,
-                                       unfreeze=self._unfreeze_figures())
+                                       unfreeze=unfreeze)
             return self.run.finish(summary)  # summary.json, run.json's status, the log closed
 
     def _train(self) -> None:
@@ -184,7 +185,7 @@ class Loop:
             epoch_batches = self.run.start_epoch()  # in mid-epoch after a resume: the same order, the rest of it
             for window in resume.windows(epoch_batches, config.accum_steps):
                 if self._unfreezing is not None:
-                    self._follow_unfreezing()
+                    self._unfreezing.follow(self)  # enters the stage due before this update
                 result = self._run_window_retrying(window)
                 self.batch_in_epoch += len(window)
                 loss_sum, num_items = float(result.loss_sum), int(result.num_items)
@@ -277,49 +278,6 @@ class Loop:
             return self.optimizer.clip_grad_norm_(max_norm)  # its gradients may live in fp32 buffers
         norm = nn.utils.clip_grad_norm_(self._trainable, max_norm, error_if_nonfinite=False)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
-
-    def _start_unfreezing(self, optimizer: Any) -> GradualUnfreezing:
-        """Gradual unfreezing over the parameters trainable now, which the optimizer must already hold."""
-        schedule = GradualUnfreezing(self.model, self.config.unfreeze_every)
-        check_optimizer_holds(self.model, optimizer)
-        return schedule  # the first window enters the stage due (stage 1, or a later one on resume)
-
-    def _follow_unfreezing(self) -> None:
-        """Enters the unfreezing stage due before this update (a window never changes stage midway).
-
-        Checkpointing follows the new trainable set, and the memory meter starts the new stage's peak
-        (the last stage's is the one the summary reports; the earlier ones are kept beside it)."""
-        schedule = self._unfreezing
-        stage = schedule.stage_at(self.step, self.epoch)
-        if stage == schedule.stage:
-            return
-        if schedule.stage >= 0:  # the stage that ends now had its own peak
-            self._stage_peaks.append(int(self.meter.summary(self.model, self.optimizer)["peak_memory_bytes"]))
-        schedule.apply(stage)
-        if self.config.gradient_checkpointing:
-            enable_gradient_checkpointing(self.model, every=self.config.checkpoint_every)
-        self.meter.restart_peak()
-        label = schedule.stages[stage][0]
-        trainable = sum(parameter.numel() for parameter in self.model.parameters() if parameter.requires_grad)
-        self._log.event({"event": "unfreeze", "step": self.step, "stage": stage + 1, "stages": len(schedule.stages),
-                         "unfrozen": label, "trainable_parameters": trainable},
-                        line=f"unfreeze: stage {stage + 1}/{len(schedule.stages)} from step {self.step}: {label} "
-                             f"trains ({trainable:,} trainable parameters)")
-
-    def _wrap_optimizer(self, optimizer: Any) -> Any:
-        """The fused step and bf16 weights turn the optimizer into one optimizer per parameter."""
-        config = self.config
-        if isinstance(optimizer, PerParameterOptimizer):
-            return optimizer  # wrapped by the caller already
-        bf16_weights = config.weights == "bf16"
-        if config.optimizer_in_backward:
-            return OptimizerInBackward(self.model, optimizer, max_grad_norm=config.max_grad_norm,
-                                       clip=config.effective_clip_mode, bf16_weights=bf16_weights,
-                                       stochastic_rounding=config.stochastic_rounding)
-        if bf16_weights:
-            return BF16Optimizer(self.model, optimizer, stochastic_rounding=config.stochastic_rounding,
-                                 grad_dtype=config.grad_dtype)
-        return optimizer
 
     def _run_window_retrying(self, window: list) -> WindowResult:
         """`run_update`, retried with each micro-batch split in two after an out-of-memory (`auto_batch`)."""
@@ -467,13 +425,6 @@ class Loop:
 
     def _where(self, step_only: bool = False) -> str:
         return f"step {self.step}" if step_only else f"step {self.step} (micro-step {self.micro_step})"
-
-    def _unfreeze_figures(self) -> dict | None:
-        """Gradual unfreezing's part of the summary: the stage reached and the earlier stages' peaks."""
-        if self._unfreezing is None:
-            return None
-        return {"every": self.config.unfreeze_every, "stage": self._unfreezing.stage + 1,
-                "stages": len(self._unfreezing.stages), "earlier_stage_peak_bytes": self._stage_peaks}
 
 
 def _of_length(loader: Any) -> str:

@@ -10,13 +10,20 @@ The optimizer is built over all of them from the start. A frozen parameter gets 
 every optimizer skips a parameter without one, so it creates no state until its stage begins; the
 parameters already training keep theirs untouched. Param groups therefore never change shape, and
 LR schedulers and checkpoints see the same optimizer in every stage.
+
+The Loop starts the schedule with `start_unfreezing` and, before each window, has it `follow` the run:
+enter the stage due, re-checkpoint, restart the memory peak and log the stage; `summary` is the
+schedule's part of the run's summary.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from looptrain.freeze import layer_depths
+from looptrain.gradient_checkpointing import enable_gradient_checkpointing
 
 Every = int | str
 
@@ -36,6 +43,19 @@ def check_optimizer_holds(model: nn.Module, optimizer) -> None:
             f"unfreeze_every: the optimizer does not hold {missing[:3]} (and {max(0, len(missing) - 3)} more), "
             "which the schedule unfreezes later; build the optimizer over the whole model before the Loop "
             "(build_optimizer(model, ...)), and let the schedule freeze it")
+
+
+def start_unfreezing(model: nn.Module, optimizer, every: Every | None) -> GradualUnfreezing | None:
+    """Gradual unfreezing over the parameters trainable now, which the optimizer must already hold.
+
+    Returns:
+        The schedule, no stage applied yet; None when `every` is None (no gradual unfreezing).
+    """
+    if every is None:
+        return None
+    schedule = GradualUnfreezing(model, every)
+    check_optimizer_holds(model, optimizer)
+    return schedule  # the first window enters the stage due (stage 1, or a later one on resume)
 
 
 class GradualUnfreezing:
@@ -62,6 +82,7 @@ class GradualUnfreezing:
         if not self.stages:
             raise ValueError("unfreeze_every: the model has no trainable parameter to unfreeze")
         self.stage = -1  # none applied yet
+        self.stage_peaks: list[int] = []  # the peak memory of each stage that ended (`follow` records them)
 
     @property
     def parameters(self) -> list[nn.Parameter]:
@@ -90,3 +111,36 @@ class GradualUnfreezing:
         unit = "epoch" if self.every == "epoch" else f"{self.every} updates"
         labels = ", ".join(label for label, _ in self.stages)
         return f"gradual unfreezing: {len(self.stages)} stages, one every {unit}: {labels}"
+
+    def follow(self, training: Any) -> None:
+        """Enters the stage due before the Loop's next update (a window never changes stage midway).
+
+        Checkpointing follows the new trainable set, and the memory meter starts the new stage's peak
+        (the last stage's is the one the summary reports; the earlier ones are kept beside it).
+
+        Args:
+            training: the `Loop` (it is not imported here); its `step`, `epoch`, `model`, `optimizer`,
+                `meter`, `config` (`gradient_checkpointing`, `checkpoint_every`) and `run.log` are read.
+        """
+        stage = self.stage_at(training.step, training.epoch)
+        if stage == self.stage:
+            return
+        if self.stage >= 0:  # the stage that ends now had its own peak
+            peak = training.meter.summary(training.model, training.optimizer)["peak_memory_bytes"]
+            self.stage_peaks.append(int(peak))
+        self.apply(stage)
+        if training.config.gradient_checkpointing:
+            enable_gradient_checkpointing(training.model, every=training.config.checkpoint_every)
+        training.meter.restart_peak()
+        label = self.stages[stage][0]
+        trainable = sum(parameter.numel() for parameter in training.model.parameters() if parameter.requires_grad)
+        training.run.log.event(
+            {"event": "unfreeze", "step": training.step, "stage": stage + 1, "stages": len(self.stages),
+             "unfrozen": label, "trainable_parameters": trainable},
+            line=f"unfreeze: stage {stage + 1}/{len(self.stages)} from step {training.step}: {label} "
+                 f"trains ({trainable:,} trainable parameters)")
+
+    def summary(self) -> dict:
+        """Gradual unfreezing's part of the run's summary: the stage reached and the earlier stages' peaks."""
+        return {"every": self.every, "stage": self.stage + 1, "stages": len(self.stages),
+                "earlier_stage_peak_bytes": self.stage_peaks}

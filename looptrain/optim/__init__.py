@@ -6,6 +6,7 @@ Modules:
     in_backward   `OptimizerInBackward`: each parameter steps inside backward, clipping kept
     bf16          bf16 weights: `BF16Optimizer`, `stochastic_round_`, `cast_to_bf16`
     state_bytes   `optimizer_state_bytes`: bytes of any optimizer's state
+    wrap          `wrap_for_config`: the optimizer a run steps, for its `LoopConfig` (fused step, bf16 weights)
 """
 
 from looptrain.optim.bf16 import BF16Optimizer, cast_to_bf16, gradient_of, step_in_fp32_, stochastic_round_
@@ -22,6 +23,7 @@ from looptrain.optim.factory import (
 from looptrain.optim.in_backward import CLIP_MODES, OptimizerInBackward
 from looptrain.optim.per_parameter import PerParameterOptimizer
 from looptrain.optim.state_bytes import inner_optimizers, optimizer_state_bytes
+from looptrain.optim.wrap import wrap_for_config
 
 __all__ = [
     "BF16Optimizer",
@@ -42,4 +44,5 @@ __all__ = [
     "optimizer_options_problem",
     "optimizer_state_bytes",
     "register_embedding_state_bits",
+    "wrap_for_config",
 ]
