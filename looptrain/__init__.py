@@ -1,6 +1,7 @@
 """looptrain: a memory-lean, hand-written PyTorch training loop for transformer fine-tuning.
 
-The loop is `Loop` + `LoopConfig`; the strategies live in small modules: `looptrain.freeze`,
+The loop is `Loop` + `LoopConfig`; a run's memory/speed strategy is described once, by `Strategy`
+(whose loop levers `LoopConfig` inherits); the strategies' implementations live in small modules: `looptrain.freeze`,
 `looptrain.gradient_checkpointing`, `looptrain.optim`, `looptrain.data`, `looptrain.memory`,
 `looptrain.metrics`, `looptrain.state`. Above the Loop, `looptrain.planning` holds the estimator
 (`estimate`) and the planner (`plan`).
@@ -34,6 +35,7 @@ from looptrain.optim import build_optimizer, optimizer_state_bytes
 from looptrain.planning import PlanError, estimate, plan
 from looptrain.seeding import seed_everything
 from looptrain.state import CheckpointError
+from looptrain.strategy import Strategy
 
 __all__ = [
     "CheckpointError",
@@ -47,6 +49,7 @@ __all__ = [
     "Loop",
     "LoopConfig",
     "PlanError",
+    "Strategy",
     "TokenBudgetBatchSampler",
     "TrainingDiverged",
     "build_optimizer",

@@ -1,9 +1,11 @@
-"""`LoopConfig`: every knob of the training loop in one flat dataclass, and the one place it is validated.
+"""`LoopConfig`: the loop's part of a strategy plus every option of a run, and the one place it is validated.
 
-The command line (`scripts/finetune.py`) is generated from these fields, so their defaults and
-one-line comments are the only source of defaults and help text. Option combinations are checked
-here once: in `__post_init__`, and against the process group by `check_process_group` (called by
-the `Loop`, and by the command line before any model loads).
+The memory/speed levers the Loop carries out are declared once, in `looptrain.strategy.LoopLevers`, which
+`LoopConfig` inherits (`LoopConfig.from_strategy` builds one from a whole `Strategy`). The run's own options
+are declared here; the command line (`looptrain-finetune`) generates its flags from both, so their defaults
+and one-line comments are the only source of defaults and help text. Option combinations are checked here
+once: in `__post_init__`, and against the process group by `check_process_group` (called by the `Loop`,
+and by the command line before any model loads).
 """
 
 from __future__ import annotations
@@ -12,48 +14,35 @@ import dataclasses
 import importlib.util
 from dataclasses import dataclass, field
 
-from looptrain.precision import PRECISIONS, precision_problem, resolve_device
+from looptrain.optim.in_backward import CLIP_MODES as FUSED_CLIP_MODES
+from looptrain.precision import precision_problem, resolve_device
 from looptrain.run_log import TRACKERS
 from looptrain.state import default_mode
+from looptrain.strategy import CONFIG_PRECISIONS, GRAD_DTYPES, WEIGHT_DTYPES, ConfigError, LoopLevers
 from looptrain.unfreeze import valid_every
 
-CONFIG_PRECISIONS = (*PRECISIONS, "auto")
-WEIGHT_DTYPES = ("fp32", "bf16")
-GRAD_DTYPES = ("bf16", "fp32")
-CLIP_MODES = ("auto", "global", "per_parameter", "previous_global")
+CLIP_MODES = ("auto", "global", *FUSED_CLIP_MODES)  # the fused step's own modes come from optim
+__all__ = ["CLIP_MODES", "CONFIG_PRECISIONS", "GRAD_DTYPES", "WEIGHT_DTYPES", "ConfigError", "LoopConfig",
+           "check_process_group", "field_help"]
 
 
-class ConfigError(ValueError):
-    """An invalid `LoopConfig` value or combination; the message names the fields."""
+@dataclass(kw_only=True)
+class LoopConfig(LoopLevers):
+    """Configuration of a `Loop` run: the loop's levers (`LoopLevers`) and the run's options.
 
-
-@dataclass
-class LoopConfig:
-    """Configuration of a `Loop` run. Invalid values raise `ConfigError` naming the fields."""
+    Invalid values raise `ConfigError` naming the fields.
+    """
 
     # --- schedule ---
     epochs: int = 1  # passes over the training data
     max_steps: int = -1  # stop after this many optimizer updates (-1: run all epochs)
-    accum_steps: int = 1  # micro-batches per optimizer update (gradient accumulation)
     seed: int = 42  # seeds python, numpy and torch before the model sees data
     unfreeze_every: int | str | None = None  # gradual unfreezing: head first, one more block from the top
                                              # every N updates or "epoch"
-    # --- precision and stability ---
-    precision: str = "fp32"  # autocast dtype: fp32 (off), bf16, fp16 (with a GradScaler), or auto (what is fast
-                             # on this device)
+    # --- stability (precision, checkpointing, the fused step and bf16 weights: LoopLevers) ---
     max_grad_norm: float | None = 1.0  # clip gradients to this norm after unscaling (None: off)
     clip_mode: str = "auto"  # global | per_parameter | previous_global; auto = global, or per_parameter with
                              # optimizer_in_backward
-    # --- memory strategies ---
-    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more time
-    checkpoint_every: int = 1  # with gradient_checkpointing: checkpoint every k-th block (1: all; 2: every other one)
-    optimizer_in_backward: bool = False  # step each parameter inside backward and free its grad at once
-    weights: str = "fp32"  # parameter storage: fp32, or bf16 (2 B/param, no fp32 master copy: updates in fp32,
-                           # rounded back stochastically)
-    stochastic_rounding: bool = True  # with weights=bf16: round each update up or down at random, unbiased
-                                      # (False: to nearest, small updates vanish)
-    grad_dtype: str = "bf16"  # with weights=bf16: gradients accumulate in bf16 (2 B/param) or fp32 (4 B/param,
-                              # for long accumulation windows)
     # --- device ---
     device: str = "auto"  # auto (cuda when present, else cpu), cpu, cuda, cuda:1, ...
     # --- logging, evaluation, checkpoints ---
@@ -78,8 +67,13 @@ class LoopConfig:
     report_to: str = "none"  # experiment trackers besides metrics.jsonl: none or tensorboard (comma-separated)
     extra: dict = field(default_factory=dict)  # free-form values recorded in summary.json (e.g. CLI options)
 
+    @classmethod
+    def from_strategy(cls, strategy: LoopLevers, **options) -> LoopConfig:
+        """The LoopConfig of a `Strategy`'s loop levers plus the run's `options` (an invalid mix raises ConfigError)."""
+        return cls(**strategy.loop_fields(), **options)
+
     def __post_init__(self) -> None:
-        problems = []
+        problems = self.lever_problems()
         if self.epochs < 1:
             problems.append(f"epochs must be >= 1 (got {self.epochs})")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
@@ -88,16 +82,9 @@ class LoopConfig:
             problems.append(
                 f"max_steps must be a positive number of updates or -1 for 'no limit' (got {self.max_steps})"
             )
-        if self.accum_steps < 1:
-            problems.append(f"accum_steps must be >= 1 (got {self.accum_steps}); use 1 for no accumulation")
-        if self.precision not in CONFIG_PRECISIONS:
-            problems.append(f"precision must be one of {', '.join(CONFIG_PRECISIONS)} (got {self.precision!r})")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             problems.append(f"max_grad_norm must be > 0, or None to disable clipping (got {self.max_grad_norm})")
-        if (not isinstance(self.checkpoint_every, int) or isinstance(self.checkpoint_every, bool)
-                or self.checkpoint_every < 1):
-            problems.append(f"checkpoint_every must be a positive integer (got {self.checkpoint_every!r})")
-        elif self.checkpoint_every > 1 and not self.gradient_checkpointing:
+        if isinstance(self.checkpoint_every, int) and self.checkpoint_every > 1 and not self.gradient_checkpointing:
             problems.append("checkpoint_every > 1 chooses which blocks gradient checkpointing recomputes: "
                             "set gradient_checkpointing=True (--grad-checkpoint) too")
         if self.clip_mode not in CLIP_MODES:
@@ -280,10 +267,8 @@ def check_process_group(
 
 def _weights_problems(config: LoopConfig) -> list:
     """What is wrong with the weights / stochastic_rounding / grad_dtype combination."""
-    if config.weights not in WEIGHT_DTYPES:
-        return [f"weights must be one of {', '.join(WEIGHT_DTYPES)} (got {config.weights!r})"]
-    if config.grad_dtype not in GRAD_DTYPES:
-        return [f"grad_dtype must be one of {', '.join(GRAD_DTYPES)} (got {config.grad_dtype!r})"]
+    if config.weights not in WEIGHT_DTYPES or config.grad_dtype not in GRAD_DTYPES:
+        return []  # named by lever_problems
     if config.weights == "fp32":
         problems = []
         if not config.stochastic_rounding:

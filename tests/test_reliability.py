@@ -367,7 +367,7 @@ def test_bad_eval_file_is_named(model_dir, data_files, tmp_path, capsys):
     (["--optim-in-backward", "--precision", "fp16"],
      "optimizer_in_backward=True cannot be combined with precision='fp16'"),
     (["--eval-split", "1.5"], "--eval-split must be in [0, 1) (got 1.5)"),
-    (["--batch-size", "0"], "--batch-size must be >= 1 (got 0)"),
+    (["--batch-size", "0"], "argument --batch-size: must be >= 1 (got 0)"),
     (["--amp", "--precision", "fp32"], "--amp and --precision fp32 contradict each other"),
     (["--weights", "bf16", "--precision", "fp32"], "--weights bf16 computes in bf16, so --precision fp32 cannot hold"),
     (["--json"], "--json prints the plan of --plan-only as JSON"),

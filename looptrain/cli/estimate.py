@@ -14,10 +14,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from looptrain.config import GRAD_DTYPES, WEIGHT_DTYPES
-from looptrain.optim import OPTIMIZER_NAMES
+from looptrain import strategy as strategies
 from looptrain.planning.estimator import ESTIMATE_METER, PRESETS, estimate, ladder, load_config, preset_config
-from looptrain.precision import PRECISIONS
 
 
 def _table(rows: list[tuple[str, dict[str, Any]]],
@@ -35,50 +33,32 @@ def _table(rows: list[tuple[str, dict[str, Any]]],
     return "\n".join(lines)
 
 
-def _at_least(minimum: int):
-    """An argparse type: an integer >= `minimum`, or a usage error naming the bound."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum} (got {value})")
-        return value
-
-    return parse
+def batching_only() -> tuple[str, ...]:
+    """Levers of how batches are formed: the estimate prices one batch_size x seq_len shape, so they get no flag."""
+    return tuple(spec.name for spec in strategies.levers(strategies.Strategy, applied_by="batches")
+                 if spec.name != "batch_size")
 
 
-def _parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The estimate's command line: the model source and the shape, then every lever the estimator prices."""
     parser = argparse.ArgumentParser(prog="python -m looptrain.memory",
                                      description="Estimate the peak memory of a training step on fake tensors.")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--preset", choices=sorted(PRESETS), help="a built-in BERT shape (no download)")
     source.add_argument("--config", help="a config.json file (with model_type)")
     source.add_argument("--model", help="a local model directory (its config only is read)")
-    parser.add_argument("--batch-size", type=_at_least(1), default=32)
-    parser.add_argument("--seq-len", type=_at_least(1), default=128)
-    parser.add_argument("--num-labels", type=_at_least(1), default=2)
+    parser.add_argument("--seq-len", type=strategies.at_least(1), default=128)
+    parser.add_argument("--num-labels", type=strategies.at_least(1), default=2)
     parser.add_argument("--ladder", action="store_true", help="print the table of strategy mixes")
-    parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
-    parser.add_argument("--optim", choices=OPTIMIZER_NAMES, default="adamw")
-    parser.add_argument("--weights", choices=WEIGHT_DTYPES, default="fp32",
-                        help="parameter storage: bf16 = 2 B/param, no fp32 master copy, bf16 compute")
-    parser.add_argument("--grad-dtype", choices=GRAD_DTYPES, default="bf16",
-                        help="with --weights bf16: the dtype gradients accumulate in")
-    parser.add_argument("--grad-checkpoint", action="store_true")
-    parser.add_argument("--grad-checkpoint-every", type=_at_least(1), default=1,
-                        help="with --grad-checkpoint: every k-th block")
-    parser.add_argument("--optim-in-backward", action="store_true")
-    parser.add_argument("--freeze-embeddings", action="store_true")
-    parser.add_argument("--freeze-layers", type=_at_least(0), default=0)
-    parser.add_argument("--freeze-encoder", action="store_true")
-    parser.add_argument("--no-foreach", action="store_true")
-    parser.add_argument("--accum", type=_at_least(1), default=1)
     parser.add_argument("--max-grad-norm", type=float, default=1.0,
                         help="the Loop's clipping threshold (clipping temporaries)")
-    return parser.parse_args(argv)
+    # Every lever of looptrain.Strategy the estimator prices, from its field metadata (as in looptrain-finetune).
+    strategies.add_arguments(parser, cls=strategies.Strategy, exclude=batching_only(), defaults={"batch_size": 32})
+    return parser
+
+
+def _parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -98,18 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "num_labels": arguments.num_labels, **options}
                 rows.append((label, estimate(copy.deepcopy(config), **options)))
         else:
-            options = {
-                "batch_size": arguments.batch_size, "seq_len": arguments.seq_len, "num_labels": arguments.num_labels,
-                "precision": arguments.precision, "optimizer": arguments.optim,
-                "gradient_checkpointing": arguments.grad_checkpoint,
-                "checkpoint_every": arguments.grad_checkpoint_every,
-                "optimizer_in_backward": arguments.optim_in_backward, "freeze_embeddings": arguments.freeze_embeddings,
-                "freeze_layers": arguments.freeze_layers, "freeze_encoder": arguments.freeze_encoder,
-                "foreach": False if arguments.no_foreach else None, "accum_steps": arguments.accum,
-                "max_grad_norm": arguments.max_grad_norm, "weights": arguments.weights,
-                "grad_dtype": arguments.grad_dtype,
-            }
-            rows = [("as given", estimate(config, **options))]
+            strategy = strategies.from_arguments(arguments, cls=strategies.Strategy)
+            rows = [("as given", estimate(config, arguments.batch_size, arguments.seq_len, strategy,
+                                          num_labels=arguments.num_labels, max_grad_norm=arguments.max_grad_norm))]
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

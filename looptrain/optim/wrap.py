@@ -11,13 +11,12 @@ from typing import Any
 
 from torch import nn
 
-from looptrain.config import LoopConfig
 from looptrain.optim.bf16 import BF16Optimizer
 from looptrain.optim.in_backward import OptimizerInBackward
 from looptrain.optim.per_parameter import PerParameterOptimizer
 
 
-def wrap_for_config(model: nn.Module, optimizer: Any, config: LoopConfig) -> Any:
+def wrap_for_config(model: nn.Module, optimizer: Any, config: Any) -> Any:
     """The fused step and bf16 weights turn the optimizer into one optimizer per parameter.
 
     Args:

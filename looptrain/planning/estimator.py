@@ -18,6 +18,7 @@ It sits above the Loop, as the planner does; leaf modules never import it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import time
@@ -27,12 +28,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from looptrain import freeze as freezing
 from looptrain import state
+from looptrain import strategy as strategies
 from looptrain.config import LoopConfig
 from looptrain.loop import Loop
-from looptrain.optim import OptimizerInBackward, build_optimizer, optimizer_options_problem
+from looptrain.optim import OptimizerInBackward
 from looptrain.precision import Precision
+from looptrain.strategy import Strategy
 
 PRESETS = {
     "bert-base": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072,
@@ -113,15 +115,6 @@ def random_batch(batch_size: int, seq_len: int, vocab_size: int, num_labels: int
     }
 
 
-def _freeze(model: nn.Module, freeze_embeddings: bool, freeze_layers: int, freeze_encoder: bool) -> None:
-    if freeze_encoder:
-        freezing.freeze_encoder(model)
-    if freeze_embeddings:
-        freezing.freeze_embeddings(model)
-    if freeze_layers:
-        freezing.freeze_layers(model, freeze_layers)
-
-
 class FakePrecision(Precision):
     """`Precision` on fake tensors: a gradient norm has no value to test, so every update steps."""
 
@@ -147,47 +140,41 @@ def _on_fake_tensors(loop: Loop) -> None:
         loop.optimizer.__class__ = FakeOptimizerInBackward  # its hooks are already registered: same object, same state
 
 
-def _strategy_loop(model: nn.Module, optimizer_name: str, foreach, config: LoopConfig, freeze_options: dict) -> Loop:
-    """The Loop of one strategy mix over `model` (freezing applied; optimizer built from its name)."""
-    _freeze(model, **freeze_options)
-    optimizer = build_optimizer(model, optimizer_name, 1e-5, foreach=foreach)
-    return Loop(model, optimizer, [], config=config)
+def as_strategy(strategy: Strategy | None, levers: dict) -> Strategy:
+    """`strategy` (default: `looptrain.strategy.Strategy()`) with `levers` (its field names) replaced.
+
+    Raises:
+        TypeError: a keyword that is no lever of the strategy, naming the valid ones.
+        ValueError: an invalid lever value (`ConfigError` names the field).
+    """
+    base = strategy if strategy is not None else strategies.Strategy()
+    names = {spec.name for spec in strategies.levers(type(base))}
+    unknown = sorted(set(levers) - names)
+    if unknown:
+        raise TypeError(f"unknown strategy option(s) {', '.join(unknown)}; the levers are: {', '.join(sorted(names))}")
+    return dataclasses.replace(base, **levers) if levers else base
 
 
-def _config(precision: str, accum_steps: int, max_grad_norm, gradient_checkpointing: bool,
-            optimizer_in_backward: bool, optimizer: str, foreach, checkpoint_every: int = 1, *,
-            weights: str = "fp32", grad_dtype: str = "bf16") -> LoopConfig:
-    """The LoopConfig of a strategy mix; invalid mixes raise `ConfigError` (a ValueError) naming the fields."""
-    problem = optimizer_options_problem(optimizer, foreach)
-    if problem:
-        raise ValueError(problem)
-    return LoopConfig(
-        precision=precision, accum_steps=accum_steps, max_grad_norm=max_grad_norm,
-        gradient_checkpointing=gradient_checkpointing, checkpoint_every=checkpoint_every,
-        optimizer_in_backward=optimizer_in_backward, weights=weights, grad_dtype=grad_dtype,
-        device="cpu", eval_every="no", progress_bar=False, track_memory=True, log_every=10**9,
-    )
+def _strategy_loop(model: nn.Module, strategy: Strategy, max_grad_norm: float | None) -> Loop:
+    """The Loop of one strategy over `model`: its model levers applied, its optimizer built, its LoopConfig.
+
+    An invalid mix raises `ConfigError` (a ValueError) naming the fields.
+    """
+    config = LoopConfig.from_strategy(strategy, max_grad_norm=max_grad_norm, device="cpu", eval_every="no",
+                                      progress_bar=False, track_memory=True, log_every=10**9)
+    strategy.prepare_model(model)
+    return Loop(model, strategy.build_optimizer(model, 1e-5), [], config=config)
 
 
 def estimate(
     model_or_config: Any,
     batch_size: int,
     seq_len: int,
+    strategy: Strategy | None = None,
     *,
-    precision: str = "fp32",
-    optimizer: str = "adamw",
-    gradient_checkpointing: bool = False,
-    checkpoint_every: int = 1,
-    optimizer_in_backward: bool = False,
-    freeze_embeddings: bool = False,
-    freeze_layers: int = 0,
-    freeze_encoder: bool = False,
-    foreach: bool | None = None,
-    accum_steps: int = 1,
     num_labels: int = 2,
     max_grad_norm: float | None = 1.0,
-    weights: str = "fp32",
-    grad_dtype: str = "bf16",
+    **levers: Any,
 ) -> dict[str, Any]:
     """Estimate the peak memory of a training step on fake tensors, by driving the Loop's own update.
 
@@ -203,23 +190,16 @@ def estimate(
     Args:
         model_or_config: an ``nn.Module`` (copied, never modified), a transformers config, a preset
             name (``bert-base``, ``bert-large``, ``macbert-large``) or a local model dir / config.json.
-        batch_size: micro-batch size.
+        batch_size: micro-batch size (the strategy's own `batch_size` is not read).
         seq_len: tokens per sequence (every sequence padded to it).
-        precision: ``fp32``, ``bf16`` or ``fp16`` (CPU autocast op lists).
-        optimizer: a `looptrain.optim` name (bitsandbytes' CPU kernels run on the fake tensors).
-        gradient_checkpointing: checkpoint the transformer blocks (non-reentrant).
-        checkpoint_every: with gradient_checkpointing, every k-th block only (1: all).
-        optimizer_in_backward: step each parameter inside backward (no stored grads).
-        freeze_embeddings: freeze the embedding layer.
-        freeze_layers: freeze the first N transformer blocks.
-        freeze_encoder: freeze everything but the head.
-        foreach: AdamW/SGD ``foreach`` (False steps one tensor at a time).
-        accum_steps: gradient accumulation steps.
+        strategy: the `looptrain.Strategy` to price (default: `Strategy()`, fp32 AdamW). Every lever
+            that is not ``applied_by="batches"`` counts: precision, weights and gradient dtype,
+            accumulation, checkpointing, the fused step, the optimizer and ``foreach``, freezing.
         num_labels: classifier outputs.
         max_grad_norm: the Loop's clipping threshold (None: no clipping).
-        weights: ``fp32`` or ``bf16`` (bf16 storage, fp32 update one tensor at a time, stochastic
-            rounding; computes in bf16 whatever `precision` says).
-        grad_dtype: with bf16 weights, ``bf16`` or ``fp32`` accumulated gradients.
+        **levers: strategy fields to replace, by name (``precision="bf16"``, ``optimizer="adafactor"``,
+            ``gradient_checkpointing=True``, ``freeze_layers=2``, ``weights="bf16"``, ...): the same as
+            passing ``dataclasses.replace(strategy, **levers)``.
 
     Returns:
         ``peak_memory_bytes``, ``memory_meter`` ("estimate_fake_tensor_tracker"), ``memory_breakdown``
@@ -228,34 +208,22 @@ def estimate(
 
     Raises:
         ValueError: an invalid mix (`looptrain.ConfigError` names the fields), an unknown preset.
+        TypeError: a keyword that is no lever.
     """
-    window = [(batch_size, seq_len)] * min(accum_steps, 2)
-    return estimate_windows(
-        model_or_config, [window, window], precision=precision, optimizer=optimizer,
-        gradient_checkpointing=gradient_checkpointing, checkpoint_every=checkpoint_every,
-        optimizer_in_backward=optimizer_in_backward, freeze_embeddings=freeze_embeddings, freeze_layers=freeze_layers,
-        freeze_encoder=freeze_encoder, foreach=foreach, accum_steps=accum_steps, num_labels=num_labels,
-        max_grad_norm=max_grad_norm, weights=weights, grad_dtype=grad_dtype)
+    strategy = as_strategy(strategy, levers)
+    window = [(batch_size, seq_len)] * min(strategy.accum_steps, 2)
+    return estimate_windows(model_or_config, [window, window], strategy, num_labels=num_labels,
+                            max_grad_norm=max_grad_norm)
 
 
 def estimate_windows(
     model_or_config: Any,
     windows: Sequence[Sequence[tuple[int, int]]],
+    strategy: Strategy | None = None,
     *,
-    precision: str = "fp32",
-    optimizer: str = "adamw",
-    gradient_checkpointing: bool = False,
-    checkpoint_every: int = 1,
-    optimizer_in_backward: bool = False,
-    freeze_embeddings: bool = False,
-    freeze_layers: int = 0,
-    freeze_encoder: bool = False,
-    foreach: bool | None = None,
-    accum_steps: int = 1,
     num_labels: int = 2,
     max_grad_norm: float | None = 1.0,
-    weights: str = "fp32",
-    grad_dtype: str = "bf16",
+    **levers: Any,
 ) -> dict[str, Any]:
     """`estimate` over given accumulation windows: the Loop's update driven once per window, in order.
 
@@ -264,7 +232,7 @@ def estimate_windows(
         windows: each window's micro-batch shapes ``(rows, width)``, driven from a fresh start (no
             gradients, no optimizer state: the first update creates it), e.g. `bounding_windows` of
             the shapes a run's sampler gives.
-        precision, optimizer, ...: the strategy, as in `estimate`.
+        strategy, num_labels, max_grad_norm, **levers: as in `estimate`.
 
     Returns:
         The same dict as `estimate`: the peak over all the windows, its breakdown and phase.
@@ -273,16 +241,15 @@ def estimate_windows(
 
     if not windows or not all(windows):
         raise ValueError("estimate_windows needs at least one window, and every window at least one (rows, width)")
-    config = _config(precision, accum_steps, max_grad_norm, gradient_checkpointing, optimizer_in_backward, optimizer,
-                     foreach, checkpoint_every, weights=weights, grad_dtype=grad_dtype)
+    strategy = as_strategy(strategy, levers)
+    LoopConfig.from_strategy(strategy, max_grad_norm=max_grad_norm, device="cpu")  # an invalid mix fails before work
     started = time.perf_counter()
     rng_states = state.capture_rng_state()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         model = _fake_model(model_or_config, num_labels, fake_mode)
         # Built outside the fake mode: optimizers' constant tables (bitsandbytes' quantisation maps) are real.
-        loop = _strategy_loop(model, optimizer, foreach, config, {
-            "freeze_embeddings": freeze_embeddings, "freeze_layers": freeze_layers, "freeze_encoder": freeze_encoder})
+        loop = _strategy_loop(model, strategy, max_grad_norm)
         _on_fake_tensors(loop)
         with fake_mode:
             # One batch per (position, shape): a shape met again at the same place reuses its batch.
@@ -346,28 +313,19 @@ def _widest(shapes: set) -> list[tuple[int, int]]:
                   key=lambda shape: (-shape[1], -shape[0]))
 
 
-def measure(model: nn.Module, batch_size: int, seq_len: int, **options: Any) -> dict[str, Any]:
-    """Runs the same strategy mix for real, through `Loop.fit`, and returns its summary (tracker meter).
+def measure(model: nn.Module, batch_size: int, seq_len: int, strategy: Strategy | None = None, *,
+            num_labels: int = 2, max_grad_norm: float | None = 1.0, **levers: Any) -> dict[str, Any]:
+    """Runs the same strategy for real, through `Loop.fit`, and returns its summary (tracker meter).
 
     Two optimizer updates over random token batches (every row `seq_len` long), with the CPU
     tensor tracker on: the measured side of the estimator's accuracy check. ``model`` is modified
-    (frozen, checkpointed, trained); pass a fresh one. Options are those of `estimate`.
+    (frozen, checkpointed, trained); pass a fresh one. The arguments are those of `estimate`.
     """
-    freeze_options = {name: options.pop(name) for name in ("freeze_embeddings", "freeze_layers", "freeze_encoder")
-                      if name in options}
-    freeze_options = {"freeze_embeddings": False, "freeze_layers": 0, "freeze_encoder": False, **freeze_options}
-    num_labels = options.pop("num_labels", 2)
-    optimizer_name, foreach = options.pop("optimizer", "adamw"), options.pop("foreach", None)
-    config = _config(options.pop("precision", "fp32"), options.pop("accum_steps", 1), options.pop("max_grad_norm", 1.0),
-                     options.pop("gradient_checkpointing", False), options.pop("optimizer_in_backward", False),
-                     optimizer_name, foreach, options.pop("checkpoint_every", 1),
-                     weights=options.pop("weights", "fp32"), grad_dtype=options.pop("grad_dtype", "bf16"))
-    if options:
-        raise TypeError(f"measure: unknown options {sorted(options)}")
+    strategy = as_strategy(strategy, levers)
     generator = torch.Generator().manual_seed(0)
     batches = [random_batch(batch_size, seq_len, _vocab_size(model), num_labels, generator)
-               for _ in range(2 * config.accum_steps)]
-    loop = _strategy_loop(model, optimizer_name, foreach, config, freeze_options)
+               for _ in range(2 * strategy.accum_steps)]
+    loop = _strategy_loop(model, strategy, max_grad_norm)
     loop.train_loader = batches
     return loop.fit()
 

@@ -3,10 +3,12 @@
 `plan(model, dataset, collator, memory_budget=..., effective_batch=...)` sits above the Loop, beside
 the estimator, and drives both:
 
-1. **Candidates.** The effective batch never changes: micro-batch × accumulation (× ranks) is always
-   what was asked for. Levers that keep the math are always free: the split, gradient checkpointing
-   (none, every other block, all), the optimizer step fused into backward (when accumulation is 1),
-   dynamic padding. Levers that change the numerics are used only when allowed (`Levers`): precision
+1. **Candidates** are `looptrain.Strategy` instances: the user's strategy with the searched fields
+   replaced (any other lever, a `Strategy` subclass's own included, is kept). The effective batch never
+   changes: micro-batch × accumulation (× ranks) is always what was asked for. Levers that keep the
+   math are always free: the split, gradient checkpointing (none, every other block, all), the
+   optimizer step fused into backward (when accumulation is 1), dynamic padding. Levers that change
+   the numerics are used only when allowed (`Levers`): precision
    (bf16/fp16 where the hardware has it, fp32 always tried beside it; where it is bf16, bf16 weights with
    stochastic rounding too), the optimizer within its family
    (adamw → adamw8bit → paged_adamw8bit). Levers that change the task (freezing, a shorter max length)
@@ -42,9 +44,10 @@ from looptrain.config import ConfigError, LoopConfig
 from looptrain.gradient_checkpointing import disable_gradient_checkpointing
 from looptrain.loop import Loop
 from looptrain.memory.meters import proc_status_bytes, reset_peak_rss
-from looptrain.optim import build_optimizer, inner_optimizers
+from looptrain.optim import inner_optimizers
 from looptrain.planning.estimator import bounding_windows, estimate, estimate_windows
 from looptrain.precision import amp_precision, cpu_has_native_bf16, resolve_device
+from looptrain.strategy import Strategy
 
 GIB = 1024**3
 # The share of the budget kept free above the estimate. CPU: the estimate is within 2.3% of the tensor
@@ -99,65 +102,14 @@ class Levers:
     optimizer_family: bool = False
 
 
-@dataclass(frozen=True)
-class Settings:
-    """Everything a plan chooses: the full set of training settings besides the task's own."""
-
-    batch_size: int
-    accum_steps: int
-    precision: str = "fp32"
-    optimizer: str = "adamw"
-    gradient_checkpointing: bool = False
-    checkpoint_every: int = 1
-    optimizer_in_backward: bool = False
-    foreach: bool | None = None
-    padding: str = "dynamic"
-    group_by_length: bool = False
-    weights: str = "fp32"  # "bf16": bf16 storage, updates in fp32 rounded back stochastically (computes in bf16)
-
-    @property
-    def checkpointing(self) -> str:
-        if not self.gradient_checkpointing:
-            return "none"
-        return "all blocks" if self.checkpoint_every == 1 else f"every {self.checkpoint_every}"
-
-    def flags(self) -> list[str]:
-        """The `scripts/finetune.py` flags of these settings."""
-        flags = ["--batch-size", str(self.batch_size), "--accum", str(self.accum_steps), "--precision", self.precision,
-                 "--optim", self.optimizer, "--padding", self.padding]
-        if self.gradient_checkpointing:
-            flags.append("--grad-checkpoint")
-            if self.checkpoint_every > 1:
-                flags += ["--grad-checkpoint-every", str(self.checkpoint_every)]
-        if self.optimizer_in_backward:
-            flags.append("--optim-in-backward")
-        if self.foreach is False:
-            flags.append("--no-foreach")
-        if self.group_by_length:
-            flags.append("--group-by-length")
-        if self.weights != "fp32":
-            flags += ["--weights", self.weights]
-        return flags
-
-    def estimate_options(self) -> dict:
-        """The keyword options of `estimate` / `estimate_windows` for these settings (besides the batch)."""
-        return {"precision": self.precision, "optimizer": self.optimizer,
-                "gradient_checkpointing": self.gradient_checkpointing, "checkpoint_every": self.checkpoint_every,
-                "optimizer_in_backward": self.optimizer_in_backward, "foreach": self.foreach,
-                "accum_steps": self.accum_steps, "weights": self.weights}
-
-    def loop_fields(self) -> dict:
-        """The `LoopConfig` fields of these settings."""
-        return {"accum_steps": self.accum_steps, "precision": self.precision,
-                "gradient_checkpointing": self.gradient_checkpointing, "checkpoint_every": self.checkpoint_every,
-                "optimizer_in_backward": self.optimizer_in_backward, "weights": self.weights}
+Settings = Strategy  # the planner's name for a candidate's strategy (candidates are `looptrain.Strategy` instances)
 
 
 @dataclass
 class Candidate:
-    """One settings mix, its estimate at the worst batch and its speed (measured, or a prior)."""
+    """One strategy, its estimate at the worst batch and its speed (measured, or a prior)."""
 
-    settings: Settings
+    settings: Strategy
     estimated_peak_bytes: int
     padded_tokens: int = 0  # an epoch's padded tokens under these settings' batching
     updates: int = 0  # optimizer updates per epoch
@@ -245,7 +197,7 @@ def plan(
     *,
     memory_budget: int,
     effective_batch: int,
-    base: Settings | None = None,
+    base: Strategy | None = None,
     levers: Levers = Levers(),
     fixed: Sequence[str] = (),
     device: str = "cpu",
@@ -262,15 +214,18 @@ def plan(
     """Plans the fastest training that fits `memory_budget`, keeping `effective_batch` exact.
 
     Args:
-        model: the model to train (already frozen as the task wants); probes run it in place with the
-            learning rate at 0, and leave its weights as they were.
+        model: the model to train; `base`'s model levers (freezing) are applied to it in place, as the
+            run applies them. Probes run it in place with the learning rate at 0, and leave its weights as
+            they were.
         dataset: the tokenized training set (`looptrain.data.TokenizedDataset`: `lengths` and items).
         collator: the `DynamicPaddingCollator` the run will use (its `max_length` caps widths).
         memory_budget: bytes the training step's peak may take (the run's meter).
         effective_batch: samples per optimizer update; every candidate keeps it exact.
-        base: the user's settings (their precision, optimizer, padding, grouping, ...).
+        base: the user's `Strategy` (their precision, optimizer, freezing, padding, grouping, ...); every
+            candidate is a `dataclasses.replace` of it, so levers the planner does not search (freezing, or
+            a field of a `Strategy` subclass) are kept as given.
         levers: the numerics levers allowed.
-        fixed: names of `Settings` fields the user set explicitly: never changed.
+        fixed: names of `Strategy` fields the user set explicitly: never changed.
         device: where the run trains.
         epochs: of the planned run (to budget the probe).
         max_grad_norm: the run's clipping (the estimate includes its temporaries).
@@ -291,7 +246,9 @@ def plan(
     Raises:
         PlanError: nothing fits; the message lists what would (freezing, a shorter max length, levers).
     """
-    base = base or Settings(batch_size=effective_batch, accum_steps=1)
+    base = base or Strategy(batch_size=effective_batch, accum_steps=1)
+    if isinstance(model, nn.Module):
+        base.prepare_model(model)  # the task's own levers (freezing): never changed by the plan, probed as they run
     device_type = resolve_device(device).type
     margin = DEFAULT_MARGIN.get(device_type, 0.15) if margin is None else margin
     lengths = list(dataset.lengths)
@@ -334,7 +291,7 @@ def plan(
     return result
 
 
-def _costed_candidates(search: _Search, dataset, collator, lengths, effective_batch: int, base: Settings,
+def _costed_candidates(search: _Search, dataset, collator, lengths, effective_batch: int, base: Strategy,
                        levers: Levers, fixed: set, device_type: str, seed: int) -> list[Candidate]:
     """The candidates that fit, with their epoch's padded tokens and updates and their prior, best prior first."""
     from looptrain import data as data_module
@@ -372,40 +329,39 @@ class _Search:
         self.seconds = 0.0
         self.overhead = 0  # a budget of process RSS: what the process holds besides the estimated tensors
 
-    def peak(self, settings: Settings, **task: Any) -> int:
-        key = (settings.batch_size, min(settings.accum_steps, 2), settings.precision, settings.optimizer,
-               settings.gradient_checkpointing, settings.checkpoint_every, settings.optimizer_in_backward,
-               settings.foreach, settings.weights, tuple(sorted(task.items())))
+    def peak(self, settings: Strategy, seq_len: int | None = None) -> int:
+        """The estimate of `settings` at the worst batch (or `seq_len` wide), memoised by what the estimator prices."""
+        seq_len = seq_len or self.width
+        priced = {**settings.estimate_options(), "accum_steps": min(settings.accum_steps, 2)}  # memory repeats after 2
+        key = (settings.batch_size, seq_len, type(settings), tuple(sorted(priced.items())))
         if key not in self.cache:
             started = time.perf_counter()
-            result = estimate(self.model, settings.batch_size, task.pop("seq_len", self.width),
-                              **settings.estimate_options(), num_labels=self.num_labels,
-                              max_grad_norm=self.max_grad_norm, **task)
+            result = estimate(self.model, settings.batch_size, seq_len, settings, num_labels=self.num_labels,
+                              max_grad_norm=self.max_grad_norm)
             self.seconds += time.perf_counter() - started
             self.count += 1
             self.cache[key] = result["peak_memory_bytes"]
-            extra = "".join(f", {name} {value}" for name, value in key[-1])
             self.echo(f"  estimate {settings.batch_size} x {settings.accum_steps}, {settings.precision}"
                       f"{', bf16 weights' if settings.weights == 'bf16' else ''}, "
                       f"{settings.optimizer}, checkpointing {settings.checkpointing}"
-                      f"{', fused step' if settings.optimizer_in_backward else ''}{extra}: "
-                      f"{format_bytes(self.cache[key])}")
+                      f"{', fused step' if settings.optimizer_in_backward else ''}"
+                      f"{f', seq {seq_len}' if seq_len != self.width else ''}: {format_bytes(self.cache[key])}")
         return self.cache[key]
 
-    def fits(self, settings: Settings) -> bool:
+    def fits(self, settings: Strategy) -> bool:
         return (self.peak(settings) + self.overhead) * (1 + self.margin) <= self.budget
 
 
-def _valid(settings: Settings) -> bool:
+def _valid(settings: Strategy) -> bool:
     try:
-        LoopConfig(**settings.loop_fields(), device="cpu")
+        LoopConfig.from_strategy(settings, device="cpu")
     except ConfigError:
         return False
     return True
 
 
-def _candidate_settings(search: _Search, effective_batch: int, base: Settings, levers: Levers, fixed: set,
-                        device_type: str) -> list[Settings]:
+def _candidate_settings(search: _Search, effective_batch: int, base: Strategy, levers: Levers, fixed: set,
+                        device_type: str) -> list[Strategy]:
     """For each allowed precision, optimizer, checkpointing mode and fused step: the largest split that fits."""
     sizes = divisors(effective_batch)
     if "batch_size" in fixed:
@@ -423,10 +379,10 @@ def _candidate_settings(search: _Search, effective_batch: int, base: Settings, l
     if levers.optimizer_family and "optimizer" not in fixed:
         family = OPTIMIZER_FAMILIES.get(base.optimizer, (base.optimizer,))
         optimizers = [name for name in family if device_type == "cuda" or not name.startswith("paged")]
-    modes = ([(base.gradient_checkpointing, base.checkpoint_every)] if "gradient_checkpointing" in fixed
-             else list(CHECKPOINT_MODES))
+    checkpointing_fixed = fixed & {"gradient_checkpointing", "checkpoint_every"}
+    modes = [(base.gradient_checkpointing, base.checkpoint_every)] if checkpointing_fixed else list(CHECKPOINT_MODES)
     fused_options = [base.optimizer_in_backward] if "optimizer_in_backward" in fixed else [False, True]
-    chosen: list[Settings] = []
+    chosen: list[Strategy] = []
     for precision, weights in dict.fromkeys(numerics):
         best = 0  # the largest micro-batch a lighter (faster) mix of these numerics reached
         for optimizer in optimizers:
@@ -448,7 +404,7 @@ def _candidate_settings(search: _Search, effective_batch: int, base: Settings, l
     return chosen
 
 
-def _largest_fitting(search: _Search, template: Settings, sizes: list[int], effective_batch: int) -> int | None:
+def _largest_fitting(search: _Search, template: Strategy, sizes: list[int], effective_batch: int) -> int | None:
     """The largest micro-batch in `sizes` that fits (memory grows with it: a binary search)."""
     sizes = [size for size in sizes
              if _valid(dataclasses.replace(template, batch_size=size, accum_steps=effective_batch // size))]
@@ -463,7 +419,7 @@ def _largest_fitting(search: _Search, template: Settings, sizes: list[int], effe
     return best
 
 
-def _nothing_fits_message(search: _Search, effective_batch: int, base: Settings, levers: Levers, collator, lengths,
+def _nothing_fits_message(search: _Search, effective_batch: int, base: Strategy, levers: Levers, collator, lengths,
                           device_type: str) -> str:
     """What would fit, with its estimate: the lightest exact settings plus one task or numerics change."""
     lightest = dataclasses.replace(base, batch_size=1, accum_steps=effective_batch, gradient_checkpointing=True,
@@ -476,22 +432,25 @@ def _nothing_fits_message(search: _Search, effective_batch: int, base: Settings,
              + "."]
     suggestions = []
     if not levers.optimizer_family and base.optimizer == "adamw":
-        suggestions.append(("--optim auto (8-bit AdamW)", dataclasses.replace(lightest, optimizer="adamw8bit"), {}))
+        suggestions.append(("--optim auto (8-bit AdamW)", dataclasses.replace(lightest, optimizer="adamw8bit"), None))
     fast = amp_precision(resolve_device(device_type))[0]
     if not levers.precision and base.precision == "fp32":
-        suggestions.append(("--amp", dataclasses.replace(lightest, precision=fast), {}))
+        suggestions.append(("--amp", dataclasses.replace(lightest, precision=fast), None))
     if base.weights == "fp32" and fast == "bf16":
-        suggestions.append(("--weights bf16", dataclasses.replace(lightest, precision="bf16", weights="bf16"), {}))
+        suggestions.append(("--weights bf16", dataclasses.replace(lightest, precision="bf16", weights="bf16"), None))
     blocks = _block_count(search.model)
     for count in sorted({blocks // 2, blocks - 1} - {0}) if blocks else []:
-        suggestions.append((f"--freeze-layers {count}", lightest, {"freeze_layers": count}))
-    suggestions.append(("--freeze-encoder", lightest, {"freeze_encoder": True}))
+        suggestions.append((f"--freeze-layers {count}",
+                            dataclasses.replace(lightest, freeze_layers=count, freeze_encoder=False), None))
+    suggestions.append(("--freeze-encoder",
+                        dataclasses.replace(lightest, freeze_encoder=True, freeze_layers=0, freeze_embeddings=False),
+                        None))
     if search.width > 16:
-        suggestions.append((f"--max-length {search.width // 2}", lightest, {"seq_len": search.width // 2}))
+        suggestions.append((f"--max-length {search.width // 2}", lightest, search.width // 2))
     fitting = []
-    for label, settings, task in suggestions:
+    for label, settings, seq_len in suggestions:
         try:
-            peak = search.peak(settings, **task)
+            peak = search.peak(settings, seq_len)
         except (ValueError, TypeError):
             continue
         if (peak + search.overhead) * (1 + search.margin) <= search.budget:
@@ -597,7 +556,7 @@ def _predicted_probe_seconds(candidate: Candidate, probed: list[Candidate]) -> f
     """A probe's time, scaled from the nearest probed candidate by micro-batch rows and recompute."""
     if not probed:
         return 0.0
-    def recompute(settings: Settings) -> float:
+    def recompute(settings: Strategy) -> float:
         return 1 + (0.35 / settings.checkpoint_every if settings.gradient_checkpointing else 0.0)
     reference = min(probed, key=lambda c: abs(c.settings.batch_size - candidate.settings.batch_size))
     scale = candidate.settings.batch_size / reference.settings.batch_size * recompute(candidate.settings) \
@@ -605,7 +564,7 @@ def _predicted_probe_seconds(candidate: Candidate, probed: list[Candidate]) -> f
     return reference.probe["probe_seconds"] * (1 + 1 / max(reference.probe["timed_updates"], 1)) * scale
 
 
-def _probe(model: nn.Module, settings: Settings, batch: dict, device: str, max_grad_norm,
+def _probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_grad_norm,
            rss_baseline: int | None = None) -> dict:
     """One warm-up and up to 3 timed updates of the Loop on `batch`, learning rate 0.
 
@@ -619,7 +578,7 @@ def _probe(model: nn.Module, settings: Settings, batch: dict, device: str, max_g
     micro_batches = min(settings.accum_steps, 2)
     # bf16 weights: the Loop casts the model in place; its fp32 tensors are set aside and put back after.
     stash = _fp32_stash(model) if settings.weights == "bf16" else {}
-    optimizer = build_optimizer(model, settings.optimizer, 0.0, foreach=settings.foreach)
+    optimizer = settings.build_optimizer(model, 0.0)
     config = LoopConfig(**settings.loop_fields() | {"accum_steps": micro_batches}, max_grad_norm=max_grad_norm,
                         device=device, track_memory=False, progress_bar=False, eval_every="no", log_every=10**9)
     loop = Loop(model, optimizer, [], config=config)
@@ -728,7 +687,7 @@ def run_windows(sampler: Any, lengths: Sequence[int], collator: Any, accum_steps
     return windows
 
 
-def run_batches_estimate(model: Any, settings: Settings, windows: Sequence[Sequence[tuple[int, int]]], *,
+def run_batches_estimate(model: Any, settings: Strategy, windows: Sequence[Sequence[tuple[int, int]]], *,
                          fresh: bool = True, max_grad_norm=1.0, num_labels: int = 2) -> int:
     """`estimate_windows` of `settings` over the batches a run will see (`run_windows`), where it sees them.
 
@@ -737,8 +696,8 @@ def run_batches_estimate(model: Any, settings: Settings, windows: Sequence[Seque
     safe under a budget) describes a moment the run never has. `bounding_windows` keeps the few windows
     that decide it.
     """
-    return estimate_windows(model, bounding_windows(windows, fresh=fresh), **settings.estimate_options(),
-                            num_labels=num_labels, max_grad_norm=max_grad_norm)["peak_memory_bytes"]
+    return estimate_windows(model, bounding_windows(windows, fresh=fresh), settings, num_labels=num_labels,
+                            max_grad_norm=max_grad_norm)["peak_memory_bytes"]
 
 
 __all__ = ["Candidate", "Levers", "Plan", "PlanError", "Settings", "parse_size", "plan", "rss_baseline_bytes",

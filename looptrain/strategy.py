@@ -1,0 +1,268 @@
+"""`Strategy`: how a run spends memory and time, described once.
+
+Every lever is one dataclass field declared with `lever(...)`, whose metadata says its command-line
+flag, its help, the values it takes and who carries it out (`applied_by`):
+
+- ``loop``: the `Loop` (precision, checkpointing, the fused step, bf16 weights, accumulation). These
+  fields live in `LoopLevers`, which both `Strategy` and `LoopConfig` inherit: a `LoopConfig` *is* the
+  loop's part of a strategy plus the run's own options.
+- ``model``: applied to the model before the Loop sees it (`Strategy.prepare_model`: freezing).
+- ``optimizer``: the optimizer the strategy builds (`Strategy.build_optimizer`).
+- ``batches``: the loaders (the micro-batch size, padding, length grouping).
+
+From that one declaration, and nothing else:
+
+- the flags of both command lines (`looptrain-finetune` and `python -m looptrain.memory`) are generated
+  by `add_arguments`, and a parsed command line becomes a strategy with `from_arguments`;
+- the estimator (`looptrain.planning.estimate`) takes a `Strategy` (or its fields as keywords) and
+  prices every lever that is not ``batches``;
+- the planner's candidates are `Strategy` instances (`dataclasses.replace` of the user's), and
+  `Strategy.flags` is the command line that trains one.
+
+Adding a lever is one field here (or in `LoopLevers` when the Loop applies it) plus its
+implementation; docs/architecture.md walks through it, and tests/test_strategy.py proves it with a lever
+declared only in the test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from looptrain.optim import OPTIMIZER_NAMES, optimizer_options_problem
+from looptrain.optim.bf16 import GRAD_DTYPES
+from looptrain.precision import PRECISIONS
+
+APPLIED_BY = ("loop", "model", "optimizer", "batches")
+CONFIG_PRECISIONS = (*PRECISIONS, "auto")
+WEIGHT_DTYPES = ("fp32", "bf16")
+PADDINGS = ("dynamic", "max_length")
+
+
+class ConfigError(ValueError):
+    """An invalid `LoopConfig` or `Strategy` value or combination; the message names the fields."""
+
+
+def lever(default: Any, *, flag: str, help: str, applied_by: str = "loop", choices: tuple | None = None,
+          minimum: int | None = None, const: Any = None, metavar: str | None = None,
+          group: str = "memory/speed") -> Any:
+    """A strategy field: its default and the metadata that makes it a flag, a check and an estimate option.
+
+    Args:
+        default: the field's default (also the flag's).
+        flag: the command-line flag. A bool field whose default is True gets a ``--no-...`` flag that turns it
+            off; a field with `const` gets a flag that sets `const` (``--no-foreach`` sets ``foreach=False``).
+        help: the flag's help, one sentence.
+        applied_by: who carries the lever out, one of `APPLIED_BY`.
+        choices: the values it takes (checked by `Strategy` / `LoopConfig`, offered by the flag).
+        minimum: the smallest integer it takes.
+        const: the value a valueless flag sets.
+        metavar: the flag's value name in --help.
+        group: the --help section of `looptrain-finetune`.
+    """
+    if applied_by not in APPLIED_BY:
+        raise ValueError(f"applied_by must be one of {', '.join(APPLIED_BY)} (got {applied_by!r})")
+    metadata = {"flag": flag, "help": help, "applied_by": applied_by, "choices": choices, "minimum": minimum,
+                "const": const, "metavar": metavar, "group": group}
+    return field(default=default, metadata={"lever": metadata})
+
+
+@dataclass(kw_only=True)
+class LoopLevers:
+    """The levers the `Loop` carries out: the part of a `Strategy` a `LoopConfig` holds."""
+
+    accum_steps: int = lever(1, flag="--accum", minimum=1, group="training",
+                             help="micro-batches per optimizer update (gradient accumulation): the effective batch is "
+                                  "--batch-size x --accum")
+    precision: str = lever("fp32", flag="--precision", choices=CONFIG_PRECISIONS,
+                           help="autocast dtype: fp32 (off), bf16, fp16 (with a GradScaler), or auto (what is fast on "
+                                "this device)")
+    gradient_checkpointing: bool = lever(False, flag="--grad-checkpoint",
+                                         help="recompute activations in backward: less memory, ~30%% more time")
+    checkpoint_every: int = lever(1, flag="--grad-checkpoint-every", minimum=1,
+                                  help="with --grad-checkpoint: checkpoint every k-th block (1: all; 2: every other "
+                                       "one)")
+    optimizer_in_backward: bool = lever(False, flag="--optim-in-backward",
+                                        help="step each parameter inside backward and free its grad at once (no "
+                                             "accumulation)")
+    weights: str = lever("fp32", flag="--weights", choices=WEIGHT_DTYPES,
+                         help="parameter storage: fp32, or bf16 (2 B/param, no fp32 master copy: updates in fp32, "
+                              "rounded back stochastically; computes in bf16)")
+    stochastic_rounding: bool = lever(True, flag="--no-stochastic-rounding",
+                                      help="with --weights bf16: round updates to nearest instead of stochastically "
+                                           "(the control: updates below bf16's resolution vanish)")
+    grad_dtype: str = lever("bf16", flag="--grad-dtype", choices=GRAD_DTYPES,
+                            help="with --weights bf16: gradients accumulate in bf16 (2 B/param) or fp32 (4 B/param, "
+                                 "for long accumulation windows)")
+
+    def lever_problems(self) -> list[str]:
+        """What is wrong with single lever values (choices, minimums), one line per field."""
+        problems = []
+        for spec in levers(type(self)):
+            value, meta = getattr(self, spec.name), spec.metadata["lever"]
+            if meta["choices"] is not None and value not in meta["choices"]:
+                problems.append(f"{spec.name} must be one of {', '.join(map(str, meta['choices']))} (got {value!r})")
+            elif meta["minimum"] is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                                  or value < meta["minimum"]):
+                problems.append(f"{spec.name} must be >= {meta['minimum']} (got {value!r})")
+        return problems
+
+    def loop_fields(self) -> dict:
+        """The fields the Loop carries out, as `LoopConfig` keywords."""
+        return {spec.name: getattr(self, spec.name) for spec in levers(type(self), applied_by="loop")}
+
+    @property
+    def checkpointing(self) -> str:
+        """Gradient checkpointing in words: none, all blocks, every k."""
+        if not self.gradient_checkpointing:
+            return "none"
+        return "all blocks" if self.checkpoint_every == 1 else f"every {self.checkpoint_every}"
+
+
+@dataclass(kw_only=True)
+class Strategy(LoopLevers):
+    """A run's memory/speed strategy: every lever of looptrain, with its default.
+
+    Invalid single values raise `ConfigError` naming the field; combinations the Loop cannot run are
+    checked by `LoopConfig` (`LoopConfig.from_strategy`).
+    """
+
+    batch_size: int = lever(8, flag="--batch-size", applied_by="batches", minimum=1, group="training",
+                            help="micro-batch size: activation memory grows with it; --accum keeps the effective "
+                                 "batch")
+    optimizer: str = lever("adamw", flag="--optim", applied_by="optimizer", choices=OPTIMIZER_NAMES,
+                           help="adamw: 8 B/param of state; adamw8bit: 2 B/param (embeddings kept 32-bit); "
+                                "adafactor: factored, ~0 B/param; sgd: no state (plain SGD)")
+    foreach: bool | None = lever(None, flag="--no-foreach", applied_by="optimizer", const=False,
+                                 help="AdamW/SGD step one tensor at a time: lower optimizer-step peak, a little "
+                                      "slower")
+    freeze_embeddings: bool = lever(False, flag="--freeze-embeddings", applied_by="model",
+                                    help="freeze the embeddings: no grads or optimizer state for them")
+    freeze_layers: int = lever(0, flag="--freeze-layers", applied_by="model", minimum=0, metavar="N",
+                               help="freeze the first N transformer blocks (and run them without storing "
+                                    "activations)")
+    freeze_encoder: bool = lever(False, flag="--freeze-encoder", applied_by="model",
+                                 help="train the classification head only (largest saving, lowest accuracy)")
+    padding: str = lever("dynamic", flag="--padding", applied_by="batches", choices=PADDINGS,
+                         help="dynamic: pad each batch to its longest sequence; max_length: always to --max-length")
+    group_by_length: bool = lever(False, flag="--group-by-length", applied_by="batches",
+                                  help="batch samples of similar length together (still shuffled): less padding")
+
+    def __post_init__(self) -> None:
+        problems = self.lever_problems()
+        if self.optimizer in OPTIMIZER_NAMES and optimizer_options_problem(self.optimizer, self.foreach):
+            problems.append(optimizer_options_problem(self.optimizer, self.foreach))
+        if problems:
+            raise ConfigError(f"Invalid {type(self).__name__}:\n  - " + "\n  - ".join(problems))
+
+    # ------------------------------------------------------------------ the levers' implementations
+    def prepare_model(self, model: Any) -> str | None:
+        """Applies the ``model`` levers (freezing) in place; returns the freeze report, or None when nothing froze."""
+        from looptrain import freeze
+
+        if self.freeze_encoder:
+            freeze.freeze_encoder(model)
+        if self.freeze_embeddings:
+            freeze.freeze_embeddings(model)
+        if self.freeze_layers:
+            freeze.freeze_layers(model, self.freeze_layers)
+        if self.freeze_encoder or self.freeze_embeddings or self.freeze_layers:
+            return freeze.freeze_report(model)
+        return None
+
+    def build_optimizer(self, model: Any, lr: float, **options: Any) -> Any:
+        """The ``optimizer`` levers: `looptrain.optim.build_optimizer` of this strategy's optimizer."""
+        from looptrain.optim import build_optimizer
+
+        return build_optimizer(model, self.optimizer, lr, foreach=self.foreach, **options)
+
+    # ------------------------------------------------------------------ views
+    def estimate_options(self) -> dict:
+        """Every lever the estimator prices (all but the ``batches`` ones), as keywords."""
+        return {spec.name: getattr(self, spec.name) for spec in levers(type(self))
+                if spec.metadata["lever"]["applied_by"] != "batches"}
+
+    def flags(self) -> list[str]:
+        """The command-line flags that select this strategy: the split always, every other lever off its default."""
+        flags = []
+        split_first = {"batch_size": 0, "accum_steps": 1}
+        for spec in sorted(levers(type(self)), key=lambda spec: split_first.get(spec.name, 2)):
+            value, meta = getattr(self, spec.name), spec.metadata["lever"]
+            if spec.name not in ("batch_size", "accum_steps") and value == spec.default:
+                continue
+            if meta["const"] is not None or isinstance(spec.default, bool):
+                flags.append(meta["flag"])  # a switch: set means "not the default"
+            else:
+                flags += [meta["flag"], str(value)]
+        return flags
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def levers(cls: type = Strategy, *, applied_by: str | None = None) -> list[dataclasses.Field]:
+    """The lever fields of a strategy class (declared with `lever`), in declaration order."""
+    return [spec for spec in dataclasses.fields(cls) if "lever" in spec.metadata
+            and (applied_by is None or spec.metadata["lever"]["applied_by"] == applied_by)]
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, cls: type = Strategy, groups: dict | None = None,
+                  exclude: tuple[str, ...] = (), defaults: dict | None = None,
+                  extra_choices: dict | None = None) -> None:
+    """Adds one flag per lever of `cls` to `parser` (in `groups[meta.group]` when given), dest = the field name.
+
+    Args:
+        parser: the command line.
+        cls: the strategy class (a subclass adds its own levers).
+        groups: argument groups by name (`lever(group=...)`); the parser itself when missing.
+        exclude: fields that get no flag.
+        defaults: flag defaults that differ from the field's (the estimate's --batch-size).
+        extra_choices: values a flag accepts besides the field's (``{"optimizer": ("auto",)}``: the planner's).
+    """
+    defaults, extra_choices, groups = defaults or {}, extra_choices or {}, groups or {}
+    hints = typing.get_type_hints(cls)
+    for spec in levers(cls):
+        if spec.name in exclude:
+            continue
+        meta = spec.metadata["lever"]
+        default = defaults.get(spec.name, spec.default)
+        options: dict[str, Any] = {"dest": spec.name, "default": default, "help": meta["help"]}
+        if meta["const"] is not None:
+            options.update(action="store_const", const=meta["const"])
+        elif hints[spec.name] is bool:
+            options["action"] = "store_false" if default else "store_true"
+        else:
+            kind = int if hints[spec.name] in (int, int | None) else str
+            options["type"] = at_least(meta["minimum"]) if meta["minimum"] is not None else kind
+            if meta["choices"] is not None:
+                options["choices"] = (*meta["choices"], *extra_choices.get(spec.name, ()))
+            if meta["metavar"] or (kind is int and meta["choices"] is None):
+                options["metavar"] = meta["metavar"] or "N"
+        groups.get(meta["group"], parser).add_argument(meta["flag"], **options)
+
+
+def from_arguments(arguments: argparse.Namespace, cls: type = Strategy, **overrides: Any) -> Strategy:
+    """The strategy of parsed flags (`add_arguments`), with `overrides` (e.g. a resolved optimizer)."""
+    values = {spec.name: getattr(arguments, spec.name) for spec in levers(cls) if hasattr(arguments, spec.name)}
+    return cls(**{**values, **overrides})
+
+
+def at_least(minimum: int):
+    """An argparse type: an integer >= `minimum`, or a usage error naming the bound."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum} (got {value})")
+        return value
+
+    return parse
+
+
+__all__ = ["ConfigError", "LoopLevers", "Strategy", "add_arguments", "from_arguments", "lever", "levers"]
