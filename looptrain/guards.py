@@ -55,7 +55,8 @@ class SignalGuard:
             signal.signal(signal_number, self._previous.get(signal_number, signal.SIG_DFL))
             raise KeyboardInterrupt
         self.received = signal.Signals(signal_number).name
-        self.echo(f"{self.received} received: stopping after this window and saving a checkpoint")
+        self.echo(f"{self.received} received: stopping after this window and saving a checkpoint "
+                  "(send it again to stop at once, without saving)")
 
     def stop_requested(self, device: torch.device) -> bool:
         """Whether any rank caught a signal (one tiny all-reduce under torchrun, so all ranks stop together)."""

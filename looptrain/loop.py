@@ -157,6 +157,9 @@ class Loop:
             if plan["checkpoints"]:
                 self.run.restore(plan["checkpoints"])  # weights, optimizer, scaler, RNG, counters, data position
             self.run.open_progress()
+            if self._unfreezing is not None and (notice := self._unfreezing.reach_notice(
+                    self.run.planned_updates(), self.config.epochs)):
+                self._log.echo(f"notice: {notice}")
             self.meter.start(self.model, self.optimizer)
             self._log.totals.restart_clock()
             try:

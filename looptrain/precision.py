@@ -35,6 +35,12 @@ def resolve_device(name: str = "auto") -> torch.device:
         device = torch.device(name)
     except RuntimeError as error:
         raise ValueError(f"device={name!r} is not a device name; use 'auto', 'cpu', 'cuda' or 'cuda:N'") from error
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"device={name!r}: looptrain trains on 'cpu' and 'cuda' (and 'mps' where PyTorch has it); "
+                         "use device='auto'")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device={name!r} was asked for but this PyTorch build has no MPS device (Apple GPUs only); "
+                         "use device='cpu' or 'auto'")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={name!r} was asked for but CUDA is not available here; use device='cpu' or 'auto'")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():

@@ -17,6 +17,7 @@ to execute code hidden in a pickle. See docs/checkpoints.md.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -413,12 +414,53 @@ def save_checkpoint(
         _write_json({"format_version": FORMAT_VERSION, "step": int(step), "files": files},
                     temporary_path / COMPLETE_MARKER)
         _fsync_tree(temporary_path)
-    except BaseException:
+    except BaseException as error:
         # A failed save leaves no temp dir behind when it can; rotate_checkpoints sweeps the rest.
         shutil.rmtree(temporary_path, ignore_errors=True)
+        if _is_write_failure(error):
+            raise CheckpointError(_write_failure_message(error, output_path, final_path.name, model, optimizer)) \
+                from error
         raise
     _publish(temporary_path, final_path)
     return final_path
+
+
+# What a full disk (ENOSPC), a quota (EDQUOT) or a file-size limit (EFBIG) looks like from each writer: an
+# OSError; torch.save's "[enforce fail at inline_container.cc] unexpected pos" or "file write failed"; and
+# safetensors' "Error while serializing: I/O error: ... (os error N)".
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
+_WRITE_FAILURE_TEXT = ("inline_container", "file write failed", "I/O error", "No space left")
+
+
+def _is_write_failure(error: BaseException) -> bool:
+    if isinstance(error, OSError):
+        return error.errno in _WRITE_ERRNOS
+    return isinstance(error, Exception) and any(text in str(error) for text in _WRITE_FAILURE_TEXT)
+
+
+def _write_failure_message(error: BaseException, output_path: Path, name: str, model: nn.Module,
+                           optimizer: Any) -> str:
+    """Why a checkpoint could not be written, how much it needs and how much is free, and what to do."""
+    needed = _tensor_bytes(model.state_dict()) + (_tensor_bytes(optimizer.state_dict()) if optimizer else 0)
+    try:
+        free = f"{shutil.disk_usage(output_path).free / 1e6:,.1f} MB free"
+    except OSError:
+        free = "free space unknown"
+    return (f"cannot write {name} in {output_path}: no space left (the disk is full, or a quota or file-size limit "
+            f"was reached; {type(error).__name__}: {str(error).strip()[:200]}). It needs about {needed / 1e6:,.1f} MB; "
+            f"{output_path} has {free}. Free some space or pass an output directory on a larger disk "
+            "(--output-dir) and --resume the last checkpoint; earlier checkpoints are left as they were.")
+
+
+def _tensor_bytes(value: Any) -> int:
+    """Bytes of every tensor in a (nested) state dict."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(item) for item in value)
+    return 0
 
 
 def _publish(temporary_path: Path, final_path: Path) -> None:

@@ -106,6 +106,21 @@ class GradualUnfreezing:
         self.stage = stage
         return [label for label, _ in self.stages[:stage + 1]]
 
+    def reach_notice(self, planned_updates: int | None, epochs: int) -> str | None:
+        """What a run that is too short for its schedule never trains, said before it starts (None: it reaches
+        the last stage)."""
+        if planned_updates is None or planned_updates < 1:
+            return None
+        last = self.stage_at(planned_updates - 1, epochs - 1)  # the stage of the run's last update
+        if last == len(self.stages) - 1:
+            return None
+        never = ", ".join(label for label, _ in self.stages[last + 1:])
+        fix = (f"lower it to at most {planned_updates // len(self.stages)} updates" if self.every != "epoch"
+               else f"train at least {len(self.stages)} epochs (--epochs), or give a number of updates")
+        return (f"unfreeze_every={self.every!r} (--unfreeze-schedule) but the run makes {planned_updates} updates in "
+                f"{epochs} epoch(s): it reaches stage {last + 1} of {len(self.stages)}, and {never} never train; "
+                f"{fix} to reach every stage")
+
     def describe(self) -> str:
         """One line: the stages in order and when each starts."""
         unit = "epoch" if self.every == "epoch" else f"{self.every} updates"

@@ -602,6 +602,8 @@ def run(args) -> dict:
     if args.plan_only:  # nothing is written: no lock, no ledger
         return train(args, config, place, model_path, print)
     output_dir = Path(config.output_dir)
+    if place.is_main:
+        check_writable(output_dir)
     with ledger.OutputDirLock(output_dir, echo=print) if place.is_main else contextlib.nullcontext():
         if place.is_main:  # the output directory's verdict before any data or model is read (the Loop asks again)
             plan = ledger.RunLedger(output_dir, echo=print).begin(config.identity(), config.resume, config.overwrite)
@@ -612,6 +614,19 @@ def run(args) -> dict:
                       "nothing to train; its summary.json, checkpoints and final/ are left as they are")
                 return {**summary, "interrupted": None, "already_finished": True}
         return train(args, config, place, model_path, print)
+
+
+def check_writable(output_dir: Path) -> None:
+    """The output directory exists (it is created) and takes a file, or a UsageError naming it."""
+    import tempfile
+
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=output_dir):
+            pass
+    except OSError as error:
+        raise UsageError(f"--output-dir {output_dir} is not writable ({error.strerror or error}): pass a directory "
+                         "you can write to (e.g. --output-dir runs/exp1)") from None
 
 
 @dataclasses.dataclass
@@ -997,6 +1012,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_flags(args, parser)
         summary = run(args)
+    except KeyboardInterrupt:  # a second Ctrl-C (or SIGTERM) during training, or one before it began
+        if args.debug:
+            raise
+        print(f"finetune.py: stopped at once: the window in progress was not saved. Checkpoints already in "
+              f"{args.output_dir} are intact; --resume auto continues from the last one", file=sys.stderr)
+        return INTERRUPTED_EXIT_CODES["SIGINT"]
     except user_errors as error:
         if args.debug:
             raise
