@@ -4,11 +4,14 @@ A batch is a tensor, or a mapping / list / tuple of tensors (nested as deep as y
 *items* of a batch are what a mean loss is taken over: its labels that are not -100 (one per row
 for sequence classification, one per real token for token-level losses), or its rows when it has
 no labels. The labels are a dict batch's `labels`, or the last element of a list / tuple batch
-when it is an integer tensor (nanoGPT's `x, y`).
+when it is an integer tensor (nanoGPT's `x, y`). A Hugging Face causal LM shifts a dict batch's
+`labels` inside its forward (position t predicts token t+1): its items are the `labels[..., 1:]`
+that are not -100 (`model_shifts_labels` tells such a model apart).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,12 +55,69 @@ def labels_of(batch: Any) -> torch.Tensor | None:
     return None
 
 
-def count_items(batch: Any) -> Items:
-    """Items a mean loss was taken over: labels that are not -100 (a tensor: no host sync), else rows."""
+def count_items(batch: Any, *, shifted: bool = False) -> Items:
+    """Items a mean loss was taken over: labels that are not -100 (a tensor: no host sync), else rows.
+
+    Args:
+        batch: the micro-batch.
+        shifted: the model shifts a dict batch's labels before its loss (see `model_shifts_labels`):
+            count `labels[..., 1:]`, or the batch's `shift_labels` when it brings them (transformers
+            then takes those as they are). A list / tuple batch's labels are the caller's own, already
+            aligned with the logits (nanoGPT's `x, y`): never shifted.
+    """
     labels = labels_of(batch)
-    if labels is not None:
-        return (labels != IGNORE_INDEX).sum()
-    return first_dimension(batch)
+    if labels is None:
+        return first_dimension(batch)
+    if shifted and isinstance(batch, Mapping):
+        shift_labels = batch.get("shift_labels")
+        labels = shift_labels if isinstance(shift_labels, torch.Tensor) else labels[..., 1:]
+    return (labels != IGNORE_INDEX).sum()
+
+
+def model_shifts_labels(model: nn.Module) -> bool:
+    """Whether `model`'s own loss shifts its `labels` left by one before taking its mean (a causal LM).
+
+    True for a Hugging Face model that is not an encoder-decoder (`config.is_encoder_decoder`), whose
+    forward computes its loss through transformers' `loss_function`, and whose `loss_function` is
+    transformers' `ForCausalLMLoss`: every decoder LM of `AutoModelForCausalLM` whose loss shifts (Qwen,
+    Llama, GPT-2, ..., BERT as a decoder), whatever its class is called. False for every other model:
+    classifiers, masked LMs, encoder-decoders, and the causal LMs that compute their own cross-entropy
+    over the labels as they are (XLNet, XLM, `BartForCausalLM` and its kin). The forward checked is
+    that of the first transformers class in the model's MRO, so a subclass, FSDP2's sharded class, a
+    peft wrapper and a `torch.compile`d module are judged by the model they hold. It inspects classes:
+    call it once per model, not per batch.
+    """
+    model = _unwrapped(model)
+    source = next((cls for cls in type(model).__mro__
+                   if cls.__module__.startswith("transformers.") and "forward" in vars(cls)), None)
+    if source is None or getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False  # not a transformers model (nothing to import then), or an encoder-decoder
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:  # transformers < 4.46: causal LMs shift inside forward; the Auto mapping names them
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        return source.__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    code = getattr(inspect.unwrap(vars(source)["forward"]), "__code__", None)
+    if code is not None and "loss_function" not in code.co_names:
+        return False  # the forward computes its own loss, over the labels as they are
+    return getattr(model, "loss_function", None) is ForCausalLMLoss  # what transformers resolves loss_type to
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside peft's `PeftModel`, a `torch.compile`d module, DDP or DataParallel (else itself)."""
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            inner = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            inner = model._orig_mod
+        elif callable(getattr(model, "get_base_model", None)):
+            inner = model.get_base_model()
+        else:
+            return model
+        if inner is model or not isinstance(inner, nn.Module):
+            return model
+        model = inner
 
 
 def as_loss_sum(loss: Any, items: Items, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -100,6 +100,8 @@ class Loop:
         if self.config.gradient_checkpointing:
             enable_gradient_checkpointing(self.model, every=self.config.checkpoint_every)
         self.wrapped_model = distributed.wrap_model(self.model, self.device)
+        # HF causal LMs shift their labels inside forward: count_items counts labels[..., 1:] for them.
+        self._shifted_labels = batches.model_shifts_labels(self.model)
         # The fused step and bf16 weights turn the optimizer into one optimizer per parameter.
         self.optimizer, self.scheduler = wrap_for_config(self.model, optimizer, self.config), scheduler
         self._unfreezing = start_unfreezing(self.model, optimizer, self.config.unfreeze_every)  # None without it
@@ -307,8 +309,8 @@ class Loop:
         """Returns the micro-batch's mean loss, or `(loss_sum, num_items)` for exact token-level losses.
 
         The default calls `wrapped_model(**batch)` and reads `.loss` (HF models compute it when the
-        batch has `labels`). A mean is weighted by the batch's item count: its labels that are not
-        -100, or its number of rows when it has no labels.
+        batch has `labels`). A mean is weighted by the batch's item count (`count_items`): its labels
+        that are not -100 (after the shift, for a causal LM), or its number of rows when it has no labels.
         """
         if not isinstance(batch, Mapping):
             raise TypeError(
@@ -324,11 +326,18 @@ class Loop:
     def count_items(self, batch) -> torch.Tensor | int:
         """The items a batch's loss is a mean (or sum) over: labels that are not -100, else rows.
 
+        For a Hugging Face causal LM (decided once, when the Loop is built: see
+        `looptrain.batches.model_shifts_labels`) the model shifts a dict batch's `labels` before its
+        mean loss, so the items are `labels[..., 1:]` that are not -100 (or the batch's
+        `shift_labels`): each row's first label is never scored. Prompt tokens and padding labelled
+        -100 are not counted, so accumulation equals the full-batch loss (docs/causal_lm.md). Every
+        other model counts all its labels that are not -100 (one per row for sequence classification).
+
         Counted before the forward passes, over the whole window, to normalise the gradients. Override
         it when `compute_loss` sums over something else (tokens of a key other than `labels`, say):
         the loop checks that each window's count equals what `compute_loss` reported.
         """
-        return batches.count_items(batch)
+        return batches.count_items(batch, shifted=self._shifted_labels)
 
     def eval_step(self, batch) -> dict:
         """Evaluates one batch; returns `loss_sum` and `num_items`, and `logits` and `labels` when there are some.
