@@ -175,6 +175,12 @@ def test_a_planned_run_reports_its_plan_and_its_estimate_error(model_dir, train_
     assert summary["estimate_error"] == pytest.approx(
         (summary["peak_memory_bytes"] - summary["estimated_peak_bytes"]) / summary["estimated_peak_bytes"], abs=1e-4)
     assert abs(summary["estimate_error"]) <= 0.10
+    # The process's RSS above its start (torch's own buffers, the data, allocator caches) went over a budget of
+    # live tensors: the table says so and how to plan for RSS instead.
+    above = (summary["peak_rss_bytes"] - summary["rss_at_start_bytes"]) / 2**20
+    assert above > 2
+    assert f"| note | RSS above start {above:.1f} MiB > budget 2.0 MiB: the budget was of live tensors" in out
+    assert "add --no-track-memory to plan for a budget of RSS" in out
 
 
 def test_every_run_reports_its_estimate_error(model_dir, train_csv, tmp_path):
@@ -228,6 +234,31 @@ def test_a_budget_of_process_rss_keeps_only_candidates_whose_probe_fits(dataset)
                        match=r"nothing fits 1.00 GiB .* \+ 2\.\d+ GiB of the process's RSS measured besides tensors"):
         plan(model, train_set, collator, memory_budget=2**30, effective_batch=EFFECTIVE_BATCH,
              rss_baseline=rss_baseline_bytes() - 2 * 2**30, probe_budget=0.0)
+
+
+def test_under_a_budget_of_process_rss_what_would_fit_counts_the_rss_besides_tensors(dataset):
+    """When no split fits even by its tensors, the suggestions are judged by the same meter: a freeze that fits
+    as tensors alone is not suggested when the process's other RSS (here 100 MiB above the baseline) sinks it."""
+    from looptrain import planning
+    from looptrain.planning import rss_baseline_bytes
+
+    train_set, collator = dataset
+    model = make_tiny_bert(num_labels=2)
+    width = collator.batch_width([max(train_set.lengths)])
+    lightest = {"accum_steps": EFFECTIVE_BATCH, "gradient_checkpointing": True}
+    frozen = planning.estimate(model, 1, width, freeze_encoder=True, **lightest)["peak_memory_bytes"]
+    full = planning.estimate(model, 1, width, **lightest)["peak_memory_bytes"]
+    budget = int((frozen + full) / 2)  # the frozen encoder fits as tensors; the full model does not
+    assert frozen * 1.05 < budget < full
+    tensors_only = str(pytest.raises(PlanError, plan, model, train_set, collator, memory_budget=budget,
+                                     effective_batch=EFFECTIVE_BATCH, probe=False).value)
+    assert "fits with --freeze-encoder" in tensors_only
+    with pytest.raises(PlanError) as refused:
+        plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH,
+             rss_baseline=rss_baseline_bytes() - 100 * 2**20, probe_budget=0.0)
+    message = str(refused.value)
+    assert re.search(r"\+ 1\d\d\.\d MiB of the process's RSS measured besides tensors", message), message
+    assert "fits with --freeze-encoder" not in message and "raise the budget" in message
 
 
 def wider_bert():

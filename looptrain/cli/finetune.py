@@ -675,6 +675,7 @@ def train(args, config, place, model_path: str, print) -> dict:
         raise OutOfMemory(f"{error}\n{what_would_fit(inputs.model.config, args, precision, loop.device)}") from error
     if summary["interrupted"]:
         return summary  # a checkpoint was saved; no final/ for an unfinished run
+    summary["rss_at_start_bytes"] = args._rss_at_start  # what a budget of RSS counts from (None: not Linux)
     return write_outputs(summary, place, inputs, output_dir, plan_result, estimated_peak, print)
 
 
@@ -693,6 +694,7 @@ def load_inputs(args, model_path: str, print) -> Inputs:
     print(f"model {model_path} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params), "
           f"data {data_description}: {len(train_data)} train / {len(eval_data) if eval_data else 0} eval samples")
 
+    check_blocks(model, args)
     report = strategy_of(args).prepare_model(model)  # the model levers: freezing
     if report:
         print(report)
@@ -705,6 +707,26 @@ def load_inputs(args, model_path: str, print) -> Inputs:
     collator = data_module.DynamicPaddingCollator(
         tokenizer, padding=args.padding, max_length=args.max_length, pad_to_multiple_of=args.pad_to_multiple_of)
     return Inputs(model, tokenizer, train_set, eval_set, collator)
+
+
+def check_blocks(model, args) -> None:
+    """The flags that work block by block need a list of transformer blocks: a UsageError when the model has none."""
+    from looptrain.freeze import BLOCK_LIST_NAMES, find_transformer_blocks
+
+    needs = [flag for flag, given in (("--layer-lr-decay", args.layer_lr_decay is not None),
+                                      ("--unfreeze-schedule", args.unfreeze_every is not None),
+                                      ("--grad-checkpoint", args.gradient_checkpointing),
+                                      ("--freeze-layers", args.freeze_layers > 0)) if given]
+    if not needs:
+        return
+    try:
+        find_transformer_blocks(model)
+    except ValueError:
+        flags = " and ".join(needs)
+        raise UsageError(f"{flags} {'works' if len(needs) == 1 else 'work'} block by block, and "
+                         f"{type(model).__name__} has no list of transformer blocks that looptrain finds (an "
+                         f"nn.ModuleList named one of {', '.join(BLOCK_LIST_NAMES)}); drop {flags}, or freeze by name "
+                         "from Python (looptrain.freeze.freeze_by_pattern)") from None
 
 
 def make_loaders(args, config, place, inputs: Inputs, plan_result, print):
@@ -963,11 +985,28 @@ def final_table(summary: dict, baseline: dict | None, output_dir: Path) -> str:
     if summary.get("plan"):
         lines.append(f"| memory budget | {summary['plan']['budget_bytes'] / 2**20:.1f} MiB (plan: "
                      f"{summary['plan']['settings']['batch_size']} x {summary['plan']['settings']['accum_steps']}) | |")
-    if summary.get("peak_rss_bytes"):
-        lines.append(f"| peak RSS | {summary['peak_rss_bytes'] / 2**20:.1f} MiB (process, OS) | |")
+    rss, start = summary.get("peak_rss_bytes"), summary.get("rss_at_start_bytes")
+    if rss:
+        above = f"; {(rss - start) / 2**20:.1f} MiB above the {start / 2**20:.1f} MiB held at start" if start else ""
+        lines.append(f"| peak RSS | {rss / 2**20:.1f} MiB (process, OS{above}) | |")
+    lines.extend(_budget_note(summary.get("plan"), rss, start))
     if summary.get("best_checkpoint"):
         lines.append(f"| best checkpoint | {summary['best_checkpoint']} ({summary['best_metric']:.4f}) | |")
     return "\n".join(lines)
+
+
+def _budget_note(plan: dict | None, rss: int | None, start: int | None) -> list[str]:
+    """A table row saying why the process's RSS above its start went over a planned run's budget."""
+    if not (plan and rss and start) or rss - start <= plan["budget_bytes"]:
+        return []
+    over = f"RSS above start {(rss - start) / 2**20:.1f} MiB > budget {plan['budget_bytes'] / 2**20:.1f} MiB"
+    if plan.get("meter") == "of process RSS":
+        why = ("the plan's probes measured one update at the worst batch; evaluation, checkpoint saving and the "
+               "allocator's growth over the run came on top (docs/plan.md)")
+    else:
+        why = ("the budget was of live tensors (the peak memory above); RSS also holds the libraries' buffers, the "
+               "data and allocator caches: add --no-track-memory to plan for a budget of RSS (docs/plan.md)")
+    return [f"| note | {over}: {why} | |"]
 
 
 def flag_names_for(message: str) -> str:

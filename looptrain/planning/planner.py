@@ -273,6 +273,13 @@ def plan(
         candidates = _costed_candidates(search, dataset, collator, lengths, effective_batch, base, levers, set(fixed),
                                         device_type, seed)
     if not candidates:
+        if rss_baseline is not None and not search.overhead:
+            # What would fit is judged by the same meter: measure the process's RSS besides the tensors on the
+            # lightest settings (one row of the longest sample), or every suggestion would be priced as tensors alone.
+            lightest = _lightest(base, effective_batch)
+            longest = max(range(len(lengths)), key=lambda index: lengths[index])
+            probe = _probe(model, lightest, collator([dataset[longest]]), device, max_grad_norm, rss_baseline)
+            search.overhead = max(0, probe["peak_rss_bytes"] - search.peak(lightest))
         raise PlanError(_nothing_fits_message(search, effective_batch, base, levers, collator, lengths, device_type))
     result = Plan(memory_budget, margin, effective_batch, worst_width, device, candidates, search.count,
                   search.seconds, 0.0, probe_budget, len(lengths),
@@ -419,11 +426,16 @@ def _largest_fitting(search: _Search, template: Strategy, sizes: list[int], effe
     return best
 
 
+def _lightest(base: Strategy, effective_batch: int) -> Strategy:
+    """The lightest exact split of `base`: micro-batch 1, every block checkpointed."""
+    return dataclasses.replace(base, batch_size=1, accum_steps=effective_batch, gradient_checkpointing=True,
+                               checkpoint_every=1, optimizer_in_backward=False)
+
+
 def _nothing_fits_message(search: _Search, effective_batch: int, base: Strategy, levers: Levers, collator, lengths,
                           device_type: str) -> str:
     """What would fit, with its estimate: the lightest exact settings plus one task or numerics change."""
-    lightest = dataclasses.replace(base, batch_size=1, accum_steps=effective_batch, gradient_checkpointing=True,
-                                   checkpoint_every=1, optimizer_in_backward=False)
+    lightest = _lightest(base, effective_batch)
     lines = [f"nothing fits {format_bytes(search.budget)} (with a {search.margin:.0%} margin) at the worst batch "
              f"({search.width} tokens wide), even micro-batch 1 x {effective_batch} with gradient checkpointing: "
              f"estimated {format_bytes(search.peak(lightest))}"

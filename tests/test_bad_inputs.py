@@ -1,0 +1,194 @@
+"""Every bad input of the command lines, in one table: exit 2, a message that names the fix, no traceback.
+
+Each row is a reproduction from docs/reliability.md: the flags (and the files they name) that once gave a
+traceback, a silent override or a wrong run. The command runs in-process (`main(argv)`); argparse's own
+errors exit 2 through SystemExit. Nothing is written to a refused run's output directory, and a run
+already there is left byte for byte as it was.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from looptrain.cli import estimate as estimate_cli
+from looptrain.cli import finetune
+
+from conftest import WORDS, make_tiny_tokenizer, write_csv
+
+BASE = ["--model", "{model}", "--data", "{train}", "--output-dir", "{out}", "--max-length", "32", "--max-steps", "1",
+        "--eval-every", "no", "--no-track-memory", "--no-progress-bar"]
+
+# (id, command, the flags added to BASE (finetune) or the whole command line (estimate), what stderr says)
+CASES = [
+    # --- data files
+    ("misspelled column", "finetune", ["--text-column", "sentence"],
+     r"column 'sentence' not found .*available columns: text, label.*--text-column"),
+    ("empty file", "finetune", ["--data", "{empty}"], r"is empty"),
+    ("header without rows", "finetune", ["--data", "{header_only}"], r"has a header but no data rows"),
+    ("empty text in a row", "finetune", ["--data", "{empty_text}"],
+     r"empty_text\.csv line 3: text column 'text' is empty; fill or drop the row"),
+    ("bad JSONL line", "finetune", ["--data", "{bad_jsonl}"],
+     r"bad\.jsonl line 2: text column 'text' is null; fill or drop the row"),
+    ("not UTF-8", "finetune", ["--data", "{latin1}"], r"latin1\.csv.*2.*--encoding-errors replace"),
+    ("semicolon-separated .csv", "finetune", ["--data", "{semicolon}"],
+     r"looks semicolon-separated.*save it with commas"),
+    ("TSV saved as .csv", "finetune", ["--data", "{tab}"], r"looks tab-separated; rename it to"),
+    ("extra field in a row", "finetune", ["--data", "{extra_field}"],
+     r"extra_field\.csv:3: 3 fields but the header names 2 columns; quote a text"),
+    ("missing file", "finetune", ["--data", "{missing}"], r"nothing\.csv"),
+    ("one class", "finetune", ["--data", "{one_class}"], r"a classifier needs at least two classes"),
+    ("unknown eval label", "finetune", ["--eval-data", "{unknown_label}", "--eval-every", "epoch"],
+     r"label\(s\) 'surprise' not seen in the training data \(known: 'neg', 'pos'\); fix the labels"),
+    ("duplicate column", "finetune", ["--data", "{duplicate}"], r"column 'text' appears 2 times in the header"),
+    ("eval split leaves nothing", "finetune", ["--eval-split", "0.99"],
+     r"--eval-split 0.99 of 32 samples leaves no training sample; lower --eval-split"),
+    ("eval split out of range", "finetune", ["--eval-split", "1.5"], r"--eval-split must be in \[0, 1\)"),
+    # --- flags that contradict each other or cannot hold
+    ("weights bf16 with precision fp32", "finetune", ["--weights", "bf16", "--precision", "fp32"],
+     r"--weights bf16 computes in bf16, so --precision fp32 cannot hold; drop --precision"),
+    ("amp with precision fp32", "finetune", ["--amp", "--precision", "fp32"], r"contradict each other; pass one"),
+    ("json without plan-only", "finetune", ["--json"],
+     r"--json prints the plan of --plan-only as JSON.*add --plan-only"),
+    ("budget without a unit", "finetune", ["--memory-budget", "4"], r"has no unit: write 4GiB, 4MiB"),
+    ("optim auto without a budget", "finetune", ["--optim", "auto"], r"add --memory-budget SIZE"),
+    ("plan-only without a budget", "finetune", ["--plan-only"], r"belong to --memory-budget: add --memory-budget"),
+    ("budget with max-tokens", "finetune", ["--memory-budget", "1GiB", "--max-tokens", "512"],
+     r"--max-tokens does not have; drop one"),
+    ("fused step with accumulation", "finetune", ["--optim-in-backward", "--accum", "4"],
+     r"(?s)cannot be combined with accum_steps > 1.*accum_steps is --accum"),
+    ("fused step with fp16", "finetune", ["--optim-in-backward", "--precision", "fp16"], r"use precision='bf16'"),
+    ("no-foreach with adafactor", "finetune", ["--no-foreach", "--optim", "adafactor"],
+     r"--no-foreach applies to --optim adamw and sgd only \(got --optim adafactor\); drop it"),
+    ("freeze encoder and layers", "finetune", ["--freeze-encoder", "--freeze-layers", "1"],
+     r"--freeze-encoder already freezes the embeddings and every layer; drop"),
+    ("unfreeze with frozen encoder", "finetune", ["--freeze-encoder", "--unfreeze-schedule", "2"], r"pass one of them"),
+    ("overwrite and resume", "finetune", ["--overwrite", "--resume", "auto"], r"pass one of them"),
+    # --- values out of range
+    ("batch size 0", "finetune", ["--batch-size", "0"], r"argument --batch-size: must be >= 1 \(got 0\)"),
+    ("negative freeze layers", "finetune", ["--freeze-layers", "-1"], r"argument --freeze-layers: must be >= 0"),
+    ("more frozen layers than blocks", "finetune", ["--freeze-layers", "5"],
+     r"--freeze-layers 5.*2 transformer blocks"),
+    ("unknown precision", "finetune", ["--precision", "fp8"], r"invalid choice: 'fp8'"),
+    ("lr nan", "finetune", ["--lr", "nan"], r"--lr must be a finite number > 0"),
+    ("weight decay nan", "finetune", ["--weight-decay", "nan"], r"--weight-decay must be a finite number >= 0"),
+    ("negative warmup", "finetune", ["--warmup-ratio", "-3"], r"--warmup-ratio must be in \[0, 1\)"),
+    ("negative workers", "finetune", ["--num-workers", "-1"], r"--num-workers must be >= 0 \(got -1\)"),
+    ("token budget below one sample", "finetune", ["--max-tokens", "1"], r"raise --max-tokens to at least 32"),
+    ("negative seed", "finetune", ["--seed", "-1"], r"seed must be an integer from 0 to 2\*\*32 - 1"),
+    ("max length above the model's", "finetune", ["--max-length", "512"],
+     r"--max-length 512 is longer than the model's 64 positions"),
+    # --- the machine and the output directory
+    ("device without MPS", "finetune", ["--device", "mps"],
+     r"(?s)this PyTorch build has no MPS device .*use device='cpu' or 'auto'.*device is --device"),
+    ("unknown device type", "finetune", ["--device", "xpu"], r"looptrain trains on 'cpu' and 'cuda'"),
+    ("output dir is a file", "finetune", ["--output-dir", "{a_file}"], r"is a file; pass a directory"),
+    ("output dir not writable", "finetune", ["--output-dir", "/sys/fs/looptrain-cannot-write-here"],
+     r"--output-dir /sys/fs/looptrain-cannot-write-here is not writable .*pass a directory you can write to"),
+    ("tensorboard missing", "finetune", ["--report-to", "tensorboard", "{no_tensorboard}"],
+     r"needs the tensorboard package: pip install tensorboard"),
+    # --- a model without a list of transformer blocks (XLM keeps attentions and ffns side by side)
+    ("no blocks: layer-wise decay", "finetune", ["--model", "{xlm}", "--layer-lr-decay", "0.9"],
+     r"--layer-lr-decay works block by block, and XLMForSequenceClassification has no list of transformer blocks"),
+    ("no blocks: unfreezing", "finetune", ["--model", "{xlm}", "--unfreeze-schedule", "2"],
+     r"--unfreeze-schedule works block by block.*drop --unfreeze-schedule"),
+    ("no blocks: checkpointing", "finetune", ["--model", "{xlm}", "--grad-checkpoint"],
+     r"--grad-checkpoint works block by block"),
+    # --- runs and checkpoints (a finished run is in {done})
+    ("fresh run into another run", "finetune", ["--output-dir", "{done}"], r"already holds another run"),
+    ("resume with another accumulation", "finetune", ["--output-dir", "{done}", "--resume", "auto", "--accum", "2"],
+     r"(?s)another run; these settings differ.*accum_steps: 1 -> 2"),
+    ("resume with bf16 weights", "finetune", ["--output-dir", "{done}", "--resume", "auto", "--weights", "bf16"],
+     r'(?s)another run; these settings differ \(saved -> now\):.*weights: null -> "bf16"'),
+    ("resume another run's checkpoint", "finetune", ["--output-dir", "{done}", "--resume", "{other_checkpoint}"],
+     r"already holds another run"),
+    ("resume a missing checkpoint", "finetune", ["--resume", "/nonexistent/checkpoint-3"], r"checkpoint"),
+    # --- the estimate's command line
+    ("estimate: batch size 0", "estimate", ["--preset", "bert-base", "--batch-size", "0"],
+     r"argument --batch-size: must be >= 1 \(got 0\)"),
+    ("estimate: negative seq len", "estimate", ["--preset", "bert-base", "--seq-len", "-5"],
+     r"argument --seq-len: must be >= 1 \(got -5\)"),
+    ("estimate: bf16 weights with fp16", "estimate", ["--preset", "bert-base", "--weights", "bf16", "--precision",
+                                                     "fp16"], r"weights='bf16' computes in bf16 and cannot run fp16"),
+]
+
+
+def save_tiny_xlm(directory: Path) -> Path:
+    """A tiny XLM encoder: its attention and feed-forward layers sit in parallel lists, with no block list."""
+    from transformers import XLMConfig, XLMModel
+
+    config = XLMConfig(vocab_size=len(WORDS) + 5, emb_dim=32, n_layers=2, n_heads=2, max_position_embeddings=64,
+                       dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    XLMModel(config).save_pretrained(directory)
+    make_tiny_tokenizer().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, model_dir):
+    """The files and directories the table names, and one finished run (`done`) and another run's checkpoint."""
+    root = tmp_path_factory.mktemp("bad-inputs")
+    paths = {"model": model_dir, "train": write_csv(root / "train.csv", 32), "missing": root / "nothing.csv"}
+    texts = {"empty": "", "header_only": "text,label\n", "empty_text": "text,label\ngood words,pos\n,neg\n",
+             "semicolon": "text;label\ngood words;pos\nbad words;neg\n", "tab": "text\tlabel\ngood\tpos\nbad\tneg\n",
+             "extra_field": "text,label\ngood words,pos\nbad, words,neg\n",
+             "one_class": "text,label\ngood words,pos\nfine words,pos\n",
+             "unknown_label": "text,label\ngood words,pos\nodd words,surprise\n",
+             "duplicate": "text,text,label\na,b,pos\nc,d,neg\n"}
+    for name, text in texts.items():
+        paths[name] = root / f"{name}.csv"
+        paths[name].write_text(text, encoding="utf-8")
+    paths["latin1"] = root / "latin1.csv"
+    paths["latin1"].write_bytes("text,label\ncaf\u00e9 words,pos\n".encode("latin-1"))
+    paths["bad_jsonl"] = root / "bad.jsonl"
+    paths["bad_jsonl"].write_text('{"text": "good", "label": "pos"}\n{"text": null, "label": "neg"}\n')
+    paths["a_file"] = root / "a_file"
+    paths["a_file"].write_text("not a directory")
+    paths["xlm"] = save_tiny_xlm(root / "xlm")
+    for name, seed in (("done", "42"), ("other", "7")):  # "done" has BASE's settings; "other" is another run
+        paths[name] = root / name
+        extra = ["--seed", seed, "--eval-every", "1"]  # a checkpoint at step 1
+        assert finetune.main(format_argv(BASE, {**paths, "out": paths[name]}) + extra) == 0
+    paths["other_checkpoint"] = sorted(paths["other"].glob("checkpoint-*"))[-1]
+    return paths
+
+
+def format_argv(argv: list[str], paths: dict) -> list[str]:
+    return [token.format(**{name: str(path) for name, path in paths.items()}) for token in argv]
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(directory)): path.read_bytes() for path in sorted(directory.rglob("*"))
+            if path.is_file()}
+
+
+@pytest.mark.parametrize("name, command, flags, message", CASES, ids=[case[0] for case in CASES])
+def test_a_bad_input_exits_2_with_a_message_that_names_the_fix(files, tmp_path, capsys, monkeypatch, name, command,
+                                                               flags, message):
+    if "{no_tensorboard}" in flags:
+        real_find_spec = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda module, *args: None if module == "tensorboard" else real_find_spec(module, *args))
+        flags = [flag for flag in flags if flag != "{no_tensorboard}"]
+    paths = {**files, "out": tmp_path / "out"}
+    before = {run: snapshot(files[run]) for run in ("done", "other")}
+    main = finetune.main if command == "finetune" else estimate_cli.main
+    argv = format_argv((BASE if command == "finetune" else []) + flags, paths)
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert re.search(message, err), err
+    # A refused run writes nothing: at most the lock of an output directory it checked (no run.json, no config).
+    written = {path.name for path in (tmp_path / "out").rglob("*")} if (tmp_path / "out").is_dir() else set()
+    assert written <= {".looptrain.lock"}, written
+    for run, files_before in before.items():  # the runs already there are untouched
+        assert snapshot(files[run]) == files_before, run
