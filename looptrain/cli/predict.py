@@ -1,0 +1,418 @@
+"""Predict with a fine-tuned model, and evaluate it alone on a labelled file.
+
+    python scripts/predict.py --model runs/x/final --data test.csv --output predictions.jsonl
+    python scripts/predict.py --model runs/x/final --data dev.csv --label-column label    # evaluation only
+    looptrain-predict --model runs/x/final --data test.jsonl --output predictions.jsonl  # once installed
+
+A sequence classifier (what `looptrain-finetune` writes to `final/`) gives one JSON line per input row,
+in input order: `{"label": ..., "probability": ..., "probabilities": {...}}`. With `--label-column`,
+the rows' labels are scored as the Loop scores them (`looptrain.metrics.EvalMetrics`: accuracy,
+macro-F1, loss) beside the majority baseline. A causal language model gives `{"generated": ...}`,
+greedy, `--max-new-tokens` per row. docs/predict.md has every flag, the formats and the errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import json
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+DEFAULT_MAX_LENGTH = 128  # finetune.py's default, used when the training run's own is not known
+CLASSIFIER_SUFFIXES = ("ForSequenceClassification",)
+CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")  # Qwen2ForCausalLM, GPT2LMHeadModel, ...
+
+
+class UsageError(Exception):
+    """A bad flag or input found by the command line itself."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="predict.py",
+        description="Predict with a fine-tuned classifier (or generate with a causal LM); with --label-column, "
+                    "evaluate it on the file's labels.")
+    parser.add_argument("--model", required=True, help="the model directory: a run's final/ (or a hub id in the cache)")
+    parser.add_argument("--data", required=True, help="the rows to predict (.csv, .tsv, .jsonl)")
+    parser.add_argument("--output", default=None, metavar="FILE",
+                        help="write one JSON line per row here, in input order (default: none, only the summary)")
+    parser.add_argument("--text-column", default="text", help="text column (default: text)")
+    parser.add_argument("--text-pair-column", default=None, help="second text column, for sentence-pair tasks")
+    parser.add_argument("--label-column", default=None,
+                        help="label column: also evaluate (accuracy, macro-F1, loss, the majority baseline); "
+                             "default: no evaluation")
+    parser.add_argument("--metrics-json", default=None, metavar="FILE",
+                        help="with --label-column: write the evaluation here as JSON")
+    parser.add_argument("--batch-size", type=int, default=64, help="rows per forward (default: 64)")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="truncate rows to this many tokens (default: the training run's --max-length when "
+                             f"--model is a run's final/, else {DEFAULT_MAX_LENGTH})")
+    parser.add_argument("--max-new-tokens", type=int, default=32,
+                        help="causal LMs: tokens generated per row, greedily (default: 32)")
+    parser.add_argument("--device", default="auto", help="auto (cuda when present, else cpu), cpu, cuda, cuda:N")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16", "auto"), default="fp32",
+                        help="autocast dtype of the forward; auto: what is fast on this device (default: fp32)")
+    parser.add_argument("--encoding-errors", choices=("strict", "replace"), default="strict",
+                        help="undecodable bytes: an error naming the line, or U+FFFD (default: strict)")
+    parser.add_argument("--allow-slow-tokenizer", action="store_true",
+                        help="accept a Python tokenizer when the model has no fast one (much slower)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="allow model code shipped with the checkpoint to run "
+                             "(off: never executes downloaded code)")
+    parser.add_argument("--no-progress-bar", action="store_true", help="no progress bar, even on a terminal")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
+    return parser
+
+
+def check_flags(args) -> None:
+    """Rejects flags that cannot work, naming them, before anything is read."""
+    for flag, value in (("--batch-size", args.batch_size), ("--max-length", args.max_length),
+                        ("--max-new-tokens", args.max_new_tokens)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be >= 1 (got {value})")
+    if args.output is None and args.label_column is None:
+        raise UsageError("nothing to do: pass --output FILE to write the predictions, or --label-column NAME to "
+                         "evaluate on the file's labels (or both)")
+    if args.metrics_json is not None and args.label_column is None:
+        raise UsageError("--metrics-json writes the evaluation, which needs the labels: add --label-column NAME")
+    for flag in ("output", "metrics_json"):
+        path = getattr(args, flag)
+        if path is None:
+            continue
+        option = "--" + flag.replace("_", "-")
+        if Path(path).is_dir():
+            raise UsageError(f"{option} {path} is a directory; pass a file path")
+        if Path(path).resolve() == Path(args.data).resolve():
+            raise UsageError(f"{option} {path} is the --data file itself, which would be overwritten; "
+                             "pass another path")
+
+
+# ---------------------------------------------------------------------- the model
+def model_kind(config, model_path: str) -> str:
+    """"classifier" or "causal_lm" from the config's architectures; a UsageError for anything else."""
+    architectures = list(getattr(config, "architectures", None) or [])
+    if any(name.endswith(CLASSIFIER_SUFFIXES) for name in architectures):
+        if config.num_labels < 2 or getattr(config, "problem_type", None) in ("regression",
+                                                                               "multi_label_classification"):
+            raise UsageError(f"--model {model_path} is a {config.problem_type or 'one-output'} head, not a "
+                             "single-label classifier; predict.py scores single-label classifiers")
+        return "classifier"
+    if any(name.endswith(CAUSAL_LM_SUFFIXES) for name in architectures) and not config.is_encoder_decoder:
+        return "causal_lm"
+    held = ", ".join(architectures) or f"a {config.model_type} model with no architectures in its config"
+    raise UsageError(f"--model {model_path} holds {held}, not a sequence classifier or a causal LM; pass a "
+                     "fine-tuned run's final/ directory (looptrain-finetune writes it)")
+
+
+def load_model(model_path: str, config, kind: str, args):
+    """The classifier (or causal LM) as it was saved, in eval mode; a UsageError when weights are missing (a head
+    that transformers would initialise at random would predict noise)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    auto_class = AutoModelForSequenceClassification if kind == "classifier" else AutoModelForCausalLM
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model, loading = auto_class.from_pretrained(model_path, config=config, trust_remote_code=args.trust_remote_code,
+                                                    output_loading_info=True)
+    except Exception as error:  # safetensors' own error for a truncated file is a plain Exception subclass
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UsageError(f"cannot load the weights of --model {model_path}: {detail}; the file may be truncated or "
+                         "corrupt: copy or save the model again") from error
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    missing = sorted(loading["missing_keys"])
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        raise UsageError(f"--model {model_path} has no saved weights for {shown}: they would be random; pass the "
+                         "final/ directory of a fine-tuning run, which saves every weight")
+    return model.eval()
+
+
+def check_model_exists(model_path: str) -> None:
+    """Refuses a --model that is neither a directory nor a hub model in the local cache, before any download."""
+    from huggingface_hub import try_to_load_from_cache
+
+    directory = Path(model_path)
+    if directory.is_dir() and not (directory / "config.json").is_file() and (directory / "final").is_dir():
+        raise UsageError(f"--model {model_path} is a run's output directory; pass the model it wrote: "
+                         f"--model {directory / 'final'}")
+    if directory.is_dir():
+        return
+    try:
+        cached = try_to_load_from_cache(model_path, "config.json")
+    except Exception:  # noqa: BLE001  not even a valid hub id (runs/x/final): a missing directory
+        cached = None
+    if not isinstance(cached, str):
+        raise UsageError(f"--model {model_path}: no such directory (nor a hub model in the local cache); pass the "
+                         "final/ directory of a fine-tuning run, e.g. --model runs/finetune/final")
+
+
+def training_max_length(model_path: str) -> int | None:
+    """The --max-length of the run that wrote `model_path` (a run's final/), from its run_config.json."""
+    run_config = Path(model_path).parent / "run_config.json"
+    if not (Path(model_path).name == "final" and run_config.is_file()):
+        return None
+    try:
+        value = json.loads(run_config.read_text(encoding="utf-8"))["arguments"]["max_length"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def model_label_names(config) -> list[str] | None:
+    """The label names in id order, or None when the config has only the default LABEL_i names (ids)."""
+    names = [str(config.id2label.get(index, f"LABEL_{index}")) for index in range(config.num_labels)]
+    return None if names == [f"LABEL_{index}" for index in range(config.num_labels)] else names
+
+
+# ---------------------------------------------------------------------- the data
+def read_data(args, config, kind: str):
+    """The rows, with labels mapped to the model's ids when --label-column is given."""
+    from looptrain.data import read_classification_data
+
+    text_column = (args.text_column, args.text_pair_column) if args.text_pair_column else args.text_column
+    if kind == "causal_lm" or args.label_column is None:
+        return read_classification_data(args.data, text_column, None, encoding_errors=args.encoding_errors)
+    names = model_label_names(config)
+    # The model's names map the file's labels to its ids; a label the model never learnt is an error naming it.
+    data = read_classification_data(args.data, text_column, args.label_column, label_names=names,
+                                    num_labels=config.num_labels, encoding_errors=args.encoding_errors)
+    if names is None and data.label_names is not None:
+        raise UsageError(f"--model {args.model} has no label names (its config says LABEL_0..LABEL_"
+                         f"{config.num_labels - 1}), so the labels of {args.data} must be its integer ids "
+                         f"0..{config.num_labels - 1}, not names like {data.label_names[0]!r}")
+    return data
+
+
+# ---------------------------------------------------------------------- classification
+def classify(model, tokenizer, data, args, device, precision, print):
+    """Per row, in input order: the predicted id (the logits' argmax, as the metrics take it) and the probabilities
+    ([rows, labels], float32); and with labels, the EvalMetrics that scored them."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from looptrain import data as data_module
+    from looptrain.batches import as_loss_sum, count_items, first_dimension, move_to
+    from looptrain.metrics import EvalMetrics
+
+    dataset = data_module.tokenize(data, tokenizer, args.max_length, progress=not args.no_progress_bar)
+    if dataset.num_truncated:
+        print(f"notice: {dataset.num_truncated} of {len(dataset)} rows were truncated to {args.max_length} tokens")
+    collator = data_module.DynamicPaddingCollator(tokenizer, max_length=args.max_length)
+    # Sorted by length (least padding); batch_sampler maps each batch back to its rows. One process: rank 0 of 1.
+    loader = data_module.make_eval_loader(dataset, args.batch_size, collator, num_replicas=1, rank=0)
+    predictions = torch.zeros(len(dataset), dtype=torch.long)
+    probabilities = torch.zeros(len(dataset), model.config.num_labels, dtype=torch.float32)
+    evaluation = EvalMetrics(num_labels=model.config.num_labels) if data.labels is not None else None
+    bar = tqdm(total=len(dataset), desc="predicting", unit="rows", disable=True if args.no_progress_bar else None)
+    with torch.no_grad(), bar:
+        for rows, batch in zip(loader.batch_sampler, loader):
+            batch = move_to(batch, device)
+            with precision.autocast():
+                outputs = model(**batch)
+            predictions[rows] = outputs.logits.argmax(dim=-1).cpu()
+            probabilities[rows] = torch.softmax(outputs.logits.float(), dim=-1).cpu()
+            if evaluation is not None:  # what Loop.eval_step returns for this batch, scored by the Loop's metrics
+                loss_sum, num_items = as_loss_sum(outputs.loss, count_items(batch), device)
+                evaluation.update({"loss_sum": loss_sum, "num_items": num_items, "rows": first_dimension(batch),
+                                   "logits": outputs.logits, "labels": batch["labels"]})
+            bar.update(len(rows))
+    return predictions, probabilities, evaluation
+
+
+def prediction_lines(predictions, probabilities, label_names: list[str]):
+    """One JSON line per row: the predicted label, its probability, and every label's."""
+    for best, row in zip(predictions.tolist(), probabilities.tolist()):
+        yield json.dumps({"label": label_names[best], "probability": row[best],
+                          "probabilities": dict(zip(label_names, row))})
+
+
+def evaluation_table(scores: dict, baseline: dict) -> str:
+    lines = ["| | model | majority class |", "|---|---|---|"]
+    for key, label in (("accuracy", "accuracy"), ("f1", "macro-F1")):
+        lines.append(f"| {label} | {scores[key]:.4f} | {baseline[key]:.4f} |")
+    lines.append(f"| loss | {scores['loss']:.4f} | |")
+    lines.append(f"| rows | {scores['count']} | |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- generation
+def generate(model, tokenizer, data, args, device, precision, print) -> list[str]:
+    """Each row's greedy continuation (--max-new-tokens), decoded, in input order."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from looptrain import data as data_module
+    from looptrain.batches import move_to
+
+    pad_id = next((value for value in (tokenizer.pad_token_id, tokenizer.eos_token_id, model.config.pad_token_id,
+                                       model.config.eos_token_id) if isinstance(value, int)), 0)
+    dataset = data_module.tokenize(data, tokenizer, args.max_length, progress=not args.no_progress_bar)
+    if dataset.num_truncated:
+        print(f"notice: {dataset.num_truncated} of {len(dataset)} prompts were truncated to {args.max_length} tokens")
+    loader = data_module.make_eval_loader(dataset, args.batch_size, data_module.DynamicPaddingCollator(pad_id),
+                                          num_replicas=1, rank=0)
+    generated: list[str] = [""] * len(dataset)
+    bar = tqdm(total=len(dataset), desc="generating", unit="rows", disable=True if args.no_progress_bar else None)
+    with torch.no_grad(), bar:
+        for rows, batch in zip(loader.batch_sampler, loader):
+            batch = move_to(left_padded(batch), device)
+            with precision.autocast():
+                output = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                        max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=pad_id)
+            new_tokens = output[:, batch["input_ids"].shape[1]:]
+            for row, tokens in zip(rows, new_tokens):
+                generated[row] = tokenizer.decode(tokens, skip_special_tokens=True)
+            bar.update(len(rows))
+    return generated
+
+
+def left_padded(batch: dict) -> dict:
+    """A right-padded batch (DynamicPaddingCollator's) padded on the left instead, as decoder-only generation needs."""
+    import torch
+
+    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    width = batch["input_ids"].shape[1]
+    return {key: torch.stack([torch.roll(row, width - length) for row, length in zip(batch[key], lengths)])
+            for key in ("input_ids", "attention_mask")}
+
+
+# ---------------------------------------------------------------------- the run
+def write_lines(path: str, lines) -> None:
+    """Writes the lines to `path` through a temporary file, so a failed run leaves no half-written output."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = target.with_name(f".{target.name}.tmp")
+    with open(temporary, "w", encoding="utf-8") as handle:
+        for line in lines:
+            handle.write(line + "\n")
+    os.replace(temporary, target)
+
+
+def compute_settings(args):
+    """The device and the autocast precision of --device and --precision (UsageError when they cannot run here)."""
+    from looptrain.precision import Precision, precision_problem, resolve_device, resolve_precision
+
+    try:
+        device = resolve_device(args.device)
+    except ValueError as error:
+        raise UsageError(f"--device: {error}") from None
+    name = resolve_precision(args.precision, device)
+    problem = precision_problem(device, name)
+    if problem:
+        raise UsageError(f"--precision {args.precision}: {problem}")
+    return device, Precision(device, name)
+
+
+def model_config_and_kind(args):
+    """The model's config and kind, with --max-length resolved (and checked) against its positions."""
+    from looptrain.cli.finetune import UsageError as FinetuneUsageError
+    from looptrain.cli.finetune import load_model_config
+
+    check_model_exists(args.model)
+    # finetune.py's reader of the config, which names the fix for a bad one; it checks an explicit --max-length.
+    checks = argparse.Namespace(trust_remote_code=args.trust_remote_code, max_length=args.max_length or 1,
+                                freeze_layers=0)
+    try:
+        config = load_model_config(args.model, checks)
+    except FinetuneUsageError as error:
+        raise UsageError(str(error)) from None
+    kind = model_kind(config, args.model)
+    if kind == "causal_lm" and (args.label_column or args.text_pair_column):
+        raise UsageError(f"--model {args.model} is a causal LM: it generates text, which --label-column does not "
+                         "score and --text-pair-column does not feed; drop them")
+    positions = getattr(config, "max_position_embeddings", None)
+    room = positions - args.max_new_tokens if kind == "causal_lm" and positions else positions  # prompt + new tokens
+    if room is not None and room < 1:
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens} fills the model's {positions} positions, leaving "
+                         f"none for the prompt; pass --max-new-tokens {positions // 2} or less")
+    if args.max_length is None:
+        trained = training_max_length(args.model)
+        args.max_length_source = "the training run's" if trained else "the default"
+        args.max_length = trained or min(DEFAULT_MAX_LENGTH, room or DEFAULT_MAX_LENGTH)
+    else:
+        args.max_length_source = "--max-length"
+    if kind == "causal_lm" and room is not None and args.max_length > room:
+        raise UsageError(f"--max-length {args.max_length} + --max-new-tokens {args.max_new_tokens} is more than the "
+                         f"model's {positions} positions; lower one of them (e.g. --max-length {max(room, 1)})")
+    return config, kind
+
+
+def run(args, print=builtins.print) -> dict:
+    """Loads the model and the data, predicts (and evaluates), writes the outputs; returns the summary."""
+    from transformers.utils import logging as hf_logging
+
+    from looptrain import data as data_module
+    from looptrain.metrics import majority_baseline
+    from looptrain.state import write_json_atomic
+
+    hf_logging.disable_progress_bar()  # no "Loading weights" bar: predict.py has its own
+    device, precision = compute_settings(args)
+    config, kind = model_config_and_kind(args)
+    data = read_data(args, config, kind)
+    for notice in data.notices:
+        print(f"notice: {notice}")
+    tokenizer = data_module.load_tokenizer(args.model, allow_slow=args.allow_slow_tokenizer,
+                                           trust_remote_code=args.trust_remote_code)
+    model = load_model(args.model, config, kind, args).to(device)
+    print(f"model {args.model} ({kind.replace('_', ' ')}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
+          f"params) on {device} in {precision.name}; data {args.data}: {len(data)} rows, at most {args.max_length} "
+          f"tokens ({args.max_length_source})")
+    started = time.perf_counter()
+    summary: dict = {"model": args.model, "data": args.data, "rows": len(data), "output": args.output}
+    if kind == "causal_lm":
+        generated = generate(model, tokenizer, data, args, device, precision, print)
+        write_lines(args.output, (json.dumps({"generated": text}) for text in generated))
+        print(f"generated {len(generated)} rows in {time.perf_counter() - started:.1f} s; wrote {args.output}")
+        return summary
+
+    label_names = [str(config.id2label.get(index, f"LABEL_{index}")) for index in range(config.num_labels)]
+    predictions, probabilities, evaluation = classify(model, tokenizer, data, args, device, precision, print)
+    counts = Counter(predictions.tolist())
+    print(f"predicted {len(data)} rows in {time.perf_counter() - started:.1f} s: "
+          + ", ".join(f"{name} {counts[index]}" for index, name in enumerate(label_names)))
+    if args.output is not None:
+        write_lines(args.output, prediction_lines(predictions, probabilities, label_names))
+        print(f"wrote {args.output}")
+    if evaluation is not None:
+        summary["metrics"] = evaluation.compute()
+        summary["majority_baseline"] = majority_baseline(data.labels)  # as finetune.py's summary.json has it
+        print(evaluation_table(summary["metrics"], summary["majority_baseline"]))
+        if args.metrics_json is not None:
+            write_json_atomic(args.metrics_json, summary)
+            print(f"wrote {args.metrics_json}")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the command line; returns the exit code (0 ok, 2 for a user error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    from looptrain import DataError
+
+    try:
+        check_flags(args)
+        run(args)
+    except (UsageError, DataError) as error:
+        if args.debug:
+            raise
+        print(f"predict.py: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main_entry() -> None:
+    """The `looptrain-predict` console script: exits with main's code."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
