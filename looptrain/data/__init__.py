@@ -3,7 +3,8 @@
 The modules, in the order a training run uses them:
 
 - ``errors``: :class:`DataError`, raised for every bad input, with the problem and the fix.
-- ``readers``: :func:`read_classification_data`, CSV / TSV / JSONL / dicts into :class:`TextClassificationData`.
+- ``readers``: :func:`read_classification_data`, CSV / TSV / JSONL / JSON / Parquet files, save_to_disk
+  directories, cached Hub datasets and dicts into :class:`TextClassificationData`.
 - ``tokenize``: :func:`load_tokenizer` (fast only) and :func:`tokenize`, texts into a :class:`TokenizedDataset`.
 - ``collate``: :class:`DynamicPaddingCollator` pads each batch to its longest sequence (or ``max_length``).
 - ``samplers``: the random, length-grouped and token-budget batch samplers, and :func:`eval_batches`.

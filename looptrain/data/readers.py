@@ -1,12 +1,18 @@
-"""Readers: CSV / TSV / JSONL files and sequences of dicts into a checked TextClassificationData.
+"""Readers: data files, datasets' directories, cached Hub datasets and sequences of dicts into a checked
+TextClassificationData.
 
-String labels map to ids with a sorted, deterministic mapping. Input that would train on the wrong
-data raises :class:`DataError` naming the file (and line or row) and the fix; input that is legal
-but may not be what the user meant adds a one-line notice to ``TextClassificationData.notices``.
+Files: CSV, TSV, JSONL, a JSON array of objects, Parquet. Directories written by ``datasets``'
+``save_to_disk`` and Hub datasets already in the local datasets cache are read with ``datasets`` (imported
+only for them; Parquet needs only ``pyarrow``); ``path:split`` chooses a split. Every source then goes
+through the same column and label checks. String labels map to ids with a sorted, deterministic mapping.
+Input that would train on the wrong data raises :class:`DataError` naming the file (and line or row) and
+the fix; input that is legal but may not be what the user meant adds a one-line notice to
+``TextClassificationData.notices``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import difflib
 import io
@@ -22,7 +28,15 @@ from typing import Any
 
 from looptrain.data.errors import DataError
 
-SUPPORTED_EXTENSIONS = (".csv", ".tsv", ".jsonl")
+SUPPORTED_EXTENSIONS = (".csv", ".tsv", ".jsonl", ".json", ".parquet")
+_DATA_EXTRA = "pip install 'looptrain[data]'"  # datasets, which brings pyarrow
+# What save_to_disk writes at the top of a DatasetDict's directory, and of a Dataset's.
+_SAVED_DATASET_FILES = ("dataset_dict.json", "state.json")
+# A Hub dataset id: a name or namespace/name, without a file extension (which would make it a file name).
+_HUB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+# What may follow a dataset directory or Hub name after ':': a split, or (Hub) a configuration and a split.
+_SELECTOR_PATTERN = re.compile(r"^[\w.-]+(:[\w.-]+)?$")
+_ARROW_BATCH_ROWS = 4096  # rows converted to Python at a time from Parquet and datasets' Arrow tables
 _INTEGER_PATTERN = re.compile(r"^-?\d+$")
 # A number as spreadsheets and pandas write it: 0.5, +1, 1e-3, .5 (not nan / inf, which read as words).
 _NUMBER_PATTERN = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
@@ -86,11 +100,17 @@ def read_classification_data(
     encoding_errors: str = "strict",
     max_samples: int | None = None,
 ) -> TextClassificationData:
-    """Reads a text-classification data set from CSV, TSV, JSONL, or a sequence of dicts.
+    """Reads a text-classification data set from a file, a datasets directory, a cached Hub dataset or dicts.
 
     Args:
-        source: A ``.csv``, ``.tsv`` or ``.jsonl`` path, or any iterable of dict-like rows (a
-            ``datasets.Dataset``, a list of dicts).
+        source: One of
+            - a ``.csv``, ``.tsv``, ``.jsonl``, ``.json`` (an array of objects, or ``{"data": [...]}``) or
+              ``.parquet`` path;
+            - a directory written by ``datasets``' ``save_to_disk``: ``dir`` for a ``Dataset``,
+              ``dir:split`` for a ``DatasetDict`` (``dir`` alone when it holds a single split);
+            - a Hub dataset id already in the local datasets cache, never downloaded: ``name``,
+              ``name:split`` or ``name:config:split`` (the split may be left out when there is one);
+            - any iterable of dict-like rows (a ``datasets.Dataset``, a list of dicts).
         text_column: The text column, or a ``(first, second)`` pair of columns for pair tasks.
         label_column: The label column, or None for unlabeled data.
         label_names: A label mapping to reuse (``train.label_names``): pass it when reading eval data
@@ -108,10 +128,12 @@ def read_classification_data(
         order, sorted so that the mapping is deterministic, and notices about the data.
 
     Raises:
-        DataError: On a missing file or column, a directory, a repeated column, an empty file, a bad
-            JSON line, a null or empty text, integer ids mixed with class names, an unknown label, a
-            label out of range, or (reading training data: neither ``label_names`` nor
-            ``num_labels`` given) a single class.
+        DataError: On a missing file or column, a directory not written by ``save_to_disk``, a split
+            not chosen or not present, a Hub dataset not in the local cache, ``datasets`` or ``pyarrow``
+            not installed (for the formats that need them), a repeated column, an empty file, bad
+            JSON, a JSON file that is not an array of objects, an unreadable Parquet file, a null or
+            empty text, integer ids mixed with class names, an unknown label, a label out of range,
+            or (reading training data: neither ``label_names`` nor ``num_labels`` given) a single class.
     """
     text_columns = (text_column,) if isinstance(text_column, str) else tuple(text_column)
     if len(text_columns) not in (1, 2):
@@ -120,7 +142,7 @@ def read_classification_data(
 
     if isinstance(source, (str, os.PathLike)):
         source_name = os.fspath(source)
-        rows, columns = _read_file(source_name, encoding, encoding_errors)
+        rows, columns = _read_path(source_name, encoding, encoding_errors)
     else:
         source_name = f"<{type(source).__name__}>"
         rows, columns = _read_sequence(source)
@@ -162,25 +184,53 @@ def read_classification_data(
 _Rows = Iterator[tuple[str, Mapping[str, Any]]]
 
 
-def _read_file(path: str, encoding: str, encoding_errors: str) -> tuple[_Rows, list[str]]:
+def _read_path(spec: str, encoding: str, encoding_errors: str) -> tuple[_Rows, list[str]]:
+    """A data file, a directory save_to_disk wrote (``dir[:split]``), or a cached Hub dataset (``name[:config]:split``).
+
+    A Hub name is any path without a file extension that does not exist: ``name``, ``namespace/name``.
+    """
+    path, selector = _split_selector(spec)
     if os.path.isdir(path):
+        if any(os.path.isfile(os.path.join(path, name)) for name in _SAVED_DATASET_FILES):
+            return _saved_dataset_rows(path, selector, spec)
         raise DataError(
-            f"{path} is a directory, not a file; pass the path of a data file inside it (--data / --eval-data)"
+            f"{path} is a directory, not a file; pass the path of a data file inside it, or a directory written by "
+            "datasets' save_to_disk (--data / --eval-data)"
         )
+    if selector is not None and os.path.isfile(path):
+        raise DataError(f"{spec}: {path} is a file, and ':{selector}' chooses a split of a datasets directory or a Hub "
+                        f"dataset; drop ':{selector}'")
     extension = os.path.splitext(path)[1].lower()
+    if not extension and not os.path.exists(path) and _HUB_NAME_PATTERN.match(path):
+        return _hub_dataset_rows(path, selector, spec)
     if extension not in SUPPORTED_EXTENSIONS:
         raise DataError(
             f"{path}: unsupported file type {extension or '(none)'!r}; use one of "
-            f"{', '.join(SUPPORTED_EXTENSIONS)} or pass a sequence of dicts"
+            f"{', '.join(SUPPORTED_EXTENSIONS)}, a directory written by datasets' save_to_disk, a Hub dataset name, "
+            "or pass a sequence of dicts"
         )
     if not os.path.isfile(path):
         raise DataError(f"data file not found: {path}; check the path (--data / --eval-data)")
+    if extension == ".parquet":
+        return _parquet_rows(path)
     text = _decode_file(path, encoding, encoding_errors)
     if not text.strip():
         raise DataError(f"{path} is empty; point to a file with a header and data rows")
     if extension == ".jsonl":
         return _jsonl_rows(text, path)
+    if extension == ".json":
+        return _json_array_rows(text, path)
     return _delimited_rows(text, "\t" if extension == ".tsv" else ",", path)
+
+
+def _split_selector(spec: str) -> tuple[str, str | None]:
+    """``dir:test`` -> (``dir``, ``test``); a path that exists, or whose ':' starts no selector, is kept whole."""
+    if os.path.exists(spec) or ":" not in spec:
+        return spec, None
+    path, selector = spec.split(":", 1)
+    if not path or not _SELECTOR_PATTERN.match(selector):
+        return spec, None
+    return path, selector
 
 
 def _decode_file(path: str, encoding: str, encoding_errors: str) -> str:
@@ -244,12 +294,17 @@ def _check_header(header: list[str], delimiter: str, path: str) -> None:
             if separator in header[0]:
                 raise DataError(f"{path}: the header {header[0]!r} is one column that contains {plural}: the file "
                                 f"looks {kind}; {fix.format(stem=os.path.splitext(path)[0])}")
-    counts = Counter(name for name in header if name)
+    _check_unique_columns(header, path, "in the header")
+
+
+def _check_unique_columns(columns: Sequence[str], path: str, where: str) -> None:
+    """Refuses a column name given twice (a CSV header, a Parquet schema): only the last one would be read."""
+    counts = Counter(name for name in columns if name)
     for name, count in counts.items():
         if count > 1:
-            positions = [str(position) for position, column in enumerate(header, 1) if column == name]
+            positions = [str(position) for position, column in enumerate(columns, 1) if column == name]
             raise DataError(
-                f"{path}: column {name!r} appears {count} times in the header (columns {', '.join(positions)}); "
+                f"{path}: column {name!r} appears {count} times {where} (columns {', '.join(positions)}); "
                 "rename or remove the duplicates: only the last one would be read"
             )
 
@@ -280,7 +335,7 @@ def _jsonl_rows(text: str, path: str) -> tuple[_Rows, list[str]]:
 
 def _parse_json_line(line: str, path: str, number: int) -> dict[str, Any]:
     try:
-        value = json.loads(line, object_pairs_hook=lambda pairs: _unique_keys(pairs, path, number))
+        value = json.loads(line, object_pairs_hook=lambda pairs: _unique_keys(pairs, f"{path}:{number}"))
     except DataError:
         raise  # a repeated key: the message is complete (and DataError is a ValueError, caught below)
     except json.JSONDecodeError as error:
@@ -297,17 +352,56 @@ def _parse_json_line(line: str, path: str, number: int) -> dict[str, Any]:
     return value
 
 
-def _unique_keys(pairs: list[tuple[str, Any]], path: str, number: int) -> dict[str, Any]:
+def _unique_keys(pairs: list[tuple[str, Any]], where: str) -> dict[str, Any]:
     """Builds one JSON object, refusing a repeated key (json.loads alone keeps the last value)."""
     value = dict(pairs)
     if len(value) < len(pairs):
         counts = Counter(key for key, _ in pairs)
         key = next(key for key, count in counts.items() if count > 1)
         raise DataError(
-            f"{path}:{number}: key {key!r} appears {counts[key]} times in one JSON object; "
+            f"{where}: key {key!r} appears {counts[key]} times in one JSON object; "
             "keep one: only the last one would be read"
         )
     return value
+
+
+_JSON_SHAPE = 'a JSON array of objects ([{"text": ..., "label": ...}, ...]) or {"data": [...]}'
+
+
+def _json_array_rows(text: str, path: str) -> tuple[_Rows, list[str]]:
+    """A .json file: an array of objects, or an object whose "data" key holds one; its rows are numbered from 0."""
+    try:
+        value = json.loads(text, object_pairs_hook=lambda pairs: _unique_keys(pairs, path))
+    except DataError:
+        raise  # a repeated key: the message is complete (and DataError is a ValueError, caught below)
+    except json.JSONDecodeError as error:
+        fix = ("the file holds several JSON values: for one object per line, rename it to "
+               f"{os.path.splitext(path)[0]}.jsonl" if error.msg == "Extra data" else "fix the JSON")
+        raise DataError(
+            f"{path}:{error.lineno}: not valid JSON ({error.msg} at column {error.colno}); {fix}"
+        ) from error
+    except RecursionError as error:
+        raise DataError(f"{path}: JSON nested too deeply to read; flatten the file") from error
+    except ValueError as error:  # an integer longer than sys.get_int_max_str_digits()
+        raise DataError(f"{path}: cannot read this JSON ({error}); fix the value") from error
+    if isinstance(value, dict) and isinstance(value.get("data"), list):
+        value = value["data"]
+    if not isinstance(value, list):
+        found = (f"an object with the keys {', '.join(map(repr, value))}" if isinstance(value, dict)
+                 else f"a {type(value).__name__}")
+        raise DataError(f"{path}: expected {_JSON_SHAPE}, got {found}; for one object per line, name the file .jsonl")
+    if not value:
+        raise DataError(f"{path} holds an empty JSON array; add rows or point to the right file")
+    if not isinstance(value[0], dict):
+        raise DataError(f"{path}: expected {_JSON_SHAPE}, but row 0 is a {type(value[0]).__name__}")
+
+    def rows() -> _Rows:
+        for index, row in enumerate(value):
+            if not isinstance(row, dict):
+                raise DataError(f"{path} row {index}: expected a JSON object, got {type(row).__name__}")
+            yield f"row {index}", row
+
+    return rows(), list(value[0].keys())
 
 
 def _read_sequence(source: Iterable[Mapping[str, Any]]) -> tuple[_Rows, list[str]]:
@@ -328,6 +422,136 @@ def _read_sequence(source: Iterable[Mapping[str, Any]]) -> tuple[_Rows, list[str
             yield f"row {index}", row
 
     return rows(), columns
+
+
+def _parquet_rows(path: str) -> tuple[_Rows, list[str]]:
+    """A .parquet file's rows, numbered from 0, read with pyarrow a batch at a time."""
+    try:
+        import pyarrow.parquet as parquet
+    except ImportError as error:
+        raise DataError(f"reading {path} (Parquet) needs pyarrow: {_DATA_EXTRA} (or pip install pyarrow)") from error
+    if os.path.getsize(path) == 0:
+        raise DataError(f"{path} is empty; point to a Parquet file with rows")
+    try:
+        parquet_file = parquet.ParquetFile(path)
+        columns, num_rows = list(parquet_file.schema_arrow.names), parquet_file.metadata.num_rows
+    except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid is a ValueError, its IO errors are OSErrors
+        raise DataError(f"{path}: not a readable Parquet file ({_one_line(error)}); write it again (pandas: "
+                        "frame.to_parquet(path)), or give it the extension of its real format") from error
+    _check_unique_columns(columns, path, "in the Parquet schema")
+    if num_rows == 0:
+        raise DataError(f"{path} has the columns {', '.join(columns)} but no rows; point to the right file")
+    return _arrow_rows(parquet_file.iter_batches(batch_size=_ARROW_BATCH_ROWS), path), columns
+
+
+def _arrow_rows(batches: Iterable[Any], source_name: str) -> _Rows:
+    """The rows of Arrow record batches or tables (Parquet, datasets) as dicts, numbered from 0."""
+    iterator = iter(batches)
+    index = 0
+    while True:
+        try:
+            batch = next(iterator, None)
+        except (OSError, ValueError) as error:  # a truncated or corrupt file, found while reading it
+            raise DataError(f"{source_name}: cannot read the rows from row {index} on ({_one_line(error)}); the "
+                            "file may be truncated or corrupt: write it again") from error
+        if batch is None:
+            return
+        for row in batch.to_pylist():
+            yield f"row {index}", row
+            index += 1
+
+
+def _one_line(error: Exception) -> str:
+    """An error message from pyarrow or datasets on one line (they may span several)."""
+    return " ".join(str(error).split())
+
+
+def _import_datasets(reading: str) -> Any:
+    """The datasets package, or a DataError that says how to install it."""
+    try:
+        import datasets
+    except ImportError as error:
+        raise DataError(f"{reading} needs the datasets package: {_DATA_EXTRA} (or pip install datasets)") from error
+    return datasets
+
+
+def _saved_dataset_rows(path: str, split: str | None, spec: str) -> tuple[_Rows, list[str]]:
+    """A directory written by save_to_disk: a Dataset (``path``) or a DatasetDict (``path:split``)."""
+    datasets = _import_datasets(f"reading {path} (a directory written by save_to_disk)")
+    try:
+        loaded = datasets.load_from_disk(path)
+    except (OSError, ValueError) as error:  # missing or corrupt arrow files, a bad dataset_info.json / state.json
+        raise DataError(f"{path}: cannot read this datasets directory ({_one_line(error)}); write it again with "
+                        "save_to_disk") from error
+    return _dataset_rows(_choose_split(datasets, loaded, path, split, spec), spec)
+
+
+def _hub_dataset_rows(name: str, selector: str | None, spec: str) -> tuple[_Rows, list[str]]:
+    """A Hub dataset read from the local datasets cache with load_dataset in offline mode: nothing is downloaded."""
+    datasets = _import_datasets(f"{name} is not a file or directory; reading it as a Hub dataset")
+    config, _, split = (selector or "").rpartition(":")
+    with _offline(datasets):
+        try:
+            loaded = datasets.load_dataset(name, config or None)
+        except (ConnectionError, FileNotFoundError) as error:  # not in the cache: offline, the Hub is not asked
+            raise DataError(
+                f"{name} is not a file or directory, and the Hub dataset {name!r} is not in the local datasets cache "
+                f"({datasets.config.HF_DATASETS_CACHE}); looptrain never downloads: check the path, or download the "
+                f"dataset once while online: python -c \"import datasets; datasets.load_dataset('{name}')\" (the "
+                "HF_DATASETS_CACHE variable sets where the cache is)"
+            ) from error
+        except ValueError as error:  # most often: several configurations in the cache, or not the one asked for
+            raise DataError(f"{spec}: cannot read the Hub dataset {name!r} from the local cache ({_one_line(error)}); "
+                            f"if it has several configurations, name one: {name}:CONFIG:SPLIT") from error
+    return _dataset_rows(_choose_split(datasets, loaded, name, split or None, spec), spec)
+
+
+@contextlib.contextmanager
+def _offline(datasets: Any) -> Iterator[None]:
+    """load_dataset as under HF_DATASETS_OFFLINE=1: it reads the local cache and never reaches the Hub.
+
+    datasets and huggingface_hub read the variables once, when imported; their settings are switched for the call.
+    """
+    import huggingface_hub.constants
+
+    settings = [(module, name) for module in (datasets.config, huggingface_hub.constants)
+                for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if hasattr(module, name)]
+    saved = [getattr(module, name) for module, name in settings]
+    try:
+        for module, name in settings:
+            setattr(module, name, True)
+        yield
+    finally:
+        for (module, name), value in zip(settings, saved):
+            setattr(module, name, value)
+
+
+def _choose_split(datasets: Any, loaded: Any, where: str, split: str | None, spec: str) -> Any:
+    """The Dataset to read: ``loaded`` itself, or its split ``split`` (which may be left out when there is one)."""
+    if not isinstance(loaded, datasets.DatasetDict):
+        if split is not None:
+            raise DataError(f"{spec}: {where} holds one data set, not splits; drop ':{split}'")
+        return loaded
+    splits = list(loaded)
+    if not splits:
+        raise DataError(f"{where} holds no splits; point to the right directory or dataset")
+    if split is None and len(splits) == 1:
+        return loaded[splits[0]]
+    example = f"{where}:{'train' if 'train' in loaded else splits[0]}"
+    if split is None:
+        raise DataError(f"{where} holds the splits {', '.join(splits)}; choose one, e.g. {example} "
+                        "(--data / --eval-data)")
+    if split not in loaded:
+        raise DataError(f"{spec}: {where} has no split {split!r}; its splits are {', '.join(splits)}, e.g. {example}")
+    return loaded[split]
+
+
+def _dataset_rows(dataset: Any, source_name: str) -> tuple[_Rows, list[str]]:
+    """A datasets.Dataset's rows, numbered from 0, converted from Arrow a batch at a time."""
+    columns = list(dataset.column_names)
+    if dataset.num_rows == 0:
+        raise DataError(f"{source_name} has the columns {', '.join(columns)} but no rows; point to the right split")
+    return _arrow_rows(dataset.with_format("arrow").iter(batch_size=_ARROW_BATCH_ROWS), source_name), columns
 
 
 def _check_columns(columns: Sequence[str], wanted: Sequence[str], source_name: str) -> None:
