@@ -115,11 +115,16 @@ class GradualUnfreezing:
         if last == len(self.stages) - 1:
             return None
         never = ", ".join(label for label, _ in self.stages[last + 1:])
-        fix = (f"lower it to at most {planned_updates // len(self.stages)} updates" if self.every != "epoch"
-               else f"train at least {len(self.stages)} epochs (--epochs), or give a number of updates")
+        stages = len(self.stages)
+        if self.every == "epoch":
+            fix = f"train at least {stages} epochs (--epochs), or give a number of updates"
+        elif planned_updates >= stages:
+            fix = f"lower it to at most {planned_updates // stages} updates"
+        else:
+            fix = f"train at least {stages} updates (--max-steps, --epochs)"
         return (f"unfreeze_every={self.every!r} (--unfreeze-schedule) but the run makes {planned_updates} updates in "
-                f"{epochs} epoch(s): it reaches stage {last + 1} of {len(self.stages)}, and {never} never train; "
-                f"{fix} to reach every stage")
+                f"{epochs} epoch(s): it reaches stage {last + 1} of {stages}, and {never} never train; {fix} to "
+                "reach every stage")
 
     def describe(self) -> str:
         """One line: the stages in order and when each starts."""

@@ -31,6 +31,10 @@ def main(family: str, count: int, output: str) -> int:
     loop.fit()
     if rank == 0:
         torch.save({"state_dict": model.state_dict(), "step": loop.step}, output)
+    # Leave the group together: a rank that exits while gloo's threads still serve the other aborts ("terminate
+    # called without an active exception").
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
     return 0
 
 

@@ -9,6 +9,7 @@ already there is left byte for byte as it was.
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 from pathlib import Path
 
@@ -192,3 +193,74 @@ def test_a_bad_input_exits_2_with_a_message_that_names_the_fix(files, tmp_path, 
     assert written <= {".looptrain.lock"}, written
     for run, files_before in before.items():  # the runs already there are untouched
         assert snapshot(files[run]) == files_before, run
+
+
+def test_a_full_disk_at_a_checkpoint_names_the_space_needed_and_leaves_no_partial_checkpoint(files, tmp_path):
+    """A real write failure, in a child process: a file-size limit (RLIMIT_FSIZE) makes torch.save fail exactly as
+    a full disk does ("[enforce fail at inline_container.cc] unexpected pos"), once the weights are written."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    def limit_file_size():  # in the child: writes past 120 kB fail (the optimizer state is ~180 kB)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (120_000, 120_000))
+
+    output_dir = tmp_path / "full"
+    argv = format_argv(BASE, {**files, "out": output_dir}) + ["--eval-every", "1"]
+    done = subprocess.run([sys.executable, "-m", "looptrain.cli.finetune", *argv], capture_output=True, text=True,
+                          preexec_fn=limit_file_size, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert re.search(rf"cannot write checkpoint-1 in {re.escape(str(output_dir))}: no space left .*inline_container.*"
+                     r"It needs about 0\.\d MB; .* MB free\. Free some space or pass an output directory on a larger "
+                     r"disk \(--output-dir\) and --resume the last checkpoint", done.stderr), done.stderr
+    assert not [path.name for path in output_dir.iterdir() if "checkpoint-1" in path.name]  # no partial or temp dir
+
+
+def test_a_second_ctrl_c_stops_at_once_with_exit_130_and_keeps_the_saved_checkpoints(files, tmp_path, capsys,
+                                                                                    monkeypatch):
+    import os
+    import signal
+
+    from looptrain import Loop
+
+    def two_interrupts(self, *, step, **_):
+        if step == 2:  # checkpoint-1 was saved at step 1; now Ctrl-C, and Ctrl-C again before the window ends
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(Loop, "on_step_end", two_interrupts)
+    output_dir = tmp_path / "interrupted"
+    argv = format_argv(BASE, {**files, "out": output_dir}) + ["--eval-every", "1", "--max-steps", "3"]
+    assert finetune.main(argv) == 130
+    captured = capsys.readouterr()
+    assert "SIGINT received: stopping after this window and saving a checkpoint (send it again to stop at once" \
+        in captured.out
+    assert "finetune.py: stopped at once: the window in progress was not saved. Checkpoints already in" in captured.err
+    assert "--resume auto continues from the last one" in captured.err and "Traceback" not in captured.err
+    assert sorted(path.name for path in output_dir.glob("*checkpoint*")) == ["checkpoint-1"]
+    assert (output_dir / "checkpoint-1" / "COMPLETE").is_file()
+    monkeypatch.undo()
+    assert finetune.main(argv + ["--resume", "auto"]) == 0  # as the message says
+    assert "resum" in capsys.readouterr().out.lower()
+    assert json.loads((output_dir / "summary.json").read_text())["optimizer_steps"] == 3
+
+
+@pytest.mark.parametrize("schedule, steps, fix", [
+    ("1000", "8", "lower it to at most 2 updates"),
+    ("epoch", "8", "train at least 4 epochs (--epochs), or give a number of updates"),
+])
+def test_an_unfreezing_schedule_longer_than_the_run_is_said_at_the_start(files, tmp_path, capsys, schedule, steps,
+                                                                         fix):
+    argv = format_argv(BASE, {**files, "out": tmp_path / "run"}) + ["--unfreeze-schedule", schedule,
+                                                                     "--max-steps", steps, "--batch-size", "4"]
+    assert finetune.main(argv) == 0
+    out = capsys.readouterr().out
+    notice = next(line for line in out.splitlines() if line.startswith("notice: unfreeze_every"))
+    assert f"the run makes {steps} updates in 1 epoch(s): it reaches stage 1 of 4" in notice
+    assert "never train" in notice and fix in notice
+    assert out.index(notice) < out.index("unfreeze: stage 1/4")  # said before training starts
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["unfreeze"]["stage"] == 1 and summary["unfreeze"]["stages"] == 4  # what the notice said

@@ -12,7 +12,7 @@ import pytest
 from looptrain.cli import finetune, plan
 
 ROOT = Path(__file__).resolve().parent.parent
-EXPECTED_SCRIPTS = {"looptrain-finetune", "looptrain-plan", "looptrain-estimate"}
+EXPECTED_SCRIPTS = {"looptrain-finetune", "looptrain-plan", "looptrain-estimate", "looptrain-predict"}
 
 
 def declared_console_scripts() -> dict[str, str]:

@@ -406,3 +406,27 @@ def parquet_files(draw) -> bytes:
 @given(raw=parquet_files(), options=READ_OPTIONS)
 def test_fuzz_parquet(tmp_path, raw, options):
     check_reader(tmp_path / "fuzz.parquet", raw, options)
+
+
+def test_a_runs_identity_covers_the_files_of_a_saved_dataset_and_its_split(tmp_path):
+    """--resume auto refuses a run whose save_to_disk data changed behind the same DIR:SPLIT, or another split."""
+    import datasets
+
+    from looptrain.cli import finetune
+
+    directory = tmp_path / "saved"
+    datasets.DatasetDict(train=datasets.Dataset.from_list(ROWS),
+                         test=datasets.Dataset.from_list(ROWS[:2])).save_to_disk(str(directory))
+
+    def data_identity(source: str) -> dict:
+        args = finetune.build_parser().parse_args(["--data", source, "--eval-data", f"{directory}:test"])
+        return finetune.run_identity(args, str(tmp_path / "model"), 1)["data"]["train"]
+
+    before = data_identity(f"{directory}:train")
+    assert before["split"] == "train" and any(name.startswith("train/") for name in before["files"])
+    assert data_identity(f"{directory}:test") != before  # another split is another run
+    datasets.DatasetDict(train=datasets.Dataset.from_list(ROWS[::-1]),
+                         test=datasets.Dataset.from_list(ROWS[:2])).save_to_disk(str(tmp_path / "other"))
+    for item in (tmp_path / "other" / "train").iterdir():  # new rows behind the same path
+        (directory / "train" / item.name).write_bytes(item.read_bytes())
+    assert data_identity(f"{directory}:train") != before

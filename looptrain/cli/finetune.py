@@ -386,11 +386,19 @@ def run_identity(args, model_path: str, world_size: int) -> dict:
     identity (with the LoopConfig's schedule and seed) is the same (see looptrain.ledger)."""
     from looptrain.ledger import file_fingerprint
 
-    def fingerprint(path) -> dict | str:
+    def fingerprint(source) -> dict | str:
+        """A file's size and head hash; a `save_to_disk` directory's (or DIR:SPLIT's) every file's; else the name."""
+        path, split = Path(source), None
+        if not path.exists() and ":" in str(source) and Path(str(source).rsplit(":", 1)[0]).is_dir():
+            path, split = Path(str(source).rsplit(":", 1)[0]), str(source).rsplit(":", 1)[1]
         try:
+            if path.is_dir():
+                files = {str(item.relative_to(path)): file_fingerprint(item) for item in sorted(path.rglob("*"))
+                         if item.is_file()}
+                return {"directory": str(source), "split": split, "files": files}
             return file_fingerprint(path)
         except OSError:
-            return str(path)  # not a readable file: the reader will say so with its own error
+            return str(source)  # not readable (or a cached hub dataset's name): the reader says what is wrong
 
     model = Path(model_path)
     weights = sorted(p for pattern in ("config.json", "*.safetensors", "*.bin") for p in model.glob(pattern)) \
