@@ -4,18 +4,23 @@ r"""The estimator's command line (`looptrain.planning.estimate`): `python -m loo
     python -m looptrain.memory --model DIR --batch-size 8 --seq-len 256 --precision bf16 --grad-checkpoint
     python -m looptrain.memory --preset bert-large --weights bf16 --optim adafactor --optim-in-backward \
         --grad-checkpoint
+    python -m looptrain.memory --model DIR --seq-len 2048 --batch-size 1 --lowest --json
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
+import platform
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from looptrain import strategy as strategies
 from looptrain.planning.estimator import ESTIMATE_METER, PRESETS, estimate, ladder, load_config, preset_config
+from looptrain.planning.planner import PlanError, lowest
+from looptrain.precision import cpu_has_native_bf16
 
 
 def _table(rows: list[tuple[str, dict[str, Any]]],
@@ -44,12 +49,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m looptrain.memory",
                                      description="Estimate the peak memory of a training step on fake tensors.")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--preset", choices=sorted(PRESETS), help="a built-in BERT shape (no download)")
+    source.add_argument("--preset", choices=sorted(PRESETS),
+                        help="a built-in shape (no download): BERT classifiers, Qwen2.5 causal LMs")
     source.add_argument("--config", help="a config.json file (with model_type)")
     source.add_argument("--model", help="a local model directory (its config only is read)")
     parser.add_argument("--seq-len", type=strategies.at_least(1), default=128)
     parser.add_argument("--num-labels", type=strategies.at_least(1), default=2)
     parser.add_argument("--ladder", action="store_true", help="print the table of strategy mixes")
+    parser.add_argument("--lowest", action="store_true",
+                        help="search the levers that keep the task and the math (numerics, optimizer, checkpointing, "
+                             "the fused step, ...) for the full fine-tune with the lowest estimate; the levers you "
+                             "pass are kept")
+    parser.add_argument("--cpu-kind", choices=("this", "native-bf16", "no-bf16"), default="this",
+                        help="with --lowest: plan bf16 for this CPU (bf16 tried where it is native), or for a CPU "
+                             "with / without native bf16")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON (with --lowest)")
     parser.add_argument("--max-grad-norm", type=float, default=1.0,
                         help="the Loop's clipping threshold (clipping temporaries)")
     # Every lever of looptrain.Strategy the estimator prices, from its field metadata (as in looptrain-finetune).
@@ -61,8 +75,49 @@ def _parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
+def given_levers(argv: Sequence[str]) -> set[str]:
+    """The strategy fields whose flag is on the command line (kept as given by ``--lowest``)."""
+    given = set()
+    for spec in strategies.levers(strategies.Strategy):
+        flag = spec.metadata["lever"]["flag"]
+        if any(argument == flag or argument.startswith(flag + "=") for argument in argv):
+            given.add(spec.name)
+    if given & {"gradient_checkpointing", "checkpoint_every"}:
+        given |= {"gradient_checkpointing", "checkpoint_every"}
+    return given
+
+
+def cpu_description() -> dict[str, Any]:
+    """The CPU an estimate plans bf16 for: torch's capability and whether oneDNN computes bf16 natively."""
+    import torch
+
+    return {"processor": platform.processor() or platform.machine(),
+            "capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": cpu_has_native_bf16()}
+
+
+def _lowest(arguments: argparse.Namespace, config: Any, argv: Sequence[str]) -> int:
+    native = {"this": None, "native-bf16": True, "no-bf16": False}[arguments.cpu_kind]
+    echo = (lambda line: print(line, file=sys.stderr)) if arguments.json else print
+    result = lowest(config, arguments.batch_size, arguments.seq_len, strategies.from_arguments(arguments),
+                    fixed=given_levers(argv), native_bf16=native, max_grad_norm=arguments.max_grad_norm,
+                    num_labels=arguments.num_labels, echo=echo)
+    output = {**result.to_dict(), "seq_len": arguments.seq_len, "cpu": cpu_description(),
+              "cpu_kind": arguments.cpu_kind}
+    if arguments.json:
+        print(json.dumps(output, indent=2))
+    else:
+        print(f"\nlowest full fine-tune: {output['estimated_peak_bytes'] / 1024**3:.2f} GiB "
+              f"({ESTIMATE_METER}); flags: {' '.join(output['settings']['flags'])}")
+        print(_table([("lowest", result.estimate)]))
+        for note in result.notes:
+            print(f"note: {note}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: print one estimate, or with ``--ladder`` the table of strategy mixes."""
+    """Command line: print one estimate, with ``--ladder`` the table of strategy mixes, with ``--lowest`` the
+    full fine-tune with the lowest estimate (``--json``: as JSON)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     arguments = _parse_arguments(argv)
     try:
         if arguments.preset:
@@ -71,6 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             source = arguments.config or arguments.model
             config = load_config(source, arguments.num_labels)
+        if arguments.lowest:
+            return _lowest(arguments, config, argv)
         if arguments.ladder:
             rows = []
             for label, options in ladder(arguments.batch_size, arguments.seq_len):
@@ -81,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             strategy = strategies.from_arguments(arguments, cls=strategies.Strategy)
             rows = [("as given", estimate(config, arguments.batch_size, arguments.seq_len, strategy,
                                           num_labels=arguments.num_labels, max_grad_norm=arguments.max_grad_norm))]
-    except ValueError as error:
+    except (ValueError, PlanError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     parameters = rows[0][1]["parameters"]

@@ -4,7 +4,8 @@ Modules:
     estimator   `estimate`: a training step's peak on fake tensors, driving the Loop's own update;
                 `estimate_windows` / `bounding_windows`: a run's peak over the batches it will see;
                 `measure`: the same strategy run for real, for the accuracy check
-    planner     `plan`: a memory budget in, the fastest exact training configuration that fits out
+    planner     `plan`: a memory budget in, the fastest exact training configuration that fits out;
+                `lowest`: the full fine-tune with the lowest estimated peak (``--lowest``)
 
 Their command lines live in `looptrain.cli` (`python -m looptrain.memory` is the estimate's).
 """
@@ -25,9 +26,11 @@ from looptrain.planning.estimator import (
 from looptrain.planning.planner import (
     Candidate,
     Levers,
+    Lowest,
     Plan,
     PlanError,
     Settings,
+    lowest,
     parse_size,
     plan,
     rss_baseline_bytes,
@@ -41,6 +44,7 @@ __all__ = [
     "PRESETS",
     "Candidate",
     "Levers",
+    "Lowest",
     "Plan",
     "PlanError",
     "Settings",
@@ -49,6 +53,7 @@ __all__ = [
     "estimate_windows",
     "ladder",
     "load_config",
+    "lowest",
     "measure",
     "parse_size",
     "plan",

@@ -30,6 +30,7 @@ from torch import nn
 
 from looptrain import state
 from looptrain import strategy as strategies
+from looptrain.batches import model_shifts_labels
 from looptrain.config import LoopConfig
 from looptrain.loop import Loop
 from looptrain.optim import OptimizerInBackward
@@ -43,17 +44,45 @@ PRESETS = {
                    "vocab_size": 30522},
     "macbert-large": {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
                       "intermediate_size": 4096, "vocab_size": 21128},
+    # Decoder LMs (Qwen2Config numbers of the published checkpoints; tied input and output embeddings).
+    "qwen2.5-0.5b": {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
+                     "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+                     "max_position_embeddings": 32768, "tie_word_embeddings": True},
+    "qwen2.5-1.5b": {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960,
+                     "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
+                     "max_position_embeddings": 32768, "tie_word_embeddings": True},
 }
 ESTIMATE_METER = "estimate_fake_tensor_tracker"
 
 
 def preset_config(name: str, num_labels: int = 2):
-    """A ``BertConfig`` for a named shape (bert-base, bert-large, macbert-large); no download."""
-    from transformers import BertConfig
+    """The config of a named shape, no download: a ``BertConfig`` (bert-base, bert-large, macbert-large) or a
+    ``Qwen2Config`` (qwen2.5-0.5b, qwen2.5-1.5b: decoder LMs, estimated as causal LMs)."""
+    from transformers import AutoConfig
 
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)} or pass --config / --model.")
-    return BertConfig(num_labels=num_labels, **PRESETS[name])
+    values = dict(PRESETS[name])
+    return AutoConfig.for_model(values.pop("model_type", "bert"), num_labels=num_labels, **values)
+
+
+def is_causal_lm_config(config: Any) -> bool:
+    """Whether a transformers config describes a decoder-only causal LM (built with ``AutoModelForCausalLM``).
+
+    True when it is not an encoder-decoder and either its ``architectures`` name a causal LM (``*ForCausalLM``,
+    ``*LMHeadModel``), or it names no architecture and its model type has a causal-LM class but no masked-LM
+    one (Qwen2, Llama, GPT-2, Mistral; not BERT, whose plain config stays a classifier).
+    """
+    from transformers.models.auto import modeling_auto
+
+    if getattr(config, "is_encoder_decoder", False):
+        return False
+    architectures = getattr(config, "architectures", None) or []
+    if architectures:
+        return any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures)
+    model_type = getattr(config, "model_type", None)
+    return (model_type in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            and model_type not in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)
 
 
 def load_config(path: str, num_labels: int = 2):
@@ -89,11 +118,13 @@ def _fake_model(model_or_config: Any, num_labels: int, fake_mode) -> nn.Module:
         config = preset_config(config, num_labels) if config in PRESETS else load_config(config, num_labels)
     else:
         config = copy.deepcopy(config)
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     config.num_labels = num_labels
+    auto_class = AutoModelForCausalLM if is_causal_lm_config(config) else AutoModelForSequenceClassification
     with fake_mode:
-        return AutoModelForSequenceClassification.from_config(config)
+        # The attention implementation is resolved as a real from_config resolves it (sdpa where torch has it).
+        return auto_class.from_config(config)
 
 
 def _vocab_size(model: nn.Module) -> int:
@@ -106,13 +137,33 @@ def _vocab_size(model: nn.Module) -> int:
     return embeddings[0].num_embeddings
 
 
-def random_batch(batch_size: int, seq_len: int, vocab_size: int, num_labels: int, generator=None) -> dict:
-    """A sequence-classification batch of random token ids, every row `seq_len` long."""
-    return {
-        "input_ids": torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator),
-        "attention_mask": torch.ones(batch_size, seq_len, dtype=torch.long),
-        "labels": torch.randint(0, num_labels, (batch_size,), generator=generator),
-    }
+def random_batch(batch_size: int, seq_len: int, vocab_size: int, num_labels: int, generator=None, *,
+                 token_labels: bool = False, padded: bool = False) -> dict:
+    """A batch of random token ids, every row `seq_len` long.
+
+    Args:
+        batch_size, seq_len: the batch's shape.
+        vocab_size: token ids are drawn below it.
+        num_labels: a sequence classifier's classes (one label per row).
+        generator: the random generator (None: the global one).
+        token_labels: a causal LM's batch: ``labels`` are the ``[batch_size, seq_len]`` token ids themselves
+            (the model shifts them), every token scored; no attention mask (every row is whole).
+        padded: with `token_labels`, a padded batch: its attention mask is kept, its rows after the first one
+            token short (a real causal LM then builds the [rows, 1, seq, seq] mask and repeats GQA's KV heads).
+    """
+    input_ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator)
+    if token_labels and padded:
+        attention_mask = torch.ones(batch_size, seq_len, dtype=torch.long)
+        attention_mask[1:, -1] = 0
+        return {"input_ids": input_ids, "attention_mask": attention_mask,
+                "labels": input_ids.masked_fill(attention_mask == 0, -100)}
+    if token_labels:
+        # No attention mask: a real causal LM reads an all-ones mask's values and drops it (sdpa's is_causal path,
+        # GQA's KV heads kept as they are); under fake tensors it cannot read them, and would build a
+        # [rows, 1, seq, seq] mask and repeat the KV heads that the real run never does. No mask is that run.
+        return {"input_ids": input_ids, "labels": input_ids.clone()}
+    return {"input_ids": input_ids, "attention_mask": torch.ones(batch_size, seq_len, dtype=torch.long),
+            "labels": torch.randint(0, num_labels, (batch_size,), generator=generator)}
 
 
 class FakePrecision(Precision):
@@ -174,6 +225,7 @@ def estimate(
     *,
     num_labels: int = 2,
     max_grad_norm: float | None = 1.0,
+    padded: bool = False,
     **levers: Any,
 ) -> dict[str, Any]:
     """Estimate the peak memory of a training step on fake tensors, by driving the Loop's own update.
@@ -197,6 +249,8 @@ def estimate(
             accumulation, checkpointing, the fused step, the optimizer and ``foreach``, freezing.
         num_labels: classifier outputs.
         max_grad_norm: the Loop's clipping threshold (None: no clipping).
+        padded: a causal LM's batch is padded (rows shorter than `seq_len`): the model then builds its
+            attention mask and repeats GQA's KV heads, which a batch of whole rows skips.
         **levers: strategy fields to replace, by name (``precision="bf16"``, ``optimizer="adafactor"``,
             ``gradient_checkpointing=True``, ``freeze_layers=2``, ``weights="bf16"``, ...): the same as
             passing ``dataclasses.replace(strategy, **levers)``.
@@ -213,7 +267,7 @@ def estimate(
     strategy = as_strategy(strategy, levers)
     window = [(batch_size, seq_len)] * min(strategy.accum_steps, 2)
     return estimate_windows(model_or_config, [window, window], strategy, num_labels=num_labels,
-                            max_grad_norm=max_grad_norm)
+                            max_grad_norm=max_grad_norm, padded=padded)
 
 
 def estimate_windows(
@@ -223,6 +277,7 @@ def estimate_windows(
     *,
     num_labels: int = 2,
     max_grad_norm: float | None = 1.0,
+    padded: bool = False,
     **levers: Any,
 ) -> dict[str, Any]:
     """`estimate` over given accumulation windows: the Loop's update driven once per window, in order.
@@ -232,7 +287,8 @@ def estimate_windows(
         windows: each window's micro-batch shapes ``(rows, width)``, driven from a fresh start (no
             gradients, no optimizer state: the first update creates it), e.g. `bounding_windows` of
             the shapes a run's sampler gives.
-        strategy, num_labels, max_grad_norm, **levers: as in `estimate`.
+        strategy, num_labels, max_grad_norm, padded, **levers: as in `estimate` (`padded`: the micro-batches of
+            more than one row).
 
     Returns:
         The same dict as `estimate`: the peak over all the windows, its breakdown and phase.
@@ -251,13 +307,16 @@ def estimate_windows(
         # Built outside the fake mode: optimizers' constant tables (bitsandbytes' quantisation maps) are real.
         loop = _strategy_loop(model, strategy, max_grad_norm)
         _on_fake_tensors(loop)
+        token_labels = model_shifts_labels(model)  # the task, decided once from the model: a causal LM's labels
         with fake_mode:
             # One batch per (position, shape): a shape met again at the same place reuses its batch.
             batches: dict[tuple[int, int, int], dict] = {}
             for window in windows:
                 for position, (rows, width) in enumerate(window):
                     if (position, rows, width) not in batches:
-                        batches[position, rows, width] = random_batch(rows, width, _vocab_size(model), num_labels)
+                        batches[position, rows, width] = random_batch(rows, width, _vocab_size(model), num_labels,
+                                                                      token_labels=token_labels,
+                                                                      padded=padded and rows > 1)
             loop.meter.start(loop.model, loop.optimizer)
             try:
                 for window in windows:
@@ -323,7 +382,8 @@ def measure(model: nn.Module, batch_size: int, seq_len: int, strategy: Strategy 
     """
     strategy = as_strategy(strategy, levers)
     generator = torch.Generator().manual_seed(0)
-    batches = [random_batch(batch_size, seq_len, _vocab_size(model), num_labels, generator)
+    token_labels = model_shifts_labels(model)
+    batches = [random_batch(batch_size, seq_len, _vocab_size(model), num_labels, generator, token_labels=token_labels)
                for _ in range(2 * strategy.accum_steps)]
     loop = _strategy_loop(model, strategy, max_grad_norm)
     loop.train_loader = batches

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import importlib.util
 import math
 import re
 import time
@@ -40,6 +41,7 @@ from typing import Any
 
 from torch import nn
 
+from looptrain import strategy as strategies
 from looptrain.config import ConfigError, LoopConfig
 from looptrain.gradient_checkpointing import disable_gradient_checkpointing
 from looptrain.loop import Loop
@@ -255,6 +257,7 @@ def plan(
     worst_width = _worst_width(lengths, collator, base.padding)
     num_labels = getattr(model, "num_labels", None) or getattr(getattr(model, "config", None), "num_labels", None) or 2
     search = _Search(model, worst_width, memory_budget, margin, max_grad_norm, num_labels, echo)
+    search.padded = min(lengths) < worst_width  # a batch of more than one row holding the longest sample is padded
     if rss_baseline is not None and not (probe and isinstance(model, nn.Module)):
         raise PlanError("a budget of process RSS (rss_baseline) is checked by probing a real model: pass probe=True")
     candidates = _costed_candidates(search, dataset, collator, lengths, effective_batch, base, levers, set(fixed),
@@ -332,22 +335,29 @@ class _Search:
         self.model, self.width, self.budget, self.margin = model, width, budget, margin
         self.max_grad_norm, self.num_labels, self.echo = max_grad_norm, num_labels, echo
         self.cache: dict = {}
+        self.results: dict = {}  # the whole estimate (breakdown, phase), by the same key
         self.count = 0
         self.seconds = 0.0
         self.overhead = 0  # a budget of process RSS: what the process holds besides the estimated tensors
+        self.padded = False  # the worst batch of more than one row holds shorter, padded rows (see `estimate`)
+
+    def key(self, settings: Strategy, seq_len: int | None = None) -> tuple:
+        """What the estimator prices of `settings` at `seq_len` (default: the worst batch's width)."""
+        priced = {**settings.estimate_options(), "accum_steps": min(settings.accum_steps, 2)}  # memory repeats after 2
+        return settings.batch_size, seq_len or self.width, type(settings), tuple(sorted(priced.items()))
 
     def peak(self, settings: Strategy, seq_len: int | None = None) -> int:
         """The estimate of `settings` at the worst batch (or `seq_len` wide), memoised by what the estimator prices."""
         seq_len = seq_len or self.width
-        priced = {**settings.estimate_options(), "accum_steps": min(settings.accum_steps, 2)}  # memory repeats after 2
-        key = (settings.batch_size, seq_len, type(settings), tuple(sorted(priced.items())))
+        key = self.key(settings, seq_len)
         if key not in self.cache:
             started = time.perf_counter()
             result = estimate(self.model, settings.batch_size, seq_len, settings, num_labels=self.num_labels,
-                              max_grad_norm=self.max_grad_norm)
+                              max_grad_norm=self.max_grad_norm, padded=self.padded)
             self.seconds += time.perf_counter() - started
             self.count += 1
             self.cache[key] = result["peak_memory_bytes"]
+            self.results[key] = result
             self.echo(f"  estimate {settings.batch_size} x {settings.accum_steps}, {settings.precision}"
                       f"{', bf16 weights' if settings.weights == 'bf16' else ''}, "
                       f"{settings.optimizer}, checkpointing {settings.checkpointing}"
@@ -430,6 +440,129 @@ def _lightest(base: Strategy, effective_batch: int) -> Strategy:
     """The lightest exact split of `base`: micro-batch 1, every block checkpointed."""
     return dataclasses.replace(base, batch_size=1, accum_steps=effective_batch, gradient_checkpointing=True,
                                checkpoint_every=1, optimizer_in_backward=False)
+
+
+# ------------------------------------------------------------------------------------------ lowest
+# Task-changing levers: never searched by `lowest` (a full fine-tune of the whole sequence).
+TASK_LEVERS = ("freeze_embeddings", "freeze_layers", "freeze_encoder")
+# Math-preserving levers `lowest` tries beside the ones it names, when the strategy class has them (a lever
+# added later, e.g. chunked cross-entropy): field -> values to try (None: every value its choices or its bool
+# type allow). A lever whose metadata says ``math_preserving=True`` (or ``exact=True``) is tried too.
+EXACT_LEVERS: dict[str, tuple | None] = {"chunked_ce": None, "chunked_cross_entropy": None, "ce_chunks": None,
+                                         "loss_chunks": None}
+
+
+@dataclass
+class Lowest:
+    """`lowest`'s result: the strategy with the lowest estimated peak, its estimate, and every strategy tried."""
+
+    settings: Strategy
+    estimate: dict
+    tried: list[tuple[Strategy, int]]  # (strategy, estimated peak bytes), in the order estimated
+    estimates: int
+    estimate_seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        """JSON-ready: ``estimated_peak_bytes``, ``settings`` (the strategy as a dict and its flags), the breakdown."""
+        return {
+            "estimated_peak_bytes": self.estimate["peak_memory_bytes"],
+            "settings": {"strategy": dataclasses.asdict(self.settings), "flags": self.settings.flags()},
+            "memory_meter": self.estimate["memory_meter"],
+            "memory_breakdown": self.estimate["memory_breakdown"],
+            "phase_peak_bytes": self.estimate["phase_peak_bytes"],
+            "parameters": self.estimate["parameters"],
+            "trainable_parameters": self.estimate["trainable_parameters"],
+            "tried": [{"flags": settings.flags(), "estimated_peak_bytes": peak} for settings, peak in self.tried],
+            "estimates": self.estimates,
+            "estimate_seconds": round(self.estimate_seconds, 3),
+            "notes": self.notes,
+        }
+
+
+def lowest(model_or_config: Any, batch_size: int, seq_len: int, base: Strategy | None = None, *,
+           fixed: Sequence[str] = (), native_bf16: bool | None = None, max_grad_norm: float | None = 1.0,
+           num_labels: int = 2, echo: Callable[[str], None] = lambda line: None) -> Lowest:
+    """The full fine-tune with the lowest estimated peak at ``batch_size x seq_len``: levers that keep the task.
+
+    A coordinate search over the levers that keep the task and the math, one lever at a time, each kept at
+    the value with the lowest estimate before the next is searched (the planner's memoised `estimate` at
+    the worst batch): the numerics (fp32; bf16 autocast and bf16 weights where the CPU computes bf16
+    natively), the optimizer (adamw, adamw8bit when bitsandbytes is installed, adafactor), the step fused
+    into backward (without accumulation), every lever of `EXACT_LEVERS` (or marked ``math_preserving``)
+    the strategy has, and last gradient checkpointing, whose saving depends on where the other levers put
+    the peak. Among equal estimates the value listed first (the faster one: fp32, no checkpointing) is
+    kept. The split (``batch_size``, ``accum_steps``) is kept; freezing and the sequence length are never changed.
+
+    Args:
+        model_or_config: what `estimate` takes (a config, a preset name, a directory, a module).
+        batch_size: the micro-batch (`base.accum_steps` micro-batches per update).
+        seq_len: tokens per row.
+        base: the starting strategy (default `Strategy(batch_size=batch_size)`); its freezing levers must be off.
+        fixed: names of fields the user set: kept as `base` has them.
+        native_bf16: plan for a CPU with (True) or without (False) native bf16; None: this CPU.
+        max_grad_norm, num_labels: as in `estimate`.
+        echo: prints one line per estimate.
+
+    Raises:
+        PlanError: `base` freezes something (not a full fine-tune).
+    """
+    base = dataclasses.replace(base or Strategy(), batch_size=batch_size)
+    frozen = [name for name in TASK_LEVERS if getattr(base, name) != Strategy.__dataclass_fields__[name].default]
+    if frozen:
+        raise PlanError(f"the lowest full fine-tune freezes nothing: drop {', '.join(frozen)}")
+    fixed = set(fixed)
+    native_bf16 = cpu_has_native_bf16() if native_bf16 is None else native_bf16
+    search = _Search(model_or_config, seq_len, 0, 0.0, max_grad_norm, num_labels, echo)
+    numerics = [{"precision": "fp32", "weights": "fp32"}]
+    if native_bf16:
+        numerics += [{"precision": "bf16", "weights": "fp32"}, {"precision": "bf16", "weights": "bf16"}]
+    optimizers = ["adamw", "adafactor"]
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        optimizers.insert(1, "adamw8bit")
+    # Checkpointing last: what it saves depends on where the peak is (in backward, or in the optimizer step
+    # beside the gradients), which every other lever moves; the fused step never adds memory at one micro-batch.
+    dimensions = [numerics, [{"optimizer": name} for name in optimizers],
+                  [{"optimizer_in_backward": False}, {"optimizer_in_backward": True}]]
+    dimensions += [[{name: value} for value in values] for name, values in _exact_levers(type(base)).items()]
+    dimensions.append([{"gradient_checkpointing": on, "checkpoint_every": every} for on, every in CHECKPOINT_MODES])
+    started, current, tried = time.perf_counter(), base, []
+    seen: set = set()
+    for choices in dimensions:
+        options = []
+        for choice in choices:
+            if any(name in fixed and getattr(base, name) != value for name, value in choice.items()):
+                continue  # the user set it
+            settings = dataclasses.replace(current, **choice)
+            if _valid(settings):
+                options.append(settings)
+        if current not in options:
+            options.insert(0, current)
+        for settings in options:
+            if search.key(settings) not in seen:
+                seen.add(search.key(settings))
+                tried.append((settings, search.peak(settings)))
+        current = min(options, key=search.peak)  # the first of equals: the lighter-on-time value listed first
+    notes = [] if native_bf16 else ["planned for a CPU without native bf16: bf16 autocast and bf16 weights "
+                                    "(emulated there, several times slower) were not tried"]
+    if base.accum_steps > 1:
+        notes.append("accumulation: the step fused into backward (no accumulation) was not tried")
+    return Lowest(current, search.results[search.key(current)], tried, search.count, time.perf_counter() - started,
+                  notes)
+
+
+def _exact_levers(cls: type) -> dict[str, tuple]:
+    """The math-preserving levers of `cls` beyond the searched ones, with the values to try (default first)."""
+    found = {}
+    for spec in strategies.levers(cls):
+        meta = spec.metadata["lever"]
+        if spec.name not in EXACT_LEVERS and not (meta.get("math_preserving") or meta.get("exact")):
+            continue
+        values = EXACT_LEVERS.get(spec.name) or meta["choices"] or ((False, True) if isinstance(spec.default, bool)
+                                                                      else None)
+        if values:
+            found[spec.name] = (spec.default, *(value for value in values if value != spec.default))
+    return found
 
 
 def _nothing_fits_message(search: _Search, effective_batch: int, base: Strategy, levers: Levers, collator, lengths,
@@ -700,17 +833,18 @@ def run_windows(sampler: Any, lengths: Sequence[int], collator: Any, accum_steps
 
 
 def run_batches_estimate(model: Any, settings: Strategy, windows: Sequence[Sequence[tuple[int, int]]], *,
-                         fresh: bool = True, max_grad_norm=1.0, num_labels: int = 2) -> int:
+                         fresh: bool = True, max_grad_norm=1.0, num_labels: int = 2, padded: bool = True) -> int:
     """`estimate_windows` of `settings` over the batches a run will see (`run_windows`), where it sees them.
 
     The run's peak, not the dataset's worst case: a length-grouped sampler gives its longest batch first,
     before any optimizer state exists, so pricing that batch beside the state (as the planner does, to be
     safe under a budget) describes a moment the run never has. `bounding_windows` keeps the few windows
-    that decide it.
+    that decide it. A causal LM's micro-batches of more than one row are priced padded (`padded`, as
+    `estimate` says): dynamic padding pads nearly every one of them.
     """
     return estimate_windows(model, bounding_windows(windows, fresh=fresh), settings, num_labels=num_labels,
-                            max_grad_norm=max_grad_norm)["peak_memory_bytes"]
+                            max_grad_norm=max_grad_norm, padded=padded)["peak_memory_bytes"]
 
 
-__all__ = ["Candidate", "Levers", "Plan", "PlanError", "Settings", "parse_size", "plan", "rss_baseline_bytes",
-           "run_batches_estimate", "run_windows"]
+__all__ = ["Candidate", "Levers", "Lowest", "Plan", "PlanError", "Settings", "lowest", "parse_size", "plan",
+           "rss_baseline_bytes", "run_batches_estimate", "run_windows"]
