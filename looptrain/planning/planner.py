@@ -488,11 +488,12 @@ def lowest(model_or_config: Any, batch_size: int, seq_len: int, base: Strategy |
     A coordinate search over the levers that keep the task and the math, one lever at a time, each kept at
     the value with the lowest estimate before the next is searched (the planner's memoised `estimate` at
     the worst batch): the numerics (fp32; bf16 autocast and bf16 weights where the CPU computes bf16
-    natively), the optimizer (adamw, adamw8bit when bitsandbytes is installed, adafactor), the step fused
-    into backward (without accumulation), every lever of `EXACT_LEVERS` (or marked ``math_preserving``)
-    the strategy has, and last gradient checkpointing, whose saving depends on where the other levers put
-    the peak. Among equal estimates the value listed first (the faster one: fp32, no checkpointing) is
-    kept. The split (``batch_size``, ``accum_steps``) is kept; freezing and the sequence length are never changed.
+    natively), the optimizer (adamw, adamw8bit when bitsandbytes is installed, adafactor), every lever of
+    `EXACT_LEVERS` (or marked ``math_preserving``) the strategy has (a tie keeps it on), and last gradient
+    checkpointing jointly with the step fused into backward (without accumulation): what either saves
+    depends on where the other puts the peak. Otherwise, among equal estimates the value listed first (fp32,
+    no checkpointing, no fused step) is kept. The split (``batch_size``, ``accum_steps``) is kept; freezing
+    and the sequence length are never changed.
 
     Args:
         model_or_config: what `estimate` takes (a config, a preset name, a directory, a module).
@@ -520,15 +521,18 @@ def lowest(model_or_config: Any, batch_size: int, seq_len: int, base: Strategy |
     optimizers = ["adamw", "adafactor"]
     if importlib.util.find_spec("bitsandbytes") is not None:
         optimizers.insert(1, "adamw8bit")
-    # Checkpointing last: what it saves depends on where the peak is (in backward, or in the optimizer step
-    # beside the gradients), which every other lever moves; the fused step never adds memory at one micro-batch.
-    dimensions = [numerics, [{"optimizer": name} for name in optimizers],
-                  [{"optimizer_in_backward": False}, {"optimizer_in_backward": True}]]
-    dimensions += [[{name: value} for value in values] for name, values in _exact_levers(type(base)).items()]
-    dimensions.append([{"gradient_checkpointing": on, "checkpoint_every": every} for on, every in CHECKPOINT_MODES])
+    # Each dimension: its choices, and whether a tie goes to the later (lighter) choice. A lever that saves
+    # nothing where the peak is now may save much once another lever moves the peak: the fused step saves
+    # nothing while the peak is in backward before any gradient exists, and checkpointing nothing while it is
+    # in the optimizer step. So the math-preserving extras win ties, and checkpointing is searched last,
+    # jointly with the fused step (none, every other block, all; each without and with it).
+    dimensions = [(numerics, False), ([{"optimizer": name} for name in optimizers], False)]
+    dimensions += [([{name: value} for value in values], True) for name, values in _exact_levers(type(base)).items()]
+    dimensions.append(([{"gradient_checkpointing": on, "checkpoint_every": every, "optimizer_in_backward": fused}
+                        for on, every in CHECKPOINT_MODES for fused in (False, True)], False))
     started, current, tried = time.perf_counter(), base, []
     seen: set = set()
-    for choices in dimensions:
+    for choices, lighter_wins_ties in dimensions:
         options = []
         for choice in choices:
             if any(name in fixed and getattr(base, name) != value for name, value in choice.items()):
@@ -542,7 +546,8 @@ def lowest(model_or_config: Any, batch_size: int, seq_len: int, base: Strategy |
             if search.key(settings) not in seen:
                 seen.add(search.key(settings))
                 tried.append((settings, search.peak(settings)))
-        current = min(options, key=search.peak)  # the first of equals: the lighter-on-time value listed first
+        ranks = {id(settings): -index if lighter_wins_ties else index for index, settings in enumerate(options)}
+        current = min(options, key=lambda settings: (search.peak(settings), ranks[id(settings)]))
     notes = [] if native_bf16 else ["planned for a CPU without native bf16: bf16 autocast and bf16 weights "
                                     "(emulated there, several times slower) were not tried"]
     if base.accum_steps > 1:
