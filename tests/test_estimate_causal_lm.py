@@ -194,3 +194,8 @@ def test_the_planner_plans_a_causal_lm_dataset_for_its_worst_batch():
     measured = loop.fit()["peak_memory_bytes"]
     estimated = next(c.estimated_peak_bytes for c in result.candidates if c.settings == settings)
     assert measured <= budget and abs(measured - estimated) <= 0.02 * estimated, (measured, estimated)
+
+
+def test_json_without_lowest_is_refused(capsys):
+    assert estimate_main(["--preset", "qwen2.5-0.5b", "--json"]) == 2
+    assert "--json prints --lowest's result: add --lowest" in capsys.readouterr().err

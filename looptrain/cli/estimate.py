@@ -119,6 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     full fine-tune with the lowest estimate (``--json``: as JSON)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     arguments = _parse_arguments(argv)
+    if arguments.json and not arguments.lowest:
+        print("error: --json prints --lowest's result: add --lowest", file=sys.stderr)
+        return 2
     try:
         if arguments.preset:
             config = preset_config(arguments.preset, arguments.num_labels)

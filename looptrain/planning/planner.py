@@ -219,8 +219,11 @@ def plan(
         model: the model to train; `base`'s model levers (freezing) are applied to it in place, as the
             run applies them. Probes run it in place with the learning rate at 0, and leave its weights as
             they were.
-        dataset: the tokenized training set (`looptrain.data.TokenizedDataset`: `lengths` and items).
-        collator: the `DynamicPaddingCollator` the run will use (its `max_length` caps widths).
+        dataset: the tokenized training set (`looptrain.data.TokenizedDataset`: `lengths` and items). For a
+            causal LM, items with token labels: the estimate prices its `[rows, width]` labels (see `estimate`),
+            the worst batch padded when the dataset has shorter samples.
+        collator: the collator the run will use: `batch_width` and `max_length` (which caps widths); probes
+            call it (for a causal LM it pads the labels too, with -100).
         memory_budget: bytes the training step's peak may take (the run's meter).
         effective_batch: samples per optimizer update; every candidate keeps it exact.
         base: the user's `Strategy` (their precision, optimizer, freezing, padding, grouping, ...); every
