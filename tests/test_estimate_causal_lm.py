@@ -199,3 +199,20 @@ def test_the_planner_plans_a_causal_lm_dataset_for_its_worst_batch():
 def test_json_without_lowest_is_refused(capsys):
     assert estimate_main(["--preset", "qwen2.5-0.5b", "--json"]) == 2
     assert "--json prints --lowest's result: add --lowest" in capsys.readouterr().err
+
+
+def test_lowest_tries_a_math_preserving_lever_the_strategy_gains():
+    # A lever added later (the chunked cross-entropy) is searched by its name, with no change to the search.
+    from dataclasses import dataclass
+
+    from looptrain.strategy import lever
+
+    @dataclass(kw_only=True)
+    class WithChunkedLoss(Strategy):
+        chunked_ce: bool = lever(False, flag="--chunked-ce", applied_by="model", help="a lever declared in the test")
+
+    fixed = ("optimizer", "gradient_checkpointing", "checkpoint_every", "optimizer_in_backward")  # a short search
+    result = planning.lowest(qwen2_config(), 1, 16, WithChunkedLoss(), native_bf16=False, fixed=fixed)
+    assert any("--chunked-ce" in entry.flags() for entry, _ in result.tried)
+    assert result.settings.chunked_ce  # it saves nothing here: a tie keeps it on
+    assert result.estimate["peak_memory_bytes"] == min(peak for _, peak in result.tried)

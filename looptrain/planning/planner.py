@@ -451,8 +451,8 @@ TASK_LEVERS = ("freeze_embeddings", "freeze_layers", "freeze_encoder")
 # Math-preserving levers `lowest` tries beside the ones it names, when the strategy class has them (a lever
 # added later, e.g. chunked cross-entropy): field -> values to try (None: every value its choices or its bool
 # type allow). A lever whose metadata says ``math_preserving=True`` (or ``exact=True``) is tried too.
-EXACT_LEVERS: dict[str, tuple | None] = {"chunked_ce": None, "chunked_cross_entropy": None, "ce_chunks": None,
-                                         "loss_chunks": None}
+EXACT_LEVERS: dict[str, tuple | None] = {"chunked_ce": None, "chunked_cross_entropy": None, "ce_chunks": (8,),
+                                         "loss_chunks": (8,), "cross_entropy_chunks": (8,)}
 
 
 @dataclass
