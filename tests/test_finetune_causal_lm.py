@@ -156,6 +156,37 @@ def test_messages_train_with_a_chat_template(chat_llama_dir, tmp_path, capsys):
     assert "chats in column 'messages', loss on the last assistant turn" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("form", ["csv", "tsv", "json", "parquet", "save_to_disk"])
+def test_every_format_reads_the_same_lm_samples(form, tmp_path):
+    rows = prompt_rows(5)
+    if form in ("csv", "tsv"):
+        separator = "," if form == "csv" else "\t"
+        lines = [separator.join(("prompt", "response"))] + [separator.join((r["prompt"], r["response"])) for r in rows]
+        source = tmp_path / f"sft.{form}"
+        source.write_text("\n".join(lines) + "\n")
+    elif form == "json":
+        source = tmp_path / "sft.json"
+        source.write_text(json.dumps(rows))
+    elif form == "parquet":
+        pyarrow, parquet = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+        source = tmp_path / "sft.parquet"
+        parquet.write_table(pyarrow.Table.from_pylist(rows), source)
+    else:
+        datasets = pytest.importorskip("datasets")
+        datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(tmp_path / "sft")
+        source = f"{tmp_path / 'sft'}:train"
+    data = read_lm_data(source)
+    assert data.kind == "prompt_response"
+    assert data.texts == [r["prompt"] for r in rows] and data.responses == [r["response"] for r in rows]
+
+
+def test_eval_split_holds_out_lm_samples(llama_dir, tmp_path):
+    data = write_jsonl(tmp_path / "train.jsonl", text_rows(16))
+    assert run(llama_dir, data, tmp_path / "out", "--eval-split", "0.25", "--max-steps", "1", "--batch-size", "4") == 0
+    final = [record for record in events(tmp_path / "out") if record["event"] == "eval"][-1]
+    assert final["count"] > 0 and final["perplexity"] == pytest.approx(math.exp(final["loss"]), rel=1e-6)
+
+
 def test_truncated_samples_are_counted_and_printed(llama_dir, tmp_path, capsys):
     rows = [{"text": " ".join(WORDS[:20])}] * 3 + text_rows(5)  # 3 of 21 tokens with EOS, the rest at most 9
     data = write_jsonl(tmp_path / "train.jsonl", rows)
