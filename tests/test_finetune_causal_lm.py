@@ -357,3 +357,20 @@ def test_a_causal_lm_needs_a_model_and_data(tmp_path, capsys):
     assert finetune.main(["--task", "causal-lm", "--output-dir", str(tmp_path)]) == 2
     assert "pass --model and --data" in capsys.readouterr().err
 
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--prompt-column", "question"], "--prompt-column belong to --task causal-lm"),
+    (["--metric-for-best", "perplexity"], "--metric-for-best perplexity scores a causal LM"),
+])
+def test_language_model_flags_without_the_task_exit_2(extra, expected, model_dir, tmp_path, capsys):
+    data = write_jsonl(tmp_path / "data.jsonl", [{"text": "good movie", "label": "pos"}] * 4)
+    assert finetune.main(["--model", str(model_dir), "--data", str(data), "--output-dir", str(tmp_path / "out"),
+                          *extra]) == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_an_encoder_is_refused_as_a_causal_lm(model_dir, tmp_path, capsys):
+    data = write_jsonl(tmp_path / "data.jsonl", text_rows(4))
+    assert run(model_dir, data, tmp_path / "out") == 2
+    assert "is an encoder (bert, BertModel)" in capsys.readouterr().err

@@ -625,6 +625,7 @@ def load_model(model_path: str, config, train, args, print=print):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     if args.task == "causal-lm":
+        check_decoder(model_path, config)
         return load_weights(AutoModelForCausalLM, model_path, config, args)
 
     has_head = any(name.endswith("ForSequenceClassification")
@@ -643,6 +644,21 @@ def load_model(model_path: str, config, train, args, print=print):
     config.label2id = train.label2id
     return load_weights(AutoModelForSequenceClassification, model_path, config, args,
                         ignore_mismatched_sizes=mismatched)
+
+
+def check_decoder(model_path: str, config) -> None:
+    """A UsageError for an encoder given to --task causal-lm: AutoModelForCausalLM would load BERT's LM head over
+    attention that sees every token, and the model would learn to copy the next token instead of predicting it."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    architectures = getattr(config, "architectures", None) or []
+    causal = any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures)
+    encoder = config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
+    if encoder and not causal:
+        raise UsageError(f"--task causal-lm: --model {model_path} is an encoder ({config.model_type}, "
+                         f"{', '.join(architectures) or 'no architecture saved'}), whose attention sees every token; "
+                         "as a causal LM it would learn to copy the next token. Pass a decoder LM (Qwen, Llama, GPT-2, "
+                         "...), or drop --task causal-lm to fine-tune a classifier")
 
 
 def load_weights(auto_class, model_path: str, config, args, **options):
