@@ -827,6 +827,8 @@ def load_inputs(args, model_path: str, print) -> Inputs:
 
     if args.task == "causal-lm":
         train_set, eval_set = tokenize_lm_data(tokenizer, train_data, eval_data, args.max_length, print)
+        if getattr(model.config, "pad_token_id", None) is None:  # final/ then generates batches without a warning
+            model.config.pad_token_id = tokenizer.pad_token_id
     else:
         train_set = data_module.tokenize(train_data, tokenizer, args.max_length)
         eval_set = data_module.tokenize(eval_data, tokenizer, args.max_length) if eval_data is not None else None
