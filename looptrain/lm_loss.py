@@ -153,7 +153,10 @@ class ChunkedLMLoss:
         mode, chunk_tokens = config.chunked_ce, config.ce_chunk_tokens
         if mode == "off" or (mode == "auto" and not shifts_labels):
             return None
-        notice = lambda line: echo(f"notice: {line}")  # noqa: E731
+
+        def notice(line: str) -> None:
+            echo(f"notice: {line}")
+
         reason = _structural_problem(model, shifts_labels)
         if reason is None:
             head = model.get_output_embeddings()
@@ -171,7 +174,10 @@ class ChunkedLMLoss:
             self._check_head(inputs)
         labels = batch.get("labels")
         if self.fallback is not None or not isinstance(labels, torch.Tensor) or labels.dim() != 2:
-            return wrapped_model(**batch).loss  # labels that are not [rows, length]: the model's own loss (or error)
+            loss = wrapped_model(**batch).loss  # labels that are not [rows, length]: the model's own loss (or error)
+            if loss is None:
+                raise ValueError("the model returned no loss: pass `labels` in the batch or override Loop.compute_loss")
+            return loss
         if wrapped_model is not self.model and torch.is_grad_enabled():
             # DDP syncs gradients only for a forward it runs: the model's own forward, its head standing aside.
             with _head_skipped(self.head):
