@@ -4,9 +4,8 @@ Every lever is one dataclass field declared with `lever(...)`, whose metadata sa
 flag, its help, the values it takes and who carries it out (`applied_by`):
 
 - ``loop``: the `Loop` (precision, checkpointing, the fused step, bf16 weights, accumulation, chunked
-  cross-entropy). These
-  fields live in `LoopLevers`, which both `Strategy` and `LoopConfig` inherit: a `LoopConfig` *is* the
-  loop's part of a strategy plus the run's own options.
+  cross-entropy). These fields live in `LoopLevers`, which both `Strategy` and `LoopConfig` inherit: a
+  `LoopConfig` *is* the loop's part of a strategy plus the run's own options.
 - ``model``: applied to the model before the Loop sees it (`Strategy.prepare_model`: freezing).
 - ``optimizer``: the optimizer the strategy builds (`Strategy.build_optimizer`).
 - ``batches``: the loaders (the micro-batch size, padding, length grouping).
