@@ -277,6 +277,8 @@ LEVERS = {
     "unfreeze-schedule": ["--unfreeze-schedule", "1"],
     "max-tokens": ["--max-tokens", "64"],
     "amp": ["--amp"],
+    "chunked-ce-off": ["--chunked-ce", "off"],
+    "chunked-ce-on": ["--chunked-ce", "on", "--ce-chunk-tokens", "5"],
 }
 
 
