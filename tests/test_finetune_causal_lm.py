@@ -308,9 +308,7 @@ def test_checkpointed_run_equals_the_plain_run(llama_dir, tmp_path):
         torch.testing.assert_close(weights[1][key], weights[0][key], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("tied", [True, pytest.param(False, marks=pytest.mark.xfail(
-    strict=True, reason="looptrain.optim.register_embedding_state_bits registers nn.Embedding weights only: an untied "
-                        "LM head (an nn.Linear) gets 8-bit state"))])
+@pytest.mark.parametrize("tied", [True, False])
 def test_adamw8bit_keeps_the_lm_head_state_32_bit(tied):
     pytest.importorskip("bitsandbytes")
     from transformers import AutoModelForCausalLM, LlamaConfig
