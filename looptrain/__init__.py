@@ -16,7 +16,9 @@ from looptrain.data import (
     make_eval_loader,
     make_train_loader,
     read_classification_data,
+    read_lm_data,
     tokenize,
+    tokenize_lm,
 )
 from looptrain.freeze import (
     freeze_by_pattern,
@@ -66,8 +68,10 @@ __all__ = [
     "optimizer_state_bytes",
     "plan",
     "read_classification_data",
+    "read_lm_data",
     "seed_everything",
     "tokenize",
+    "tokenize_lm",
     "trainable_parameters",
 ]
 __version__ = "0.1.0"

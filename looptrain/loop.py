@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from looptrain import batches, distributed, metrics, resume, state
+from looptrain import batches, distributed, lm_loss, metrics, resume, state
 from looptrain.batches import as_loss_sum, first_dimension, move_to, split_batch
 from looptrain.config import ConfigError, LoopConfig, check_process_group
 from looptrain.gradient_checkpointing import enable_gradient_checkpointing
@@ -121,6 +121,8 @@ class Loop:
         # The output directory: lock, ledger, checkpoints, resume, best, summary, progress lines.
         self.run = Run(self.config, self, is_main=self._place.is_main)
         self._log = self.run.log  # the events the loop itself reports (unfreezing, auto_batch, skipped windows)
+        # None: the model's own loss. Else a causal LM's head and loss in chunks of tokens (--chunked-ce).
+        self._lm_loss = lm_loss.ChunkedLMLoss.for_model(self.model, self.config, self._shifted_labels, self._log.echo)
         self._signals = SignalGuard(echo=self._log.echo)
         self._bad_windows = BadWindowGuard(self.config.max_bad_windows)
         self._micro_batch_splits = 1  # auto_batch doubles it after an out-of-memory
@@ -308,15 +310,17 @@ class Loop:
     def compute_loss(self, batch) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """Returns the micro-batch's mean loss, or `(loss_sum, num_items)` for exact token-level losses.
 
-        The default calls `wrapped_model(**batch)` and reads `.loss` (HF models compute it when the
-        batch has `labels`). A mean is weighted by the batch's item count (`count_items`): its labels
-        that are not -100 (after the shift, for a causal LM), or its number of rows when it has no labels.
+        The default calls `wrapped_model(**batch)` and reads `.loss`; with `chunked_ce` a causal LM's loss
+        sum is computed by chunks (docs/causal_lm.md). A mean is weighted by the batch's item count (`count_items`):
+        its labels that are not -100 (after the shift, for a causal LM), or its number of rows when it has no labels.
         """
         if not isinstance(batch, Mapping):
             raise TypeError(
                 f"the default compute_loss calls model(**batch) and needs dict batches, got a {type(batch).__name__}; "
                 "override Loop.compute_loss(batch) to run the model on this batch and return its loss"
             )
+        if self._lm_loss is not None:
+            return self._lm_loss(self.wrapped_model, batch)
         outputs = self.wrapped_model(**batch)
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
         if loss is None:

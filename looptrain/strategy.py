@@ -3,9 +3,9 @@
 Every lever is one dataclass field declared with `lever(...)`, whose metadata says its command-line
 flag, its help, the values it takes and who carries it out (`applied_by`):
 
-- ``loop``: the `Loop` (precision, checkpointing, the fused step, bf16 weights, accumulation). These
-  fields live in `LoopLevers`, which both `Strategy` and `LoopConfig` inherit: a `LoopConfig` *is* the
-  loop's part of a strategy plus the run's own options.
+- ``loop``: the `Loop` (precision, checkpointing, the fused step, bf16 weights, accumulation, chunked
+  cross-entropy). These fields live in `LoopLevers`, which both `Strategy` and `LoopConfig` inherit: a
+  `LoopConfig` *is* the loop's part of a strategy plus the run's own options.
 - ``model``: applied to the model before the Loop sees it (`Strategy.prepare_model`: freezing).
 - ``optimizer``: the optimizer the strategy builds (`Strategy.build_optimizer`).
 - ``batches``: the loaders (the micro-batch size, padding, length grouping).
@@ -40,6 +40,7 @@ APPLIED_BY = ("loop", "model", "optimizer", "batches")
 CONFIG_PRECISIONS = (*PRECISIONS, "auto")
 WEIGHT_DTYPES = ("fp32", "bf16")
 PADDINGS = ("dynamic", "max_length")
+CHUNKED_CE_MODES = ("auto", "on", "off")
 
 
 class ConfigError(ValueError):
@@ -97,6 +98,14 @@ class LoopLevers:
     grad_dtype: str = lever("bf16", flag="--grad-dtype", choices=GRAD_DTYPES,
                             help="with --weights bf16: gradients accumulate in bf16 (2 B/param) or fp32 (4 B/param, "
                                  "for long accumulation windows)")
+    chunked_ce: str = lever("auto", flag="--chunked-ce", choices=CHUNKED_CE_MODES,
+                            help="causal LMs: the LM head and cross-entropy in chunks of tokens, so the [tokens x "
+                                 "vocab] logits never exist (same loss and gradients); auto: on for causal LMs whose "
+                                 "loss shifts labels, the model's own loss with a notice where it cannot be exact; "
+                                 "on: that notice is an error")
+    ce_chunk_tokens: int = lever(0, flag="--ce-chunk-tokens", minimum=0,
+                                 help="with --chunked-ce: tokens per chunk (a chunk's logits are tokens x vocab); 0: "
+                                      "as many as keep a chunk within 8M logits (32 MiB in fp32)")
 
     def lever_problems(self) -> list[str]:
         """What is wrong with single lever values (choices, minimums), one line per field."""

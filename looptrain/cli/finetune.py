@@ -1,7 +1,9 @@
-"""Fine-tune a sequence classifier with looptrain, every memory strategy one flag away.
+"""Fine-tune a sequence classifier (or, with --task causal-lm, a decoder LM) with looptrain, every memory
+strategy one flag away.
 
     python scripts/finetune.py --amp --accum 32                       # the embedded model and data
     python scripts/finetune.py --model DIR --data train.csv --eval-data dev.csv --grad-checkpoint
+    python scripts/finetune.py --task causal-lm --model QWEN_DIR --data sft.jsonl --eval-data dev.jsonl
     looptrain-finetune --amp --accum 32                               # the same, once installed
 
 Every flag is documented in docs/finetune.md. The memory/speed levers' flags are generated from
@@ -60,7 +62,9 @@ PLANNED_SPLIT = ("batch_size", "accum_steps")
 # The planner's own flags: valued, and switches.
 PLAN_FLAGS_WITH_VALUE = ("--memory-budget", "--plan-time", "--effective-batch")
 PLAN_SWITCHES = ("--plan-only", "--json", "--amp")
-METRICS_FOR_BEST = ("f1", "accuracy", "loss", "f1_binary")  # what the classification evaluation produces
+METRICS_FOR_BEST = ("f1", "accuracy", "loss", "f1_binary", "perplexity")  # what the evaluations produce
+TASKS = ("sequence-classification", "causal-lm")
+DEFAULT_METRIC_FOR_BEST = {"sequence-classification": "f1", "causal-lm": "loss"}
 INTERRUPTED_EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}  # the shell's 128 + signal number
 
 
@@ -91,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line's parser: the hand-written flags of each help group, then the loop's own from LoopConfig."""
     parser = argparse.ArgumentParser(
         prog="finetune.py",
-        description="Fine-tune a Hugging Face encoder for sequence classification with looptrain.",
+        description="Fine-tune a Hugging Face encoder for sequence classification (or, with --task causal-lm, a "
+                    "decoder LM on text, prompt/response or chat data) with looptrain.",
         formatter_class=DefaultOnceFormatter,
     )
     groups = {name: parser.add_argument_group(name) for name in HELP_GROUPS}
@@ -106,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_input_arguments(group) -> None:
     """Where the model and the data come from."""
+    group.add_argument("--task", choices=TASKS, default="sequence-classification",
+                       help="sequence-classification: AutoModelForSequenceClassification on text and label columns; "
+                            "causal-lm: AutoModelForCausalLM on a text column (loss on every token), prompt and "
+                            "response columns (loss on the response only) or a messages column (chats rendered with "
+                            "the tokenizer's chat template), EOS appended (docs/finetune.md)")
     group.add_argument("--model", default=None,
                        help="local model directory or hub id (cached); default: the packaged all-MiniLM-L6-v2")
     group.add_argument("--data", default=None,
@@ -118,6 +128,10 @@ def _add_input_arguments(group) -> None:
     group.add_argument("--text-column", default="text", help="text column")
     group.add_argument("--text-pair-column", default=None, help="second text column, for sentence-pair tasks")
     group.add_argument("--label-column", default="label", help="label column (strings or ids)")
+    group.add_argument("--prompt-column", default="prompt", help="causal-lm: prompt column (its tokens get no loss)")
+    group.add_argument("--response-column", default="response", help="causal-lm: response column")
+    group.add_argument("--messages-column", default="messages",
+                       help="causal-lm: chat column (a list of role/content messages)")
     group.add_argument("--encoding-errors", choices=("strict", "replace"), default="strict",
                        help="undecodable bytes: an error naming the line, or U+FFFD")
     group.add_argument("--allow-slow-tokenizer", action="store_true",
@@ -231,8 +245,9 @@ def _loop_flag_options(name: str, annotation, default, help_text: str) -> dict:
         help_text = ("gradual unfreezing: train the head alone, then one more block from the top every N updates "
                      "(or every epoch), the embeddings last (docs/freezing.md)")
     if name == "metric_for_best":
-        default = "f1"
-        help_text = "eval metric that picks the best checkpoint (loss: lower is better; the others higher)"
+        default = None
+        help_text = ("eval metric that picks the best checkpoint (loss and perplexity: lower is better; the others "
+                     "higher); default: f1, or loss for --task causal-lm")
     options = {"dest": name, "default": default, "help": help_text}
     if name == "unfreeze_every":
         options["metavar"] = "N|epoch"
@@ -280,6 +295,7 @@ def _unfreeze_every(text: str):
 def check_flags(args, parser: argparse.ArgumentParser) -> None:
     """Rejects flag combinations that cannot work, naming the flags."""
     given = {token.split("=")[0] for token in (args._argv or [])}
+    check_task_flags(args, given)
     if args.amp and "--precision" in given and args.precision != "auto":
         raise UsageError(f"--amp and --precision {args.precision} contradict each other; pass one of them")
     if args.weights == "bf16" and "--precision" in given and args.precision not in ("bf16", "auto"):
@@ -367,6 +383,37 @@ def check_flags(args, parser: argparse.ArgumentParser) -> None:
         raise UsageError(f"--output-dir {output_dir} is a file; pass a directory (it is created if missing)")
 
 
+def check_task_flags(args, given: set[str]) -> None:
+    """Flags that belong to the other task, or that a causal LM needs, named before anything is read."""
+    classification_only = ("--text-pair-column", "--label-column", "--freeze-encoder")
+    language_model_only = ("--prompt-column", "--response-column", "--messages-column")
+    if args.task == "causal-lm":
+        wrong = [flag for flag in classification_only if flag in given]
+        if wrong:
+            raise UsageError(f"{', '.join(wrong)} belong to --task sequence-classification; a causal LM trains on a "
+                             "text column, prompt/response columns or a messages column: drop "
+                             f"{' and '.join(wrong)}")
+        if args.metric_for_best in ("f1", "accuracy", "f1_binary"):
+            raise UsageError(f"--metric-for-best {args.metric_for_best} scores a classifier; a causal LM is evaluated "
+                             "by loss and perplexity: pass --metric-for-best loss (the default) or perplexity")
+        if args.model is None or args.data is None:
+            missing = " and ".join(flag for flag, value in (("--model", args.model), ("--data", args.data))
+                                   if value is None)
+            raise UsageError(f"--task causal-lm has no embedded model or data (they are a classifier's): pass "
+                             f"{missing} (a decoder LM's directory or cached hub id; a file with a text, "
+                             "prompt/response or messages column)")
+    else:
+        wrong = [flag for flag in language_model_only if flag in given]
+        if wrong:
+            raise UsageError(f"{', '.join(wrong)} belong to --task causal-lm: add --task causal-lm, or drop "
+                             f"{' and '.join(wrong)}")
+        if args.metric_for_best == "perplexity":
+            raise UsageError("--metric-for-best perplexity scores a causal LM (--task causal-lm); a classifier is "
+                             "picked by f1, accuracy, f1_binary or loss")
+    if args.metric_for_best is None:
+        args.metric_for_best = DEFAULT_METRIC_FOR_BEST[args.task]
+
+
 def loop_config(args, identity: dict | None = None):
     """The LoopConfig of these flags (validated: a bad value or combination raises ConfigError)."""
     from looptrain import LoopConfig
@@ -407,6 +454,9 @@ def run_identity(args, model_path: str, world_size: int) -> dict:
             "eval": fingerprint(args.eval_data) if args.eval_data else f"split {args.eval_split}",
             "max_train_samples": args.max_train_samples, "max_eval_samples": args.max_eval_samples,
             "columns": [args.text_column, args.text_pair_column, args.label_column], "max_length": args.max_length}
+    if args.task == "causal-lm":
+        data["columns"] = [args.text_column, args.prompt_column, args.response_column, args.messages_column]
+        data["task"] = args.task
     identity = {
         "model": [fingerprint(path) for path in weights] or str(model_path),
         "data": data,
@@ -451,6 +501,9 @@ def load_data(args):
     """Reads train and eval data; returns (train, eval or None, description)."""
     from looptrain.data import TextClassificationData, read_classification_data
 
+    if args.task == "causal-lm":
+        return load_lm_data(args)
+
     text_column = (args.text_column, args.text_pair_column) if args.text_pair_column else args.text_column
     if args.data is None:
         path = embedded_data_path()
@@ -479,6 +532,36 @@ def load_data(args):
     return train, eval_data, description
 
 
+def load_lm_data(args):
+    """A causal LM's train and eval data (text, prompt/response or messages, by columns): (train, eval, description)."""
+    from looptrain.data import read_lm_data
+
+    def read(source, max_samples=None):
+        return read_lm_data(source, text_column=args.text_column, prompt_column=args.prompt_column,
+                            response_column=args.response_column, messages_column=args.messages_column,
+                            encoding_errors=args.encoding_errors, max_samples=max_samples)
+
+    everything = read(args.data)
+    train, eval_data = everything, None
+    if args.eval_data:
+        eval_data = read(args.eval_data, args.max_eval_samples)
+        if eval_data.kind != everything.kind:
+            raise UsageError(f"--data {args.data} holds {everything.kind.replace('_', '/')} data and --eval-data "
+                             f"{args.eval_data} {eval_data.kind.replace('_', '/')} data: evaluate on the same kind, "
+                             "so that the eval loss is over the same tokens as training's")
+    elif args.eval_split:
+        train, eval_data = split(everything, args.eval_split, None)
+    if args.max_train_samples is not None:
+        train = take(train, args.max_train_samples, None)
+    if eval_data is not None and args.max_eval_samples is not None:
+        eval_data = take(eval_data, args.max_eval_samples, None)
+    columns = "/".join(map(repr, everything.columns))
+    kinds = {"text": f"text column {columns}, loss on every token",
+             "prompt_response": f"prompt/response columns {columns}, loss on the response only",
+             "messages": f"chats in column {columns}, loss on the last assistant turn"}
+    return train, eval_data, f"{args.data} ({kinds[everything.kind]})"
+
+
 def split(data, eval_fraction: float, cls):
     """A seeded, stable train/eval split (the same whatever --seed is)."""
     import numpy as np
@@ -493,6 +576,8 @@ def split(data, eval_fraction: float, cls):
 
 def subset(data, indices, cls):
     indices = [int(i) for i in indices]
+    if hasattr(data, "select"):  # a causal LM's data selects its own samples
+        return data.select(indices)
     return cls(
         texts=[data.texts[i] for i in indices],
         labels=None if data.labels is None else [data.labels[i] for i in indices],
@@ -536,8 +621,12 @@ def load_model_config(model_path: str, args):
 
 def load_model(model_path: str, config, train, args, print=print):
     """The sequence classifier, with a head for the data's labels (re-initialised, with a notice, when the
-    checkpoint's head has another number of labels)."""
-    from transformers import AutoModelForSequenceClassification
+    checkpoint's head has another number of labels); with --task causal-lm, the decoder LM as it was saved."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    if args.task == "causal-lm":
+        check_decoder(model_path, config)
+        return load_weights(AutoModelForCausalLM, model_path, config, args)
 
     has_head = any(name.endswith("ForSequenceClassification")
                    for name in (getattr(config, "architectures", None) or []))
@@ -553,13 +642,40 @@ def load_model(model_path: str, config, train, args, print=print):
     config.num_labels = train.num_labels
     config.id2label = {int(k): v for k, v in train.id2label.items()}
     config.label2id = train.label2id
+    return load_weights(AutoModelForSequenceClassification, model_path, config, args,
+                        ignore_mismatched_sizes=mismatched)
+
+
+def check_decoder(model_path: str, config) -> None:
+    """A UsageError for an encoder given to --task causal-lm: AutoModelForCausalLM would load BERT's LM head over
+    attention that sees every token, and the model would learn to copy the next token instead of predicting it."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    architectures = getattr(config, "architectures", None) or []
+    causal = any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures)
+    encoder = config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
+    if encoder and not causal:
+        raise UsageError(f"--task causal-lm: --model {model_path} is an encoder ({config.model_type}, "
+                         f"{', '.join(architectures) or 'no architecture saved'}), whose attention sees every token; "
+                         "as a causal LM it would learn to copy the next token. Pass a decoder LM (Qwen, Llama, GPT-2, "
+                         "...), or drop --task causal-lm to fine-tune a classifier")
+
+
+def load_weights(auto_class, model_path: str, config, args, **options):
+    """`auto_class.from_pretrained`, quietly; a UsageError naming the weight files when they cannot be read."""
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the "newly initialized classifier" notice is expected here
     try:
-        return AutoModelForSequenceClassification.from_pretrained(
-            model_path, config=config, trust_remote_code=args.trust_remote_code, ignore_mismatched_sizes=mismatched)
+        return auto_class.from_pretrained(model_path, config=config, trust_remote_code=args.trust_remote_code,
+                                          **options)
+    except ValueError as error:
+        if auto_class.__name__ != "AutoModelForCausalLM" or "Unrecognized configuration class" not in str(error):
+            raise
+        raise UsageError(f"--task causal-lm: --model {model_path} is a {type(config).__name__} model, which "
+                         "AutoModelForCausalLM cannot load (an encoder, not a decoder LM); pass a decoder LM (Qwen, "
+                         "Llama, GPT-2, ...), or drop --task causal-lm to fine-tune a classifier") from error
     except Exception as error:  # safetensors' own error for a truncated file is a plain Exception subclass
         directory = Path(model_path)
         weights = sorted(path.name for pattern in ("*.safetensors", "*.bin") for path in directory.glob(pattern)) \
@@ -647,6 +763,7 @@ class Inputs:
     train_set: typing.Any
     eval_set: typing.Any  # None without evaluation data
     collator: typing.Any
+    task: str = "sequence-classification"
 
 
 def train(args, config, place, model_path: str, print) -> dict:
@@ -708,14 +825,46 @@ def load_inputs(args, model_path: str, print) -> Inputs:
     if report:
         print(report)
 
-    train_set = data_module.tokenize(train_data, tokenizer, args.max_length)
-    eval_set = data_module.tokenize(eval_data, tokenizer, args.max_length) if eval_data is not None else None
-    if train_set.num_truncated:
-        print(f"{train_set.num_truncated} of {len(train_set)} training samples were truncated "
-              f"to {args.max_length} tokens")
+    if args.task == "causal-lm":
+        train_set, eval_set = tokenize_lm_data(tokenizer, train_data, eval_data, args.max_length, print)
+        if getattr(model.config, "pad_token_id", None) is None:  # final/ then generates batches without a warning
+            model.config.pad_token_id = tokenizer.pad_token_id
+    else:
+        train_set = data_module.tokenize(train_data, tokenizer, args.max_length)
+        eval_set = data_module.tokenize(eval_data, tokenizer, args.max_length) if eval_data is not None else None
+        if train_set.num_truncated:
+            print(f"{train_set.num_truncated} of {len(train_set)} training samples were truncated "
+                  f"to {args.max_length} tokens")
     collator = data_module.DynamicPaddingCollator(
         tokenizer, padding=args.padding, max_length=args.max_length, pad_to_multiple_of=args.pad_to_multiple_of)
-    return Inputs(model, tokenizer, train_set, eval_set, collator)
+    return Inputs(model, tokenizer, train_set, eval_set, collator, args.task)
+
+
+def tokenize_lm_data(tokenizer, train_data, eval_data, max_length: int, print):
+    """A causal LM's tokenized train and eval sets (EOS appended, prompts masked); prints what truncation cut.
+
+    A tokenizer without a pad token pads with its EOS token (the labels of padding are -100 whatever its id).
+    """
+    from looptrain import data as data_module
+
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token  # saved with final/, so generation pads the same way
+        print(f"notice: the tokenizer has no pad token: padding with its EOS token {tokenizer.eos_token!r} "
+              "(padding is masked out of attention and loss)")
+    sets = []
+    for name, data in (("training", train_data), ("evaluation", eval_data)):
+        if data is None:
+            sets.append(None)
+            continue
+        dataset = data_module.tokenize_lm(data, tokenizer, max_length)
+        if dataset.num_truncated:
+            print(f"{dataset.num_truncated} of {len(data)} {name} samples were truncated to --max-length "
+                  f"{max_length} tokens (their end and EOS cut); raise --max-length to keep them whole")
+        if dataset.num_dropped:
+            print(f"{dataset.num_dropped} of {len(data)} {name} samples were left out: no token to predict within "
+                  f"--max-length {max_length} (a prompt that fills it by itself, or a single token)")
+        sets.append(dataset)
+    return sets[0], sets[1]
 
 
 def check_blocks(model, args) -> None:
@@ -802,7 +951,9 @@ def write_outputs(summary: dict, place, inputs: Inputs, output_dir: Path, plan_r
     from looptrain.state import write_json_atomic
 
     final_dir = output_dir / "final"
-    baseline = metrics.majority_baseline(inputs.eval_set.labels) if inputs.eval_set is not None else None
+    classifier = inputs.task == "sequence-classification"
+    baseline = metrics.majority_baseline(inputs.eval_set.labels) if classifier and inputs.eval_set else None
+    summary["task"] = inputs.task
     summary["majority_baseline"] = baseline
     summary["final_dir"] = str(final_dir)
     summary["plan"] = plan_result.to_dict() if plan_result is not None else None
@@ -973,13 +1124,17 @@ def what_would_fit(model_config, args, precision: str, device) -> str:
 
 
 def final_table(summary: dict, baseline: dict | None, output_dir: Path) -> str:
-    lines = [f"\nlooptrain run in {output_dir}", "| | model | majority class |", "|---|---|---|"]
+    language_model = summary.get("task") == "causal-lm"
+    header = "| | model | |" if language_model else "| | model | majority class |"
+    lines = [f"\nlooptrain run in {output_dir}", header, "|---|---|---|"]
     evaluation = summary.get("final_eval")
     if evaluation:
-        for key, label in (("accuracy", "accuracy"), ("f1", "macro-F1")):
+        for key, label in () if language_model else (("accuracy", "accuracy"), ("f1", "macro-F1")):
             base = f"{baseline[key]:.4f}" if baseline else "-"
             lines.append(f"| {label} | {evaluation[key]:.4f} | {base} |")
         lines.append(f"| eval loss | {evaluation['loss']:.4f} | |")
+        if "perplexity" in evaluation:
+            lines.append(f"| eval perplexity | {evaluation['perplexity']:.4f} | |")
     lines.append(f"| train time | {summary['train_runtime_s']:.1f} s | |")
     lines.append(f"| samples/s | {summary['train_samples_per_s']:.2f} | |")
     lines.append(f"| optimizer steps (skipped) | {summary['optimizer_steps']} ({summary['skipped_steps']}) | |")

@@ -5,8 +5,11 @@ The modules, in the order a training run uses them:
 - ``errors``: :class:`DataError`, raised for every bad input, with the problem and the fix.
 - ``readers``: :func:`read_classification_data`, CSV / TSV / JSONL / JSON / Parquet files, save_to_disk
   directories, cached Hub datasets and dicts into :class:`TextClassificationData`.
-- ``tokenize``: :func:`load_tokenizer` (fast only) and :func:`tokenize`, texts into a :class:`TokenizedDataset`.
-- ``collate``: :class:`DynamicPaddingCollator` pads each batch to its longest sequence (or ``max_length``).
+  :func:`read_lm_data` reads a causal LM's data (text, prompt/response or chats) into :class:`LanguageModelingData`.
+- ``tokenize``: :func:`load_tokenizer` (fast only) and :func:`tokenize`, texts into a :class:`TokenizedDataset`;
+  :func:`tokenize_lm` a causal LM's samples (EOS appended, prompts masked with -100).
+- ``collate``: :class:`DynamicPaddingCollator` pads each batch to its longest sequence (or ``max_length``), token
+  labels with -100.
 - ``samplers``: the random, length-grouped and token-budget batch samplers, and :func:`eval_batches`.
 - ``loaders``: :func:`make_train_loader`, :func:`make_eval_loader`, and :func:`padding_stats`.
 """
@@ -14,7 +17,13 @@ The modules, in the order a training run uses them:
 from looptrain.data.collate import DynamicPaddingCollator
 from looptrain.data.errors import DataError
 from looptrain.data.loaders import make_eval_loader, make_train_loader, padding_stats
-from looptrain.data.readers import SUPPORTED_EXTENSIONS, TextClassificationData, read_classification_data
+from looptrain.data.readers import (
+    SUPPORTED_EXTENSIONS,
+    LanguageModelingData,
+    TextClassificationData,
+    read_classification_data,
+    read_lm_data,
+)
 from looptrain.data.samplers import (
     LengthGroupedSampler,
     RandomBatchSampler,
@@ -22,16 +31,19 @@ from looptrain.data.samplers import (
     TokenBudgetBatchSampler,
     eval_batches,
 )
-from looptrain.data.tokenize import TokenizedDataset, load_tokenizer, tokenize
+from looptrain.data.tokenize import TokenizedDataset, load_tokenizer, tokenize, tokenize_lm
 
 __all__ = [
     "SUPPORTED_EXTENSIONS",
     "DataError",
     "TextClassificationData",
     "read_classification_data",
+    "LanguageModelingData",
+    "read_lm_data",
     "load_tokenizer",
     "TokenizedDataset",
     "tokenize",
+    "tokenize_lm",
     "DynamicPaddingCollator",
     "ShardedBatchSampler",
     "RandomBatchSampler",

@@ -9,6 +9,8 @@ import torch
 
 from looptrain.data.errors import DataError
 
+IGNORE_INDEX = -100  # the label the loss skips: padding of token labels
+
 
 class DynamicPaddingCollator:
     """Pads a list of unpadded samples into a batch of tensors.
@@ -96,11 +98,21 @@ class DynamicPaddingCollator:
         batch = {"input_ids": input_ids, "attention_mask": attention_mask}
         if token_type_ids is not None:
             batch["token_type_ids"] = token_type_ids
-        if "labels" in features[0]:
+        if "labels" in features[0] and _is_sequence(features[0]["labels"]):
+            batch["labels"] = torch.full((batch_size, width), IGNORE_INDEX, dtype=torch.long)
+            for row, feature in enumerate(features):
+                token_labels = _as_list(feature["labels"])
+                batch["labels"][row, :len(token_labels)] = torch.tensor(token_labels, dtype=torch.long)
+        elif "labels" in features[0]:
             labels = [feature["labels"] for feature in features]
             dtype = torch.float32 if isinstance(labels[0], float) else torch.long
             batch["labels"] = torch.tensor(labels, dtype=dtype)
         return batch
+
+
+def _is_sequence(value: Any) -> bool:
+    """Token labels (a list, tuple or 1-D array per sample) rather than one label per sample."""
+    return isinstance(value, (list, tuple)) or getattr(value, "ndim", 0) == 1
 
 
 def _as_list(values: Any) -> list[int]:

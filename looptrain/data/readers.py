@@ -701,3 +701,161 @@ def _check_several_classes(labels: list[int], names: list[str] | None, label_col
         "at least two classes; point label_column= (--label-column) at the right column, or add samples of "
         "the other classes"
     )
+
+
+# ---------------------------------------------------------------------- language-modelling data (causal LMs)
+LM_KINDS = ("text", "prompt_response", "messages")
+
+
+@dataclass
+class LanguageModelingData:
+    """Samples for a causal LM, as read from one source: plain texts, prompt/response pairs, or chats.
+
+    Attributes:
+        kind: ``"text"`` (loss on every token), ``"prompt_response"`` (loss on the response only) or
+            ``"messages"`` (a chat rendered with the tokenizer's chat template; loss on the last assistant turn).
+        texts: The text of each sample (``"text"``), or its prompt (``"prompt_response"``); empty for chats.
+        responses: The response of each sample (``"prompt_response"``), else None.
+        messages: The chat of each sample (``"messages"``: a list of ``{"role", "content"}`` dicts), else None.
+        source: Where the data came from, for error messages.
+        columns: The columns the samples were read from, in order (for the run's identity and messages).
+        notices: One-line remarks on data that was read but may not be what the user meant.
+    """
+
+    kind: str
+    texts: list[str]
+    responses: list[str] | None = None
+    messages: list[list[dict[str, str]]] | None = None
+    source: str = "<rows>"
+    columns: tuple[str, ...] = ()
+    notices: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.messages) if self.messages is not None else len(self.texts)
+
+    def select(self, indices: Iterable[int]) -> LanguageModelingData:
+        """The samples at ``indices``, in that order (a split, or the first N)."""
+        indices = list(indices)
+        return LanguageModelingData(
+            self.kind,
+            [self.texts[i] for i in indices] if self.texts else [],
+            None if self.responses is None else [self.responses[i] for i in indices],
+            None if self.messages is None else [self.messages[i] for i in indices],
+            self.source, self.columns, list(self.notices),
+        )
+
+
+def read_lm_data(
+    source: str | os.PathLike | Iterable[Mapping[str, Any]],
+    *,
+    text_column: str = "text",
+    prompt_column: str = "prompt",
+    response_column: str = "response",
+    messages_column: str = "messages",
+    encoding: str = "utf-8",
+    encoding_errors: str = "strict",
+    max_samples: int | None = None,
+) -> LanguageModelingData:
+    """Reads a causal LM's data from any source :func:`read_classification_data` reads, picking the kind by columns.
+
+    The first of these that the columns hold decides: a ``messages`` column (a chat per row: a list of
+    ``{"role": ..., "content": ...}`` objects, or that list as a JSON string in a CSV/TSV cell), ``prompt``
+    and ``response`` columns (the SFT convention: loss on the response only), a ``text`` column (loss on
+    every token). Other columns are ignored.
+
+    Args:
+        source: A file, a ``save_to_disk`` directory, a cached Hub dataset or an iterable of dict rows, as in
+            :func:`read_classification_data`.
+        text_column: The plain-text column.
+        prompt_column: The prompt column of prompt/response data.
+        response_column: The response column of prompt/response data.
+        messages_column: The chat column.
+        encoding: File encoding.
+        encoding_errors: ``"strict"`` or ``"replace"``, as in :func:`read_classification_data`.
+        max_samples: Keep only the first this many rows.
+
+    Returns:
+        A :class:`LanguageModelingData` of the kind the columns chose.
+
+    Raises:
+        DataError: For every error :func:`read_classification_data` reports about the source itself; when the
+            columns hold none of the three kinds (the message names the columns found and the fix); a prompt
+            column without its response column (or the reverse); a null or empty text, prompt or response; a
+            chat that is not a non-empty list of role/content objects.
+    """
+    if isinstance(source, (str, os.PathLike)):
+        source_name = os.fspath(source)
+        rows, columns = _read_path(source_name, encoding, encoding_errors)
+    else:
+        source_name = f"<{type(source).__name__}>"
+        rows, columns = _read_sequence(source)
+    kind, wanted = _lm_kind(columns, text_column, prompt_column, response_column, messages_column, source_name)
+
+    texts: list[str] = []
+    responses: list[str] | None = [] if kind == "prompt_response" else None
+    chats: list[list[dict[str, str]]] | None = [] if kind == "messages" else None
+    count = 0
+    for location, row in rows:
+        if max_samples is not None and count >= max_samples:
+            break
+        if chats is not None:
+            chats.append(_messages_value(row, messages_column, source_name, location))
+        else:
+            texts.append(_text_value(row, wanted[0], source_name, location))
+            if responses is not None:
+                responses.append(_text_value(row, response_column, source_name, location))
+        count += 1
+    if not count:
+        raise DataError(f"{source_name} has a header but no data rows; add rows or point to the right file")
+    return LanguageModelingData(kind, texts, responses, chats, source_name, wanted)
+
+
+def _lm_kind(columns: Sequence[str], text_column: str, prompt_column: str, response_column: str,
+             messages_column: str, source_name: str) -> tuple[str, tuple[str, ...]]:
+    """Which kind of LM data the columns hold, and its columns; a DataError naming the columns found otherwise."""
+    if messages_column in columns:
+        return "messages", (messages_column,)
+    has_prompt, has_response = prompt_column in columns, response_column in columns
+    if has_prompt and has_response:
+        return "prompt_response", (prompt_column, response_column)
+    found = ", ".join(map(repr, columns)) or "(none)"
+    if has_prompt != has_response:
+        present, missing = (prompt_column, response_column) if has_prompt else (response_column, prompt_column)
+        raise DataError(
+            f"{source_name} has a {present!r} column but no {missing!r} column (columns: {found}); prompt/response "
+            f"data needs both (loss on the response only): add or rename the {missing!r} column "
+            f"(--prompt-column / --response-column)"
+        )
+    if text_column in columns:
+        return "text", (text_column,)
+    close = difflib.get_close_matches(text_column, [str(c) for c in columns], n=1, cutoff=0.5)
+    hint = f" Did you mean --text-column {close[0]}?" if close else ""
+    raise DataError(
+        f"{source_name} has the columns {found}, and a causal LM's data needs a {text_column!r} column (loss on "
+        f"every token), {prompt_column!r} and {response_column!r} columns (loss on the response only), or a "
+        f"{messages_column!r} column (chats rendered with the tokenizer's chat template); rename a column, or name "
+        f"yours with --text-column / --prompt-column / --response-column / --messages-column.{hint}"
+    )
+
+
+def _messages_value(row: Mapping[str, Any], column: str, source_name: str, location: str) -> list[dict[str, str]]:
+    """A row's chat: a non-empty list of ``{"role": str, "content": str}`` (a JSON string of one is parsed)."""
+    where = f"{source_name} {location}: column {column!r}"
+    value = row.get(column)
+    if isinstance(value, str):  # a chat in a CSV / TSV cell is its JSON text
+        try:
+            value = json.loads(value)
+        except (json.JSONDecodeError, RecursionError, ValueError) as error:
+            raise DataError(f"{where} is a string that is not JSON ({_one_line(error)}); write the chat as a JSON "
+                            '[{"role": "user", "content": "..."}, ...]') from error
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where} must hold a non-empty list of messages "
+                        f'[{{"role": "user", "content": "..."}}, ...], got {reprlib.repr(value)}; fix or drop the row')
+    chat = []
+    for index, message in enumerate(value):
+        if (not isinstance(message, Mapping) or not isinstance(message.get("role"), str)
+                or not isinstance(message.get("content"), str)):
+            raise DataError(f"{where}, message {index}: expected an object with string 'role' and 'content', got "
+                            f"{reprlib.repr(message)}; fix or drop the row")
+        chat.append({"role": message["role"], "content": message["content"]})
+    return chat

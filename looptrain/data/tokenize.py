@@ -13,7 +13,9 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from looptrain.data.errors import DataError
-from looptrain.data.readers import TextClassificationData
+from looptrain.data.readers import LanguageModelingData, TextClassificationData
+
+IGNORE_INDEX = -100  # a label the loss skips (transformers' and torch's cross-entropy default)
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +66,13 @@ def load_tokenizer(path: str | os.PathLike, use_fast: bool = True, allow_slow: b
 
 
 class TokenizedDataset(Dataset):
-    """Unpadded token ids per sample; ``__getitem__`` returns a dict of lists and the label.
+    """Unpadded token ids per sample; ``__getitem__`` returns a dict of lists and the label (or token labels).
 
     Attributes:
         lengths: Token count of each sample (what the samplers and padding stats need).
         num_truncated: How many samples were cut at ``max_length``.
+        num_dropped: How many samples were left out because truncation cut away every token they had to
+            learn from (a causal LM's prompt/response sample whose prompt fills ``max_length``).
         max_length: The truncation length used.
         label_names: Carried over from the source data (None for numeric labels).
     """
@@ -77,11 +81,12 @@ class TokenizedDataset(Dataset):
         self,
         input_ids: list[list[int]],
         token_type_ids: list[list[int]] | None,
-        labels: list[int] | None,
+        labels: list[int] | list[list[int]] | None,
         *,
         num_truncated: int = 0,
         max_length: int | None = None,
         label_names: list[str] | None = None,
+        num_dropped: int = 0,
     ):
         self.input_ids = input_ids
         self.token_type_ids = token_type_ids
@@ -90,6 +95,7 @@ class TokenizedDataset(Dataset):
         self.num_truncated = num_truncated
         self.max_length = max_length
         self.label_names = label_names
+        self.num_dropped = num_dropped
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -173,3 +179,108 @@ def tokenize(
         max_length=max_length,
         label_names=data.label_names,
     )
+
+
+def tokenize_lm(data: LanguageModelingData, tokenizer, max_length: int, batch_size: int = 1000) -> TokenizedDataset:
+    """Tokenizes a causal LM's data into input ids and token labels, EOS appended, truncated to ``max_length``.
+
+    - ``text``: the labels are the input ids (loss on every token; the model shifts them).
+    - ``prompt_response``: the prompt is tokenized with the tokenizer's special tokens (a BOS where it adds
+      one), the response without, one after the other; the prompt's labels are -100 (loss on the response only).
+    - ``messages``: the chat is rendered with ``tokenizer.apply_chat_template`` (its text, then tokenized with no
+      added special tokens: the template writes its own). When the last message is the assistant's and the
+      chat's text starts with the text of the chat before it plus the generation prompt, that prefix is the
+      prompt (-100) and the last assistant turn the response; otherwise the loss is on every token.
+
+    The EOS token is appended to every sample (unless it already ends with it), so the model learns to stop.
+    A sample longer than ``max_length`` keeps its first ``max_length`` tokens (its EOS is then cut) and is
+    counted in ``num_truncated``. A sample left with no token to predict (the model shifts its labels, so the
+    first is never scored: a prompt that fills ``max_length`` by itself, a lone token) would add nothing to
+    the loss, and a batch of only such samples would divide by zero: it is dropped, counted in ``num_dropped``.
+
+    Args:
+        data: What :func:`read_lm_data` returned.
+        tokenizer: A Hugging Face tokenizer with an EOS token (and, for chats, a chat template).
+        max_length: Longest sequence, EOS and special tokens included.
+        batch_size: Texts per tokenizer call.
+
+    Returns:
+        A :class:`TokenizedDataset` whose ``labels`` are one list of token labels per sample.
+
+    Raises:
+        DataError: When ``max_length`` is not a positive integer, the tokenizer has no EOS token, chats come
+            with a tokenizer that has no chat template, or every sample was dropped.
+    """
+    if not isinstance(max_length, int) or max_length < 1:
+        raise DataError(f"max_length must be a positive integer, got {max_length!r}")
+    eos_id = getattr(tokenizer, "eos_token_id", None)
+    if eos_id is None:
+        raise DataError(
+            f"the tokenizer ({type(tokenizer).__name__}) has no EOS token, and a causal LM learns to stop from the "
+            "EOS appended to every sample; set one and save it with the model "
+            "(tokenizer.eos_token = '...'; tokenizer.save_pretrained(MODEL_DIR))"
+        )
+    prompts, responses, special = _lm_segments(data, tokenizer)
+    input_ids: list[list[int]] = []
+    labels: list[list[int]] = []
+    num_truncated = num_dropped = 0
+    for start in range(0, len(responses), batch_size):
+        chunk = slice(start, start + batch_size)
+        response_ids = _encode(tokenizer, responses[chunk], special and prompts is None)
+        prompt_ids = (_encode(tokenizer, prompts[chunk], special) if prompts is not None
+                      else [[] for _ in response_ids])
+        for prompt, response in zip(prompt_ids, response_ids):
+            sample = prompt + response
+            if not sample or sample[-1] != eos_id:
+                sample = sample + [eos_id]
+            sample_labels = [IGNORE_INDEX] * len(prompt) + sample[len(prompt):]
+            if len(sample) > max_length:
+                num_truncated += 1
+                sample, sample_labels = sample[:max_length], sample_labels[:max_length]
+            if all(label == IGNORE_INDEX for label in sample_labels[1:]):
+                num_dropped += 1  # nothing to predict (the model shifts: the first label is never scored)
+                continue
+            input_ids.append(sample)
+            labels.append(sample_labels)
+    if not input_ids:
+        raise DataError(f"{data.source}: no sample has a token to predict within --max-length {max_length} (every "
+                        "prompt fills it by itself); raise --max-length or shorten the prompts")
+    if num_truncated:
+        logger.info("tokenize_lm: %d of %d samples truncated to max_length=%d", num_truncated, len(responses),
+                    max_length)
+    return TokenizedDataset(input_ids, None, labels, num_truncated=num_truncated, max_length=max_length,
+                            num_dropped=num_dropped)
+
+
+def _lm_segments(data: LanguageModelingData, tokenizer) -> tuple[list[str] | None, list[str], bool]:
+    """(prompts or None, responses, whether the tokenizer adds its special tokens) of each sample, as text."""
+    if data.kind == "text":
+        return None, list(data.texts), True
+    if data.kind == "prompt_response":
+        return list(data.texts), list(data.responses or []), True
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise DataError(
+            f"{data.source} holds chats (a messages column), and the tokenizer has no chat template to render them "
+            "with; use a model whose tokenizer has one (an instruct/chat model), or set it and save it with the "
+            "model (tokenizer.chat_template = '{% for m in messages %}...{% endfor %}'; "
+            "tokenizer.save_pretrained(MODEL_DIR)), or write the data as prompt/response or text columns"
+        )
+    prompts, responses = [], []
+    for chat in data.messages or []:
+        text = tokenizer.apply_chat_template(chat, tokenize=False)
+        prefix = ""
+        if len(chat) > 1 and chat[-1]["role"] == "assistant":
+            before = tokenizer.apply_chat_template(chat[:-1], tokenize=False, add_generation_prompt=True)
+            prefix = before if text.startswith(before) else ""
+        prompts.append(prefix)
+        responses.append(text[len(prefix):])
+    return prompts, responses, False
+
+
+def _encode(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    """Token ids of each text, untruncated (the caller truncates the joined sample and counts it)."""
+    if not texts:
+        return []
+    encoded = tokenizer(texts, add_special_tokens=add_special_tokens, truncation=False, padding=False,
+                        return_attention_mask=False, verbose=False)
+    return [list(ids) for ids in encoded["input_ids"]]

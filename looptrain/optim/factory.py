@@ -125,7 +125,11 @@ def build_parameter_groups(
 
 
 def register_embedding_state_bits(model: nn.Module, bits: int = 32) -> int:
-    """Give every trainable ``nn.Embedding`` weight `bits`-bit optimizer state in bitsandbytes.
+    """Give every trainable ``nn.Embedding`` weight, and an untied LM head, `bits`-bit optimizer state in bitsandbytes.
+
+    A causal LM's output embedding (``get_output_embeddings()``, an ``nn.Linear``) holds the same kind of
+    rows as the input embedding, one per token, most of them rarely updated: it is registered too when it is
+    not tied to the input embedding (a tied one is the embedding's own weight, registered already).
 
     The one place where looptrain touches bitsandbytes' process-global ``GlobalOptimManager``.
     Overrides are keyed on the parameter object, so they also apply to optimizers built later
@@ -137,15 +141,19 @@ def register_embedding_state_bits(model: nn.Module, bits: int = 32) -> int:
         bits: 32 (the bitsandbytes recommendation for NLP embeddings) or 8.
 
     Returns:
-        The number of embedding modules registered.
+        The number of modules registered (embeddings, and an untied LM head).
     """
     from bitsandbytes.optim import GlobalOptimManager
 
     manager = GlobalOptimManager.get_instance()
     registered = {(id(module), attribute) for module, attribute, _ in manager.module_weight_config_triple}
     count = 0
-    for module in model.modules():
-        if isinstance(module, nn.Embedding) and module.weight.requires_grad:
+    modules = [module for module in model.modules() if isinstance(module, nn.Embedding)]
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    if isinstance(head, nn.Linear) and all(head.weight is not module.weight for module in modules):
+        modules.append(head)  # an untied LM head
+    for module in modules:
+        if module.weight.requires_grad:
             if (id(module), "weight") not in registered:
                 manager.register_module_override(module, "weight", {"optim_bits": bits})
             count += 1

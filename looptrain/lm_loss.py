@@ -1,0 +1,268 @@
+"""Chunked cross-entropy: a causal LM's head and loss in chunks of tokens, so the [tokens, vocab] logits never exist.
+
+A causal LM's own loss computes every position's logits (``[batch, length, vocab]``), upcasts them to fp32 and
+keeps what cross-entropy needs for backward: for a 150k vocabulary at 2048 tokens, over a gigabyte each. Here the
+model's decoder body runs to its last hidden states, the positions whose (shifted) label is -100 are dropped, and
+`chunked_cross_entropy` computes the sum of cross-entropy over chunks of `chunk_tokens` tokens with an autograd
+function that saves only the hidden states, the head's weight (and bias) and the labels; backward recomputes each
+chunk's logits. At most one chunk's logits exist at a time, in forward and in backward. The math is the model's:
+the logits in the dtype the head would compute them in (autocast's, else the weight's), the cross-entropy in fp32
+as transformers takes it, and the head's weight gradient returned to autograd, so tied input/output embeddings
+get the sum of both uses.
+
+`ChunkedLMLoss.for_model` decides once, when the Loop is built, whether a model can be served exactly; where it
+cannot (a head that is not a Linear, logit softcapping, no decoder body, a sharded head, a head that does more
+than its Linear: checked on the first batch by comparing with the model's own logits) the model's own loss is
+used, with a one-time notice. Under DDP the training forward runs through the wrapper (the model's own forward,
+its head standing aside), so gradients are synced as usual. See docs/causal_lm.md ("Chunked cross-entropy").
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from looptrain.batches import IGNORE_INDEX
+from looptrain.strategy import CHUNKED_CE_MODES, ConfigError
+
+# Batch keys the model's own forward takes for its loss or its head, never the decoder body's.
+_HEAD_KEYS = ("labels", "shift_labels", "num_items_in_batch", "logits_to_keep", "return_dict")
+AUTO_CHUNK_LOGITS = 2**23  # ce_chunk_tokens=0: a chunk holds at most this many logits (32 MiB in fp32)
+_PROBE_TOKENS = 8  # the first batch's check runs the model on one row of this many tokens
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Sum of cross-entropy of ``hidden @ weight.T + bias`` against `labels`, one chunk of rows at a time."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, chunk_tokens, dtype):
+        ctx.save_for_backward(hidden, weight, bias, labels)
+        ctx.chunk_tokens, ctx.dtype = chunk_tokens, dtype
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            weight_c, bias_c = _in_dtype(weight, bias, dtype)
+            for start in range(0, hidden.shape[0], chunk_tokens):
+                logits = F.linear(hidden[start:start + chunk_tokens].to(dtype), weight_c, bias_c)
+                total += F.cross_entropy(logits.float(), labels[start:start + chunk_tokens],
+                                         ignore_index=IGNORE_INDEX, reduction="sum")
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        hidden, weight, bias, labels = ctx.saved_tensors
+        chunk_tokens, dtype = ctx.chunk_tokens, ctx.dtype
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if needs_hidden else None
+        grad_weight = torch.zeros_like(weight) if needs_weight else None
+        grad_bias = torch.zeros_like(bias) if needs_bias else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            weight_c, bias_c = _in_dtype(weight, bias, dtype)
+            for start in range(0, hidden.shape[0], chunk_tokens):
+                rows = slice(start, start + chunk_tokens)
+                hidden_c, labels_c = hidden[rows].to(dtype), labels[rows]
+                # d(sum CE)/d(logits) = softmax - one_hot, per scored row, in fp32 (the loss's dtype) ...
+                grad_logits = torch.softmax(F.linear(hidden_c, weight_c, bias_c).float(), dim=-1)
+                scored = labels_c != IGNORE_INDEX
+                grad_logits[torch.arange(labels_c.shape[0], device=labels_c.device), labels_c.clamp(min=0)] -= 1.0
+                grad_logits.mul_((scored * grad_total)[:, None])
+                grad_logits = grad_logits.to(dtype)  # ... then back to the logits' dtype, as autograd's .float() does
+                if needs_hidden:
+                    grad_hidden[rows] = grad_logits @ weight_c
+                if needs_weight:
+                    _accumulate(grad_weight, grad_logits.t(), hidden_c)
+                if needs_bias:
+                    grad_bias += grad_logits.sum(0).to(grad_bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+def _in_dtype(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    return weight.to(dtype), (bias.to(dtype) if bias is not None else None)
+
+
+def _accumulate(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+    """``total += left @ right``, without a temporary when the dtypes agree."""
+    if total.dtype == left.dtype:
+        total.addmm_(left, right)
+    else:
+        total += left @ right
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          labels: torch.Tensor, chunk_tokens: int = 256) -> torch.Tensor:
+    """Sum over rows of cross-entropy of ``F.linear(hidden, weight, bias)`` against `labels`, in chunks of rows.
+
+    Equal to ``F.cross_entropy(F.linear(hidden, weight, bias).float(), labels, ignore_index=-100,
+    reduction="sum")`` (under autocast, the linear in autocast's dtype), without the ``[rows, vocab]`` logits
+    ever existing: backward recomputes each chunk's logits.
+
+    Args:
+        hidden: ``[rows, hidden_size]`` hidden states.
+        weight: the head's ``[vocab, hidden_size]`` weight (a tied embedding gets its gradient summed by autograd).
+        bias: the head's ``[vocab]`` bias, or None.
+        labels: ``[rows]`` target ids; -100 is not scored.
+        chunk_tokens: rows per chunk.
+    """
+    device_type = hidden.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+    return _ChunkedCrossEntropy.apply(hidden, weight, bias, labels, chunk_tokens, dtype)
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(tensor)
+
+
+class ChunkedLMLoss:
+    """The Loop's default loss for a causal LM, with its head and cross-entropy chunked (`chunked_cross_entropy`).
+
+    Build it with `for_model`; call it with the model the Loop runs and a dict batch: it returns
+    ``(loss_sum, num_items)``, the items being the shifted labels that are not -100 (what
+    `looptrain.batches.count_items(batch, shifted=True)` counts), or the model's own mean loss where the first
+    batch shows the head cannot be reproduced exactly.
+    """
+
+    def __init__(self, model: nn.Module, body: nn.Module, head: nn.Linear, chunk_tokens: int, strict: bool,
+                 notice: Callable[[str], None]):
+        self.model, self.body, self.head, self.chunk_tokens = model, body, head, chunk_tokens
+        self.strict, self.notice = strict, notice
+        self.checked = False  # the first batch compares head(body) with the model's own logits
+        self.fallback: str | None = None  # why the model's own loss is used instead
+
+    @classmethod
+    def for_model(cls, model: nn.Module, config: Any, shifts_labels: bool,
+                  echo: Callable[[str], None]) -> ChunkedLMLoss | None:
+        """The chunked loss for `model`, or None where the model's own loss is used (with a notice, for a causal LM).
+
+        Args:
+            model: the bare model.
+            config: the `LoopConfig`: its `chunked_ce` (``auto``: on for causal LMs whose loss shifts labels;
+                ``on``: the same, and a model it cannot serve exactly is an error; ``off``) and `ce_chunk_tokens`
+                (0: ``AUTO_CHUNK_LOGITS // vocab``).
+            shifts_labels: `looptrain.batches.model_shifts_labels(model)`.
+            echo: prints one line (the notice).
+
+        Raises:
+            ConfigError: ``mode="on"`` and the model cannot be served exactly (the message says why).
+        """
+        mode, chunk_tokens = config.chunked_ce, config.ce_chunk_tokens
+        if mode == "off" or (mode == "auto" and not shifts_labels):
+            return None
+
+        def notice(line: str) -> None:
+            echo(f"notice: {line}")
+
+        reason = _structural_problem(model, shifts_labels)
+        if reason is None:
+            head = model.get_output_embeddings()
+            chunk_tokens = chunk_tokens or max(1, AUTO_CHUNK_LOGITS // head.out_features)
+            return cls(model, model.get_decoder(), head, chunk_tokens, mode == "on", notice)
+        if mode == "on":
+            raise ConfigError(f"chunked_ce='on' (--chunked-ce on): {reason}; use --chunked-ce auto or off")
+        notice(f"chunked cross-entropy is off for this model ({reason}): the model's own loss is used")
+        return None
+
+    def __call__(self, wrapped_model: nn.Module, batch: Mapping) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        inputs = {key: value for key, value in batch.items() if key not in _HEAD_KEYS}
+        if not self.checked:
+            self.checked = True
+            self._check_head(inputs)
+        labels = batch.get("labels")
+        if self.fallback is not None or not isinstance(labels, torch.Tensor) or labels.dim() != 2:
+            loss = wrapped_model(**batch).loss  # labels that are not [rows, length]: the model's own loss (or error)
+            if loss is None:
+                raise ValueError("the model returned no loss: pass `labels` in the batch or override Loop.compute_loss")
+            return loss
+        if wrapped_model is not self.model and torch.is_grad_enabled():
+            # DDP syncs gradients only for a forward it runs: the model's own forward, its head standing aside.
+            with _head_skipped(self.head):
+                hidden = wrapped_model(**inputs).logits
+        else:
+            hidden = _last_hidden_state(self.body(**inputs))
+        shift_labels = batch.get("shift_labels")
+        if isinstance(shift_labels, torch.Tensor):  # transformers takes these as they are, at every position
+            labels = shift_labels
+        else:  # position t predicts token t + 1: the last position predicts nothing
+            hidden, labels = hidden[:, :-1], labels[:, 1:]
+        labels = labels.to(hidden.device)
+        scored = labels != IGNORE_INDEX
+        if _is_fake(labels):  # the estimator: no values to drop by; every position stays (-100 ones score 0)
+            hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+        else:  # prompts and padding never reach the head
+            hidden, labels = hidden[scored], labels[scored]
+        loss_sum = chunked_cross_entropy(hidden, self.head.weight, self.head.bias, labels, self.chunk_tokens)
+        return loss_sum, scored.sum()
+
+    @torch.no_grad()
+    def _check_head(self, inputs: dict) -> None:
+        """Once: the model's own logits on one short row equal the head applied to the body's hidden states."""
+        if any(_is_fake(value) for value in inputs.values() if isinstance(value, torch.Tensor)):
+            return  # the estimator's fake tensors have no values to compare
+        rows = next(value.shape[0] for value in inputs.values() if isinstance(value, torch.Tensor) and value.dim())
+        probe = {key: _first_row(value, rows) for key, value in inputs.items()}
+        was_training = self.model.training
+        self.model.eval()  # no dropout: the two runs must see the same activations
+        try:
+            own = self.model(**probe).logits
+            ours = self.head(_last_hidden_state(self.body(**probe)))
+        finally:
+            self.model.train(was_training)
+        scale = own.float().abs().max().clamp(min=1e-6)
+        tolerance = 1e-4 if own.dtype == torch.float32 else 2e-2
+        if own.shape != ours.shape or not ((own.float() - ours.float()).abs().max() <= tolerance * scale):
+            self.fallback = ("its logits are not its output embedding applied to its decoder's last hidden states "
+                             "(a scaled or transformed head)")
+            if self.strict:
+                raise ConfigError(f"chunked_ce='on' (--chunked-ce on): {self.fallback}; use --chunked-ce auto or off")
+            self.notice(f"chunked cross-entropy is off for this model ({self.fallback}): the model's own loss is used")
+
+
+def _last_hidden_state(outputs: Any) -> torch.Tensor:
+    return outputs[0] if isinstance(outputs, tuple) else outputs.last_hidden_state
+
+
+@contextlib.contextmanager
+def _head_skipped(head: nn.Linear) -> Iterator[None]:
+    """While entered, `head` returns its input: the model's forward gives its last hidden states as "logits"."""
+    head.forward = _identity  # an instance attribute shadows nn.Linear.forward; the module's hooks still run
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def _identity(hidden: torch.Tensor) -> torch.Tensor:
+    return hidden
+
+
+def _first_row(value: Any, rows: int) -> Any:
+    """A batch value cut to its first row and `_PROBE_TOKENS` positions (per-row tensors only)."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != rows:
+        return value
+    value = value[:1]
+    return value[:, :_PROBE_TOKENS] if value.dim() >= 2 else value
+
+
+def _structural_problem(model: nn.Module, shifts_labels: bool) -> str | None:
+    """Why `model`'s loss cannot be computed by chunks exactly, from its structure; None when it can."""
+    if not shifts_labels:
+        return "it is not a causal LM whose loss shifts its labels"
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    if type(head) is not nn.Linear:  # a subclass (peft's LoRA layer, a quantized Linear) may compute more
+        return f"its output embedding is a {type(head).__name__}, not a torch.nn.Linear"
+    if any(hasattr(parameter, "full_tensor") for parameter in head.parameters()):
+        return "its head is sharded (FSDP)"
+    body = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
+    if not isinstance(body, nn.Module) or body is model:
+        return "it exposes no decoder body (get_decoder) apart from the head"
+    if getattr(getattr(model, "config", None), "final_logit_softcapping", None) is not None:
+        return "it softcaps its logits (final_logit_softcapping)"
+    return None
+
+
+__all__ = ["AUTO_CHUNK_LOGITS", "CHUNKED_CE_MODES", "ChunkedLMLoss", "chunked_cross_entropy"]
