@@ -9,9 +9,10 @@ result (E[round(x)] = x): small updates then move the weights on average, as in 
 `BF16Optimizer` wraps an ordinary optimizer (AdamW, bitsandbytes' 8-bit AdamW, Adafactor, SGD): for
 each parameter in turn it upcasts the parameter and its gradient to fp32, lets a per-parameter copy
 of the optimizer step it, and rounds the result back into the bf16 storage. Only one tensor's fp32
-copies exist at a time. The optimizer state is created in fp32 (AdamW 8 B/param, 8-bit AdamW 2,
-Adafactor's factored state ~0). `OptimizerInBackward(..., bf16_weights=True)` does the same inside
-backward.
+copies exist at a time, and a tensor of more than `STEP_CHUNK_ELEMENTS` (an embedding) stepped by AdamW
+or SGD goes in chunks of rows, bitwise the same, so the step's transient is a chunk's. The optimizer
+state is created in fp32 (AdamW 8 B/param, 8-bit AdamW 2, Adafactor's factored state ~0).
+`OptimizerInBackward(..., bf16_weights=True)` does the same inside backward.
 """
 
 from __future__ import annotations
@@ -25,8 +26,65 @@ from torch import nn
 from looptrain.optim.per_parameter import PerParameterOptimizer
 
 GRAD_DTYPES = ("bf16", "fp32")
-_CHUNK = 1 << 22  # elements rounded at a time: bounds the rounding's own temporaries to ~48 MiB
+# A bf16 tensor larger than this steps in chunks of whole rows of about this many elements (16 MiB in fp32),
+# so the step's fp32 copies and the optimizer's temporaries are a chunk's, not the embedding's.
+STEP_CHUNK_ELEMENTS = 1 << 22
+# Optimizers whose update is elementwise over a parameter's elements, with state that is either
+# parameter-shaped or scalar (a step count): stepping row chunks is bitwise the same as one whole step.
+# Not their fused=True kernels (on CPU they round the elements past the last full vector differently,
+# so the result depends on where a chunk ends), nor Adafactor (row and column means, an RMS over the
+# whole update), nor bitsandbytes' optimizers (blockwise 8-bit state, and 8 or 32 bits chosen from the
+# tensor's size): those step whole.
+_ROW_WISE_OPTIMIZERS = (torch.optim.AdamW, torch.optim.SGD)
+_ROUNDING_WINDOW = 1 << 22  # random bits drawn per call: bounds the rounding's temporaries to ~48 MiB
 _HIGH_BITS = -65536  # 0xFFFF0000 as an int32: the bits a bf16 keeps of an fp32
+
+
+class _RoundingNoise:
+    """The random low bits that round a tensor of `numel` elements, handed out in order, piece by piece.
+
+    They are drawn in windows of `_ROUNDING_WINDOW` elements: the same `torch.randint` calls, in the same
+    order, whether the tensor is rounded whole or row chunk by row chunk, so the random stream does not
+    depend on the chunking on any device (CPU's generator gives the same bits for two draws as for one;
+    a counter-based generator such as CUDA's Philox, which advances per call, need not: not checked on a GPU).
+    """
+
+    def __init__(self, numel: int, device: torch.device, generator: torch.Generator | None):
+        self._undrawn = numel
+        self._device = device
+        self._generator = generator
+        self._window = torch.empty(0, dtype=torch.int32, device=device)
+        self._used = 0
+
+    def pieces(self, count: int):
+        """Yields the next `count` random integers in [0, 2^16), as int32 pieces of at most one window each."""
+        while count > 0:
+            if self._used == self._window.numel():
+                if self._undrawn == 0:
+                    raise ValueError("_RoundingNoise: asked for more bits than the tensor has elements.")
+                size = min(_ROUNDING_WINDOW, self._undrawn)
+                self._window = torch.randint(0, 1 << 16, (size,), dtype=torch.int32, device=self._device,
+                                             generator=self._generator)
+                self._undrawn -= size
+                self._used = 0
+            taken = min(count, self._window.numel() - self._used)
+            piece = self._window[self._used:self._used + taken]
+            self._used += taken
+            if self._used == self._window.numel():  # used up: not held while the next chunk steps
+                self._window = torch.empty(0, dtype=torch.int32, device=self._device)
+                self._used = 0
+            count -= taken
+            yield piece
+
+
+def _round_flat_(target: torch.Tensor, value: torch.Tensor, noise: _RoundingNoise) -> None:
+    """Rounds flat fp32 `value` into flat bf16 `target` stochastically, with the next bits of `noise`."""
+    start = 0
+    for piece in noise.pieces(value.numel()):
+        stop = start + piece.numel()
+        rounded = (value[start:stop].view(torch.int32) + piece).bitwise_and_(_HIGH_BITS).view(torch.float32)
+        target[start:stop].copy_(rounded)  # exact: the low 16 bits are zero
+        start = stop
 
 
 def stochastic_round_(target: torch.Tensor, value: torch.Tensor, generator: torch.Generator | None = None) -> None:
@@ -35,33 +93,37 @@ def stochastic_round_(target: torch.Tensor, value: torch.Tensor, generator: torc
     Adds a uniform random integer in [0, 2^16) to the 16 low bits of each fp32 bit pattern and drops
     them: the chance of rounding up is the dropped fraction, so E[target] = value. The carry
     propagates into the exponent correctly, and the sign-magnitude layout makes it right for negative
-    numbers too. Works chunk by chunk on contiguous memory.
+    numbers too. Works window by window on contiguous memory.
     """
     if target.dtype != torch.bfloat16 or value.dtype != torch.float32:
         raise TypeError(
             f"stochastic_round_: expected a bf16 target and an fp32 value, got {target.dtype} and {value.dtype}"
         )
-    flat_target = target.view(-1)
-    flat_value = value.contiguous().view(-1)
-    for start in range(0, flat_value.numel(), _CHUNK):
-        bits = flat_value[start:start + _CHUNK].view(torch.int32)
-        noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device, generator=generator)
-        rounded = (bits + noise).bitwise_and_(_HIGH_BITS).view(torch.float32)
-        flat_target[start:start + _CHUNK].copy_(rounded)  # exact: the low 16 bits are zero
+    _round_flat_(target.view(-1), value.contiguous().view(-1), _RoundingNoise(value.numel(), value.device, generator))
 
 
 def step_in_fp32_(parameter: nn.Parameter, optimizer: torch.optim.Optimizer, gradient: torch.Tensor,
-                  stochastic_rounding: bool = True) -> None:
+                  stochastic_rounding: bool = True, chunk_elements: int | None = None) -> None:
     """Steps one bf16 parameter in fp32 with `optimizer` (a per-parameter optimizer of it), writes it back.
 
     The parameter's storage is swapped for an fp32 copy while the optimizer steps (so its state is
     created and updated in fp32), then the result is rounded into the original bf16 storage:
     stochastically, or to nearest with `stochastic_rounding=False` (the control that stalls).
+
+    A tensor of more than `chunk_elements` elements (default `STEP_CHUNK_ELEMENTS`) stepped by AdamW or
+    SGD goes in chunks of whole rows (dim 0): each chunk's fp32 copy is stepped with views of the
+    gradient's and the state's rows and rounded back before the next is made, with the same random bits
+    as the whole tensor's rounding; weights and state come out bitwise the same as one whole step.
     """
     if parameter.dtype != torch.bfloat16:  # a parameter kept in fp32 (a norm layer, say) steps as usual
         parameter.grad = gradient.to(parameter.dtype)
         optimizer.step()
         parameter.grad = None
+        return
+    rows_per_chunk = _rows_per_chunk(parameter, optimizer, STEP_CHUNK_ELEMENTS if chunk_elements is None
+                                     else chunk_elements)
+    if rows_per_chunk is not None:
+        _step_in_row_chunks_(parameter, optimizer, gradient, stochastic_rounding, rows_per_chunk)
         return
     storage = parameter.data
     parameter.data = storage.float()
@@ -76,6 +138,92 @@ def step_in_fp32_(parameter: nn.Parameter, optimizer: torch.optim.Optimizer, gra
         stochastic_round_(storage, updated)
     else:
         storage.copy_(updated)
+
+
+def _rows_per_chunk(parameter: nn.Parameter, optimizer: torch.optim.Optimizer, chunk_elements: int) -> int | None:
+    """Rows of `parameter` stepped at a time (at least one), or None to step it whole."""
+    if parameter.numel() <= chunk_elements or type(optimizer) not in _ROW_WISE_OPTIMIZERS:
+        return None
+    if optimizer.param_groups[0].get("fused"):
+        return None
+    if parameter.dim() == 0 or not parameter.is_contiguous():  # the rounding walks rows as flat memory
+        return None
+    return max(1, chunk_elements // (parameter.numel() // parameter.shape[0]))
+
+
+def _step_in_row_chunks_(parameter: nn.Parameter, optimizer: torch.optim.Optimizer, gradient: torch.Tensor,
+                         stochastic_rounding: bool, rows_per_chunk: int) -> None:
+    """`step_in_fp32_` for a large tensor, `rows_per_chunk` rows at a time (see there).
+
+    The optimizer sees each chunk as the whole parameter: its state entry is swapped for the rows of
+    the parameter-shaped state tensors (updated in place, or copied back) and a copy of the scalars as
+    they were before this step (so the step count advances once). On the first step it creates each
+    chunk's state itself, which is copied into full-size tensors: what its zero (or gradient) start
+    gives, row by row.
+    """
+    storage = parameter.data
+    had_state = parameter in optimizer.state
+    state = optimizer.state[parameter]
+    scalars_before = {key: value for key, value in state.items() if not _is_parameter_shaped(value, storage)}
+    first_step = not state
+    noise = _RoundingNoise(storage.numel(), storage.device, None) if stochastic_rounding else None
+    scalars_after: dict[str, Any] = {}
+    try:
+        for start in range(0, storage.shape[0], rows_per_chunk):
+            scalars_after = _step_chunk_(parameter, optimizer, storage, gradient, slice(start, start + rows_per_chunk),
+                                         state, scalars_before, first_step, noise)
+    finally:
+        parameter.data = storage
+        parameter.grad = None
+        optimizer.state[parameter] = state
+        if not state and not had_state:  # SGD without momentum keeps no state entry at all
+            del optimizer.state[parameter]
+    state.update(scalars_after)
+
+
+def _step_chunk_(parameter: nn.Parameter, optimizer: torch.optim.Optimizer, storage: torch.Tensor,
+                 gradient: torch.Tensor, rows: slice, state: dict, scalars_before: dict, first_step: bool,
+                 noise: _RoundingNoise | None) -> dict[str, Any]:
+    """Steps and rounds back one chunk of rows (a function, so its fp32 copies are freed when it returns).
+
+    Returns the optimizer's scalar state after this chunk (the step count), the same for every chunk.
+    """
+    given = {} if first_step else {
+        key: _copy_of(value) if key in scalars_before else value[rows] for key, value in state.items()
+    }
+    optimizer.state[parameter] = dict(given)
+    parameter.data = storage[rows].float()
+    parameter.grad = gradient[rows].float()
+    optimizer.step()
+    updated = parameter.data
+    parameter.data = storage
+    parameter.grad = None
+    scalars = {}
+    for key, value in optimizer.state[parameter].items():
+        if not _is_parameter_shaped(value, updated):
+            scalars[key] = value
+            state.setdefault(key, value)  # keeps the optimizer's order of keys on the first step
+            continue
+        if first_step and rows.start == 0:
+            state[key] = torch.empty(storage.shape, dtype=value.dtype, device=value.device)
+        if value is not given.get(key):  # created on the first step, or replaced instead of updated in place
+            state[key][rows].copy_(value)
+    optimizer.state[parameter] = {}  # this chunk's own state (first step) goes with the chunk
+    row_numel = storage.numel() // storage.shape[0]
+    target = storage.view(-1)[rows.start * row_numel:rows.start * row_numel + updated.numel()]
+    if noise is not None:
+        _round_flat_(target, updated.view(-1), noise)
+    else:
+        target.copy_(updated.view(-1))
+    return scalars
+
+
+def _is_parameter_shaped(value: Any, parameter: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == parameter.shape
+
+
+def _copy_of(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 class BF16Optimizer(PerParameterOptimizer):
