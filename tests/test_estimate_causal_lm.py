@@ -183,7 +183,8 @@ def test_the_planner_plans_a_causal_lm_dataset_for_its_worst_batch():
     plain = [c.settings.batch_size for c in result.candidates if not c.settings.gradient_checkpointing
              and not c.settings.optimizer_in_backward]
     assert plain == [2]
-    # The plain winner, trained for real on the dataset's worst batch (the long sample and its padded neighbours).
+    # The plain winner, trained for real on the dataset's worst batch (the long sample and its padded neighbours):
+    # within the budget.
     settings = next(c.settings for c in result.candidates if not c.settings.gradient_checkpointing
                     and not c.settings.optimizer_in_backward)
     order = sorted(range(len(dataset)), key=lambda index: -dataset.lengths[index])
@@ -193,7 +194,9 @@ def test_the_planner_plans_a_causal_lm_dataset_for_its_worst_batch():
                                   log_every=1000, track_memory=True))
     measured = loop.fit()["peak_memory_bytes"]
     estimated = next(c.estimated_peak_bytes for c in result.candidates if c.settings == settings)
-    assert measured <= budget and abs(measured - estimated) <= 0.02 * estimated, (measured, estimated)
+    # At most the estimate (2% for noise): the estimate pads one token per row, the real worst batch more, which
+    # the chunked cross-entropy (on by default for causal LMs) drops before the head.
+    assert measured <= budget and 0.9 * estimated <= measured <= 1.02 * estimated, (measured, estimated)
 
 
 def test_json_without_lowest_is_refused(capsys):
