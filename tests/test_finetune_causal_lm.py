@@ -327,13 +327,23 @@ def test_adamw8bit_keeps_the_lm_head_state_32_bit(tied):
         assert optimizer.state[parameter]["state1"].dtype == torch.float32
 
 
-@pytest.mark.skip(reason="--memory-budget with --task causal-lm: the estimator builds sequence-classification labels "
-                         "(one per row) for its fake batches, so the causal LM's loss fails on them (the planner for "
-                         "causal LMs is being written in looptrain/planning)")
 def test_memory_budget_plans_a_causal_lm(llama_dir, tmp_path):
+    """A budget of live tensors (the tracker on): the plan keeps the effective batch, and the run's tracker peak
+    stays within the plan's estimate of the worst padded batch, plus the margin the plan keeps free."""
     data = write_jsonl(tmp_path / "sft.jsonl", prompt_rows(16))
-    assert run(llama_dir, data, tmp_path / "out", "--max-steps", "2", "--batch-size", "4", "--eval-every", "no",
-               "--memory-budget", "1GiB", "--plan-time", "0") == 0
+    argv = ["--task", "causal-lm", "--model", str(llama_dir), "--data", str(data),
+            "--output-dir", str(tmp_path / "out"), "--max-length", "32", "--lr", "3e-3", "--no-progress-bar",
+            "--max-steps", "2", "--batch-size", "4", "--eval-every", "no", "--memory-budget", "1GiB",
+            "--plan-time", "0"]
+    assert finetune.main(argv) == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    settings = summary["plan"]["settings"]
+    assert settings["batch_size"] * settings["accum_steps"] == 4  # the effective batch kept
+    assert summary["memory_meter"] == "cpu_tensor_tracker" and summary["plan"]["meter"] == "of live tensors"
+    assert summary["estimated_peak_bytes"] == summary["plan"]["estimated_peak_bytes"]
+    margin = summary["plan"]["margin"]  # what the plan keeps free above its estimate (5% on a CPU)
+    assert 0.5 * summary["estimated_peak_bytes"] < summary["peak_memory_bytes"] \
+        <= summary["estimated_peak_bytes"] * (1 + margin) <= summary["plan"]["budget_bytes"]
 
 
 # ------------------------------------------------------------------ bad inputs: exit 2, the fix named
