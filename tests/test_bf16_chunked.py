@@ -1,5 +1,6 @@
 """bf16 weights stepped in row chunks: bitwise the same weights, state and random stream as the whole-tensor
-step, and a step transient bounded by a chunk instead of by the largest tensor."""
+step (AdamW, SGD), the same up to fp32 rounding noise (Adafactor), and a step transient bounded by a chunk
+instead of by the largest tensor."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import looptrain.optim.in_backward as in_backward
 from looptrain import build_optimizer
 from looptrain.memory import StorageTracker
 from looptrain.optim import BF16Optimizer, OptimizerInBackward, cast_to_bf16
+from looptrain.optim.bf16 import _copy_of
+from looptrain.optim.factory import build_parameter_groups
 
 VOCAB, DIM = 1009, 48  # the tied embedding is 48,432 elements, 16x the next largest tensor
 CHUNK = 4000  # forced chunk: 83 rows (3,984 elements) a chunk, 12 full chunks and a last one of 13 rows
@@ -59,10 +62,9 @@ def today_step_in_fp32_(parameter, optimizer, gradient, stochastic_rounding=True
         flat_target[start:start + window].copy_((bits + noise).bitwise_and_(-65536).view(torch.float32))
 
 
-OPTIMIZERS = {  # name -> (build_optimizer arguments, stepped in chunks)
+OPTIMIZERS = {  # name -> (build_optimizer arguments, stepped in chunks bitwise); Adafactor: its own tests below
     "adamw": (("adamw", 1e-2, 0.01), {}, True),
     "sgd": (("sgd", 0.5, 0.01), {"momentum": 0.9}, True),
-    "adafactor": (("adafactor", 1e-2, 0.01), {}, False),
     "adamw8bit": (("adamw8bit", 1e-2, 0.01), {}, False),
 }
 MODES = ("plain", "fused", "grad_fp32")
@@ -71,10 +73,15 @@ MODES = ("plain", "fused", "grad_fp32")
 def train(optimizer_name: str, mode: str, stochastic_rounding: bool = True, steps: int = 3):
     """Three steps from the same start and data; returns the weights, the optimizer state and the chunked steps."""
     arguments, options, _ = OPTIMIZERS[optimizer_name]
+    return train_with(lambda model: build_optimizer(model, *arguments, **options), mode, stochastic_rounding, steps)
+
+
+def train_with(build, mode: str, stochastic_rounding: bool = True, steps: int = 3):
+    """`train` with the optimizer `build(model)`."""
     torch.manual_seed(0)
     model = TiedLM()
     cast_to_bf16(model)
-    optimizer = build_optimizer(model, *arguments, **options)
+    optimizer = build(model)
     if mode == "fused":
         wrapped = OptimizerInBackward(model, optimizer, bf16_weights=True, stochastic_rounding=stochastic_rounding)
     else:
@@ -187,14 +194,14 @@ def test_the_cpu_generator_draws_the_same_bits_in_pieces_as_at_once():
     assert torch.equal(whole, pieces)
 
 
-def step_transient_bytes(monkeypatch, chunk_elements: int) -> tuple[int, int]:
-    """The tracker's peak during an AdamW step (the second: the state exists) above what was live before it."""
+def step_transient_bytes(monkeypatch, chunk_elements: int, optimizer_name: str = "adamw") -> tuple[int, int]:
+    """The tracker's peak during a step (the second: the state exists) above what was live before it."""
     monkeypatch.setattr(bf16, "STEP_CHUNK_ELEMENTS", chunk_elements)
     monkeypatch.setattr(bf16, "_ROUNDING_WINDOW", min(chunk_elements, 1 << 22))
     torch.manual_seed(0)
     model = TiedLM()
     cast_to_bf16(model)
-    optimizer = BF16Optimizer(model, build_optimizer(model, "adamw", 1e-2, 0.01))
+    optimizer = BF16Optimizer(model, build_optimizer(model, optimizer_name, 1e-2, 0.01))
     ids = torch.randint(0, VOCAB, (4, 17), generator=torch.Generator().manual_seed(0))
     for _ in range(2):
         model(ids).backward()
@@ -219,4 +226,148 @@ def test_the_step_transient_is_a_chunk_not_the_embedding(monkeypatch):
     chunk_bytes = 4 * (CHUNK // DIM) * DIM  # one chunk in fp32
     assert whole >= 4 * 4 * numel, whole  # at least four fp32 copies of the embedding at once
     assert chunked <= 8 * chunk_bytes, (chunked, chunk_bytes)
+    assert chunked < whole / 3, (chunked, whole)
+
+# Adafactor (Hugging Face's class, as build_optimizer makes it): a 2-D tensor steps in passes over row chunks, the
+# same formulas; its column sums and RMS norms add in another order, so the result is the whole step's up to fp32
+# rounding noise. Tolerances: exp_avg_sq_row exact in practice, exp_avg_sq_col (column means) within rtol 1e-6;
+# what passes through an RMS norm within rtol 1e-5: the parameter's RMS, and exp_avg (the clipped update's momentum;
+# atol 1e-5 of its largest magnitude, as it cancels near zero): torch's whole-tensor fp32 norm on CPU is itself off
+# by a few 1e-6 (the chunks' norms combine in fp64). bf16 weights at most one bf16 step apart, in at most 0.1% of
+# the elements (a value at a rounding boundary). Observed here: col 1.5e-7, RMS 2.6e-6, exp_avg 1.3e-6 of its
+# largest magnitude, one weight one step apart.
+ADAFACTOR_VARIANTS = {
+    "factory": {},  # build_optimizer's: lr 1e-2, no relative step, no parameter scale, no first moment
+    "beta1_clipped": {"beta1": 0.9, "clip_threshold": 0.5},  # the RMS clip active at every step
+    "relative_step": None,  # relative_step, scale_parameter (the parameter's RMS), warmup_init
+}
+STATE_RTOL = 1e-6
+NORM_RTOL = 1e-5  # the parameter's RMS and exp_avg
+
+
+def adafactor_of(variant: str):
+    def build(model):
+        options = ADAFACTOR_VARIANTS[variant]
+        if options is not None:
+            return build_optimizer(model, "adafactor", 1e-2, 0.01, **options)
+        from transformers.optimization import Adafactor
+
+        return Adafactor(build_parameter_groups(model, 0.01), lr=None, relative_step=True, scale_parameter=True,
+                         warmup_init=True)
+    return build
+
+
+@pytest.fixture
+def adafactor_chunk_calls(monkeypatch):
+    """Records (shape, rows a chunk) of each chunked Adafactor step."""
+    calls = []
+    chunked = bf16._step_adafactor_in_row_chunks_
+
+    def counting(parameter, optimizer, gradient, stochastic_rounding, rows_per_chunk):
+        calls.append((parameter.shape, rows_per_chunk))
+        return chunked(parameter, optimizer, gradient, stochastic_rounding, rows_per_chunk)
+
+    monkeypatch.setattr(bf16, "_step_adafactor_in_row_chunks_", counting)
+    return calls
+
+
+def assert_close_to_rounding_noise(expected, actual, where: str = "") -> None:
+    """fp32 tensors within the tolerances above, bf16 ones at most one bf16 step apart, the rest equal."""
+    if isinstance(expected, torch.Tensor):
+        assert expected.dtype == actual.dtype and expected.shape == actual.shape, where
+        if expected.dtype == torch.bfloat16:
+            steps = (expected.view(torch.int16).int() - actual.view(torch.int16).int()).abs()
+            assert steps.max().item() <= 1, where
+            assert steps.count_nonzero().item() <= max(1, expected.numel() // 1000), where
+        elif expected.dtype == torch.float32:
+            rtol = NORM_RTOL if where.endswith((".RMS", ".exp_avg")) else STATE_RTOL
+            scale = expected.abs().max().item() if expected.numel() else 0.0
+            torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol * scale, msg=where)
+        else:
+            assert torch.equal(expected, actual), where
+    elif isinstance(expected, dict):
+        assert list(expected) == list(actual), where
+        for key in expected:
+            assert_close_to_rounding_noise(expected[key], actual[key], f"{where}.{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(expected) == len(actual), where
+        for index, (left, right) in enumerate(zip(expected, actual)):
+            assert_close_to_rounding_noise(left, right, f"{where}[{index}]")
+    else:
+        assert expected == actual, where
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("variant", sorted(ADAFACTOR_VARIANTS))
+def test_chunked_adafactor_is_the_whole_step_up_to_rounding_noise(variant, mode, monkeypatch, adafactor_chunk_calls):
+    """Four steps of the TiedLM, the embedding in 13 chunks of 83 rows (the last one 13 rows), against Adafactor's
+    own step() on the whole tensor, with the same random stream: the tolerances above."""
+    pytest.importorskip("transformers")
+    expected = train_with(adafactor_of(variant), mode, steps=4)
+    assert not adafactor_chunk_calls
+    monkeypatch.setattr(bf16, "STEP_CHUNK_ELEMENTS", CHUNK)
+    monkeypatch.setattr(bf16, "_ROUNDING_WINDOW", WINDOW)
+    actual = train_with(adafactor_of(variant), mode, steps=4)
+    assert_close_to_rounding_noise(expected, actual)
+    assert adafactor_chunk_calls == [(torch.Size([VOCAB, DIM]), CHUNK // DIM)] * 4
+
+
+def test_chunked_adafactor_matches_a_single_tensor_step_for_step(monkeypatch):
+    """One 301 x 37 tensor (chunks of 30 rows, the last one 1 row), rounding to nearest: each step's state and
+    weights against Adafactor's whole step from the same start, so no difference carries over between steps."""
+    from transformers.optimization import Adafactor
+
+    torch.manual_seed(0)
+    start = torch.randn(301, 37).to(torch.bfloat16)
+    parameters = [nn.Parameter(start.clone()), nn.Parameter(start.clone())]
+    optimizers = [Adafactor([parameter], lr=1e-2, scale_parameter=False, relative_step=False, beta1=0.9,
+                            weight_decay=0.1, clip_threshold=0.5) for parameter in parameters]
+    for step in range(4):
+        gradient = torch.randn(301, 37, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+        for parameter in parameters:
+            parameter.grad = gradient.clone()
+        bf16.step_in_fp32_(parameters[0], optimizers[0], parameters[0].grad, stochastic_rounding=False)
+        bf16.step_in_fp32_(parameters[1], optimizers[1], parameters[1].grad, stochastic_rounding=False,
+                           chunk_elements=1111)
+        assert parameters[0].grad is None and parameters[1].grad is None  # dropped once stepped, as whole
+        assert_close_to_rounding_noise(optimizers[0].state_dict(), optimizers[1].state_dict(), f"step {step}")
+        assert_close_to_rounding_noise(parameters[0].detach(), parameters[1].detach(), f"step {step}")
+        # the next step from the same state and weights (load_state_dict would cast the state to bf16)
+        optimizers[1].state[parameters[1]] = {key: _copy_of(value)
+                                              for key, value in optimizers[0].state[parameters[0]].items()}
+        parameters[1].data.copy_(parameters[0].data)
+
+
+def test_small_and_one_dimensional_tensors_keep_adafactors_whole_step(monkeypatch, adafactor_chunk_calls):
+    """Only tensors past the chunk size that Adafactor factors (2-D) take the chunked step; the others are bitwise
+    Adafactor's own step."""
+    from transformers.optimization import Adafactor
+
+    monkeypatch.setattr(bf16, "STEP_CHUNK_ELEMENTS", 100)
+    for shape in [(50,), (1000,), (10, 10)]:
+        states = []
+        for step_in_fp32 in (bf16.step_in_fp32_, today_step_in_fp32_):
+            torch.manual_seed(0)
+            parameter = nn.Parameter(torch.randn(shape).to(torch.bfloat16))
+            optimizer = Adafactor([parameter], lr=1e-2, scale_parameter=False, relative_step=False)
+            torch.manual_seed(1)
+            step_in_fp32(parameter, optimizer, torch.randn(shape).to(torch.bfloat16))
+            states.append((parameter.detach().clone(), optimizer.state_dict()))
+        assert_bitwise_equal(*states)
+    assert not adafactor_chunk_calls
+
+
+def test_the_adafactor_step_transient_is_a_chunk_not_the_embedding(monkeypatch, adafactor_chunk_calls):
+    """Adafactor whole: the embedding's fp32 parameter and gradient, grad², the update and its negation at once;
+    in chunks of 1/12 of it (three passes), a few chunks."""
+    pytest.importorskip("transformers")
+    whole, numel = step_transient_bytes(monkeypatch, 1 << 30, "adafactor")
+    assert not adafactor_chunk_calls
+    chunked, _ = step_transient_bytes(monkeypatch, CHUNK, "adafactor")
+    assert adafactor_chunk_calls == [(torch.Size([VOCAB, DIM]), CHUNK // DIM)] * 2
+    chunk_bytes = 4 * (CHUNK // DIM) * DIM  # one chunk in fp32
+    print(f"adafactor step transient: whole {whole} B ({whole / (4 * numel):.2f} fp32 embeddings), "
+          f"chunked {chunked} B ({chunked / chunk_bytes:.2f} fp32 chunks)")
+    assert whole >= 3.5 * 4 * numel, whole  # about four fp32 copies of the embedding at once (measured: 4.02)
+    assert chunked <= 8 * chunk_bytes, (chunked, chunk_bytes)  # measured: 4.3 chunks
     assert chunked < whole / 3, (chunked, whole)

@@ -10,14 +10,17 @@ result (E[round(x)] = x): small updates then move the weights on average, as in 
 each parameter in turn it upcasts the parameter and its gradient to fp32, lets a per-parameter copy
 of the optimizer step it, and rounds the result back into the bf16 storage. Only one tensor's fp32
 copies exist at a time, and a tensor of more than `STEP_CHUNK_ELEMENTS` (an embedding) stepped by AdamW
-or SGD goes in chunks of rows, bitwise the same, so the step's transient is a chunk's. The optimizer
-state is created in fp32 (AdamW 8 B/param, 8-bit AdamW 2, Adafactor's factored state ~0).
+or SGD goes in chunks of rows, bitwise the same, so the step's transient is a chunk's; a 2-D one stepped
+by Hugging Face's Adafactor goes in passes over chunks of rows, the same up to fp32 rounding noise (its
+column means and RMS norms sum in another order). The optimizer state is created in fp32 (AdamW 8 B/param,
+8-bit AdamW 2, Adafactor's factored state ~0).
 `OptimizerInBackward(..., bf16_weights=True)` does the same inside backward.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import torch
@@ -32,9 +35,10 @@ STEP_CHUNK_ELEMENTS = 1 << 22
 # Optimizers whose update is elementwise over a parameter's elements, with state that is either
 # parameter-shaped or scalar (a step count): stepping row chunks is bitwise the same as one whole step.
 # Not their fused=True kernels (on CPU they round the elements past the last full vector differently,
-# so the result depends on where a chunk ends), nor Adafactor (row and column means, an RMS over the
-# whole update), nor bitsandbytes' optimizers (blockwise 8-bit state, and 8 or 32 bits chosen from the
-# tensor's size): those step whole.
+# so the result depends on where a chunk ends), nor bitsandbytes' optimizers (blockwise 8-bit state, and
+# 8 or 32 bits chosen from the tensor's size): those step whole. Hugging Face's Adafactor (row and column
+# means, RMS norms over the whole tensor) has its own chunked step for 2-D tensors,
+# `_step_adafactor_in_row_chunks_`, equal to its whole step up to fp32 rounding noise.
 _ROW_WISE_OPTIMIZERS = (torch.optim.AdamW, torch.optim.SGD)
 _ROUNDING_WINDOW = 1 << 22  # random bits drawn per call: bounds the rounding's temporaries to ~48 MiB
 _HIGH_BITS = -65536  # 0xFFFF0000 as an int32: the bits a bf16 keeps of an fp32
@@ -114,6 +118,9 @@ def step_in_fp32_(parameter: nn.Parameter, optimizer: torch.optim.Optimizer, gra
     SGD goes in chunks of whole rows (dim 0): each chunk's fp32 copy is stepped with views of the
     gradient's and the state's rows and rounded back before the next is made, with the same random bits
     as the whole tensor's rounding; weights and state come out bitwise the same as one whole step.
+    A 2-D one stepped by `transformers.optimization.Adafactor` goes in passes over chunks of rows
+    (`_step_adafactor_in_row_chunks_`): the same formulas, the same random bits, equal to the whole step
+    up to fp32 rounding noise (not bitwise).
     """
     if parameter.dtype != torch.bfloat16:  # a parameter kept in fp32 (a norm layer, say) steps as usual
         parameter.grad = gradient.to(parameter.dtype)
@@ -122,8 +129,14 @@ def step_in_fp32_(parameter: nn.Parameter, optimizer: torch.optim.Optimizer, gra
         return
     rows_per_chunk = _rows_per_chunk(parameter, optimizer, STEP_CHUNK_ELEMENTS if chunk_elements is None
                                      else chunk_elements)
-    if rows_per_chunk is not None:
-        _step_in_row_chunks_(parameter, optimizer, gradient, stochastic_rounding, rows_per_chunk)
+    if rows_per_chunk is not None and not gradient.is_sparse:  # sparse: the optimizer's own error, whole
+        if _is_factored_adafactor(parameter, optimizer):
+            try:
+                _step_adafactor_in_row_chunks_(parameter, optimizer, gradient, stochastic_rounding, rows_per_chunk)
+            finally:
+                parameter.grad = None  # as the other paths: the gradient is dropped once stepped
+        else:
+            _step_in_row_chunks_(parameter, optimizer, gradient, stochastic_rounding, rows_per_chunk)
         return
     storage = parameter.data
     parameter.data = storage.float()
@@ -142,9 +155,12 @@ def step_in_fp32_(parameter: nn.Parameter, optimizer: torch.optim.Optimizer, gra
 
 def _rows_per_chunk(parameter: nn.Parameter, optimizer: torch.optim.Optimizer, chunk_elements: int) -> int | None:
     """Rows of `parameter` stepped at a time (at least one), or None to step it whole."""
-    if parameter.numel() <= chunk_elements or type(optimizer) not in _ROW_WISE_OPTIMIZERS:
+    if parameter.numel() <= chunk_elements:
         return None
-    if optimizer.param_groups[0].get("fused"):
+    if type(optimizer) in _ROW_WISE_OPTIMIZERS:
+        if optimizer.param_groups[0].get("fused"):
+            return None
+    elif not _is_factored_adafactor(parameter, optimizer):
         return None
     if parameter.dim() == 0 or not parameter.is_contiguous():  # the rounding walks rows as flat memory
         return None
@@ -216,6 +232,112 @@ def _step_chunk_(parameter: nn.Parameter, optimizer: torch.optim.Optimizer, stor
     else:
         target.copy_(updated.view(-1))
     return scalars
+
+
+def _is_factored_adafactor(parameter: nn.Parameter, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` is exactly Hugging Face's Adafactor and `parameter` a 2-D tensor, which it factors.
+
+    Reads `sys.modules` only: an Adafactor object means its module is imported already.
+    """
+    module = sys.modules.get("transformers.optimization")
+    return module is not None and type(optimizer) is getattr(module, "Adafactor", None) and parameter.dim() == 2
+
+
+def _root_mean_square(norms: list[torch.Tensor], numel: int) -> torch.Tensor:
+    """The RMS of a tensor from the fp32 2-norms of its chunks: Adafactor's `_rms` (`norm(2) / numel**0.5`)."""
+    return torch.linalg.vector_norm(torch.stack(norms).double()).float() / (numel**0.5)
+
+
+@torch.no_grad()
+def _step_adafactor_in_row_chunks_(parameter: nn.Parameter, optimizer: torch.optim.Optimizer,
+                                   gradient: torch.Tensor, stochastic_rounding: bool, rows_per_chunk: int) -> None:
+    """`step_in_fp32_` for a large 2-D tensor stepped by `transformers.optimization.Adafactor`, in row chunks.
+
+    Adafactor's `step()` for a factored (2-D) parameter, formula for formula, with its own `_get_lr`
+    (relative_step, warmup_init, scale_parameter from the parameter's RMS), in three passes over chunks of
+    `rows_per_chunk` rows, each chunk's fp32 copies made and freed inside the pass:
+
+    1. the parameter's RMS (from the chunks' 2-norms), each row's mean of grad² + eps[0] into
+       `exp_avg_sq_row` (per row, as the whole step), and the columns' sums of it; then `exp_avg_sq_col`
+       from the column means, with the same beta2t = 1 - step^decay_rate;
+    2. the update's RMS: each chunk's update rsqrt(row / mean(row)) * rsqrt(col) * grad, its 2-norm;
+    3. the update again (the same elementwise ops, so the same values), divided by max(1, RMS /
+       clip_threshold), times lr; through the first moment `exp_avg` (its rows, in place) when beta1 is
+       set; weight decay; subtracted from the chunk's fp32 copy, which is rounded into its bf16 rows with
+       the next bits of the same random stream as the whole tensor's rounding.
+
+    The state (its keys in Adafactor's order, `step` an int, `RMS` a 0-d tensor) is what the whole step
+    leaves, but not bitwise: the column sums add across chunks, and the two RMS norms combine the chunks'
+    norms, in another order than one reduction over the whole tensor, so `exp_avg_sq_col`, `RMS`, the
+    update's clip factor, and through them everything after, differ from the whole step by fp32 rounding
+    noise (a few 1e-7 relative); a bf16 weight can then land one bf16 step away where its value sits at a
+    rounding boundary. The per-row means and the elementwise ops are the whole step's.
+    """
+    group = next(group for group in optimizer.param_groups if any(member is parameter for member in group["params"]))
+    storage = parameter.data
+    rows, columns = storage.shape
+    chunks = [slice(start, start + rows_per_chunk) for start in range(0, rows, rows_per_chunk)]
+    fp32 = {"dtype": torch.float32, "device": storage.device}
+    use_first_moment = group["beta1"] is not None
+    state = optimizer.state[parameter]
+    if len(state) == 0:
+        state["step"] = 0
+        if use_first_moment:
+            state["exp_avg"] = torch.zeros(storage.shape, **fp32)
+        state["exp_avg_sq_row"] = torch.zeros(rows, **fp32)
+        state["exp_avg_sq_col"] = torch.zeros(columns, **fp32)
+        state["RMS"] = 0
+    else:
+        if use_first_moment:
+            state["exp_avg"] = state["exp_avg"].to(**fp32)
+        state["exp_avg_sq_row"] = state["exp_avg_sq_row"].to(**fp32)
+        state["exp_avg_sq_col"] = state["exp_avg_sq_col"].to(**fp32)
+    exp_avg_sq_row, exp_avg_sq_col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+
+    state["step"] += 1
+    beta2t = 1.0 - math.pow(state["step"], group["decay_rate"])
+    parameter_norms = []
+    column_sums = torch.zeros(columns, **fp32)
+    for chunk in chunks:
+        parameter_norms.append(storage[chunk].float().norm(2))
+        squares = (gradient[chunk].float() ** 2) + group["eps"][0]
+        exp_avg_sq_row[chunk].mul_(beta2t).add_(squares.mean(dim=-1), alpha=(1.0 - beta2t))
+        column_sums.add_(squares.sum(dim=-2))
+        del squares
+    state["RMS"] = _root_mean_square(parameter_norms, storage.numel())
+    lr = type(optimizer)._get_lr(group, state)
+    exp_avg_sq_col.mul_(beta2t).add_(column_sums.div_(rows), alpha=(1.0 - beta2t))  # mean = sum / rows, as torch
+
+    # Adafactor's _approx_sq_grad, its factors kept apart: the update is their product times the gradient.
+    row_factor = (exp_avg_sq_row / exp_avg_sq_row.mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)
+    column_factor = exp_avg_sq_col.unsqueeze(-2).rsqrt()
+
+    def update_of(chunk: slice) -> torch.Tensor:
+        return torch.mul(row_factor[chunk], column_factor).mul_(gradient[chunk].float())
+
+    clip = (_root_mean_square([update_of(chunk).norm(2) for chunk in chunks], storage.numel())
+            / group["clip_threshold"]).clamp_(min=1.0)
+
+    noise = _RoundingNoise(storage.numel(), storage.device, None) if stochastic_rounding else None
+    row_numel = columns
+    for chunk in chunks:
+        update = update_of(chunk)
+        update.div_(clip)
+        update.mul_(lr)
+        if use_first_moment:
+            exp_avg = state["exp_avg"][chunk]
+            exp_avg.mul_(group["beta1"]).add_(update, alpha=(1 - group["beta1"]))
+            update = exp_avg
+        weights = storage[chunk].float()
+        if group["weight_decay"] != 0:
+            weights.add_(weights, alpha=(-group["weight_decay"] * lr))
+        weights.add_(-update)
+        del update
+        target = storage.view(-1)[chunk.start * row_numel:chunk.start * row_numel + weights.numel()]
+        if noise is not None:
+            _round_flat_(target, weights.view(-1), noise)
+        else:
+            target.copy_(weights.view(-1))
 
 
 def _is_parameter_shaped(value: Any, parameter: torch.Tensor) -> bool:
