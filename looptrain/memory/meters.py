@@ -62,9 +62,18 @@ def reset_peak_rss() -> None:
 
 
 def peak_rss_bytes() -> int:
-    """The process's peak RSS since it started, from ``getrusage`` (KiB on Linux, bytes on macOS)."""
+    """The process's peak RSS since it started, from ``getrusage`` (KiB on Linux, bytes on macOS).
+
+    Never below the current RSS: the kernel folds its RSS counters into the high-water mark lazily, so
+    ``/proc/self/statm`` can run some pages ahead of ``ru_maxrss`` for a moment.
+    """
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+    peak = peak if sys.platform == "darwin" else peak * 1024
+    try:
+        with open("/proc/self/statm") as statm:
+            return max(peak, int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, ValueError):
+        return peak
 
 
 def _breakdown(params: int, grads: int, optimizer_state: int, peak: int, peak_phase: str) -> dict[str, Any]:
