@@ -132,6 +132,11 @@ def _add_input_arguments(group) -> None:
     group.add_argument("--response-column", default="response", help="causal-lm: response column")
     group.add_argument("--messages-column", default="messages",
                        help="causal-lm: chat column (a list of role/content messages)")
+    add_loading_arguments(group)
+
+
+def add_loading_arguments(group) -> None:
+    """How the data file and the model are read: the flags `looptrain-finetune` and `looptrain-predict` share."""
     group.add_argument("--encoding-errors", choices=("strict", "replace"), default="strict",
                        help="undecodable bytes: an error naming the line, or U+FFFD")
     group.add_argument("--allow-slow-tokenizer", action="store_true",

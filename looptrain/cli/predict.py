@@ -34,12 +34,16 @@ class UsageError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from looptrain.cli.finetune import DefaultOnceFormatter, add_loading_arguments
+
     parser = argparse.ArgumentParser(
-        prog="predict.py",
+        prog="predict.py", formatter_class=DefaultOnceFormatter,
         description="Predict with a fine-tuned classifier (or generate with a causal LM); with --label-column, "
                     "evaluate it on the file's labels.")
     parser.add_argument("--model", required=True, help="the model directory: a run's final/ (or a hub id in the cache)")
-    parser.add_argument("--data", required=True, help="the rows to predict (.csv, .tsv, .jsonl)")
+    parser.add_argument("--data", required=True,
+                        help="the rows to predict: any source looptrain-finetune's --data reads (.csv, .tsv, .jsonl, "
+                             ".json, .parquet, a save_to_disk DIR[:SPLIT], a cached hub NAME[:SPLIT])")
     parser.add_argument("--output", default=None, metavar="FILE",
                         help="write one JSON line per row here, in input order (default: none, only the summary)")
     parser.add_argument("--text-column", default="text", help="text column (default: text)")
@@ -58,13 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto", help="auto (cuda when present, else cpu), cpu, cuda, cuda:N")
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16", "auto"), default="fp32",
                         help="autocast dtype of the forward; auto: what is fast on this device (default: fp32)")
-    parser.add_argument("--encoding-errors", choices=("strict", "replace"), default="strict",
-                        help="undecodable bytes: an error naming the line, or U+FFFD (default: strict)")
-    parser.add_argument("--allow-slow-tokenizer", action="store_true",
-                        help="accept a Python tokenizer when the model has no fast one (much slower)")
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="allow model code shipped with the checkpoint to run "
-                             "(off: never executes downloaded code)")
+    add_loading_arguments(parser)  # as looptrain-finetune reads them
     parser.add_argument("--no-progress-bar", action="store_true", help="no progress bar, even on a terminal")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
     return parser

@@ -140,12 +140,7 @@ def read_classification_data(
         raise DataError(f"text_column must be one column name or a pair of names, got {text_column!r}")
     wanted = text_columns + ((label_column,) if label_column is not None else ())
 
-    if isinstance(source, (str, os.PathLike)):
-        source_name = os.fspath(source)
-        rows, columns = _read_path(source_name, encoding, encoding_errors)
-    else:
-        source_name = f"<{type(source).__name__}>"
-        rows, columns = _read_sequence(source)
+    rows, columns, source_name = _open_source(source, encoding, encoding_errors)
     _check_columns(columns, wanted, source_name)
 
     texts: list[str] = []
@@ -182,6 +177,14 @@ def read_classification_data(
 
 # A row's location (line number in a file, index in a sequence) travels with it for error messages.
 _Rows = Iterator[tuple[str, Mapping[str, Any]]]
+
+
+def _open_source(source: Any, encoding: str, encoding_errors: str) -> tuple[_Rows, list[str], str]:
+    """The rows and columns of a path (any format `_read_path` reads) or of in-memory rows, and the source's name."""
+    if isinstance(source, (str, os.PathLike)):
+        source_name = os.fspath(source)
+        return (*_read_path(source_name, encoding, encoding_errors), source_name)
+    return (*_read_sequence(source), f"<{type(source).__name__}>")
 
 
 def _read_path(spec: str, encoding: str, encoding_errors: str) -> tuple[_Rows, list[str]]:
@@ -783,12 +786,7 @@ def read_lm_data(
             column without its response column (or the reverse); a null or empty text, prompt or response; a
             chat that is not a non-empty list of role/content objects.
     """
-    if isinstance(source, (str, os.PathLike)):
-        source_name = os.fspath(source)
-        rows, columns = _read_path(source_name, encoding, encoding_errors)
-    else:
-        source_name = f"<{type(source).__name__}>"
-        rows, columns = _read_sequence(source)
+    rows, columns, source_name = _open_source(source, encoding, encoding_errors)
     kind, wanted = _lm_kind(columns, text_column, prompt_column, response_column, messages_column, source_name)
 
     texts: list[str] = []
