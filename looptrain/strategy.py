@@ -6,7 +6,8 @@ flag, its help, the values it takes and who carries it out (`applied_by`):
 - ``loop``: the `Loop` (precision, checkpointing, the fused step, bf16 weights, accumulation, chunked
   cross-entropy). These fields live in `LoopLevers`, which both `Strategy` and `LoopConfig` inherit: a
   `LoopConfig` *is* the loop's part of a strategy plus the run's own options.
-- ``model``: applied to the model before the Loop sees it (`Strategy.prepare_model`: freezing).
+- ``model``: applied to the model before the Loop sees it (`Strategy.prepare_model`: freezing;
+  `Strategy.wrap_model`: LoRA adapters through peft).
 - ``optimizer``: the optimizer the strategy builds (`Strategy.build_optimizer`).
 - ``batches``: the loaders (the micro-batch size, padding, length grouping).
 
@@ -114,6 +115,9 @@ class LoopLevers:
             value, meta = getattr(self, spec.name), spec.metadata["lever"]
             if meta["choices"] is not None and value not in meta["choices"]:
                 problems.append(f"{spec.name} must be one of {', '.join(map(str, meta['choices']))} (got {value!r})")
+            elif meta["minimum"] is not None and isinstance(spec.default, float):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value < meta["minimum"]:
+                    problems.append(f"{spec.name} must be a number >= {meta['minimum']} (got {value!r})")
             elif meta["minimum"] is not None and (isinstance(value, bool) or not isinstance(value, int)
                                                   or value < meta["minimum"]):
                 problems.append(f"{spec.name} must be >= {meta['minimum']} (got {value!r})")
@@ -159,13 +163,42 @@ class Strategy(LoopLevers):
                          help="dynamic: pad each batch to its longest sequence; max_length: always to --max-length")
     group_by_length: bool = lever(False, flag="--group-by-length", applied_by="batches",
                                   help="batch samples of similar length together (still shuffled): less padding")
+    lora_rank: int = lever(0, flag="--lora", applied_by="model", minimum=0, metavar="R", group="LoRA",
+                           help="train rank-R LoRA adapters (peft) on a frozen base instead of every weight; 0: full "
+                                "fine-tune")
+    lora_alpha: int = lever(0, flag="--lora-alpha", applied_by="model", minimum=0, group="LoRA",
+                            help="with --lora: the adapters' scaling numerator (updates scaled by alpha / R); 0: 2 x R")
+    lora_dropout: float = lever(0.0, flag="--lora-dropout", applied_by="model", minimum=0, metavar="P", group="LoRA",
+                                help="with --lora: dropout on each adapter's input (0 <= P < 1)")
+    lora_targets: str = lever("", flag="--lora-targets", applied_by="model", metavar="NAMES", group="LoRA",
+                              help="with --lora: comma-separated module names the adapters wrap (q_proj,v_proj); "
+                                   "default: every Linear of the transformer blocks")
+    qlora: bool = lever(False, flag="--qlora", applied_by="model", group="LoRA",
+                        help="with --lora: the frozen block Linears stored in 4-bit NF4 (bitsandbytes), computed in "
+                             "bf16 or fp32")
 
     def __post_init__(self) -> None:
         problems = self.lever_problems()
         if self.optimizer in OPTIMIZER_NAMES and optimizer_options_problem(self.optimizer, self.foreach):
             problems.append(optimizer_options_problem(self.optimizer, self.foreach))
+        problems += self.lora_problems()
         if problems:
             raise ConfigError(f"Invalid {type(self).__name__}:\n  - " + "\n  - ".join(problems))
+
+    def lora_problems(self) -> list[str]:
+        """The LoRA levers' combinations that cannot run, one line each naming the fix."""
+        problems = []
+        lora_options = [name for name in ("lora_alpha", "lora_dropout", "lora_targets", "qlora")
+                        if getattr(self, name) != _default(type(self), name)]
+        if not self.lora_rank and lora_options:
+            problems.append(f"{', '.join(lora_options)} need LoRA: set lora_rank (--lora R, e.g. --lora 16)")
+        if self.lora_rank:
+            frozen = [name for name in ("freeze_embeddings", "freeze_layers", "freeze_encoder") if getattr(self, name)]
+            if frozen:
+                problems.append(f"lora_rank (--lora) freezes the whole base already; drop {', '.join(frozen)}")
+        if isinstance(self.lora_dropout, (int, float)) and not 0 <= self.lora_dropout < 1:
+            problems.append(f"lora_dropout must be in [0, 1) (got {self.lora_dropout!r})")
+        return problems
 
     # ------------------------------------------------------------------ the levers' implementations
     def prepare_model(self, model: Any) -> str | None:
@@ -181,6 +214,26 @@ class Strategy(LoopLevers):
         if self.freeze_encoder or self.freeze_embeddings or self.freeze_layers:
             return freeze.freeze_report(model)
         return None
+
+    def wrap_model(self, model: Any, device: Any = "cpu") -> Any:
+        """Applies the adapter levers: with `lora_rank`, `looptrain.lora.apply_lora`'s `PeftModel`; else `model`.
+
+        Call it after `prepare_model`, before the optimizer is built (the optimizer takes the adapters).
+        """
+        import torch
+
+        from looptrain import lora
+
+        if not self.lora_rank or lora.is_lora_model(model):  # a model wrapped already (the planner's copy) stays
+            return model
+
+        compute_dtype = None  # QLoRA's 4-bit layers compute in the run's dtype
+        if self.qlora and self.precision == "auto":
+            compute_dtype = lora.default_compute_dtype(device)
+        elif self.qlora:
+            compute_dtype = torch.bfloat16 if "bf16" in (self.precision, self.weights) else torch.float32
+        return lora.apply_lora(model, self.lora_rank, alpha=self.lora_alpha or None, dropout=self.lora_dropout,
+                               targets=self.lora_targets or None, qlora=self.qlora, compute_dtype=compute_dtype)
 
     def build_optimizer(self, model: Any, lr: float, **options: Any) -> Any:
         """The ``optimizer`` levers: `looptrain.optim.build_optimizer` of this strategy's optimizer."""
@@ -210,6 +263,10 @@ class Strategy(LoopLevers):
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _default(cls: type, name: str) -> Any:
+    return next(spec.default for spec in dataclasses.fields(cls) if spec.name == name)
 
 
 def levers(cls: type = Strategy, *, applied_by: str | None = None) -> list[dataclasses.Field]:
@@ -244,8 +301,11 @@ def add_arguments(parser: argparse.ArgumentParser, *, cls: type = Strategy, grou
         elif hints[spec.name] is bool:
             options["action"] = "store_false" if default else "store_true"
         else:
-            kind = int if hints[spec.name] in (int, int | None) else str
-            options["type"] = at_least(meta["minimum"]) if meta["minimum"] is not None else kind
+            kind = int if hints[spec.name] in (int, int | None) else float if hints[spec.name] is float else str
+            if meta["minimum"] is not None:
+                options["type"] = at_least(meta["minimum"], kind)
+            else:
+                options["type"] = kind
             if meta["choices"] is not None:
                 options["choices"] = (*meta["choices"], *extra_choices.get(spec.name, ()))
             if meta["metavar"] or (kind is int and meta["choices"] is None):
@@ -259,14 +319,15 @@ def from_arguments(arguments: argparse.Namespace, cls: type = Strategy, **overri
     return cls(**{**values, **overrides})
 
 
-def at_least(minimum: int):
-    """An argparse type: an integer >= `minimum`, or a usage error naming the bound."""
+def at_least(minimum: int, kind: type = int):
+    """An argparse type: an integer (or a `kind` number) >= `minimum`, or a usage error naming the bound."""
 
     def parse(text: str) -> int:
         try:
-            value = int(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") \
+                from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum} (got {value})")
         return value

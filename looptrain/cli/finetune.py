@@ -88,7 +88,8 @@ class DefaultOnceFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-HELP_GROUPS = ("inputs", "training", "memory/speed", "evaluation/state", "output")  # --help's sections, in order
+# --help's sections, in order
+HELP_GROUPS = ("inputs", "training", "memory/speed", "LoRA", "evaluation/state", "output")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -826,9 +827,11 @@ def load_inputs(args, model_path: str, print) -> Inputs:
           f"data {data_description}: {len(train_data)} train / {len(eval_data) if eval_data else 0} eval samples")
 
     check_blocks(model, args)
-    report = strategy_of(args).prepare_model(model)  # the model levers: freezing
+    strategy = strategy_of(args)
+    report = strategy.prepare_model(model)  # the model levers: freezing
     if report:
         print(report)
+    model = strategy.wrap_model(model, args.device)  # LoRA adapters (peft)
 
     if args.task == "causal-lm":
         train_set, eval_set = tokenize_lm_data(tokenizer, train_data, eval_data, args.max_length, print)

@@ -214,6 +214,7 @@ def _strategy_loop(model: nn.Module, strategy: Strategy, max_grad_norm: float | 
     config = LoopConfig.from_strategy(strategy, max_grad_norm=max_grad_norm, device="cpu", eval_every="no",
                                       progress_bar=False, track_memory=True, log_every=10**9)
     strategy.prepare_model(model)
+    model = strategy.wrap_model(model)
     return Loop(model, strategy.build_optimizer(model, 1e-5), [], config=config)
 
 
@@ -306,6 +307,7 @@ def estimate_windows(
         model = _fake_model(model_or_config, num_labels, fake_mode)
         # Built outside the fake mode: optimizers' constant tables (bitsandbytes' quantisation maps) are real.
         loop = _strategy_loop(model, strategy, max_grad_norm)
+        model = loop.model  # LoRA: the adapters' PeftModel
         _on_fake_tensors(loop)
         token_labels = model_shifts_labels(model)  # the task, decided once from the model: a causal LM's labels
         with fake_mode:

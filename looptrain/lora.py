@@ -1,0 +1,211 @@
+"""LoRA and QLoRA through peft: low-rank adapters on a frozen base, trained by the Loop unchanged.
+
+`apply_lora` wraps a model in peft's `PeftModel`: every ``nn.Linear`` of the transformer blocks (or the
+modules you name) gets a rank-``r`` adapter, the base is frozen, and a sequence classifier's head is
+trained fully (peft's ``modules_to_save``). With ``qlora=True`` the frozen block Linears are first stored
+in 4-bit NF4 by bitsandbytes (`quantize_blocks_4bit`), computing in bf16 or fp32. The returned model is
+an ``nn.Module`` like any other: pass it to `looptrain.Loop`.
+
+`save_lora` writes the adapter in peft's format (``PeftModel.from_pretrained(base, directory)`` loads
+it), and `merge_lora` the merged full weights (``from_pretrained`` loads them alone).
+
+On the command line these are ``--lora R``, ``--lora-alpha``, ``--lora-dropout``, ``--lora-targets``,
+``--qlora`` and ``--merge-lora``; docs/lora.md has the details and the memory they save (or do not).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from looptrain.freeze import find_transformer_blocks
+from looptrain.strategy import ConfigError
+
+QUANT_TYPE = "nf4"
+QUANT_BLOCK = 64  # bitsandbytes' 4-bit blocksize: one absmax per 64 weights
+
+
+def block_linear_names(model: nn.Module) -> list[str]:
+    """The distinct attribute names of the ``nn.Linear`` modules inside the transformer blocks.
+
+    ``["query", "key", "value", "dense"]`` for BERT, ``["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+    "up_proj", "down_proj"]`` for Qwen2/Llama, ``[]`` for GPT-2 (its projections are ``Conv1D``; peft takes
+    them by name: ``c_attn,c_proj,c_fc``, see `default_targets`).
+
+    Raises:
+        ValueError: the model has no list of transformer blocks (`find_transformer_blocks`).
+    """
+    blocks = find_transformer_blocks(model)
+    names = []
+    for name, module in blocks.named_modules():
+        if _is_linear(module):
+            attribute = name.rsplit(".", 1)[-1]
+            if attribute not in names:
+                names.append(attribute)
+    return names
+
+
+def default_targets(model: nn.Module) -> list[str]:
+    """The modules the adapters wrap by default: every Linear (or GPT-2 ``Conv1D``) of the transformer blocks.
+
+    Qualified names (``bert.encoder.layer.0.attention.self.query``, ...), so a same-named Linear outside the
+    blocks (BERT's ``pooler.dense``) stays as it is.
+    """
+    blocks = find_transformer_blocks(model)
+    targets = [name for name, module in model.named_modules()
+               if _is_linear(module) and any(module is inner for inner in blocks.modules())]
+    if not targets:
+        raise ValueError(f"{type(model).__name__} has no Linear layer in its transformer blocks for LoRA to adapt; "
+                         "name the modules with targets=[...] (--lora-targets)")
+    return targets
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def task_head_names(model: nn.Module) -> list[str]:
+    """The task head of a classifier (the trainable modules outside ``model.base_model``), trained fully.
+
+    A causal LM's head is its output embedding (often tied to the input one): it stays frozen, as in LoRA.
+    """
+    base = getattr(model, "base_model", None)
+    if not isinstance(base, nn.Module) or base is model:
+        return []
+    output = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    names = []
+    for name, child in model.named_children():
+        if child is base or child is output or not any(True for _ in child.parameters()):
+            continue
+        names.append(name)
+    return names
+
+
+def parse_targets(text: str | Iterable[str] | None) -> list[str] | None:
+    """``"q_proj, v_proj"`` -> ``["q_proj", "v_proj"]``; empty or None -> None (the default targets)."""
+    if text is None:
+        return None
+    items = text.split(",") if isinstance(text, str) else list(text)
+    items = [item.strip() for item in items if item.strip()]
+    return items or None
+
+
+def apply_lora(model: nn.Module, rank: int, *, alpha: int | None = None, dropout: float = 0.0,
+               targets: str | Iterable[str] | None = None, qlora: bool = False,
+               compute_dtype: torch.dtype | None = None) -> nn.Module:
+    """Wraps `model` in peft LoRA adapters of rank `rank` on a frozen base; returns the `PeftModel`.
+
+    Args:
+        model: a transformers model (a sequence classifier or a causal LM) or any module with transformer blocks.
+        rank: the adapters' rank r (>= 1).
+        alpha: the scaling numerator (updates are scaled by ``alpha / rank``); None: ``2 * rank``.
+        dropout: dropout on each adapter's input.
+        targets: module names (peft's ``target_modules``: a list or a comma-separated string); None: every
+            Linear of the transformer blocks (`default_targets`).
+        qlora: store the targeted frozen Linears in 4-bit NF4 first (`quantize_blocks_4bit`).
+        compute_dtype: with `qlora`, the dtype the 4-bit layers compute in (default: bf16 where this CPU or GPU
+            computes bf16 natively, else fp32).
+
+    Raises:
+        ConfigError: rank < 1, a target that matches no module, peft missing.
+    """
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as error:
+        raise ConfigError("LoRA needs peft: pip install peft (or pip install 'looptrain[lora]')") from error
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ConfigError(f"LoRA rank must be an integer >= 1 (got {rank!r})")
+    names = parse_targets(targets) or default_targets(model)
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()} | {name for name, _ in
+                                                                                model.named_modules()}
+    missing = [name for name in names if name not in present]
+    if missing:
+        raise ConfigError(f"LoRA targets {', '.join(missing)} match no module of {type(model).__name__}; "
+                          f"its block Linears are {', '.join(block_linear_names(model)) or 'none'}")
+    if qlora:
+        quantize_blocks_4bit(model, names, compute_dtype)
+    conv1d = any(type(module).__name__ == "Conv1D" for name, module in model.named_modules()
+                 if name in names or name.rsplit(".", 1)[-1] in names)
+    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=dropout, target_modules=names,
+                        modules_to_save=task_head_names(model) or None, fan_in_fan_out=conv1d)
+    return get_peft_model(model, config)
+
+
+def default_compute_dtype(device: torch.device | str = "cpu") -> torch.dtype:
+    """bf16 where the device computes it natively (CUDA with bf16, a CPU with AVX-512 BF16 or AMX), else fp32."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
+
+def quantize_blocks_4bit(model: nn.Module, names: Iterable[str] | None = None,
+                         compute_dtype: torch.dtype | None = None) -> int:
+    """Replaces the frozen ``nn.Linear`` layers of the blocks named `names` by bitsandbytes' 4-bit NF4 Linears.
+
+    One layer at a time, so the transient is one layer's weight. The weights are quantized where they are (CPU
+    or CUDA) with bitsandbytes' default blocksize (64) and double quantization of the scales; biases stay in
+    `compute_dtype`. Returns the number of layers replaced.
+
+    Raises:
+        ConfigError: this bitsandbytes cannot quantize to 4 bits on the model's device (the message says how to
+            go on: LoRA without --qlora).
+    """
+    try:
+        import bitsandbytes as bnb
+    except ImportError as error:
+        raise ConfigError("QLoRA needs bitsandbytes: pip install bitsandbytes") from error
+    names = set(names or default_targets(model))
+    compute_dtype = compute_dtype or default_compute_dtype(_device_of(model))
+    blocks = find_transformer_blocks(model)
+    replaced = 0
+    for prefix, parent in list(model.named_modules()):
+        if not any(parent is inner for inner in blocks.modules()):
+            continue
+        for attribute, child in list(parent.named_children()):
+            qualified = f"{prefix}.{attribute}" if prefix else attribute
+            if type(child) is not nn.Linear or not (attribute in names or qualified in names):
+                continue
+            layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                      compute_dtype=compute_dtype, compress_statistics=True, quant_type=QUANT_TYPE,
+                                      device="meta")
+            weight = child.weight.detach().to(compute_dtype)
+            try:
+                layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, compress_statistics=True,
+                                                 quant_type=QUANT_TYPE)._quantize(weight.device)
+            except (RuntimeError, NotImplementedError) as error:
+                raise ConfigError(f"this bitsandbytes cannot store weights in 4 bits on {weight.device} ({error}); "
+                                  "train LoRA without --qlora (the frozen base in bf16: --weights bf16)") from error
+            # bitsandbytes repacks the weights for AVX-512 BF16 CPUs on the first no-grad eval forward (in place,
+            # scales de-nested: more memory, and a layout only some CPUs get): every CPU keeps the training layout.
+            layer.support_avx512bf16_for_cpu = False
+            if child.bias is not None:
+                layer.bias = nn.Parameter(child.bias.detach().to(compute_dtype), requires_grad=False)
+            setattr(parent, attribute, layer)
+            replaced += 1
+    return replaced
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next((parameter.device for parameter in model.parameters()), torch.device("cpu"))
+
+
+def is_lora_model(model: Any) -> bool:
+    """Whether `model` is a peft model (`apply_lora`'s result)."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def adapter_parameters(model: nn.Module) -> int:
+    """Elements of the trainable parameters (adapters and the trained head)."""
+    return sum(parameter.numel() for parameter in model.parameters() if parameter.requires_grad)
+
+
+__all__ = ["apply_lora", "block_linear_names", "default_compute_dtype", "default_targets", "is_lora_model",
+           "parse_targets", "quantize_blocks_4bit", "task_head_names"]
