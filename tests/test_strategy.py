@@ -159,3 +159,35 @@ def test_a_lever_declared_once_reaches_both_command_lines_the_estimator_and_the_
     assert any(not torch.equal(before[name], after["bert." + name]) for name in moved)
     arguments = json.loads((tmp_path / "run" / "run_config.json").read_text())["arguments"]
     assert arguments["freeze_pooler"] is True
+
+
+def test_lora_levers_parse_check_and_round_trip():
+    parser = finetune.build_parser()
+    args = parser.parse_args(["--model", "m", "--data", "d", "--lora", "8", "--lora-dropout", "0.05",
+                              "--lora-targets", "q_proj,v_proj", "--qlora"])
+    strategy = finetune.strategy_of(args)
+    assert (strategy.lora_rank, strategy.lora_dropout, strategy.lora_targets, strategy.qlora) == \
+        (8, 0.05, "q_proj,v_proj", True)
+    assert finetune.strategy_of(parser.parse_args(["--model", "m", "--data", "d", *strategy.flags()])) == strategy
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--data", "d", "--lora-dropout", "-0.1"])
+    with pytest.raises(strategies.ConfigError, match=r"qlora need LoRA: set lora_rank \(--lora R"):
+        Strategy(qlora=True)
+    with pytest.raises(strategies.ConfigError, match=r"freezes the whole base already; drop freeze_layers"):
+        Strategy(lora_rank=4, freeze_layers=1)
+    with pytest.raises(strategies.ConfigError, match=r"lora_dropout must be in \[0, 1\)"):
+        Strategy(lora_rank=4, lora_dropout=1.0)
+
+
+def test_wrap_model_gives_peft_adapters_on_every_block_linear_and_trains_the_head_fully():
+    model = make_tiny_bert()
+    wrapped = Strategy(lora_rank=4).wrap_model(model)
+    trainable = {name for name, parameter in wrapped.named_parameters() if parameter.requires_grad}
+    # 2 blocks x (query, key, value, attention output, intermediate, output) x (A, B), and the classifier
+    assert sum(".lora_A." in name for name in trainable) == sum(".lora_B." in name for name in trainable) == 12
+    assert not any("pooler" in name and "lora" in name for name in trainable)  # pooler.dense is no block Linear
+    assert {name for name in trainable if "lora" not in name} == {
+        "base_model.model.classifier.modules_to_save.default.weight",
+        "base_model.model.classifier.modules_to_save.default.bias"}
+    assert Strategy(lora_rank=4).wrap_model(wrapped) is wrapped  # a wrapped model stays as it is
+    assert Strategy().wrap_model(model) is model
