@@ -139,8 +139,8 @@ def save_lora(model: nn.Module, directory: str | Path) -> Path:
     """Writes `apply_lora`'s adapters and trained head in peft's format (adapter_model.safetensors +
     adapter_config.json): ``PeftModel.from_pretrained(base, directory)`` loads them onto the base, 4-bit or not."""
     if not is_lora_model(model):
-        raise ConfigError(f"save_lora saves a peft model's adapters (apply_lora's result), not a {type(model).__name__}; "
-                          "save a full model with its own save_pretrained")
+        raise ConfigError(f"save_lora saves a peft model's adapters (apply_lora's result), not a "
+                          f"{type(model).__name__}; save a full model with its own save_pretrained")
     directory = Path(directory)
     model.save_pretrained(str(directory))
     return directory
