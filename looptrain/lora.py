@@ -16,6 +16,7 @@ On the command line these are ``--lora R``, ``--lora-alpha``, ``--lora-dropout``
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -134,6 +135,40 @@ def apply_lora(model: nn.Module, rank: int, *, alpha: int | None = None, dropout
     return get_peft_model(model, config)
 
 
+def save_lora(model: nn.Module, directory: str | Path) -> Path:
+    """Writes `apply_lora`'s adapters and trained head in peft's format (adapter_model.safetensors +
+    adapter_config.json): ``PeftModel.from_pretrained(base, directory)`` loads them onto the base, 4-bit or not."""
+    if not is_lora_model(model):
+        raise ConfigError(f"save_lora saves a peft model's adapters (apply_lora's result), not a "
+                          f"{type(model).__name__}; save a full model with its own save_pretrained")
+    directory = Path(directory)
+    model.save_pretrained(str(directory))
+    return directory
+
+
+def merge_lora(base: nn.Module, adapter_dir: str | Path, directory: str | Path | None = None) -> nn.Module:
+    """The full model: `base` with the adapters of `adapter_dir` (`save_lora`, a run's final/) merged into its weights.
+
+    Pass the base in full precision (``from_pretrained`` of the original weights), also after QLoRA: merging into
+    4-bit weights would bake their rounding in. With `directory`, the merged model is saved there too
+    (``save_pretrained``: config and safetensors, loadable without peft).
+
+    Raises:
+        ConfigError: peft missing, or `adapter_dir` holds no adapter_config.json.
+    """
+    try:
+        from peft import PeftModel
+    except ImportError as error:
+        raise ConfigError("merging LoRA adapters needs peft: pip install peft") from error
+    if not (Path(adapter_dir) / "adapter_config.json").is_file():
+        raise ConfigError(f"{adapter_dir} holds no adapter_config.json: pass the directory save_lora (or a --lora "
+                          "run's final/) wrote")
+    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    if directory is not None:
+        merged.save_pretrained(str(directory))
+    return merged
+
+
 def default_compute_dtype(device: torch.device | str = "cpu") -> torch.dtype:
     """bf16 where the device computes it natively (CUDA with bf16, a CPU with AVX-512 BF16 or AMX), else fp32."""
     device = torch.device(device)
@@ -208,4 +243,4 @@ def adapter_parameters(model: nn.Module) -> int:
 
 
 __all__ = ["apply_lora", "block_linear_names", "default_compute_dtype", "default_targets", "is_lora_model",
-           "parse_targets", "quantize_blocks_4bit", "task_head_names"]
+           "merge_lora", "parse_targets", "quantize_blocks_4bit", "save_lora", "task_head_names"]

@@ -3,6 +3,8 @@
 A checkpoint is a directory `output_dir/checkpoint-<step>/` holding
 
     model.safetensors (or HF shards + index)   weights (plus config.json for Hugging Face models)
+    adapter_model.safetensors + adapter_config.json   instead, for a peft (LoRA) model: the adapters and
+                                                the trained head only, in peft's format
     optimizer.pt, scheduler.pt, scaler.pt       state dicts, each only when that object was given
     rng_state.pt                                python, numpy, torch CPU (and CUDA) RNG states
     trainer_state.json                          the Loop's counters, sampler position, best metric
@@ -51,6 +53,7 @@ __all__ = [
     "checkpoint_name",
     "default_mode",
     "unwrap_model",
+    "is_peft_model",
     "write_json_atomic",
 ]
 
@@ -64,6 +67,8 @@ SCALER_FILE = "scaler.pt"
 RNG_FILE = "rng_state.pt"
 TRAINER_STATE_FILE = "trainer_state.json"
 METRICS_FILE = "metrics.json"
+ADAPTER_FILE = "adapter_model.safetensors"  # a peft (LoRA) model's checkpoint: its trainable weights only
+ADAPTER_CONFIG_FILE = "adapter_config.json"
 FORMAT_VERSION = 1
 
 _CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
@@ -267,9 +272,25 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
+def is_peft_model(model: Any) -> bool:
+    """Whether `model` is a peft model (LoRA adapters on a frozen base); peft is not imported when it is not loaded."""
+    import sys
+
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
 def _save_model_weights(model: nn.Module, directory: Path) -> None:
-    """model.safetensors via save_pretrained (HF: config too, tied weights handled) or safetensors."""
+    """model.safetensors via save_pretrained (HF: config too, tied weights handled) or safetensors; a peft model's
+    adapters and trained head in peft's format (adapter_model.safetensors + adapter_config.json): the frozen base,
+    4-bit or not, is the --model's and is not copied into every checkpoint."""
     model = unwrap_model(model)
+    if is_peft_model(model):
+        model.save_pretrained(str(directory))
+        if not (directory / ADAPTER_FILE).exists():
+            raise CheckpointError(f"{type(model).__name__}.save_pretrained wrote no {ADAPTER_FILE} into {directory}; "
+                                  "upgrade peft.")
+        return
     if hasattr(model, "save_pretrained"):
         import inspect
 
@@ -554,6 +575,8 @@ def checkpoint_weight_shapes(checkpoint: str | os.PathLike) -> dict[str, tuple[i
     checkpoint = Path(checkpoint)
     if (checkpoint / MODEL_FILE).is_file():
         files = [checkpoint / MODEL_FILE]
+    elif (checkpoint / ADAPTER_FILE).is_file():
+        files = [checkpoint / ADAPTER_FILE]
     elif (checkpoint / MODEL_INDEX_FILE).is_file():
         try:
             weight_map = json.loads((checkpoint / MODEL_INDEX_FILE).read_text(encoding="utf-8"))["weight_map"]
@@ -588,6 +611,8 @@ def check_weights_fit(checkpoint: str | os.PathLike, model: nn.Module) -> None:
     anything (the loop calls it too, before loading).
     """
     model = unwrap_model(model)
+    if _check_adapters_fit(Path(checkpoint), model):
+        return
     model_shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     mismatched = [(name, shape, model_shapes[name]) for name, shape in checkpoint_weight_shapes(checkpoint).items()
                   if name in model_shapes and shape != model_shapes[name]]
@@ -600,18 +625,85 @@ def check_weights_fit(checkpoint: str | os.PathLike, model: nn.Module) -> None:
         )
 
 
+LORA_SETTINGS = (("r", "--lora"), ("lora_alpha", "--lora-alpha"), ("lora_dropout", "--lora-dropout"))
+
+
+def _read_adapter_config(checkpoint: Path) -> dict | None:
+    path = checkpoint / ADAPTER_CONFIG_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"cannot read {path}: {error}; resume from another checkpoint.") from error
+
+
+def _check_adapters_fit(checkpoint: Path, model: nn.Module) -> bool:
+    """For a LoRA checkpoint or model: a `CheckpointError` naming the flags when the two do not match (adapters
+    into a model without them, full weights into a LoRA model, another rank, alpha, dropout or targets).
+
+    Returns:
+        True when both are LoRA and match (the shapes follow), False when neither is LoRA.
+    """
+    saved = _read_adapter_config(checkpoint)
+    lora_model = is_peft_model(model)
+    if saved is None and not lora_model:
+        return False
+    if saved is not None and not lora_model:
+        raise CheckpointError(
+            f"{checkpoint} holds LoRA adapters (rank {saved.get('r')}) and this run trains no adapters; resume with "
+            f"the LoRA settings that wrote it (--lora {saved.get('r')}, lora_rank={saved.get('r')}), or start a new "
+            "--output-dir.")
+    if saved is None:
+        raise CheckpointError(
+            f"{checkpoint} holds the full weights of a run without LoRA and this run trains LoRA adapters; drop "
+            "--lora (lora_rank=0) to resume it, or start a new --output-dir.")
+    config = model.peft_config[model.active_adapter]
+    differences = [f"{flag} {saved.get(key)} in the checkpoint, {getattr(config, key)} now"
+                   for key, flag in LORA_SETTINGS if saved.get(key) != getattr(config, key)]
+    targets = saved.get("target_modules")
+    if targets is not None and set(targets) != set(config.target_modules or ()):
+        differences.append(f"--lora-targets {','.join(sorted(targets))} in the checkpoint, "
+                           f"{','.join(sorted(config.target_modules or ()))} now")
+    if differences:
+        raise CheckpointError(
+            f"the LoRA adapters in {checkpoint} do not fit this run's: {'; '.join(differences)}; resume with the "
+            "LoRA settings that wrote the checkpoint, or start a new --output-dir.")
+    return True
+
+
+def _load_adapter_weights(checkpoint: Path, model: nn.Module) -> None:
+    """A LoRA checkpoint's adapters and trained head into a peft model, strictly (peft's key mapping)."""
+    from peft import set_peft_model_state_dict
+
+    tensors = _load_safetensors(checkpoint / ADAPTER_FILE)
+    result = set_peft_model_state_dict(model, tensors, adapter_name=model.active_adapter)
+    trainable = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
+    missing = sorted(name for name in result.missing_keys if name in trainable)
+    unexpected = sorted(result.unexpected_keys)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"the adapters in {checkpoint} do not match {type(model).__name__}: missing keys {missing}, unexpected "
+            f"keys {unexpected}; resume with the same model and LoRA settings that wrote the checkpoint.")
+
+
 def load_model_weights(checkpoint: str | os.PathLike, model: nn.Module) -> None:
     """Loads a checkpoint's safetensors weights into `model`, strictly.
 
     Tied weights saved once (HF `save_pretrained`, `safetensors.torch.save_model`) count as loaded
-    when the tensor they share storage with was loaded.
+    when the tensor they share storage with was loaded. A LoRA checkpoint (adapter_model.safetensors)
+    loads into a peft model's adapters and trained head; its frozen base is left as it is.
 
     Raises:
-        CheckpointError: Missing or unexpected keys (listed), or shape mismatches.
+        CheckpointError: Missing or unexpected keys (listed), shape mismatches, or LoRA settings that
+            differ from the checkpoint's (adapters without --lora, another rank).
     """
     checkpoint_path = Path(checkpoint)
     model = unwrap_model(model)
     check_weights_fit(checkpoint_path, model)
+    if is_peft_model(model):
+        _load_adapter_weights(checkpoint_path, model)
+        return
     tensors = _read_model_tensors(checkpoint_path)
     model_state = model.state_dict()
     result = model.load_state_dict(tensors, strict=False)

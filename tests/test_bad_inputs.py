@@ -99,6 +99,16 @@ CASES = [
      r"--unfreeze-schedule works block by block.*drop --unfreeze-schedule"),
     ("no blocks: checkpointing", "finetune", ["--model", "{xlm}", "--grad-checkpoint"],
      r"--grad-checkpoint works block by block"),
+    # --- LoRA
+    ("merge without LoRA", "finetune", ["--merge-lora"], r"--merge-lora merges trained LoRA adapters.*add --lora R"),
+    ("LoRA with freezing", "finetune", ["--lora", "4", "--freeze-layers", "1"],
+     r"--lora freezes the whole base already.*drop --freeze-layers"),
+    ("LoRA with layer-wise decay", "finetune", ["--lora", "4", "--layer-lr-decay", "0.9"],
+     r"--layer-lr-decay .* which --lora freezes.*drop --layer-lr-decay"),
+    ("LoRA with gradual unfreezing", "finetune", ["--lora", "4", "--unfreeze-schedule", "2"],
+     r"--unfreeze-schedule .* --lora keeps frozen.*drop --unfreeze-schedule"),
+    ("resume a full fine-tune with LoRA", "finetune", ["--output-dir", "{done}", "--resume", "auto", "--lora", "4"],
+     r'(?s)another run; these settings differ.*lora: null -> \{"rank": 4'),
     # --- runs and checkpoints (a finished run is in {done})
     ("fresh run into another run", "finetune", ["--output-dir", "{done}"], r"already holds another run"),
     ("resume with another accumulation", "finetune", ["--output-dir", "{done}", "--resume", "auto", "--accum", "2"],

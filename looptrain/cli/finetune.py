@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_training_arguments(groups["training"])
     _add_memory_arguments(groups["memory/speed"])
     _add_evaluation_arguments(groups["evaluation/state"])
-    _add_loop_config_arguments(groups)  # appended to the groups above; "output" holds none of today's flags
+    _add_loop_config_arguments(groups)  # appended to the groups above
+    _add_output_arguments(groups["output"])
     return parser
 
 
@@ -202,6 +203,13 @@ def _add_evaluation_arguments(group) -> None:
                        help="CPU: measure memory by process RSS only instead of counting every tensor "
                             "(the tensor tracker gives the exact peak and breakdown but slows each step)")
     group.add_argument("--no-progress-bar", action="store_true", help="plain log lines even on a terminal")
+
+
+def _add_output_arguments(group) -> None:
+    """What final/ holds besides the trained model."""
+    group.add_argument("--merge-lora", action="store_true",
+                       help="with --lora: also write the merged full weights to final/merged/ (the adapters added "
+                            "into the --model weights loaded in full precision, QLoRA too), loadable without peft")
 
 
 def _add_strategy_arguments(parser: argparse.ArgumentParser, groups: dict) -> None:
@@ -310,6 +318,7 @@ def check_flags(args, parser: argparse.ArgumentParser) -> None:
     if args.freeze_encoder and (args.freeze_layers or args.freeze_embeddings):
         raise UsageError("--freeze-encoder already freezes the embeddings and every layer; drop "
                          "--freeze-layers/--freeze-embeddings or use them without --freeze-encoder")
+    check_lora_flags(args)
     if args.max_tokens is not None and args.group_by_length:
         raise UsageError("--max-tokens batches by length already; drop --group-by-length")
     if args.max_tokens is not None and args.max_tokens < args.max_length:
@@ -387,6 +396,30 @@ def check_flags(args, parser: argparse.ArgumentParser) -> None:
     output_dir = Path(args.output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         raise UsageError(f"--output-dir {output_dir} is a file; pass a directory (it is created if missing)")
+
+
+def check_lora_flags(args) -> None:
+    """The flags that cannot go with --lora (the adapters train, the whole base is frozen), and --merge-lora's need."""
+    if args.merge_lora and not args.lora_rank:
+        raise UsageError("--merge-lora merges trained LoRA adapters into the base: add --lora R (e.g. --lora 16), or "
+                         "drop --merge-lora (a full fine-tune's final/ holds full weights already)")
+    if not args.lora_rank:
+        return
+    frozen = [flag for flag, given in (("--freeze-embeddings", args.freeze_embeddings),
+                                       ("--freeze-layers", args.freeze_layers),
+                                       ("--freeze-encoder", args.freeze_encoder)) if given]
+    if frozen:
+        raise UsageError(f"--lora freezes the whole base already (only the adapters and a classifier's head train): "
+                         f"drop {' and '.join(frozen)}")
+    if args.layer_lr_decay is not None:
+        raise UsageError("--layer-lr-decay scales the learning rate of each block's own weights, which --lora "
+                         "freezes (only the adapters train): drop --layer-lr-decay (or --lora)")
+    if args.unfreeze_every is not None:
+        raise UsageError("--unfreeze-schedule unfreezes the base's blocks one by one, which --lora keeps frozen "
+                         "(only the adapters train): drop --unfreeze-schedule (or --lora)")
+    if args.fsdp:
+        raise UsageError("--lora with --fsdp is not supported: LoRA's trainable state is small, so drop --fsdp "
+                         "(DDP under torchrun replicates it)")
 
 
 def check_task_flags(args, given: set[str]) -> None:
@@ -475,6 +508,9 @@ def run_identity(args, model_path: str, world_size: int) -> dict:
         "freezing": {"embeddings": args.freeze_embeddings, "layers": args.freeze_layers,
                      "encoder": args.freeze_encoder},
     }
+    if args.lora_rank:  # what trains and how it is stored: a LoRA checkpoint fits only the same adapters
+        identity["lora"] = {"rank": args.lora_rank, "alpha": args.lora_alpha, "dropout": args.lora_dropout,
+                            "targets": args.lora_targets, "qlora": args.qlora}
     if args.memory_budget is not None:  # a planned run: the budget is fixed, the split is the plan's (saved with it)
         identity.update(memory_budget=args.memory_budget_bytes, effective_batch=effective_batch(args) * world_size,
                         batch_size="chosen by the plan", accum_steps="chosen by the plan")
@@ -808,7 +844,11 @@ def train(args, config, place, model_path: str, print) -> dict:
     if summary["interrupted"]:
         return summary  # a checkpoint was saved; no final/ for an unfinished run
     summary["rss_at_start_bytes"] = args._rss_at_start  # what a budget of RSS counts from (None: not Linux)
-    return write_outputs(summary, place, inputs, output_dir, plan_result, estimated_peak, print)
+    summary = write_outputs(summary, place, inputs, output_dir, plan_result, estimated_peak, print)
+    if args.merge_lora and place.is_main:
+        write_merged(args, model_path, inputs, output_dir / "final", print)
+    distributed.barrier()
+    return summary
 
 
 def load_inputs(args, model_path: str, print) -> Inputs:
@@ -831,7 +871,7 @@ def load_inputs(args, model_path: str, print) -> Inputs:
     report = strategy.prepare_model(model)  # the model levers: freezing
     if report:
         print(report)
-    model = strategy.wrap_model(model, args.device)  # LoRA adapters (peft)
+    model = wrap_lora(model, strategy, args, print)
 
     if args.task == "causal-lm":
         train_set, eval_set = tokenize_lm_data(tokenizer, train_data, eval_data, args.max_length, print)
@@ -846,6 +886,36 @@ def load_inputs(args, model_path: str, print) -> Inputs:
     collator = data_module.DynamicPaddingCollator(
         tokenizer, padding=args.padding, max_length=args.max_length, pad_to_multiple_of=args.pad_to_multiple_of)
     return Inputs(model, tokenizer, train_set, eval_set, collator, args.task)
+
+
+@contextlib.contextmanager
+def quiet_peft():
+    """peft asks transformers 5 for a deprecated attribute while wrapping a model: no FutureWarning for it."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
+
+
+def wrap_lora(model, strategy, args, print):
+    """`Strategy.wrap_model` (the LoRA adapters through peft, with --lora), quietly; prints what trains."""
+    if not strategy.lora_rank:
+        return model
+    with quiet_peft():
+        model = strategy.wrap_model(model, args.device)
+    print(lora_line(model, strategy))
+    return model
+
+
+def lora_line(model, strategy) -> str:
+    """"LoRA rank R: T trainable of N parameters (P%) ..." for a peft model (4-bit weights counted unpacked)."""
+    trainable, total = model.get_nb_trainable_parameters()
+    config = model.peft_config[model.active_adapter]
+    head = f"; trained fully: {', '.join(config.modules_to_save)}" if config.modules_to_save else ""
+    base = "4-bit NF4" if strategy.qlora else "frozen"
+    return (f"LoRA rank {config.r} (alpha {config.lora_alpha}) on {len(config.target_modules)} modules, {base} base: "
+            f"{trainable:,} trainable of {total:,} parameters ({trainable / total:.2%}){head}")
 
 
 def tokenize_lm_data(tokenizer, train_data, eval_data, max_length: int, print):
@@ -977,6 +1047,25 @@ def write_outputs(summary: dict, place, inputs: Inputs, output_dir: Path, plan_r
     print(final_table(summary, baseline, output_dir))
     print(memory.format_memory_table(summary))
     return summary
+
+
+def write_merged(args, model_path: str, inputs: Inputs, final_dir: Path, print) -> Path:
+    """--merge-lora: final/merged/, the --model weights loaded in full precision with final/'s adapters merged in
+    (`looptrain.lora.merge_lora`): never the trained model's 4-bit weights (QLoRA), whose rounding would be merged
+    too. Loadable by `from_pretrained` alone, with the tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from looptrain.lora import merge_lora
+
+    merged_dir = final_dir / "merged"
+    auto_class = AutoModelForCausalLM if inputs.task == "causal-lm" else AutoModelForSequenceClassification
+    config = inputs.model.get_base_model().config  # the trained run's: labels, pad token
+    base = load_weights(auto_class, model_path, config, args)
+    with quiet_peft():
+        merge_lora(base, final_dir, merged_dir)
+    inputs.tokenizer.save_pretrained(merged_dir)
+    print(f"--merge-lora: merged full weights in {merged_dir} (the adapters of {final_dir} added into {model_path})")
+    return merged_dir
 
 
 def planned_settings(args, config, model, train_set, collator, device, output_dir: Path, print):
