@@ -42,7 +42,7 @@ from looptrain.guards import (
     split_after_out_of_memory,
 )
 from looptrain.memory import make_meter
-from looptrain.optim import BF16Optimizer, cast_to_bf16, optimizer_name_of, wrap_for_config
+from looptrain.optim import BF16Optimizer, cast_to_bf16, optimizer_name_of, stored_in_bf16, wrap_for_config
 from looptrain.precision import Precision, resolve_device, resolve_precision
 from looptrain.run import Run, planned_updates
 from looptrain.seeding import seed_everything
@@ -95,7 +95,7 @@ class Loop:
                             optimizer_name=optimizer_name_of(optimizer))
         seed_everything(self.config.seed)
         self.model = model if batches.on_device(model, self.device) else model.to(self.device)
-        if self.config.weights == "bf16" and not any(p.dtype == torch.bfloat16 for p in self.model.parameters()):
+        if self.config.weights == "bf16" and not stored_in_bf16(self.model):
             cast_to_bf16(self.model)  # in place (the optimizer holds these same objects); a model cast already is kept
         if self.config.gradient_checkpointing:
             enable_gradient_checkpointing(self.model, every=self.config.checkpoint_every)

@@ -9,7 +9,14 @@ Modules:
     wrap          `wrap_for_config`: the optimizer a run steps, for its `LoopConfig` (fused step, bf16 weights)
 """
 
-from looptrain.optim.bf16 import BF16Optimizer, cast_to_bf16, gradient_of, step_in_fp32_, stochastic_round_
+from looptrain.optim.bf16 import (
+    BF16Optimizer,
+    cast_to_bf16,
+    gradient_of,
+    step_in_fp32_,
+    stochastic_round_,
+    stored_in_bf16,
+)
 from looptrain.optim.factory import (
     EIGHT_BIT_OPTIMIZERS,
     FOREACH_OPTIMIZERS,
@@ -29,6 +36,7 @@ __all__ = [
     "BF16Optimizer",
     "PerParameterOptimizer",
     "cast_to_bf16",
+    "stored_in_bf16",
     "gradient_of",
     "step_in_fp32_",
     "stochastic_round_",
