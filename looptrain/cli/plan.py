@@ -6,6 +6,8 @@
 It takes every flag of `scripts/finetune.py` (the data, the model, `--amp`, `--optim auto`,
 `--group-by-length`, ...) and runs its planner (`looptrain.plan`, docs/plan.md) without training:
 it prints the ranked table and the `finetune.py` command line of the winner. Nothing is written.
+With `--lora R` the rest is planned around the adapters (kept as given), and the table notes what LoRA saves
+over the full fine-tune with the winner's settings (docs/lora.md, "The planner").
 """
 
 from __future__ import annotations

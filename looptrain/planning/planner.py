@@ -12,7 +12,11 @@ the estimator, and drives both:
    (bf16/fp16 where the hardware has it, fp32 always tried beside it; where it is bf16, bf16 weights with
    stochastic rounding too), the optimizer within its family
    (adamw → adamw8bit → paged_adamw8bit). Levers that change the task (freezing, a shorter max length)
-   are never applied; when nothing fits they are suggested, with their estimates.
+   are never applied; when nothing fits they are suggested, with their estimates. LoRA (`lora_rank`,
+   `qlora`, ...) is the task's choice too: with it, the planner plans the rest and never changes it (the
+   model must be the wrapped `PeftModel` the run trains, `Strategy.wrap_model`), and says how much it
+   saves over the full fine-tune with the same settings (one more estimate); without it, LoRA and QLoRA
+   r 16 are among the suggestions when nothing fits.
 2. **Fits**: `looptrain.planning.estimate` at the dataset's longest padded batch (its worst batch), plus a
    safety margin (`DEFAULT_MARGIN`), must be within the budget. For each precision, optimizer and
    checkpointing mode, the largest micro-batch that fits is found by a search over the divisors of
@@ -59,6 +63,11 @@ GIB = 1024**3
 DEFAULT_MARGIN = {"cpu": 0.05, "cuda": 0.15}
 OPTIMIZER_FAMILIES = {"adamw": ("adamw", "adamw8bit", "paged_adamw8bit")}
 CHECKPOINT_MODES = ((False, 1), (True, 2), (True, 1))  # none, every other block, every block
+# LoRA: the rank suggested when nothing fits, and the share of the full fine-tune's peak below which a LoRA
+# plan's saving is called small (activations dominate: a small model, or long sequences).
+LORA_SUGGESTED_RANK = 16
+LORA_SMALL_SAVING = 0.2
+LORA_LEVERS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "qlora")
 _UNITS = {"b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
 
@@ -138,6 +147,8 @@ class Plan:
     num_samples: int
     meter: str = "of live tensors"  # or "of process RSS" (then probes' measured peaks must fit too)
     notes: list[str] = field(default_factory=list)
+    # A LoRA plan: the winner against the full fine-tune with its settings (`lora_comparison`); None otherwise.
+    lora: dict | None = None
 
     @property
     def winner(self) -> Candidate:
@@ -147,7 +158,8 @@ class Plan:
         """The ranked candidates (the top `top`), the winner first, with estimates and speeds."""
         lines = [f"plan for a budget of {format_bytes(self.budget_bytes)} {self.meter} "
                  f"(fits: estimate x {1 + self.margin:.2f} within it; "
-                 f"worst batch {self.worst_width} tokens wide), effective batch {self.effective_batch}, {self.device}:",
+                 f"worst batch {self.worst_width} tokens wide), effective batch {self.effective_batch}, {self.device}"
+                 + (f", {_lora_words(self.winner.settings)} (kept)" if self.winner.settings.lora_rank else "") + ":",
                  "| rank | micro-batch x accum | precision | optimizer | checkpointing | fused step | grouping | "
                  "est. peak | samples/s | speed from |",
                  "|---|---|---|---|---|---|---|---|---|---|"]
@@ -185,6 +197,7 @@ class Plan:
                             "seconds_per_epoch": candidate.seconds_per_epoch, "probed": candidate.probed,
                             "probe": candidate.probe} for candidate in self.candidates],
             "notes": self.notes,
+            "lora": self.lora,
         }
 
 
@@ -218,7 +231,8 @@ def plan(
     Args:
         model: the model to train; `base`'s model levers (freezing) are applied to it in place, as the
             run applies them. Probes run it in place with the learning rate at 0, and leave its weights as
-            they were.
+            they were. With `base.lora_rank`, the wrapped `PeftModel` (`base.wrap_model(model)`), as the
+            run trains it.
         dataset: the tokenized training set (`looptrain.data.TokenizedDataset`: `lengths` and items). For a
             causal LM, items with token labels: the estimate prices its `[rows, width]` labels (see `estimate`),
             the worst batch padded when the dataset has shorter samples.
@@ -249,9 +263,12 @@ def plan(
         The `Plan`: candidates that fit, fastest first.
 
     Raises:
-        PlanError: nothing fits; the message lists what would (freezing, a shorter max length, levers).
+        PlanError: nothing fits; the message lists what would (freezing, LoRA, a shorter max length, levers).
     """
     base = base or Strategy(batch_size=effective_batch, accum_steps=1)
+    if base.lora_rank and isinstance(model, nn.Module) and not _is_lora_model(model):
+        raise PlanError(f"{_lora_words(base)}: pass the wrapped model the run trains (model = "
+                        "base.wrap_model(model)): the probes train it as it is")
     if isinstance(model, nn.Module):
         base.prepare_model(model)  # the task's own levers (freezing): never changed by the plan, probed as they run
     device_type = resolve_device(device).type
@@ -301,6 +318,8 @@ def plan(
             candidate.seconds_per_epoch = candidate.prior
         result.notes.append("nothing probed: speeds are a prior in arbitrary units (padded tokens, recompute, "
                             "micro-batch size, precision), not measured")
+    if base.lora_rank:
+        lora_comparison(search, result)
     return result
 
 
@@ -343,20 +362,25 @@ class _Search:
         self.seconds = 0.0
         self.overhead = 0  # a budget of process RSS: what the process holds besides the estimated tensors
         self.padded = False  # the worst batch of more than one row holds shorter, padded rows (see `estimate`)
+        self.keep: Any = None  # a model estimated besides `model` (its id is in the cache's keys)
 
-    def key(self, settings: Strategy, seq_len: int | None = None) -> tuple:
+    def key(self, settings: Strategy, seq_len: int | None = None, model: Any = None) -> tuple:
         """What the estimator prices of `settings` at `seq_len` (default: the worst batch's width)."""
         priced = {**settings.estimate_options(), "accum_steps": min(settings.accum_steps, 2)}  # memory repeats after 2
-        return settings.batch_size, seq_len or self.width, type(settings), tuple(sorted(priced.items()))
+        key = settings.batch_size, seq_len or self.width, type(settings), tuple(sorted(priced.items()))
+        return key if model is None or model is self.model else (*key, id(model))
 
-    def peak(self, settings: Strategy, seq_len: int | None = None) -> int:
-        """The estimate of `settings` at the worst batch (or `seq_len` wide), memoised by what the estimator prices."""
+    def peak(self, settings: Strategy, seq_len: int | None = None, model: Any = None) -> int:
+        """The estimate of `settings` at the worst batch (or `seq_len` wide), memoised by what the estimator prices.
+
+        `model`: another model than the search's (the unwrapped base of a LoRA model), kept alive by the caller.
+        """
         seq_len = seq_len or self.width
-        key = self.key(settings, seq_len)
+        key = self.key(settings, seq_len, model)
         if key not in self.cache:
             started = time.perf_counter()
-            result = estimate(self.model, settings.batch_size, seq_len, settings, num_labels=self.num_labels,
-                              max_grad_norm=self.max_grad_norm, padded=self.padded)
+            result = estimate(self.model if model is None else model, settings.batch_size, seq_len, settings,
+                              num_labels=self.num_labels, max_grad_norm=self.max_grad_norm, padded=self.padded)
             self.seconds += time.perf_counter() - started
             self.count += 1
             self.cache[key] = result["peak_memory_bytes"]
@@ -365,6 +389,7 @@ class _Search:
                       f"{', bf16 weights' if settings.weights == 'bf16' else ''}, "
                       f"{settings.optimizer}, checkpointing {settings.checkpointing}"
                       f"{', fused step' if settings.optimizer_in_backward else ''}"
+                      f"{', ' + _lora_words(settings) if settings.lora_rank else ''}"
                       f"{f', seq {seq_len}' if seq_len != self.width else ''}: {format_bytes(self.cache[key])}")
         return self.cache[key]
 
@@ -591,26 +616,136 @@ def _nothing_fits_message(search: _Search, effective_batch: int, base: Strategy,
         suggestions.append(("--amp", dataclasses.replace(lightest, precision=fast), None))
     if base.weights == "fp32" and fast == "bf16":
         suggestions.append(("--weights bf16", dataclasses.replace(lightest, precision="bf16", weights="bf16"), None))
-    blocks = _block_count(search.model)
-    for count in sorted({blocks // 2, blocks - 1} - {0}) if blocks else []:
-        suggestions.append((f"--freeze-layers {count}",
-                            dataclasses.replace(lightest, freeze_layers=count, freeze_encoder=False), None))
-    suggestions.append(("--freeze-encoder",
-                        dataclasses.replace(lightest, freeze_encoder=True, freeze_layers=0, freeze_embeddings=False),
-                        None))
+    if not base.lora_rank:  # freezing and LoRA do not mix (LoRA freezes the whole base)
+        blocks = _block_count(search.model)
+        for count in sorted({blocks // 2, blocks - 1} - {0}) if blocks else []:
+            suggestions.append((f"--freeze-layers {count}",
+                                dataclasses.replace(lightest, freeze_layers=count, freeze_encoder=False), None))
+        suggestions.append(("--freeze-encoder",
+                            dataclasses.replace(lightest, freeze_encoder=True, freeze_layers=0,
+                                                freeze_embeddings=False), None))
+    adapters = _lora_suggestions(search, base, lightest)
     if search.width > 16:
         suggestions.append((f"--max-length {search.width // 2}", lightest, search.width // 2))
-    fitting = []
-    for label, settings, seq_len in suggestions:
+    fitting, lora_over = [], []
+    for label, settings, seq_len, model in [(*suggestion, None) for suggestion in suggestions] + adapters:
         try:
-            peak = search.peak(settings, seq_len)
-        except (ValueError, TypeError):
-            continue
+            peak = search.peak(settings, seq_len, model)
+        except Exception as error:  # LoRA: any estimate that cannot run here (QLoRA without 4 bits)
+            if isinstance(error, (ValueError, TypeError)) or model is not None or settings.lora_rank:
+                continue  # an invalid mix
+            raise
         if (peak + search.overhead) * (1 + search.margin) <= search.budget:
             fitting.append(f"fits with {label} (est. {format_bytes(peak)})")
-    lines.append("; ".join(fitting) + "." if fitting else "None of --amp, --optim auto, freezing or a halved "
+        elif (label, settings, seq_len, model) in adapters:
+            lora_over.append(f"{label} (est. {format_bytes(peak)})")
+    lines.append("; ".join(fitting) + "." if fitting else "None of --amp, --optim auto, freezing, LoRA or a halved "
                  "--max-length fits either: raise the budget.")
+    if lora_over:
+        lines.append(f"Not enough: {', '.join(lora_over)}.")
     return " ".join(lines)
+
+
+def _lora_suggestions(search: _Search, base: Strategy, lightest: Strategy) -> list[tuple]:
+    """LoRA's suggestions when nothing fits: (label, settings, None, model to estimate or None).
+
+    Without LoRA: LoRA and QLoRA of rank `LORA_SUGGESTED_RANK` (freezing dropped: LoRA freezes the base).
+    With LoRA but not QLoRA: ``--qlora``, estimated on the unwrapped base (a wrapped model is not quantized again).
+    """
+    if base.qlora:
+        return []
+    if base.lora_rank:
+        unwrapped = full_fine_tune_model(search.model)
+        if unwrapped is None:
+            return []
+        search.keep = unwrapped  # the estimate's cache key holds its id: keep it alive
+        return [("--qlora", dataclasses.replace(lightest, qlora=True), None, unwrapped)]
+    frozen = [name for name in ("freeze_embeddings", "freeze_layers", "freeze_encoder")
+              if getattr(lightest, name) != Strategy.__dataclass_fields__[name].default]
+    lora = dataclasses.replace(lightest, lora_rank=LORA_SUGGESTED_RANK,
+                               **{name: Strategy.__dataclass_fields__[name].default for name in frozen})
+    dropped = f" (without --{', --'.join(name.replace('_', '-') for name in frozen)})" if frozen else ""
+    return [(f"--lora {LORA_SUGGESTED_RANK}{dropped}", lora, None, None),
+            (f"--lora {LORA_SUGGESTED_RANK} --qlora{dropped}", dataclasses.replace(lora, qlora=True), None, None)]
+
+
+# ------------------------------------------------------------------------------------------ LoRA
+def _lora_words(settings: Strategy) -> str:
+    """``LoRA r 16`` or ``QLoRA r 16``."""
+    return f"{'QLoRA' if settings.qlora else 'LoRA'} r {settings.lora_rank}"
+
+
+def _is_lora_model(model: Any) -> bool:
+    from looptrain.lora import is_lora_model
+
+    return is_lora_model(model)
+
+
+def full_fine_tune_model(model: Any) -> Any:
+    """What `estimate` prices as the full fine-tune of a LoRA model: the model without its adapters.
+
+    A config, a preset or a model that is not a `PeftModel` is returned as it is. A `PeftModel`: a copy with
+    its adapters unloaded and every parameter trainable, sharing the original's tensors (no memory; the
+    original is unchanged). A QLoRA model (4-bit base): its transformers config (the unquantized model), or
+    None when it has none.
+    """
+    if not _is_lora_model(model):
+        return model
+    if any(type(module).__name__ == "Linear4bit" for module in model.modules()):
+        config = getattr(model, "config", None)
+        return config if hasattr(config, "to_dict") else None
+    import copy
+
+    memo: dict[int, Any] = {id(buffer): buffer for buffer in model.buffers()}
+    for parameter in model.parameters():
+        memo[id(parameter)] = nn.Parameter(parameter.detach(), requires_grad=True)
+    return copy.deepcopy(model, memo).unload()
+
+
+def lora_comparison(search: _Search, result: Plan) -> dict | None:
+    """The LoRA winner against the full fine-tune with the same settings, at the worst batch: one more estimate.
+
+    Sets `result.lora` (both estimates, the saving, whether the full fine-tune fits the budget too) and adds a
+    note; when LoRA saves less than `LORA_SMALL_SAVING` of the full fine-tune's peak (activations dominate: a
+    small model, long sequences), the note says so. An estimate that cannot run adds a note and nothing else.
+    """
+    winner = result.winner
+    settings = dataclasses.replace(winner.settings, **{name: Strategy.__dataclass_fields__[name].default
+                                                       for name in LORA_LEVERS})
+    flags = " ".join(settings.flags())
+    started, count = search.seconds, search.count
+    try:
+        unwrapped = full_fine_tune_model(search.model)
+        if unwrapped is None:
+            raise ValueError("a 4-bit model without a transformers config")
+        full = search.peak(settings, model=unwrapped)
+    except Exception as error:  # noqa: BLE001  a report: never a reason to fail the plan
+        result.notes.append(f"no comparison of {_lora_words(winner.settings)} with a full fine-tune "
+                            f"({type(error).__name__}: {error})")
+        return None
+    finally:
+        result.estimates += search.count - count
+        result.estimate_seconds += search.seconds - started
+    saving = full - winner.estimated_peak_bytes
+    share = saving / full if full else 0.0
+    fits = (full + search.overhead) * (1 + search.margin) <= search.budget
+    result.lora = {"settings": dataclasses.asdict(winner.settings), "estimated_peak_bytes": winner.estimated_peak_bytes,
+                   "full_fine_tune_flags": settings.flags(), "full_fine_tune_peak_bytes": full,
+                   "saving_bytes": saving, "saving_share": round(share, 4), "full_fine_tune_fits": fits,
+                   "small_saving": share < LORA_SMALL_SAVING}
+    words = _lora_words(winner.settings)
+    if saving <= 0:
+        amount = f"{words} saves nothing"
+    else:
+        amount = f"{words} saves {'only ' if share < LORA_SMALL_SAVING else ''}{format_bytes(saving)} ({share:.0%})"
+    text = (f"{amount} over the full fine-tune with the same settings ({flags}: est. {format_bytes(full)}, "
+            f"{words} est. {format_bytes(winner.estimated_peak_bytes)}) at this length ({search.width} tokens)")
+    if share < LORA_SMALL_SAVING:
+        text += (": the activations dominate the peak, and LoRA trims only the weights' gradients and optimizer "
+                 "state; " + ("the full fine-tune fits the budget too (drop --lora to train every weight)" if fits
+                              else "still, with these settings only LoRA fits the budget"))
+    result.notes.append(text)
+    return result.lora
 
 
 def _block_count(model: Any) -> int:
@@ -631,7 +766,8 @@ def _prior_seconds(candidate: Candidate, model: Any, device_type: str) -> float:
     if settings.precision != "fp32":
         native = device_type == "cuda" or (settings.precision == "bf16" and cpu_has_native_bf16())
         precision_cost = 0.7 if native else 8.0
-    parameters = sum(parameter.numel() for parameter in model.parameters()) if isinstance(model, nn.Module) else 1e8
+    parameters = (sum(parameter.numel() for parameter in model.parameters() if parameter.requires_grad)
+                  if isinstance(model, nn.Module) else 1e8)  # the optimizer steps the trainable ones (LoRA: adapters)
     optimizer_cost = {"adamw": 1.0, "sgd": 0.3, "adafactor": 2.0}.get(settings.optimizer, 5.0) * parameters / 3e5
     if settings.weights == "bf16":
         optimizer_cost *= 2.0  # each tensor upcast, stepped alone, and rounded back with random bits
