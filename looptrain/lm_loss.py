@@ -8,7 +8,10 @@ function that saves only the hidden states, the head's weight (and bias) and the
 chunk's logits. At most one chunk's logits exist at a time, in forward and in backward. The math is the model's:
 the logits in the dtype the head would compute them in (autocast's, else the weight's), the cross-entropy in fp32
 as transformers takes it, and the head's weight gradient returned to autograd, so tied input/output embeddings
-get the sum of both uses.
+get the sum of both uses. For a tied ``nn.Embedding`` that sum is made in one tensor: during the training forward
+the lookup runs as `_TiedLookup`, whose backward adds its rows into the head's weight gradient in place, so one
+``[vocab, hidden]`` gradient exists instead of three (the head's, held by autograd through the blocks' backward,
+the lookup's and their sum).
 
 `ChunkedLMLoss.for_model` decides once, when the Loop is built, whether a model can be served exactly; where it
 cannot (a head that is not a Linear, logit softcapping, no decoder body, a sharded head, a head that does more
