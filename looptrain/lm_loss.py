@@ -8,7 +8,10 @@ function that saves only the hidden states, the head's weight (and bias) and the
 chunk's logits. At most one chunk's logits exist at a time, in forward and in backward. The math is the model's:
 the logits in the dtype the head would compute them in (autocast's, else the weight's), the cross-entropy in fp32
 as transformers takes it, and the head's weight gradient returned to autograd, so tied input/output embeddings
-get the sum of both uses.
+get the sum of both uses. For a tied ``nn.Embedding`` that sum is made in one tensor: during the training forward
+the lookup runs as `_TiedLookup`, whose backward adds its rows into the head's weight gradient in place, so one
+``[vocab, hidden]`` gradient exists instead of three (the head's, held by autograd through the blocks' backward,
+the lookup's and their sum).
 
 `ChunkedLMLoss.for_model` decides once, when the Loop is built, whether a model can be served exactly; where it
 cannot (a head that is not a Linear, logit softcapping, no decoder body, a sharded head, a head that does more
@@ -40,9 +43,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     """Sum of cross-entropy of ``hidden @ weight.T + bias`` against `labels`, one chunk of rows at a time."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk_tokens, dtype):
+    def forward(ctx, hidden, weight, bias, labels, chunk_tokens, dtype, tied=None):
         ctx.save_for_backward(hidden, weight, bias, labels)
-        ctx.chunk_tokens, ctx.dtype = chunk_tokens, dtype
+        ctx.chunk_tokens, ctx.dtype, ctx.tied = chunk_tokens, dtype, tied
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             weight_c, bias_c = _in_dtype(weight, bias, dtype)
@@ -58,7 +61,10 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         chunk_tokens, dtype = ctx.chunk_tokens, ctx.dtype
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if needs_hidden else None
-        grad_weight = torch.zeros_like(weight) if needs_weight else None
+        tied = ctx.tied if ctx.tied is not None and not ctx.tied.consumed else None
+        grad_weight = None
+        if needs_weight:
+            grad_weight = tied.gradient if tied is not None and tied.gradient is not None else torch.zeros_like(weight)
         grad_bias = torch.zeros_like(bias) if needs_bias else None
         with torch.autocast(hidden.device.type, enabled=False):
             weight_c, bias_c = _in_dtype(weight, bias, dtype)
@@ -77,7 +83,52 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                     _accumulate(grad_weight, grad_logits.t(), hidden_c)
                 if needs_bias:
                     grad_bias += grad_logits.sum(0).to(grad_bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        if tied is not None and grad_weight is not None:  # the lookup's backward (next) adds its rows and returns it
+            tied.gradient, grad_weight = grad_weight, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+class _TiedGradient:
+    """The one ``[vocab, hidden]`` gradient of a tied embedding for one forward (see `_TiedLookup`)."""
+
+    __slots__ = ("gradient", "consumed")
+
+    def __init__(self) -> None:
+        self.gradient: torch.Tensor | None = None  # the chunked head's weight gradient, once its backward ran
+        self.consumed = False  # the lookup's backward ran: a head's backward after it returns its own gradient
+
+
+class _TiedLookup(torch.autograd.Function):
+    """``F.embedding(ids, weight, padding_idx)`` whose backward adds its rows into the chunked head's gradient.
+
+    The head's backward (`_ChunkedCrossEntropy` given the same `_TiedGradient`) runs first, since the loss
+    consumes a function of this lookup's output; it leaves its weight gradient in ``tied.gradient`` and returns
+    None for the weight. This backward index-adds the looked-up rows into that tensor in place (zeros when the
+    head left none) and returns it: the tied parameter's gradient arrives once, whole, so autograd neither
+    buffers the head's gradient through the blocks' backward nor adds two ``[vocab, hidden]`` tensors, and the
+    tensor is handed over with no other reference (AccumulateGrad keeps it as ``.grad`` without a copy).
+    """
+
+    @staticmethod
+    def forward(ctx, ids, weight, padding_idx, tied):
+        ctx.save_for_backward(ids, weight)
+        ctx.padding_idx, ctx.tied = padding_idx, tied
+        return F.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        ids, weight = ctx.saved_tensors
+        tied, padding_idx = ctx.tied, ctx.padding_idx
+        gradient, tied.gradient, tied.consumed = tied.gradient, None, True
+        if not ctx.needs_input_grad[1]:
+            return None, None, None, None
+        if gradient is None:
+            gradient = torch.zeros_like(weight)
+        kept = gradient[padding_idx].clone() if padding_idx is not None else None
+        gradient.index_add_(0, ids.reshape(-1), grad_output.reshape(-1, weight.shape[1]).to(gradient.dtype))
+        if kept is not None:  # nn.Embedding: the padding row gets nothing from the lookup (the head's part stays)
+            gradient[padding_idx] = kept
+        return None, gradient, None, None
 
 
 def _in_dtype(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
@@ -93,7 +144,8 @@ def _accumulate(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) ->
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                          labels: torch.Tensor, chunk_tokens: int = 256) -> torch.Tensor:
+                          labels: torch.Tensor, chunk_tokens: int = 256,
+                          tied: _TiedGradient | None = None) -> torch.Tensor:
     """Sum over rows of cross-entropy of ``F.linear(hidden, weight, bias)`` against `labels`, in chunks of rows.
 
     Equal to ``F.cross_entropy(F.linear(hidden, weight, bias).float(), labels, ignore_index=-100,
@@ -106,10 +158,12 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torc
         bias: the head's ``[vocab]`` bias, or None.
         labels: ``[rows]`` target ids; -100 is not scored.
         chunk_tokens: rows per chunk.
+        tied: the `_TiedGradient` of the `_TiedLookup` of `weight` that `hidden` was computed from: the weight's
+            gradient is then left there for that lookup's backward instead of returned to autograd.
     """
     device_type = hidden.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
-    return _ChunkedCrossEntropy.apply(hidden, weight, bias, labels, chunk_tokens, dtype)
+    return _ChunkedCrossEntropy.apply(hidden, weight, bias, labels, chunk_tokens, dtype, tied)
 
 
 def _is_fake(tensor: torch.Tensor) -> bool:
@@ -125,7 +179,14 @@ class ChunkedLMLoss:
     ``(loss_sum, num_items)``, the items being the shifted labels that are not -100 (what
     `looptrain.batches.count_items(batch, shifted=True)` counts), or the model's own mean loss where the first
     batch shows the head cannot be reproduced exactly.
+
+    A tied embedding (the head's weight is the input embedding's, a plain ``nn.Embedding``) gets one
+    ``[vocab, hidden]`` gradient instead of three: during the training forward its lookup runs through
+    `_TiedLookup`, whose backward adds its rows into the head's gradient in place. `fuse_tied_gradient`
+    (True) turns that off, for tests.
     """
+
+    fuse_tied_gradient = True
 
     def __init__(self, model: nn.Module, body: nn.Module, head: nn.Linear, chunk_tokens: int, strict: bool,
                  notice: Callable[[str], None]):
@@ -133,6 +194,7 @@ class ChunkedLMLoss:
         self.strict, self.notice = strict, notice
         self.checked = False  # the first batch compares head(body) with the model's own logits
         self.fallback: str | None = None  # why the model's own loss is used instead
+        self._pending: _TiedGradient | None = None  # the tied lookup's, during a training forward
 
     @classmethod
     def for_model(cls, model: nn.Module, config: Any, shifts_labels: bool,
@@ -178,12 +240,15 @@ class ChunkedLMLoss:
             if loss is None:
                 raise ValueError("the model returned no loss: pass `labels` in the batch or override Loop.compute_loss")
             return loss
-        if wrapped_model is not self.model and torch.is_grad_enabled():
-            # DDP syncs gradients only for a forward it runs: the model's own forward, its head standing aside.
-            with _head_skipped(self.head):
-                hidden = wrapped_model(**inputs).logits
-        else:
-            hidden = _last_hidden_state(self.body(**inputs))
+        self._pending = None
+        with self._lookup_fused():
+            if wrapped_model is not self.model and torch.is_grad_enabled():
+                # DDP syncs gradients only for a forward it runs: the model's own forward, its head standing aside.
+                with _head_skipped(self.head):
+                    hidden = wrapped_model(**inputs).logits
+            else:
+                hidden = _last_hidden_state(self.body(**inputs))
+        tied, self._pending = self._pending, None  # one per forward: a second CE call gets none
         shift_labels = batch.get("shift_labels")
         if isinstance(shift_labels, torch.Tensor):  # transformers takes these as they are, at every position
             labels = shift_labels
@@ -195,8 +260,39 @@ class ChunkedLMLoss:
             hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
         else:  # prompts and padding never reach the head
             hidden, labels = hidden[scored], labels[scored]
-        loss_sum = chunked_cross_entropy(hidden, self.head.weight, self.head.bias, labels, self.chunk_tokens)
+        loss_sum = chunked_cross_entropy(hidden, self.head.weight, self.head.bias, labels, self.chunk_tokens, tied)
         return loss_sum, scored.sum()
+
+    def _tied_embedding(self) -> nn.Embedding | None:
+        """The input embedding whose weight is the head's, where its lookup can be fused (`_TiedLookup`)."""
+        if not (self.fuse_tied_gradient and torch.is_grad_enabled() and self.head.weight.requires_grad):
+            return None
+        get = getattr(self.model, "get_input_embeddings", None)
+        embedding = get() if callable(get) else None
+        if (type(embedding) is not nn.Embedding or embedding.weight is not self.head.weight
+                or embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse):
+            return None
+        return embedding
+
+    @contextlib.contextmanager
+    def _lookup_fused(self) -> Iterator[None]:
+        """While entered (a training forward of a tied model), the input embedding's lookup is a `_TiedLookup`."""
+        embedding = self._tied_embedding()
+        if embedding is None:
+            yield
+            return
+
+        def lookup(ids: torch.Tensor) -> torch.Tensor:
+            if not torch.is_grad_enabled():  # e.g. inside a reentrant checkpoint's forward: nothing to fuse
+                return F.embedding(ids, embedding.weight, embedding.padding_idx)
+            self._pending = _TiedGradient()
+            return _TiedLookup.apply(ids, embedding.weight, embedding.padding_idx, self._pending)
+
+        embedding.forward = lookup  # an instance attribute shadows nn.Embedding.forward; the module's hooks still run
+        try:
+            yield
+        finally:
+            del embedding.forward
 
     @torch.no_grad()
     def _check_head(self, inputs: dict) -> None:

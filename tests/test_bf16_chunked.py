@@ -371,3 +371,22 @@ def test_the_adafactor_step_transient_is_a_chunk_not_the_embedding(monkeypatch, 
     assert whole >= 3.5 * 4 * numel, whole  # about four fp32 copies of the embedding at once (measured: 4.02)
     assert chunked <= 8 * chunk_bytes, (chunked, chunk_bytes)  # measured: 4.3 chunks
     assert chunked < whole / 3, (chunked, whole)
+
+
+def test_a_large_bf16_gradients_norm_is_taken_by_chunks_of_rows(monkeypatch):
+    """`fp32_norm`: the fused step's and clipping's norm of a large bf16 gradient, without its whole fp32 copy
+    (CPU's vector_norm(dtype=float32) converts the tensor whole); equal to the float64 norm to fp32 noise."""
+    generator = torch.Generator().manual_seed(0)
+    gradient = torch.randn(300, 100, generator=generator).to(torch.bfloat16)
+    exact = torch.linalg.vector_norm(gradient.double()).float()
+    seen = []
+    norm = torch.linalg.vector_norm
+    monkeypatch.setattr(torch.linalg, "vector_norm", lambda tensor, *args, **kwargs: (
+        seen.append(tensor.numel()), norm(tensor, *args, **kwargs))[1])
+    chunked = bf16.fp32_norm(gradient, chunk_elements=1000)
+    assert max(seen[:-1]) == 1000 and len(seen) == 31  # 30 chunks of 10 rows, then their norms
+    torch.testing.assert_close(chunked, exact, rtol=1e-6, atol=0)
+    seen.clear()
+    small = torch.randn(10, 10, generator=generator).to(torch.bfloat16)
+    assert torch.equal(bf16.fp32_norm(small, chunk_elements=1000), norm(small, 2, dtype=torch.float32))
+    assert seen == [100]  # at most one chunk's elements: whole, as before

@@ -60,15 +60,31 @@ def gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     return grads
 
 
-def chunked_loss(model: nn.Module, **fields) -> lm_loss.ChunkedLMLoss:
-    return lm_loss.ChunkedLMLoss.for_model(model, quiet_config(**fields), model_shifts_labels(model), print)
+def chunked_loss(model: nn.Module, fused: bool = True, **fields) -> lm_loss.ChunkedLMLoss:
+    loss = lm_loss.ChunkedLMLoss.for_model(model, quiet_config(**fields), model_shifts_labels(model), print)
+    loss.fuse_tied_gradient = fused
+    return loss
+
+
+@pytest.fixture
+def lookups(monkeypatch) -> list:
+    """One entry per fused lookup of a tied embedding (`lm_loss._TiedLookup`) that ran."""
+    calls, forward = [], lm_loss._TiedLookup.forward
+
+    def counted(ctx, *args):
+        calls.append(args[2])  # padding_idx
+        return forward(ctx, *args)
+
+    monkeypatch.setattr(lm_loss._TiedLookup, "forward", staticmethod(counted))
+    return calls
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_loss_and_every_gradient_equal_the_models_own(family, precision):
+def test_loss_and_every_gradient_equal_the_models_own(family, precision, lookups):
     model, batch = make_lm(family), make_batch()
-    if family in ("qwen2-tied", "gpt2"):
+    tied = family in ("qwen2-tied", "gpt2")
+    if tied:
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     else:
         assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
@@ -82,6 +98,8 @@ def test_loss_and_every_gradient_equal_the_models_own(family, precision):
         loss_sum, num_items = loss(model, batch)
     loss_sum.backward()
     got = gradients(model)
+    # A tied embedding's lookup ran fused (Qwen2's with its padding row, GPT-2's without one).
+    assert lookups == ([PAD if family == "qwen2-tied" else None] if tied else [])
     assert int(num_items) == int(items) > 10 * 5 // 5  # several chunks of 5, an uneven last one
     # fp32: noise of summation order. bf16: the logits are rounded to bf16 per chunk, as the model rounds them
     # per batch, and the weight gradient is summed over chunks in fp32 instead of in one bf16 matmul.
@@ -91,6 +109,55 @@ def test_loss_and_every_gradient_equal_the_models_own(family, precision):
     for name in expected:
         scale = expected[name].abs().max()
         torch.testing.assert_close(got[name] / scale, expected[name] / scale, **tolerance, msg=name)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("family", ["qwen2-tied", "gpt2"])
+def test_a_tied_embeddings_gradient_over_two_micro_batches_equals_the_models_own(family, fused, lookups):
+    """Accumulated in .grad without a fused step: the first micro-batch's gradient is taken as .grad, the
+    second added to it in place. bf16 weights: bf16 gradients, the fused ones as close as the unfused."""
+    model, batches = make_lm(family), [make_batch(seed=0), make_batch(seed=1)]
+    for batch in batches:
+        (model(**batch).loss * count_items(batch, shifted=True)).backward()
+    expected = gradients(model)
+    loss = chunked_loss(model, fused=fused, ce_chunk_tokens=5)
+    for batch in batches:
+        loss(model, batch)[0].backward()
+    got = gradients(model)
+    assert len(lookups) == (2 if fused else 0)
+    for name in expected:
+        scale = expected[name].abs().max()
+        torch.testing.assert_close(got[name] / scale, expected[name] / scale, rtol=1e-5, atol=1e-6, msg=name)
+    model.to(torch.bfloat16)
+    for batch in batches:
+        loss(model, batch)[0].backward()
+    got = gradients(model)
+    embedding = "transformer.wte.weight" if family == "gpt2" else "model.embed_tokens.weight"
+    assert got[embedding].dtype == torch.bfloat16
+    for name in expected:
+        scale = expected[name].abs().max()
+        torch.testing.assert_close(got[name].float() / scale, expected[name] / scale, rtol=2e-2, atol=2e-2, msg=name)
+
+
+def test_the_fused_lookups_padding_row_gets_nothing_from_the_lookup():
+    """`_TiedLookup` returns the head's gradient plus what nn.Embedding's backward gives: nothing for padding_idx."""
+    torch.manual_seed(0)
+    embedding = nn.Embedding(10, 4, padding_idx=3)
+    ids = torch.tensor([[3, 1, 3, 5], [1, 3, 9, 3]])
+    upstream = torch.randn(2, 4, 4)
+    (embedding(ids) * upstream).sum().backward()
+    expected = embedding.weight.grad
+    assert expected[3].abs().max() == 0 and expected[1].abs().max() > 0
+    head = torch.randn(10, 4)
+    for head_gradient in (None, head):
+        tied = lm_loss._TiedGradient()
+        tied.gradient = head_gradient.clone() if head_gradient is not None else None
+        weight = embedding.weight.detach().clone().requires_grad_()
+        (lm_loss._TiedLookup.apply(ids, weight, 3, tied) * upstream).sum().backward()
+        torch.testing.assert_close(weight.grad, expected + (head if head_gradient is not None else 0))
+        assert tied.consumed and tied.gradient is None  # handed over: AccumulateGrad holds the only reference
+        if head_gradient is not None:
+            assert torch.equal(weight.grad[3], head[3])  # the head's part of the padding row, untouched
 
 
 def test_the_head_never_sees_unscored_positions_and_shift_labels_are_taken_as_they_are():
@@ -111,19 +178,24 @@ def test_the_head_never_sees_unscored_positions_and_shift_labels_are_taken_as_th
     torch.testing.assert_close(got, own, rtol=1e-5, atol=1e-6)
 
 
-def loop_weights(chunked_ce: str, family: str, windows: int = 2) -> tuple[nn.Module, Loop]:
+def loop_weights(chunked_ce: str, family: str, windows: int = 2, lr: float = 1.0, **fields) -> tuple[nn.Module, Loop]:
     model = make_lm(family)
     micro_batches = [make_batch(rows=4, seed=seed) for seed in range(4 * windows)]
-    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=1.0), micro_batches,
-                config=quiet_config(accum_steps=4, max_grad_norm=None, chunked_ce=chunked_ce, ce_chunk_tokens=7))
+    fields = {"accum_steps": 4, **fields}
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=lr), micro_batches,
+                config=quiet_config(max_grad_norm=None, chunked_ce=chunked_ce, ce_chunk_tokens=7, **fields))
     loop.fit()
     return model, loop
 
 
+@pytest.mark.parametrize("fields", [{}, {"accum_steps": 1, "optimizer_in_backward": True,
+                                         "gradient_checkpointing": True, "windows": 1, "lr": 0.1}],
+                         ids=["accumulated", "fused-step"])
 @pytest.mark.parametrize("family", ["qwen2-tied"])  # GPT-2 through the Loop: tests/test_causal_lm.py
-def test_the_loop_with_chunked_ce_equals_the_loop_without(family):
-    chunked, loop = loop_weights("on", family)
-    plain, plain_loop = loop_weights("off", family)
+def test_the_loop_with_chunked_ce_equals_the_loop_without(family, fields, lookups):
+    chunked, loop = loop_weights("on", family, **fields)
+    assert lookups  # the tied embedding's one gradient: stepped in backward by the fused step
+    plain, plain_loop = loop_weights("off", family, **fields)
     assert loop._lm_loss is not None and plain_loop._lm_loss is None
     moved = max((a - b).abs().max().item() for a, b in zip(plain.state_dict().values(),
                                                             make_lm(family).state_dict().values()))
@@ -224,6 +296,27 @@ def test_the_training_steps_peak_drops_by_at_least_the_fp32_logits():
     assert plain - chunked >= logits_bytes
 
 
+def test_the_tied_embeddings_one_gradient_drops_the_backward_peak(monkeypatch):
+    """A tiny-body tied Qwen2 with a large vocabulary, small chunks: without the fused lookup the backward holds
+    the head's [V, H] gradient, the lookup's and their sum; with it one."""
+    vocab, hidden = 16384, 64
+    batch = {"input_ids": torch.randint(3, vocab, (1, 128), generator=torch.Generator().manual_seed(0))}
+    batch["labels"] = batch["input_ids"].clone()
+    peaks = {}
+    for fused in (False, True):
+        monkeypatch.setattr(lm_loss.ChunkedLMLoss, "fuse_tied_gradient", fused)
+        model = make_lm("qwen2-tied", vocab=vocab, hidden=hidden)
+        loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), [batch],
+                    config=quiet_config(track_memory=True, ce_chunk_tokens=4))
+        summary = loop.fit()
+        assert summary["memory_breakdown"]["peak_phase"] == "backward"
+        peaks[fused] = summary["peak_memory_bytes"]
+    gradient_bytes = vocab * hidden * 4  # 4 MiB
+    print(f"peak: unfused {peaks[False] / 2**20:.2f} MiB, fused {peaks[True] / 2**20:.2f} MiB, "
+          f"drop {(peaks[False] - peaks[True]) / gradient_bytes:.2f} x [V, H] fp32")
+    assert peaks[False] - peaks[True] >= gradient_bytes
+
+
 def test_through_a_wrapper_the_models_own_forward_runs_with_its_head_standing_aside():
     # What DDP needs (the wrapper must run the forward to sync gradients); tests/test_causal_lm.py's
     # test_ddp_counts_every_ranks_shifted_labels runs it under torchrun against the full-batch loop.
@@ -243,6 +336,7 @@ def test_through_a_wrapper_the_models_own_forward_runs_with_its_head_standing_as
     wrapped, _ = loss(Wrapper(model), batch)
     wrapped.backward()
     assert "forward" not in vars(model.lm_head)  # the head is itself again
+    assert "forward" not in vars(model.get_input_embeddings())  # and the embedding
     torch.testing.assert_close(wrapped, direct, rtol=1e-6, atol=1e-6)
     for name, grad in gradients(model).items():
         torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from looptrain.optim.bf16 import step_in_fp32_
+from looptrain.optim.bf16 import fp32_norm, step_in_fp32_
 from looptrain.optim.per_parameter import PerParameterOptimizer
 
 CLIP_MODES = ("per_parameter", "previous_global")
@@ -124,7 +124,7 @@ class OptimizerInBackward(PerParameterOptimizer):
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._square_sum = torch.zeros((), dtype=torch.float32, device=parameter.device)
         gradient = parameter.grad
-        parameter_norm = torch.linalg.vector_norm(gradient, 2, dtype=torch.float32)
+        parameter_norm = fp32_norm(gradient)  # a large bf16 gradient's fp32 copy by chunks of rows
         self._square_sum = self._square_sum + parameter_norm.to(self._square_sum.device) ** 2
         if not self._is_finite(parameter_norm):  # never write a non-finite update into the weights
             parameter.grad = None
