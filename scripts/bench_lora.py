@@ -145,7 +145,7 @@ def worker_trainer(spec: dict) -> dict:
         train_seconds = time.perf_counter() - train_started
         trainer.save_model(os.path.join(output_dir, "final"))
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-        optimizer = f"optim={arguments.optim}"
+        optimizer = f"optim={getattr(arguments.optim, 'value', arguments.optim)}"
         steps = trainer.state.global_step
     return {"seconds": time.perf_counter() - started, "train_seconds": train_seconds,
             "peak_rss_delta": proc_status_bytes("VmHWM") - baseline, "first_loss": losses[0],
