@@ -161,8 +161,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                           "batch_size": arguments.batch_size, "seq_len": arguments.seq_len,
                           "flags": strategy.flags(), "cpu": cpu_description()}, indent=2))
         return 0
-    print(f"{source}: {parameters / 1e6:.1f}M parameters ({trainable / 1e6:.2f}M trainable), batch "
-          f"{arguments.batch_size}, seq {arguments.seq_len}; meter: {ESTIMATE_METER} (GiB)\n")
+    trained = f" ({trainable / 1e6:.2f}M trainable)" if trainable != parameters else ""
+    print(f"{source}: {parameters / 1e6:.1f}M parameters{trained}, batch {arguments.batch_size}, seq "
+          f"{arguments.seq_len}; meter: {ESTIMATE_METER} (GiB)\n")
     print(_table(rows))
     notes = sorted({note for _, result in rows for note in result["notes"]})
     for note in notes:
