@@ -207,13 +207,17 @@ def quantize_blocks_4bit(model: nn.Module, names: Iterable[str] | None = None,
             layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
                                       compute_dtype=compute_dtype, compress_statistics=True, quant_type=QUANT_TYPE,
                                       device="meta")
-            weight = child.weight.detach().to(compute_dtype)
-            try:
-                layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, compress_statistics=True,
-                                                 quant_type=QUANT_TYPE)._quantize(weight.device)
-            except (RuntimeError, NotImplementedError) as error:
-                raise ConfigError(f"this bitsandbytes cannot store weights in 4 bits on {weight.device} ({error}); "
-                                  "train LoRA without --qlora (the frozen base in bf16: --weights bf16)") from error
+            weight = child.weight.detach()
+            if _is_fake(weight):  # the estimator's model: bitsandbytes' storage on fake tensors, nothing quantized
+                layer.weight = _fake_params4bit(weight, compute_dtype)
+            else:
+                weight = weight.to(compute_dtype)
+                try:
+                    layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, compress_statistics=True,
+                                                     quant_type=QUANT_TYPE)._quantize(weight.device)
+                except (RuntimeError, NotImplementedError) as error:
+                    raise ConfigError(f"this bitsandbytes cannot store weights in 4 bits on {weight.device} ({error}); "
+                                      "train LoRA without --qlora (the frozen base in bf16: --weights bf16)") from error
             # bitsandbytes repacks the weights for AVX-512 BF16 CPUs on the first no-grad eval forward (in place,
             # scales de-nested: more memory, and a layout only some CPUs get): every CPU keeps the training layout.
             layer.support_avx512bf16_for_cpu = False
@@ -222,6 +226,70 @@ def quantize_blocks_4bit(model: nn.Module, names: Iterable[str] | None = None,
             setattr(parent, attribute, layer)
             replaced += 1
     return replaced
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(tensor)
+
+
+_QUANT_BLOCK_2 = 256  # double quantization: the 8-bit absmaxes are scaled by one fp32 absmax per 256 of them
+
+
+def _quantized_4bit_bytes(shape: Iterable[int]) -> int:
+    """Bytes bitsandbytes stores for one weight of `shape` in NF4 with double quantization (`quantize_blocks_4bit`).
+
+    The packed weight (two 4-bit values per uint8), one uint8 absmax per 64-weight block, the second level's fp32
+    absmax per 256 blocks and its fp32 offset, and the two code tables each layer holds (16 and 256 fp32 values).
+    """
+    numel = 1
+    for size in shape:
+        numel *= int(size)
+    blocks = -(-numel // QUANT_BLOCK)
+    return (numel + 1) // 2 + blocks + 4 * -(-blocks // _QUANT_BLOCK_2) + 4 + 4 * (16 + 256)
+
+
+def _fake_params4bit(weight: torch.Tensor, compute_dtype: torch.dtype) -> nn.Parameter:
+    """The estimator's stand-in for ``Params4bit(weight)._quantize()``: fake tensors of bitsandbytes' sizes.
+
+    bitsandbytes cannot wrap a fake tensor (``Params4bit`` is a tensor subclass), so the weight is a plain frozen
+    ``nn.Parameter`` holding the packed uint8 storage, with the attributes and the `QuantState` (8-bit absmax, fp32
+    offset, the second level's fp32 absmax, both code tables) that ``Linear4bit.forward`` and
+    ``bnb.matmul_4bit`` read: the forward, the saved tensors and the backward's dequantization then run through
+    bitsandbytes' own code and its fake kernels, as they do for real.
+    """
+    from bitsandbytes.functional import QuantState
+
+    numel = weight.numel()
+    blocks = -(-numel // QUANT_BLOCK)
+    with weight.fake_mode:
+        packed = torch.empty(((numel + 1) // 2, 1), dtype=torch.uint8, device=weight.device)
+        absmax = torch.empty(blocks, dtype=torch.uint8, device=weight.device)
+        offset = torch.empty((), dtype=torch.float32, device=weight.device)
+        absmax_2 = torch.empty(-(-blocks // _QUANT_BLOCK_2), dtype=torch.float32, device=weight.device)
+        code = torch.empty(16, dtype=torch.float32, device=weight.device)
+        code_2 = torch.empty(256, dtype=torch.float32, device=weight.device)
+    state_2 = QuantState(absmax=absmax_2, code=code_2, blocksize=_QUANT_BLOCK_2, dtype=torch.float32)
+    state = QuantState(absmax=absmax, shape=weight.shape, dtype=compute_dtype, blocksize=QUANT_BLOCK, code=code,
+                       quant_type=QUANT_TYPE, offset=offset, state2=state_2)
+    parameter = nn.Parameter(packed, requires_grad=False)
+    parameter.quant_state = state
+    parameter.blocksize, parameter.compress_statistics, parameter.quant_type = QUANT_BLOCK, True, QUANT_TYPE
+    parameter.quant_storage, parameter.bnb_quantized = torch.uint8, True
+    return parameter
+
+
+def _quant_state_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors of the 4-bit weights' quantization states (absmax, offset, code tables): part of the stored
+    base, though neither parameters nor buffers."""
+    tensors = []
+    for parameter in model.parameters():
+        state = getattr(parameter, "quant_state", None)
+        while state is not None:
+            tensors += [value for value in (state.absmax, state.code, state.offset) if isinstance(value, torch.Tensor)]
+            state = state.state2
+    return tensors
 
 
 def _device_of(model: nn.Module) -> torch.device:

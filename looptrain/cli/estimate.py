@@ -5,6 +5,8 @@ r"""The estimator's command line (`looptrain.planning.estimate`): `python -m loo
     python -m looptrain.memory --preset bert-large --weights bf16 --optim adafactor --optim-in-backward \
         --grad-checkpoint
     python -m looptrain.memory --model DIR --seq-len 2048 --batch-size 1 --lowest --json
+    python -m looptrain.memory --preset qwen2.5-1.5b --seq-len 512 --batch-size 1 --lora 16 --qlora --grad-checkpoint \
+        --json
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ def _table(rows: list[tuple[str, dict[str, Any]]],
     return "\n".join(lines)
 
 
+def bytes_per_parameter(result: dict[str, Any]) -> float:
+    """An estimate's peak over the model's parameters (all of them, trained or frozen): 16 for fp32 AdamW's
+    weights, grads and two moments before any activation; LoRA and QLoRA go below it."""
+    return round(result["peak_memory_bytes"] / max(result["parameters"], 1), 2)
+
+
 def batching_only() -> tuple[str, ...]:
     """Levers of how batches are formed: the estimate prices one batch_size x seq_len shape, so they get no flag."""
     return tuple(spec.name for spec in strategies.levers(strategies.Strategy, applied_by="batches")
@@ -63,7 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cpu-kind", choices=("this", "native-bf16", "no-bf16"), default="this",
                         help="with --lowest: plan bf16 for this CPU (bf16 tried where it is native), or for a CPU "
                              "with / without native bf16")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON (with --lowest)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the result as JSON: the estimate (parameters, trainable parameters, bytes per "
+                             "parameter, breakdown) or --lowest's search")
     parser.add_argument("--max-grad-norm", type=float, default=1.0,
                         help="the Loop's clipping threshold (clipping temporaries)")
     # Every lever of looptrain.Strategy the estimator prices, from its field metadata (as in looptrain-finetune).
@@ -119,8 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     full fine-tune with the lowest estimate (``--json``: as JSON)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     arguments = _parse_arguments(argv)
-    if arguments.json and not arguments.lowest:
-        print("error: --json prints --lowest's result: add --lowest", file=sys.stderr)
+    if arguments.json and arguments.ladder:
+        print("error: --json prints one estimate or --lowest's result, not --ladder's table", file=sys.stderr)
         return 2
     try:
         if arguments.preset:
@@ -144,9 +154,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, PlanError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    parameters = rows[0][1]["parameters"]
-    print(f"{source}: {parameters / 1e6:.1f}M parameters, batch {arguments.batch_size}, seq {arguments.seq_len}; "
-          f"meter: {ESTIMATE_METER} (GiB)\n")
+    result = rows[0][1]
+    parameters, trainable = result["parameters"], result["trainable_parameters"]
+    if arguments.json:
+        print(json.dumps({**result, "bytes_per_parameter": bytes_per_parameter(result), "source": source,
+                          "batch_size": arguments.batch_size, "seq_len": arguments.seq_len,
+                          "flags": strategy.flags(), "cpu": cpu_description()}, indent=2))
+        return 0
+    trained = f" ({trainable / 1e6:.2f}M trainable)" if trainable != parameters else ""
+    print(f"{source}: {parameters / 1e6:.1f}M parameters{trained}, batch {arguments.batch_size}, seq "
+          f"{arguments.seq_len}; meter: {ESTIMATE_METER} (GiB)\n")
     print(_table(rows))
     notes = sorted({note for _, result in rows for note in result["notes"]})
     for note in notes:

@@ -17,6 +17,7 @@ It sits above the Loop, as the planner does; leaf modules never import it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from looptrain import state
 from looptrain import strategy as strategies
@@ -127,6 +129,22 @@ def _fake_model(model_or_config: Any, num_labels: int, fake_mode) -> nn.Module:
         return auto_class.from_config(config)
 
 
+def _fake_tensors(model: nn.Module, fake_mode) -> None:
+    """Replaces the real parameters and buffers of `model` (peft's adapters on a fake base) by fakes, in place;
+    a tensor shared by several modules stays one."""
+    replaced: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table, as_parameter in ((module._parameters, True), (module._buffers, False)):
+            for name, tensor in table.items():
+                if tensor is None or is_fake(tensor):
+                    continue
+                if id(tensor) not in replaced:
+                    fake = fake_mode.from_tensor(tensor.detach())
+                    replaced[id(tensor)] = nn.Parameter(fake, requires_grad=tensor.requires_grad) if as_parameter \
+                        else fake
+                table[name] = replaced[id(tensor)]
+
+
 def _vocab_size(model: nn.Module) -> int:
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "vocab_size", None):
@@ -189,6 +207,57 @@ def _on_fake_tensors(loop: Loop) -> None:
     loop.precision = FakePrecision(loop.device, loop.precision.name)
     if isinstance(loop.optimizer, OptimizerInBackward):
         loop.optimizer.__class__ = FakeOptimizerInBackward  # its hooks are already registered: same object, same state
+
+
+@contextlib.contextmanager
+def _whole_rows():
+    """A causal LM's rows are whole sequences, as in the real run: no packed-sequence mask on fake positions.
+
+    Without a KV cache (training with checkpointing) transformers looks for sequences packed into a row by reading
+    ``position_ids``; a fake tensor has no values to read, so it would build a ``[rows, 1, seq, seq]`` mask that
+    the real run (the model's own ``arange`` positions) never builds. The ops that look still run and are priced.
+    """
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    original = masking_utils.find_packed_sequence_indices
+
+    def find_packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor | None:
+        result = original(position_ids)
+        return None if result is not None and is_fake(position_ids) else result
+
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+def _price_4bit_storage(tracker: Any, model: nn.Module) -> None:
+    """QLoRA: the 4-bit weights' quantization states count as parameters, and the forward's dequantized weight is
+    seen.
+
+    A quantization state (absmax, offset, code tables) is stored with its weight but is no parameter or buffer.
+    On the CPU, bitsandbytes' 4-bit forward (``gemm_4bit``) dequantizes the weight to the compute dtype inside one
+    op: a tracker on a real run never sees that transient (only RSS does); the estimate runs bitsandbytes' own
+    Python kernel of it (the dequantizations, then ``linear``) so that it does.
+    """
+    from looptrain.lora import _quant_state_tensors
+    from looptrain.memory.tracker import CATEGORY_PARAMS
+
+    states = _quant_state_tensors(model)
+    if tracker is None or not states:
+        return
+    tracker.track_all(states, CATEGORY_PARAMS)
+    try:
+        from bitsandbytes.backends.default.ops import _gemm_4bit_default_impl
+    except ImportError:  # another bitsandbytes: its fake kernel gives the output alone
+        pass
+    else:
+        tracker._kernel_of_op[torch.ops.bitsandbytes.gemm_4bit.default] = _gemm_4bit_default_impl
+    tracker.reset_peak()
 
 
 def as_strategy(strategy: Strategy | None, levers: dict) -> Strategy:
@@ -305,6 +374,11 @@ def estimate_windows(
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         model = _fake_model(model_or_config, num_labels, fake_mode)
+        # LoRA's adapters are built by peft outside the fake mode (its device moves cannot swap fakes), then made
+        # fakes like the base they wrap: a real adapter is copied into a fake at every use (counted twice).
+        # QLoRA's 4-bit storage is fake from the start (`quantize_blocks_4bit` on a fake weight).
+        model = strategy.wrap_model(model)
+        _fake_tensors(model, fake_mode)
         # Built outside the fake mode: optimizers' constant tables (bitsandbytes' quantisation maps) are real.
         loop = _strategy_loop(model, strategy, max_grad_norm)
         model = loop.model  # LoRA: the adapters' PeftModel
@@ -320,11 +394,14 @@ def estimate_windows(
                                                                       token_labels=token_labels,
                                                                       padded=padded and rows > 1)
             loop.meter.start(loop.model, loop.optimizer)
-            try:
-                for window in windows:
-                    loop.run_update([batches[position, rows, width] for position, (rows, width) in enumerate(window)])
-            finally:
-                loop.meter.stop()
+            _price_4bit_storage(loop.meter.tracker, model)
+            with _whole_rows():
+                try:
+                    for window in windows:
+                        loop.run_update([batches[position, rows, width]
+                                         for position, (rows, width) in enumerate(window)])
+                finally:
+                    loop.meter.stop()
             summary = loop.meter.summary()
     finally:
         state.restore_rng_state(rng_states)
@@ -334,11 +411,17 @@ def estimate_windows(
         "memory_meter": ESTIMATE_METER,
         "memory_breakdown": summary["memory_breakdown"],
         "phase_peak_bytes": summary["phase_peak_bytes"],
-        "parameters": sum(p.numel() for p in parameters),
+        "parameters": sum(_numel(p) for p in parameters),
         "trainable_parameters": sum(p.numel() for p in parameters if p.requires_grad),
         "notes": [],
         "estimate_seconds": round(time.perf_counter() - started, 3),
     }
+
+
+def _numel(parameter: torch.Tensor) -> int:
+    """A parameter's elements; a 4-bit weight's are those of the weight it stores (two per uint8 of storage)."""
+    state = getattr(parameter, "quant_state", None)
+    return int(torch.Size(state.shape).numel()) if state is not None and state.shape is not None else parameter.numel()
 
 
 def bounding_windows(windows: Sequence[Sequence[tuple[int, int]]], *,

@@ -1,0 +1,101 @@
+"""The estimator on LoRA and QLoRA (peft, bitsandbytes 4-bit): against the tracker on real steps, and in bytes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from looptrain import planning
+from looptrain.cli.estimate import main as estimate_main
+from looptrain.lora import _quantized_4bit_bytes, apply_lora, default_targets
+
+pytest.importorskip("peft")
+pytest.importorskip("bitsandbytes")
+
+# The estimator drives the Loop's own update on fake tensors (QLoRA's 4-bit storage included): within 0.1% here.
+TOLERANCE = 0.01
+RANK = 4
+
+
+def qwen2_config(hidden: int = 64):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=0)
+
+
+def causal_lm(hidden: int = 64):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(qwen2_config(hidden))
+
+
+MIXES = {
+    "lora + checkpointing": {"lora_rank": RANK, "gradient_checkpointing": True},
+    "qlora": {"lora_rank": RANK, "qlora": True},
+    "qlora + checkpointing": {"lora_rank": RANK, "qlora": True, "gradient_checkpointing": True},
+}  # bf16 autocast is within 0.1% too; its first real 4-bit step compiles bitsandbytes' CPU kernels (seconds)
+
+
+@pytest.mark.parametrize("mix", MIXES)
+def test_estimate_matches_the_tracker_on_a_real_lora_step(mix):
+    estimated = planning.estimate(causal_lm(), 2, 16, **MIXES[mix])
+    measured = planning.measure(causal_lm(), 2, 16, **MIXES[mix])
+    assert measured["memory_meter"] == "cpu_tensor_tracker" and measured["optimizer_steps"] == 2
+    error = abs(estimated["peak_memory_bytes"] - measured["peak_memory_bytes"]) / measured["peak_memory_bytes"]
+    assert error <= TOLERANCE, (mix, estimated["peak_memory_bytes"], measured["peak_memory_bytes"])
+
+
+def test_lora_is_below_the_full_fine_tune_and_qlora_below_lora():
+    # fp32 AdamW: 16 B per trained parameter before activations; LoRA trains 2% of them, QLoRA stores the frozen
+    # block weights in ~0.5 B. A short sequence, where activations do not dominate.
+    full = planning.estimate(qwen2_config(128), 1, 16)
+    lora = planning.estimate(qwen2_config(128), 1, 16, lora_rank=RANK)
+    qlora = planning.estimate(qwen2_config(128), 1, 16, lora_rank=RANK, qlora=True)
+    assert qlora["peak_memory_bytes"] < lora["peak_memory_bytes"] < 0.5 * full["peak_memory_bytes"]
+    assert lora["memory_breakdown"]["grads"] + lora["memory_breakdown"]["optimizer_state"] < \
+        0.1 * (full["memory_breakdown"]["grads"] + full["memory_breakdown"]["optimizer_state"])
+    assert full["parameters"] < lora["parameters"] == qlora["parameters"]  # the adapters are parameters too
+
+
+def test_qlora_params_are_the_4bit_storage_in_bytes():
+    model = causal_lm()
+    quantized = set(default_targets(model))
+    modules = dict(model.named_modules())
+    expected = 0
+    for name, parameter in model.named_parameters():
+        module_name, _, kind = name.rpartition(".")
+        if module_name in quantized and kind == "weight":
+            expected += _quantized_4bit_bytes(parameter.shape)  # packed NF4, absmaxes, offset, code tables
+        else:
+            expected += parameter.numel() * 4  # embedding, norms, biases: fp32 as they were
+    expected += sum(buffer.numel() * buffer.element_size() for buffer in model.buffers())
+    for name in quantized:  # rank-r adapters in fp32: A is r x in, B is out x r
+        expected += 4 * RANK * (modules[name].in_features + modules[name].out_features)
+    estimated = planning.estimate(qwen2_config(), 2, 32, lora_rank=RANK, qlora=True)
+    assert estimated["memory_breakdown"]["params"] == expected
+    # The same bytes bitsandbytes holds for a real layer; the same trained and total parameters as the real model.
+    real = apply_lora(causal_lm(), RANK, qlora=True, compute_dtype=torch.float32)
+    assert estimated["trainable_parameters"] == sum(p.numel() for p in real.parameters() if p.requires_grad)
+    assert estimated["parameters"] == sum(p.numel() for p in model.parameters()) + sum(
+        p.numel() for p in real.parameters() if p.requires_grad)  # 4-bit weights count as the weights they store
+    weight = real.base_model.model.model.layers[0].mlp.down_proj.base_layer.weight
+    state = weight.quant_state
+    held = [weight, state.absmax, state.code, state.offset, state.state2.absmax, state.state2.code]
+    assert sum(t.untyped_storage().nbytes() for t in held) == _quantized_4bit_bytes(state.shape)
+
+
+def test_the_command_line_answers_lora_from_a_config_as_json(tmp_path, capsys):
+    model_dir = tmp_path / "qwen2"
+    qwen2_config().save_pretrained(model_dir)
+    assert estimate_main(["--model", str(model_dir), "--lora", "16", "--qlora", "--grad-checkpoint", "--seq-len",
+                          "32", "--batch-size", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["memory_meter"] == "estimate_fake_tensor_tracker"
+    assert 0 < result["trainable_parameters"] < result["parameters"]
+    assert result["bytes_per_parameter"] == round(result["peak_memory_bytes"] / result["parameters"], 2)
+    assert result["flags"][-3:] == ["--grad-checkpoint", "--lora", "16", "--qlora"][-3:]
+    assert set(result["memory_breakdown"]) >= {"params", "grads", "optimizer_state", "activations_and_temps"}
