@@ -171,7 +171,9 @@ def merge_lora(base: nn.Module, adapter_dir: str | Path, directory: str | Path |
 
 def default_compute_dtype(device: torch.device | str = "cpu") -> torch.dtype:
     """bf16 where the device computes it natively (CUDA with bf16, a CPU with AVX-512 BF16 or AMX), else fp32."""
-    device = torch.device(device)
+    from looptrain.precision import resolve_device
+
+    device = resolve_device(device) if isinstance(device, str) else torch.device(device)
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
     return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32

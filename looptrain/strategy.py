@@ -232,8 +232,13 @@ class Strategy(LoopLevers):
             compute_dtype = lora.default_compute_dtype(device)
         elif self.qlora:
             compute_dtype = torch.bfloat16 if "bf16" in (self.precision, self.weights) else torch.float32
-        return lora.apply_lora(model, self.lora_rank, alpha=self.lora_alpha or None, dropout=self.lora_dropout,
-                               targets=self.lora_targets or None, qlora=self.qlora, compute_dtype=compute_dtype)
+        wrapped = lora.apply_lora(model, self.lora_rank, alpha=self.lora_alpha or None, dropout=self.lora_dropout,
+                                  targets=self.lora_targets or None, qlora=self.qlora, compute_dtype=compute_dtype)
+        if self.weights == "bf16":  # peft keeps adapters in fp32 over a bf16 base: bf16 weights are all bf16
+            from looptrain.optim.bf16 import cast_to_bf16
+
+            cast_to_bf16(wrapped)
+        return wrapped
 
     def build_optimizer(self, model: Any, lr: float, **options: Any) -> Any:
         """The ``optimizer`` levers: `looptrain.optim.build_optimizer` of this strategy's optimizer."""

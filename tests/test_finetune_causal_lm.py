@@ -384,3 +384,16 @@ def test_an_encoder_is_refused_as_a_causal_lm(model_dir, tmp_path, capsys):
     data = write_jsonl(tmp_path / "data.jsonl", text_rows(4))
     assert run(model_dir, data, tmp_path / "out") == 2
     assert "is an encoder (bert, BertModel)" in capsys.readouterr().err
+
+
+def test_a_bf16_checkpoint_is_loaded_in_the_dtype_the_run_stores_its_weights_in(tmp_path):
+    """transformers keeps a checkpoint's own dtype: a bf16 one trained with fp32 AdamW would round its updates away."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory = save_tiny_llama(tmp_path / "bf16-llama")
+    AutoModelForCausalLM.from_pretrained(directory).to(torch.bfloat16).save_pretrained(directory)
+    config = AutoConfig.from_pretrained(directory)
+    for flags, dtype in (([], torch.float32), (["--weights", "bf16"], torch.bfloat16)):
+        args = finetune.build_parser().parse_args(["--model", str(directory), "--data", "x", *flags])
+        model = finetune.load_weights(AutoModelForCausalLM, str(directory), config, args)
+        assert {parameter.dtype for parameter in model.parameters()} == {dtype}, flags

@@ -263,3 +263,11 @@ def test_checkpointed_lora_equals_plain_lora_without_input_require_grads():
     assert not any(getattr(module, "_require_grads_hook", None) for module in checkpointed.modules())
     expected, got = trainable(plain), trainable(checkpointed)
     assert max((expected[name] - got[name]).abs().max().item() for name in expected) < 1e-6
+
+
+def test_bf16_weights_store_the_adapters_in_bf16_over_a_base_loaded_in_bf16():
+    """peft keeps adapters in fp32 over a bf16 base; --weights bf16 means every weight in bf16 (the estimate's)."""
+    model = Strategy(lora_rank=4, weights="bf16").wrap_model(tiny_qwen().to(torch.bfloat16))
+    assert {parameter.dtype for parameter in model.parameters() if parameter.is_floating_point()} == {torch.bfloat16}
+    fp32 = Strategy(lora_rank=4).wrap_model(tiny_qwen().to(torch.bfloat16))
+    assert {parameter.dtype for parameter in fp32.parameters() if parameter.requires_grad} == {torch.float32}

@@ -704,9 +704,11 @@ def check_decoder(model_path: str, config) -> None:
 
 
 def load_weights(auto_class, model_path: str, config, args, **options):
-    """`auto_class.from_pretrained`, quietly; a UsageError naming the weight files when they cannot be read."""
+    """`auto_class.from_pretrained`, quietly, in the dtype the run stores its weights in (`storage_dtype`); a
+    UsageError naming the weight files when they cannot be read."""
     from transformers.utils import logging as hf_logging
 
+    options.setdefault("dtype", storage_dtype(args))
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the "newly initialized classifier" notice is expected here
     try:
@@ -727,6 +729,23 @@ def load_weights(auto_class, model_path: str, config, args, **options):
                          f"{detail}; the file may be truncated or corrupt: copy or save the model again") from error
     finally:
         hf_logging.set_verbosity(verbosity)
+
+
+def storage_dtype(args):
+    """The dtype the run keeps its weights in, which the checkpoint is loaded in (transformers would otherwise keep
+    the checkpoint's own: a bf16 checkpoint trained with plain fp32 AdamW would lose its updates to rounding): bf16
+    with --weights bf16, or --qlora computing in bf16 (the base is quantized from it); fp32 otherwise."""
+    import torch
+
+    from looptrain.lora import default_compute_dtype
+
+    if args.weights == "bf16":
+        return torch.bfloat16
+    if getattr(args, "qlora", False):
+        bf16 = args.precision == "bf16" or (args.precision == "auto" and default_compute_dtype(args.device)
+                                            == torch.bfloat16)
+        return torch.bfloat16 if bf16 else torch.float32
+    return torch.float32
 
 
 def build_scheduler(optimizer, args, total_steps: int):
@@ -1060,7 +1079,9 @@ def write_merged(args, model_path: str, inputs: Inputs, final_dir: Path, print) 
     merged_dir = final_dir / "merged"
     auto_class = AutoModelForCausalLM if inputs.task == "causal-lm" else AutoModelForSequenceClassification
     config = inputs.model.get_base_model().config  # the trained run's: labels, pad token
-    base = load_weights(auto_class, model_path, config, args)
+    import torch
+
+    base = load_weights(auto_class, model_path, config, args, dtype=torch.float32)
     with quiet_peft():
         merge_lora(base, final_dir, merged_dir)
     inputs.tokenizer.save_pretrained(merged_dir)
