@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from looptrain.errors import ConfigError
 from looptrain.freeze import find_transformer_blocks
-from looptrain.strategy import ConfigError
 
 QUANT_TYPE = "nf4"
 QUANT_BLOCK = 64  # bitsandbytes' 4-bit blocksize: one absmax per 64 weights

@@ -33,6 +33,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from looptrain.errors import ConfigError
 from looptrain.optim import OPTIMIZER_NAMES, optimizer_options_problem
 from looptrain.optim.bf16 import GRAD_DTYPES
 from looptrain.precision import PRECISIONS
@@ -42,10 +43,6 @@ CONFIG_PRECISIONS = (*PRECISIONS, "auto")
 WEIGHT_DTYPES = ("fp32", "bf16")
 PADDINGS = ("dynamic", "max_length")
 CHUNKED_CE_MODES = ("auto", "on", "off")
-
-
-class ConfigError(ValueError):
-    """An invalid `LoopConfig` or `Strategy` value or combination; the message names the fields."""
 
 
 def lever(default: Any, *, flag: str, help: str, applied_by: str = "loop", choices: tuple | None = None,
