@@ -1,5 +1,6 @@
 # The README's two commands. Each creates .venv and installs what it needs by itself.
-#   make test   lint, then run the test suite
+#   make test   lint, then run the test suite (all but the few `slow` planner tests: under 5 minutes on 2 cores)
+#   make test-all  lint, then every test (what .ci/run runs)
 #   make lint   ruff over the whole tree (tests and scripts included); the rule set is in pyproject.toml
 #   make demo   fine-tune the embedded model on the embedded data (a few minutes on 2 CPU cores)
 # GPU users: make test TORCH_SPEC='torch>=2.4' (keeps or installs a CUDA build instead of the CPU pin).
@@ -16,7 +17,7 @@ DEMO_ARGS ?= --amp --batch-size 8 --accum 4 --lr 1e-4 --group-by-length --max-tr
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: test lint demo install clean
+.PHONY: test test-all lint demo install clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +32,9 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 test: lint
+	$(PY) -m pytest -q -m "not slow"
+
+test-all: lint
 	$(PY) -m pytest -q
 
 demo: $(STAMP)

@@ -47,6 +47,7 @@ def test_sizes_parse_in_every_unit():
         parse_size("4")
 
 
+@pytest.mark.slow
 def test_every_candidate_keeps_the_effective_batch_and_fits(dataset, cpu_kind):
     train_set, collator = dataset
     model = make_tiny_bert(num_labels=2)
@@ -133,6 +134,7 @@ def test_when_nothing_fits_the_error_says_what_would(dataset):
         plan(model, train_set, collator, memory_budget=150_000, effective_batch=EFFECTIVE_BATCH, probe=False)
 
 
+@pytest.mark.slow
 def test_the_probe_is_bounded(dataset, cpu_kind):
     train_set, collator = dataset
     model = make_tiny_bert(num_labels=2)
@@ -235,6 +237,7 @@ def test_planner_flag_errors(model_dir, train_csv, tmp_path, capsys, flags, mess
     assert re.search(message, capsys.readouterr().err)
 
 
+@pytest.mark.slow
 def test_a_budget_of_process_rss_keeps_only_candidates_whose_probe_fits(dataset):
     from looptrain.planning import rss_baseline_bytes
 
@@ -252,6 +255,7 @@ def test_a_budget_of_process_rss_keeps_only_candidates_whose_probe_fits(dataset)
              rss_baseline=rss_baseline_bytes() - 2 * 2**30, probe_budget=0.0)
 
 
+@pytest.mark.slow
 def test_under_a_budget_of_process_rss_what_would_fit_counts_the_rss_besides_tensors(dataset):
     """When no split fits even by its tensors, the suggestions are judged by the same meter: a freeze that fits
     as tensors alone is not suggested when the process's other RSS (here 100 MiB above the baseline) sinks it."""
@@ -301,6 +305,7 @@ def bf16_weights_budget(dataset) -> int:
     return int(1.05 * (fp32_weights + bf16_weights) / 2)
 
 
+@pytest.mark.slow
 def test_bf16_weights_are_a_numerics_lever_and_probes_leave_the_fp32_weights_alone(dataset, bf16_weights_budget,
                                                                                    cpu_kind):
     """Under a budget that no fp32-weight mix fits, --amp lets the planner store the weights in bf16 on a CPU with
