@@ -88,22 +88,28 @@ def ladder(seq_len: int) -> None:
         print()
 
 
-def child(settings: dict, seq_len: int, updates: int, tracked: bool) -> None:
-    """One real run of `settings` on the 0.5B shape; prints its figures as JSON on the last line."""
+def measured_run(config, settings: dict, seq_len: int, updates: int, tracked: bool) -> dict:
+    """One real run of the strategy `settings` on a model built from `config` (random weights, in the strategy's
+    weight dtype as a checkpoint in that dtype loads, its model levers applied: freezing, LoRA), `updates` updates
+    of random token batches through `Loop.fit`: its figures (the tracker's peak when `tracked`, else the process's
+    peak RSS above the RSS after the model was built)."""
     import gc
 
     import torch
     from transformers import AutoModelForCausalLM
 
     from looptrain import Loop, LoopConfig, planning
+    from looptrain.lora import _quant_state_tensors
     from looptrain.memory.meters import current_rss_bytes, proc_status_bytes, reset_peak_rss
+    from looptrain.memory.tracker import tensor_bytes
     from looptrain.strategy import Strategy
 
     strategy = Strategy(**settings)
-    config = planning.preset_config("qwen2.5-0.5b")
     torch.manual_seed(0)
     dtype = torch.bfloat16 if strategy.weights == "bf16" else torch.float32  # as a checkpoint in that dtype loads
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    strategy.prepare_model(model)
+    model = strategy.wrap_model(model)
     generator = torch.Generator().manual_seed(0)
     batches = [planning.random_batch(strategy.batch_size, seq_len, config.vocab_size, 2, generator, token_labels=True)
                for _ in range(updates * strategy.accum_steps)]
@@ -111,6 +117,8 @@ def child(settings: dict, seq_len: int, updates: int, tracked: bool) -> None:
                 config=LoopConfig.from_strategy(strategy, device="cpu", track_memory=tracked, progress_bar=False,
                                                 eval_every="no", log_every=10**9))
     weights = sum(tensor.numel() * tensor.element_size() for tensor in model.parameters())
+    # The stored model: distinct storages of parameters, buffers and 4-bit quantization states (QLoRA).
+    stored = tensor_bytes(list(loop.model.parameters()) + list(loop.model.buffers()) + _quant_state_tensors(loop.model))
     gc.collect()
     start_rss = current_rss_bytes()
     reset_peak_rss()
@@ -118,11 +126,32 @@ def child(settings: dict, seq_len: int, updates: int, tracked: bool) -> None:
     summary = loop.fit()
     seconds = time.perf_counter() - started
     peak_rss = proc_status_bytes("VmHWM")
-    print(json.dumps({"tracked": tracked, "peak_memory_bytes": summary["peak_memory_bytes"],
-                      "memory_meter": summary["memory_meter"], "memory_breakdown": summary["memory_breakdown"],
-                      "rss_above_start_bytes": peak_rss - start_rss, "start_rss_bytes": start_rss,
-                      "weights_bytes": weights, "seconds": seconds, "optimizer_steps": summary["optimizer_steps"],
-                      "threads": torch.get_num_threads()}))
+    return {"tracked": tracked, "peak_memory_bytes": summary["peak_memory_bytes"],
+            "memory_meter": summary["memory_meter"], "memory_breakdown": summary["memory_breakdown"],
+            "rss_above_start_bytes": peak_rss - start_rss, "start_rss_bytes": start_rss, "weights_bytes": weights,
+            "stored_bytes": stored, "seconds": seconds, "optimizer_steps": summary["optimizer_steps"],
+            "threads": torch.get_num_threads()}
+
+
+def tracked_and_untracked(command: list[str]) -> dict[bool, dict]:
+    """`command` (a child that prints `measured_run`'s figures as JSON on its last line) run twice in fresh processes
+    with glibc told to give freed blocks back: with ``--tracked`` (key True) and without (key False)."""
+    runs = {}
+    for tracked in (True, False):
+        completed = subprocess.run(command + (["--tracked"] if tracked else []),
+                                   env={**os.environ, **MALLOC_ENVIRONMENT}, capture_output=True, text=True,
+                                   check=False)
+        if completed.returncode:
+            sys.exit(f"the {'tracked' if tracked else 'RSS'} run failed:\n{completed.stderr[-3000:]}")
+        runs[tracked] = json.loads(completed.stdout.strip().splitlines()[-1])
+    return runs
+
+
+def child(settings: dict, seq_len: int, updates: int, tracked: bool) -> None:
+    """One real run of `settings` on the 0.5B shape; prints its figures as JSON on the last line."""
+    from looptrain import planning
+
+    print(json.dumps(measured_run(planning.preset_config("qwen2.5-0.5b"), settings, seq_len, updates, tracked)))
 
 
 def measure(seq_len: int, updates: int, output: str | None) -> None:
@@ -133,15 +162,8 @@ def measure(seq_len: int, updates: int, output: str | None) -> None:
     search_seconds = time.perf_counter() - started
     estimated = found.estimate["peak_memory_bytes"]
     settings = dataclasses.asdict(found.settings)
-    runs = {}
-    for tracked in (True, False):
-        command = [sys.executable, __file__, "--child", json.dumps(settings), "--seq-len", str(seq_len),
-                   "--updates", str(updates)] + (["--tracked"] if tracked else [])
-        environment = {**os.environ, **MALLOC_ENVIRONMENT}
-        completed = subprocess.run(command, env=environment, capture_output=True, text=True, check=False)
-        if completed.returncode:
-            sys.exit(f"the {'tracked' if tracked else 'RSS'} run failed:\n{completed.stderr[-3000:]}")
-        runs[tracked] = json.loads(completed.stdout.strip().splitlines()[-1])
+    runs = tracked_and_untracked([sys.executable, __file__, "--child", json.dumps(settings), "--seq-len",
+                                  str(seq_len), "--updates", str(updates)])
     tracked, untracked = runs[True], runs[False]
     rss = untracked["rss_above_start_bytes"] + untracked["weights_bytes"]
     print(f"## qwen2.5-0.5b shape, random weights, the lowest full fine-tune at 1 x {seq_len}, {updates} updates "

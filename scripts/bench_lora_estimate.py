@@ -29,18 +29,15 @@ Benchmarks never run in the test suite.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import os
-import subprocess
 import sys
-import time
+from pathlib import Path
 from typing import Any
 
-GIB = 1024**3
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_causal_lm import GIB, SHAPES, cpu_line, measured_run, tracked_and_untracked
+
 MIB = 1024**2
-MALLOC_ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
-SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b")
 RANK = 16
 MEASURED = {  # what --measure runs: fp32 compute (bf16 would compile bitsandbytes' CPU kernels inside the run)
     "LoRA r16 + checkpointing": {"lora_rank": RANK, "gradient_checkpointing": True},
@@ -62,13 +59,6 @@ SMALL = {**TINY, "vocab_size": 32000, "hidden_size": 384, "intermediate_size": 1
          "num_attention_heads": 6, "num_key_value_heads": 2}
 
 
-def cpu_line() -> str:
-    import torch
-
-    return (f"CPU: {torch.backends.cpu.get_cpu_capability()}, native bf16 "
-            f"{torch.ops.mkldnn._is_mkldnn_bf16_supported()}, {torch.get_num_threads()} threads")
-
-
 def config_of(shape: str, **overrides: Any):
     from transformers import AutoConfig
 
@@ -83,62 +73,15 @@ def config_of(shape: str, **overrides: Any):
     return config
 
 
-def stored_bytes(model) -> int:
-    """Bytes of the stored model: distinct storages of parameters, buffers and 4-bit quantization states."""
-    from looptrain.lora import _quant_state_tensors
-    from looptrain.memory.tracker import tensor_bytes
-
-    return tensor_bytes(list(model.parameters()) + list(model.buffers()) + _quant_state_tensors(model))
-
-
 def child(settings: dict, shape: str, overrides: dict, seq_len: int, updates: int, tracked: bool) -> None:
-    """One real run of `settings`; prints its figures as JSON on the last line."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from looptrain import Loop, LoopConfig, planning
-    from looptrain.memory.meters import current_rss_bytes, proc_status_bytes, reset_peak_rss
-    from looptrain.strategy import Strategy
-
-    strategy = Strategy(**settings)
-    config = config_of(shape, **overrides)
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if strategy.weights == "bf16" else torch.float32  # as a checkpoint in that dtype loads
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    strategy.prepare_model(model)
-    model = strategy.wrap_model(model)
-    generator = torch.Generator().manual_seed(0)
-    batches = [planning.random_batch(strategy.batch_size, seq_len, config.vocab_size, 2, generator, token_labels=True)
-               for _ in range(updates * strategy.accum_steps)]
-    loop = Loop(model, strategy.build_optimizer(model, 1e-5), batches,
-                config=LoopConfig.from_strategy(strategy, device="cpu", track_memory=tracked, progress_bar=False,
-                                                eval_every="no", log_every=10**9))
-    stored = stored_bytes(loop.model)
-    gc.collect()
-    start_rss = current_rss_bytes()
-    reset_peak_rss()
-    started = time.perf_counter()
-    summary = loop.fit()
-    seconds = time.perf_counter() - started
-    peak_rss = proc_status_bytes("VmHWM")
-    print(json.dumps({"tracked": tracked, "peak_memory_bytes": summary["peak_memory_bytes"],
-                      "memory_breakdown": summary["memory_breakdown"], "rss_above_start_bytes": peak_rss - start_rss,
-                      "start_rss_bytes": start_rss, "stored_bytes": stored, "seconds": seconds,
-                      "optimizer_steps": summary["optimizer_steps"]}))
+    """One real run of `settings` (`bench_causal_lm.measured_run`); prints its figures as JSON on the last line."""
+    print(json.dumps(measured_run(config_of(shape, **overrides), settings, seq_len, updates, tracked)))
 
 
 def run_real(settings: dict, shape: str, overrides: dict, seq_len: int, updates: int) -> dict[bool, dict]:
-    runs = {}
-    for tracked in (True, False):
-        command = [sys.executable, __file__, "--child", json.dumps(settings), "--shape", shape, "--overrides",
-                   json.dumps(overrides), "--seq-len", str(seq_len), "--updates", str(updates)]
-        command += ["--tracked"] if tracked else []
-        completed = subprocess.run(command, env={**os.environ, **MALLOC_ENVIRONMENT}, capture_output=True, text=True,
-                                   check=False)
-        if completed.returncode:
-            sys.exit(f"the {'tracked' if tracked else 'RSS'} run failed:\n{completed.stderr[-3000:]}")
-        runs[tracked] = json.loads(completed.stdout.strip().splitlines()[-1])
-    return runs
+    return tracked_and_untracked([sys.executable, __file__, "--child", json.dumps(settings), "--shape", shape,
+                                  "--overrides", json.dumps(overrides), "--seq-len", str(seq_len), "--updates",
+                                  str(updates)])
 
 
 def measure(shape: str, seq_len: int, updates: int) -> None:
