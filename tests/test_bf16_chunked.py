@@ -96,21 +96,31 @@ def train_with(build, mode: str, stochastic_rounding: bool = True, steps: int = 
     return weights, wrapped.state_dict()["per_parameter"]
 
 
-def assert_bitwise_equal(expected, actual, where: str = "") -> None:
+def assert_trees(expected, actual, where: str, tensors_agree) -> None:
+    """`expected` and `actual` (tensors, dicts, lists, tuples, other values) have the same structure, keys and
+    values: tensors of one dtype and shape, then `tensors_agree(expected, actual, where)`; other values equal."""
     if isinstance(expected, torch.Tensor):
         assert expected.dtype == actual.dtype and expected.shape == actual.shape, where
-        assert torch.equal(expected.view(torch.uint8), actual.view(torch.uint8)) if expected.dim() else \
-            torch.equal(expected, actual), where  # bit patterns: -0.0 and NaN payloads count
+        tensors_agree(expected, actual, where)
     elif isinstance(expected, dict):
         assert list(expected) == list(actual), where
         for key in expected:
-            assert_bitwise_equal(expected[key], actual[key], f"{where}.{key}")
+            assert_trees(expected[key], actual[key], f"{where}.{key}", tensors_agree)
     elif isinstance(expected, (list, tuple)):
         assert len(expected) == len(actual), where
         for index, (left, right) in enumerate(zip(expected, actual)):
-            assert_bitwise_equal(left, right, f"{where}[{index}]")
+            assert_trees(left, right, f"{where}[{index}]", tensors_agree)
     else:
         assert expected == actual, where
+
+
+def _bitwise(expected, actual, where: str) -> None:
+    assert torch.equal(expected.view(torch.uint8), actual.view(torch.uint8)) if expected.dim() else \
+        torch.equal(expected, actual), where  # bit patterns: -0.0 and NaN payloads count
+
+
+def assert_bitwise_equal(expected, actual, where: str = "") -> None:
+    assert_trees(expected, actual, where, _bitwise)
 
 
 @pytest.fixture
@@ -271,30 +281,22 @@ def adafactor_chunk_calls(monkeypatch):
     return calls
 
 
+def _within_rounding_noise(expected, actual, where: str) -> None:
+    if expected.dtype == torch.bfloat16:
+        steps = (expected.view(torch.int16).int() - actual.view(torch.int16).int()).abs()
+        assert steps.max().item() <= 1, where
+        assert steps.count_nonzero().item() <= max(1, expected.numel() // 1000), where
+    elif expected.dtype == torch.float32:
+        rtol = NORM_RTOL if where.endswith((".RMS", ".exp_avg")) else STATE_RTOL
+        scale = expected.abs().max().item() if expected.numel() else 0.0
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol * scale, msg=where)
+    else:
+        assert torch.equal(expected, actual), where
+
+
 def assert_close_to_rounding_noise(expected, actual, where: str = "") -> None:
     """fp32 tensors within the tolerances above, bf16 ones at most one bf16 step apart, the rest equal."""
-    if isinstance(expected, torch.Tensor):
-        assert expected.dtype == actual.dtype and expected.shape == actual.shape, where
-        if expected.dtype == torch.bfloat16:
-            steps = (expected.view(torch.int16).int() - actual.view(torch.int16).int()).abs()
-            assert steps.max().item() <= 1, where
-            assert steps.count_nonzero().item() <= max(1, expected.numel() // 1000), where
-        elif expected.dtype == torch.float32:
-            rtol = NORM_RTOL if where.endswith((".RMS", ".exp_avg")) else STATE_RTOL
-            scale = expected.abs().max().item() if expected.numel() else 0.0
-            torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol * scale, msg=where)
-        else:
-            assert torch.equal(expected, actual), where
-    elif isinstance(expected, dict):
-        assert list(expected) == list(actual), where
-        for key in expected:
-            assert_close_to_rounding_noise(expected[key], actual[key], f"{where}.{key}")
-    elif isinstance(expected, (list, tuple)):
-        assert len(expected) == len(actual), where
-        for index, (left, right) in enumerate(zip(expected, actual)):
-            assert_close_to_rounding_noise(left, right, f"{where}[{index}]")
-    else:
-        assert expected == actual, where
+    assert_trees(expected, actual, where, _within_rounding_noise)
 
 
 @pytest.mark.parametrize("mode", MODES)
