@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from looptrain.batches import IGNORE_INDEX
 from looptrain.strategy import CHUNKED_CE_MODES, ConfigError
@@ -166,12 +167,6 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torc
     return _ChunkedCrossEntropy.apply(hidden, weight, bias, labels, chunk_tokens, dtype, tied)
 
 
-def _is_fake(tensor: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(tensor)
-
-
 class ChunkedLMLoss:
     """The Loop's default loss for a causal LM, with its head and cross-entropy chunked (`chunked_cross_entropy`).
 
@@ -256,7 +251,7 @@ class ChunkedLMLoss:
             hidden, labels = hidden[:, :-1], labels[:, 1:]
         labels = labels.to(hidden.device)
         scored = labels != IGNORE_INDEX
-        if _is_fake(labels):  # the estimator: no values to drop by; every position stays (-100 ones score 0)
+        if is_fake(labels):  # the estimator: no values to drop by; every position stays (-100 ones score 0)
             hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
         else:  # prompts and padding never reach the head
             hidden, labels = hidden[scored], labels[scored]
@@ -297,7 +292,7 @@ class ChunkedLMLoss:
     @torch.no_grad()
     def _check_head(self, inputs: dict) -> None:
         """Once: the model's own logits on one short row equal the head applied to the body's hidden states."""
-        if any(_is_fake(value) for value in inputs.values() if isinstance(value, torch.Tensor)):
+        if any(is_fake(value) for value in inputs.values() if isinstance(value, torch.Tensor)):
             return  # the estimator's fake tensors have no values to compare
         rows = next(value.shape[0] for value in inputs.values() if isinstance(value, torch.Tensor) and value.dim())
         probe = {key: _first_row(value, rows) for key, value in inputs.items()}

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from looptrain.errors import ConfigError
 from looptrain.freeze import find_transformer_blocks
@@ -210,7 +211,7 @@ def quantize_blocks_4bit(model: nn.Module, names: Iterable[str] | None = None,
                                       compute_dtype=compute_dtype, compress_statistics=True, quant_type=QUANT_TYPE,
                                       device="meta")
             weight = child.weight.detach()
-            if _is_fake(weight):  # the estimator's model: bitsandbytes' storage on fake tensors, nothing quantized
+            if is_fake(weight):  # the estimator's model: bitsandbytes' storage on fake tensors, nothing quantized
                 layer.weight = _fake_params4bit(weight, compute_dtype)
             else:
                 weight = weight.to(compute_dtype)
@@ -228,12 +229,6 @@ def quantize_blocks_4bit(model: nn.Module, names: Iterable[str] | None = None,
             setattr(parent, attribute, layer)
             replaced += 1
     return replaced
-
-
-def _is_fake(tensor: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(tensor)
 
 
 _QUANT_BLOCK_2 = 256  # double quantization: the 8-bit absmaxes are scaled by one fp32 absmax per 256 of them
@@ -305,11 +300,6 @@ def is_lora_model(model: Any) -> bool:
     except ImportError:
         return False
     return isinstance(model, PeftModel)
-
-
-def adapter_parameters(model: nn.Module) -> int:
-    """Elements of the trainable parameters (adapters and the trained head)."""
-    return sum(parameter.numel() for parameter in model.parameters() if parameter.requires_grad)
 
 
 __all__ = ["apply_lora", "block_linear_names", "default_compute_dtype", "default_targets", "is_lora_model",
