@@ -217,18 +217,11 @@ class Strategy(LoopLevers):
 
         Call it after `prepare_model`, before the optimizer is built (the optimizer takes the adapters).
         """
-        import torch
-
         from looptrain import lora
 
         if not self.lora_rank or lora.is_lora_model(model):  # a model wrapped already (the planner's copy) stays
             return model
-
-        compute_dtype = None  # QLoRA's 4-bit layers compute in the run's dtype
-        if self.qlora and self.precision == "auto":
-            compute_dtype = lora.default_compute_dtype(device)
-        elif self.qlora:
-            compute_dtype = torch.bfloat16 if "bf16" in (self.precision, self.weights) else torch.float32
+        compute_dtype = self.qlora_compute_dtype(device) if self.qlora else None
         wrapped = lora.apply_lora(model, self.lora_rank, alpha=self.lora_alpha or None, dropout=self.lora_dropout,
                                   targets=self.lora_targets or None, qlora=self.qlora, compute_dtype=compute_dtype)
         if self.weights == "bf16":  # peft keeps adapters in fp32 over a bf16 base: bf16 weights are all bf16
@@ -236,6 +229,17 @@ class Strategy(LoopLevers):
 
             cast_to_bf16(wrapped)
         return wrapped
+
+    def qlora_compute_dtype(self, device: Any = "cpu") -> Any:
+        """The dtype QLoRA's 4-bit layers compute in: bf16 under bf16 autocast or bf16 weights, with precision
+        ``auto`` what the device computes natively (`looptrain.lora.default_compute_dtype`), else fp32."""
+        import torch
+
+        from looptrain import lora
+
+        if self.precision == "auto":
+            return lora.default_compute_dtype(device)
+        return torch.bfloat16 if "bf16" in (self.precision, self.weights) else torch.float32
 
     def build_optimizer(self, model: Any, lr: float, **options: Any) -> Any:
         """The ``optimizer`` levers: `looptrain.optim.build_optimizer` of this strategy's optimizer."""

@@ -708,7 +708,8 @@ def load_weights(auto_class, model_path: str, config, args, **options):
     UsageError naming the weight files when they cannot be read."""
     from transformers.utils import logging as hf_logging
 
-    options.setdefault("dtype", storage_dtype(args))
+    if "dtype" not in options:
+        options["dtype"] = storage_dtype(args)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the "newly initialized classifier" notice is expected here
     try:
@@ -737,14 +738,10 @@ def storage_dtype(args):
     with --weights bf16, or --qlora computing in bf16 (the base is quantized from it); fp32 otherwise."""
     import torch
 
-    from looptrain.lora import default_compute_dtype
-
     if args.weights == "bf16":
         return torch.bfloat16
     if getattr(args, "qlora", False):
-        bf16 = args.precision == "bf16" or (args.precision == "auto" and default_compute_dtype(args.device)
-                                            == torch.bfloat16)
-        return torch.bfloat16 if bf16 else torch.float32
+        return strategy_of(args).qlora_compute_dtype(args.device)
     return torch.float32
 
 
