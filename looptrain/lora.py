@@ -293,6 +293,12 @@ def _device_of(model: nn.Module) -> torch.device:
     return next((parameter.device for parameter in model.parameters()), torch.device("cpu"))
 
 
+def is_4bit_layer(module: nn.Module) -> bool:
+    """Whether `module` is one of bitsandbytes' 4-bit Linears (`quantize_blocks_4bit`'s), without importing it."""
+    return type(module).__name__ in ("Linear4bit", "LinearNF4", "LinearFP4") and type(module).__module__.startswith(
+        "bitsandbytes")
+
+
 def is_lora_model(model: Any) -> bool:
     """Whether `model` is a peft model (`apply_lora`'s result)."""
     try:
@@ -302,5 +308,5 @@ def is_lora_model(model: Any) -> bool:
     return isinstance(model, PeftModel)
 
 
-__all__ = ["apply_lora", "block_linear_names", "default_compute_dtype", "default_targets", "is_lora_model",
-           "merge_lora", "parse_targets", "quantize_blocks_4bit", "save_lora", "task_head_names"]
+__all__ = ["apply_lora", "block_linear_names", "default_compute_dtype", "default_targets", "is_4bit_layer",
+           "is_lora_model", "merge_lora", "parse_targets", "quantize_blocks_4bit", "save_lora", "task_head_names"]

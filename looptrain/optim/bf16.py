@@ -460,13 +460,10 @@ def stored_in_bf16(model: nn.Module) -> bool:
     """Whether the model's own floating-point parameters are stored in bf16 already (some, at least: the ones kept
     fp32 on purpose stay so). The bias of a 4-bit quantized layer (QLoRA) is in its compute dtype, not a choice of
     storage, and does not count."""
-    return any(parameter.dtype == torch.bfloat16 for module in model.modules() if not _is_4bit(module)
+    from looptrain.lora import is_4bit_layer
+
+    return any(parameter.dtype == torch.bfloat16 for module in model.modules() if not is_4bit_layer(module)
                for parameter in module.parameters(recurse=False))
-
-
-def _is_4bit(module: nn.Module) -> bool:
-    return type(module).__name__ in ("Linear4bit", "LinearNF4", "LinearFP4") and type(module).__module__.startswith(
-        "bitsandbytes")
 
 
 def cast_to_bf16(model: nn.Module, keep_fp32: tuple[type, ...] = ()) -> list[str]:

@@ -49,6 +49,7 @@ from looptrain import strategy as strategies
 from looptrain.config import ConfigError, LoopConfig
 from looptrain.gradient_checkpointing import disable_gradient_checkpointing
 from looptrain.loop import Loop
+from looptrain.lora import is_4bit_layer, is_lora_model
 from looptrain.memory.meters import proc_status_bytes, reset_peak_rss
 from looptrain.optim import inner_optimizers
 from looptrain.planning.estimator import bounding_windows, estimate, estimate_windows
@@ -266,7 +267,7 @@ def plan(
         PlanError: nothing fits; the message lists what would (freezing, LoRA, a shorter max length, levers).
     """
     base = base or Strategy(batch_size=effective_batch, accum_steps=1)
-    if base.lora_rank and isinstance(model, nn.Module) and not _is_lora_model(model):
+    if base.lora_rank and isinstance(model, nn.Module) and not is_lora_model(model):
         raise PlanError(f"{_lora_words(base)}: pass the wrapped model the run trains (model = "
                         "base.wrap_model(model)): the probes train it as it is")
     if isinstance(model, nn.Module):
@@ -675,12 +676,6 @@ def _lora_words(settings: Strategy) -> str:
     return f"{'QLoRA' if settings.qlora else 'LoRA'} r {settings.lora_rank}"
 
 
-def _is_lora_model(model: Any) -> bool:
-    from looptrain.lora import is_lora_model
-
-    return is_lora_model(model)
-
-
 def full_fine_tune_model(model: Any) -> Any:
     """What `estimate` prices as the full fine-tune of a LoRA model: the model without its adapters.
 
@@ -689,9 +684,9 @@ def full_fine_tune_model(model: Any) -> Any:
     original is unchanged). A QLoRA model (4-bit base): its transformers config (the unquantized model), or
     None when it has none.
     """
-    if not _is_lora_model(model):
+    if not is_lora_model(model):
         return model
-    if any(type(module).__name__ == "Linear4bit" for module in model.modules()):
+    if any(is_4bit_layer(module) for module in model.modules()):
         config = getattr(model, "config", None)
         return config if hasattr(config, "to_dict") else None
     import copy
