@@ -300,12 +300,12 @@ def is_4bit_layer(module: nn.Module) -> bool:
 
 
 def is_lora_model(model: Any) -> bool:
-    """Whether `model` is a peft model (`apply_lora`'s result)."""
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
+    """Whether `model` is a peft model (`apply_lora`'s result); peft is not imported when it is not loaded (a
+    `PeftModel` cannot exist then)."""
+    import sys
+
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 __all__ = ["apply_lora", "block_linear_names", "default_compute_dtype", "default_targets", "is_4bit_layer",

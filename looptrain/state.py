@@ -34,6 +34,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from looptrain.lora import is_lora_model
+
 __all__ = [
     "CheckpointError",
     "BestTracker",
@@ -53,7 +55,6 @@ __all__ = [
     "checkpoint_name",
     "default_mode",
     "unwrap_model",
-    "is_peft_model",
     "write_json_atomic",
 ]
 
@@ -272,20 +273,12 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
-def is_peft_model(model: Any) -> bool:
-    """Whether `model` is a peft model (LoRA adapters on a frozen base); peft is not imported when it is not loaded."""
-    import sys
-
-    peft = sys.modules.get("peft")
-    return peft is not None and isinstance(model, peft.PeftModel)
-
-
 def _save_model_weights(model: nn.Module, directory: Path) -> None:
     """model.safetensors via save_pretrained (HF: config too, tied weights handled) or safetensors; a peft model's
     adapters and trained head in peft's format (adapter_model.safetensors + adapter_config.json): the frozen base,
     4-bit or not, is the --model's and is not copied into every checkpoint."""
     model = unwrap_model(model)
-    if is_peft_model(model):
+    if is_lora_model(model):
         model.save_pretrained(str(directory))
         if not (directory / ADAPTER_FILE).exists():
             raise CheckpointError(f"{type(model).__name__}.save_pretrained wrote no {ADAPTER_FILE} into {directory}; "
@@ -646,7 +639,7 @@ def _check_adapters_fit(checkpoint: Path, model: nn.Module) -> bool:
         True when both are LoRA and match (the shapes follow), False when neither is LoRA.
     """
     saved = _read_adapter_config(checkpoint)
-    lora_model = is_peft_model(model)
+    lora_model = is_lora_model(model)
     if saved is None and not lora_model:
         return False
     if saved is not None and not lora_model:
@@ -701,7 +694,7 @@ def load_model_weights(checkpoint: str | os.PathLike, model: nn.Module) -> None:
     checkpoint_path = Path(checkpoint)
     model = unwrap_model(model)
     check_weights_fit(checkpoint_path, model)
-    if is_peft_model(model):
+    if is_lora_model(model):
         _load_adapter_weights(checkpoint_path, model)
         return
     tensors = _read_model_tensors(checkpoint_path)
