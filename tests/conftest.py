@@ -10,6 +10,11 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# looptrain's on-disk caches (estimates, the matmul peak): one fresh directory per test session, never the user's.
+if "LOOPTRAIN_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["LOOPTRAIN_CACHE_DIR"] = tempfile.mkdtemp(prefix="looptrain-test-cache-")
 
 import pytest
 import torch
