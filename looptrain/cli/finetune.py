@@ -23,6 +23,7 @@ import json
 import math
 import os
 import sys
+import time
 import typing
 from pathlib import Path
 
@@ -60,7 +61,7 @@ DEFAULT_OUTPUT_DIR = "runs/finetune"  # the command line always writes final/ so
 # Under --memory-budget, --batch-size and --accum only define the effective batch: the planner chooses the split.
 PLANNED_SPLIT = ("batch_size", "accum_steps")
 # The planner's own flags: valued, and switches.
-PLAN_FLAGS_WITH_VALUE = ("--memory-budget", "--plan-time", "--effective-batch")
+PLAN_FLAGS_WITH_VALUE = ("--memory-budget", "--plan-time", "--effective-batch", "--budget-meter")
 PLAN_SWITCHES = ("--plan-only", "--json", "--amp")
 METRICS_FOR_BEST = ("f1", "accuracy", "loss", "f1_binary", "perplexity")  # what the evaluations produce
 TASKS = ("sequence-classification", "causal-lm")
@@ -178,16 +179,20 @@ def _add_memory_arguments(group) -> None:
                        help="under torchrun: shard parameters, gradients and optimizer state across ranks (FSDP2) "
                             "instead of replicating them (DDP)")
     group.add_argument("--memory-budget", default=None, metavar="SIZE",
-                       help="plan the fastest exact settings whose estimated peak fits SIZE "
-                            "(e.g. 4GiB, 3.5GB, 512MiB): micro-batch/accumulation split, checkpointing, "
-                            "the fused step; with --amp the precision, with --optim auto the optimizer; "
-                            "flags you give are kept (docs/plan.md)")
+                       help="plan the fastest exact settings whose peak fits SIZE (e.g. 4GiB, 3.5GB, 512MiB) by "
+                            "--budget-meter: micro-batch/accumulation split, checkpointing, the fused step; with "
+                            "--amp the precision, with --optim auto the optimizer; flags you give are kept "
+                            "(docs/plan.md)")
+    group.add_argument("--budget-meter", default="auto", choices=("auto", "rss", "tensors"),
+                       help="what --memory-budget counts: rss = the process's peak RSS above its start (what top "
+                            "and the OOM killer see; a CPU under Linux), tensors = live tensor bytes (the "
+                            "tracker's meter); auto = rss on a CPU, the allocator's reserved memory on CUDA")
     group.add_argument("--effective-batch", type=int, default=None, metavar="N",
                        help="samples per update (default --batch-size x --accum); with --memory-budget the planner "
                             "chooses the split, without it --accum becomes N / --batch-size")
     group.add_argument("--plan-time", type=float, default=None, metavar="SECONDS",
-                       help="with --memory-budget: cap on the seconds spent probing speeds (default: 10%% of the "
-                            "planned run's predicted time)")
+                       help="with --memory-budget: cap on the seconds spent probing speeds (default: 5%% of the "
+                            "planned run's predicted time, less the estimates' seconds)")
     group.add_argument("--plan-only", action="store_true",
                        help="with --memory-budget: print the plan and the command line of the winner, train nothing "
                             "(scripts/plan.py)")
@@ -378,8 +383,9 @@ def check_flags(args, parser: argparse.ArgumentParser) -> None:
     elif args.optimizer == "auto":
         raise UsageError("--optim auto lets the planner choose the optimizer: add --memory-budget SIZE, or name one "
                          "(--optim adamw)")
-    elif args.plan_only or args.plan_time is not None:
-        raise UsageError("--plan-only and --plan-time belong to --memory-budget: add --memory-budget SIZE")
+    elif args.plan_only or args.plan_time is not None or args.budget_meter != "auto":
+        raise UsageError("--plan-only, --plan-time and --budget-meter belong to --memory-budget: add "
+                         "--memory-budget SIZE")
     if args.json and not args.plan_only:
         raise UsageError("--json prints the plan of --plan-only as JSON (scripts/plan.py --json); add --plan-only, "
                          "or drop --json (a training run writes its figures to summary.json)")
@@ -822,6 +828,7 @@ class Inputs:
     eval_set: typing.Any  # None without evaluation data
     collator: typing.Any
     task: str = "sequence-classification"
+    estimate_seconds: float = 0.0  # the run's own estimate (a run without --memory-budget)
 
 
 def train(args, config, place, model_path: str, print) -> dict:
@@ -991,12 +998,21 @@ def make_loaders(args, config, place, inputs: Inputs, plan_result, print):
     train_loader = data_module.make_train_loader(
         inputs.train_set, args.batch_size, inputs.collator, grouping=grouping, max_tokens=args.max_tokens,
         seed=config.seed, num_workers=args.num_workers, pin_memory=torch.cuda.is_available())
+    started = time.perf_counter()
     estimated_peak = run_estimate(args, config, inputs.model, inputs.train_set, inputs.collator, train_loader,
                                   plan_result)
+    inputs.estimate_seconds = time.perf_counter() - started
     eval_loader = None
     if inputs.eval_set is not None:
+        eval_batch_size = args.eval_batch_size
+        if plan_result is not None and "--eval-batch-size" not in {token.split("=")[0] for token in args._argv}:
+            # A forward without gradients at the training micro-batch holds less than the training step the plan
+            # fitted; the default 64 rows at the worst width may not fit the budget.
+            eval_batch_size = min(eval_batch_size, args.batch_size)
+            print(f"--memory-budget: evaluating {eval_batch_size} rows at a time (the plan's micro-batch; "
+                  "--eval-batch-size to choose)")
         eval_loader = data_module.make_eval_loader(
-            inputs.eval_set, args.eval_batch_size, inputs.collator, num_workers=args.num_workers,
+            inputs.eval_set, eval_batch_size, inputs.collator, num_workers=args.num_workers,
             num_replicas=place.world_size, rank=place.rank)
     _, padding_line = data_module.padding_stats(
         train_loader, inputs.train_set.lengths, padding=args.padding, max_length=args.max_length,
@@ -1052,6 +1068,12 @@ def write_outputs(summary: dict, place, inputs: Inputs, output_dir: Path, plan_r
     summary["final_dir"] = str(final_dir)
     summary["plan"] = plan_result.to_dict() if plan_result is not None else None
     summary["estimated_peak_bytes"] = estimated_peak
+    # Planning's cost (a plan's estimates and probes; an unplanned run's own estimate), beside the training's.
+    estimating, probing = ((plan_result.estimate_seconds, plan_result.probe_seconds) if plan_result is not None
+                           else (getattr(inputs, "estimate_seconds", 0.0), 0.0))
+    summary["planning_seconds"] = round(estimating + probing, 3)
+    summary["planning_estimate_seconds"] = round(estimating, 3)
+    summary["planning_probe_seconds"] = round(probing, 3)
     measured = summary.get("peak_memory_bytes")
     summary["estimate_error"] = (round((measured - estimated_peak) / estimated_peak, 4)
                                  if estimated_peak and measured is not None else None)
@@ -1105,19 +1127,54 @@ def planned_settings(args, config, model, train_set, collator, device, output_di
     fixed = [name for name in fixed if not (name in ("precision", "optimizer") and getattr(args, name) == "auto")]
     base = strategy_of(args, precision="fp32" if args.amp or args.precision == "auto" else args.precision)
     levers = Levers(precision=args.amp or args.precision == "auto", optimizer_family=args.optimizer == "auto")
+    baseline = without_planner(args, base, device)
     print(f"--memory-budget {args.memory_budget}: planning effective batch {effective_batch(args)} "
           f"(levers: split, checkpointing, fused step{', precision' if levers.precision else ''}"
           f"{', optimizer family' if levers.optimizer_family else ''}; fixed: {', '.join(sorted(fixed)) or 'nothing'})")
-    # The budget is of the run's meter: live tensors (the tracker), or with --no-track-memory on a CPU the
-    # process's RSS above what it was when the command started, checked by the probes' measured peaks.
-    rss_baseline = args._rss_at_start if args.no_track_memory and device.type == "cpu" else None
+    meter = budget_meter(args, device, print)
     result = plan(model, train_set, collator, memory_budget=args.memory_budget_bytes,
-                  effective_batch=effective_batch(args), base=base, levers=levers, fixed=fixed, device=str(device),
-                  epochs=args.epochs, max_grad_norm=config.max_grad_norm, probe_budget=args.plan_time,
-                  seed=config.seed, rss_baseline=rss_baseline, echo=print)
+                  effective_batch=effective_batch(args), base=base, baseline=baseline, levers=levers, fixed=fixed,
+                  device=str(device), epochs=args.epochs, max_grad_norm=config.max_grad_norm,
+                  probe_budget=args.plan_time, seed=config.seed, rss_baseline=args._rss_at_start, meter=meter,
+                  echo=print)
     print(result.table())
     print("winner: " + " ".join(result.winner.settings.flags()))
     return result.winner.settings, result
+
+
+def budget_meter(args, device, print) -> str:
+    """What --memory-budget counts: --budget-meter, with auto = the process's RSS on a CPU (the allocator's
+    reserved memory on CUDA); live tensors where RSS cannot be read (not Linux), said so."""
+    if device.type == "cuda":
+        if args.budget_meter == "rss":
+            raise UsageError("--budget-meter rss counts a CPU process's memory; on CUDA the budget is the "
+                             "allocator's reserved memory (--budget-meter auto) or live tensors (tensors)")
+        return "tensors" if args.budget_meter == "tensors" else "cuda_reserved"
+    if args.budget_meter == "tensors":
+        return "tensors"
+    if args._rss_at_start is None:
+        if args.budget_meter == "rss":
+            raise UsageError("--budget-meter rss reads the process's RSS from /proc (Linux): use "
+                             "--budget-meter tensors here")
+        print("--memory-budget: the process's RSS cannot be read here (not Linux): planning for live tensors")
+        return "tensors"
+    return "rss"
+
+
+def without_planner(args, base, device):
+    """The configuration the run would train without --memory-budget: the flags as given (--amp as it resolves
+    here), split --batch-size x (effective batch / --batch-size); None when --batch-size does not divide it."""
+    import dataclasses as dc
+
+    from looptrain.precision import amp_precision
+
+    batch = effective_batch(args)
+    if batch % args.batch_size:
+        return None
+    precision = amp_precision(device)[0] if args.amp or args.precision == "auto" else base.precision
+    if base.weights == "bf16":
+        precision = "bf16"
+    return dc.replace(base, precision=precision, batch_size=args.batch_size, accum_steps=batch // args.batch_size)
 
 
 def plan_only_output(args, result, print) -> dict:
@@ -1165,6 +1222,7 @@ def run_estimate(args, config, model, train_set, collator, train_loader, plan_re
     """`looptrain.planning.estimate` of this run's settings over the batches its sampler will give it, where
     it gives them (every run reports its own error; a planned run reports its plan's worst-batch estimate)."""
     from looptrain.planning import run_batches_estimate, run_windows
+    from looptrain.planning.worker import EstimateWorker
 
     if plan_result is not None:
         return plan_result.winner.estimated_peak_bytes
@@ -1175,8 +1233,11 @@ def run_estimate(args, config, model, train_set, collator, train_loader, plan_re
         windows = run_windows(train_loader.batch_sampler, train_set.lengths, collator, config.accum_steps,
                               epochs=config.epochs, max_steps=config.max_steps)
         # A resumed run may start anywhere, with its optimizer state restored: no window is priced without it.
-        return run_batches_estimate(model, settings, windows, fresh=config.resume is None,
-                                    max_grad_norm=config.max_grad_norm, num_labels=model.config.num_labels)
+        # In a child process (EstimateWorker): what estimating costs stays out of the training's RSS.
+        with EstimateWorker(lambda _: run_batches_estimate(
+                model, settings, windows, fresh=config.resume is None, max_grad_norm=config.max_grad_norm,
+                num_labels=model.config.num_labels)) as worker:
+            return worker(None)
     except Exception as error:  # noqa: BLE001  an estimate is a report, never a reason to stop a run
         print(f"notice: no memory estimate for this run ({type(error).__name__}: {error})")
         return None
@@ -1262,8 +1323,14 @@ def final_table(summary: dict, baseline: dict | None, output_dir: Path) -> str:
         lines.append(f"| estimated peak (worst batch) | {summary['estimated_peak_bytes'] / 2**20:.1f} MiB "
                      f"(error {summary['estimate_error']:+.1%}) | |")
     if summary.get("plan"):
-        lines.append(f"| memory budget | {summary['plan']['budget_bytes'] / 2**20:.1f} MiB (plan: "
-                     f"{summary['plan']['settings']['batch_size']} x {summary['plan']['settings']['accum_steps']}) | |")
+        lines.append(f"| memory budget | {summary['plan']['budget_bytes'] / 2**20:.1f} MiB "
+                     f"{summary['plan'].get('meter', '')} (plan: {summary['plan']['settings']['batch_size']} x "
+                     f"{summary['plan']['settings']['accum_steps']}) | |")
+    if summary.get("planning_seconds") is not None:
+        share = summary["planning_seconds"] / max(summary["planning_seconds"] + summary["train_runtime_s"], 1e-9)
+        lines.append(f"| planning | {summary['planning_seconds']:.1f} s (estimates "
+                     f"{summary['planning_estimate_seconds']:.1f} s, probes {summary['planning_probe_seconds']:.1f} s;"
+                     f" {share:.1%} of planning + training) | |")
     rss, start = summary.get("peak_rss_bytes"), summary.get("rss_at_start_bytes")
     if rss:
         above = f"; {(rss - start) / 2**20:.1f} MiB above the {start / 2**20:.1f} MiB held at start" if start else ""
@@ -1279,12 +1346,13 @@ def _budget_note(plan: dict | None, rss: int | None, start: int | None) -> list[
     if not (plan and rss and start) or rss - start <= plan["budget_bytes"]:
         return []
     over = f"RSS above start {(rss - start) / 2**20:.1f} MiB > budget {plan['budget_bytes'] / 2**20:.1f} MiB"
-    if plan.get("meter") == "of process RSS":
+    if plan.get("meter") != "of live tensors":
         why = ("the plan's probes measured one update at the worst batch; evaluation, checkpoint saving and the "
                "allocator's growth over the run came on top (docs/plan.md)")
     else:
         why = ("the budget was of live tensors (the peak memory above); RSS also holds the libraries' buffers, the "
-               "data and allocator caches: add --no-track-memory to plan for a budget of RSS (docs/plan.md)")
+               "data and allocator caches: plan with --budget-meter rss (the default) for a budget of RSS "
+               "(docs/plan.md)")
     return [f"| note | {over}: {why} | |"]
 
 

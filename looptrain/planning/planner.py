@@ -53,6 +53,7 @@ from looptrain.lora import is_4bit_layer, is_lora_model
 from looptrain.memory.meters import proc_status_bytes, reset_peak_rss
 from looptrain.optim import inner_optimizers
 from looptrain.planning.estimator import bounding_windows, estimate, estimate_windows
+from looptrain.planning.worker import EstimateWorker
 from looptrain.precision import amp_precision, cpu_has_native_bf16, resolve_device
 from looptrain.strategy import Strategy
 
@@ -69,6 +70,16 @@ CHECKPOINT_MODES = ((False, 1), (True, 2), (True, 1))  # none, every other block
 LORA_SUGGESTED_RANK = 16
 LORA_SMALL_SAVING = 0.2
 LORA_LEVERS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "qlora")
+# What a budget counts, by `plan(meter=...)`, and how the plan names it.
+METERS = {"tensors": "of live tensors", "rss": "of process RSS above the start",
+          "cuda_reserved": "of CUDA reserved memory"}
+# The plan keeps the configuration the run would have trained without it unless another candidate's measured
+# prediction is at least this much faster: a probe is one update, and its prediction is a sample, not a constant.
+KEEP_BASELINE_WITHIN = 0.05
+FULL_FINE_TUNE = "full fine-tune"  # `_Search.peak(model=...)`: the search's LoRA model without its adapters
+# A candidate is probed only if, this much faster than the prior (scaled to the probes) predicts, it would win by
+# more than its probe costs: the prior orders candidates within about this factor.
+PRIOR_OPTIMISM = 0.75
 _UNITS = {"b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
 
@@ -129,6 +140,7 @@ class Candidate:
     prior: float = 0.0  # the unitless prior that orders the probes
     probed: bool = False
     probe: dict = field(default_factory=dict)  # seconds per padded token, per optimizer step, probe seconds
+    baseline: bool = False  # the configuration the run would train without the planner
 
 
 @dataclass
@@ -146,14 +158,21 @@ class Plan:
     probe_seconds: float
     probe_budget_seconds: float | None
     num_samples: int
-    meter: str = "of live tensors"  # or "of process RSS" (then probes' measured peaks must fit too)
+    meter: str = "of live tensors"  # METERS' words: under a measured meter the probes' measured peaks must fit too
     notes: list[str] = field(default_factory=list)
+    cached_estimates: int = 0  # estimates read from the on-disk cache
+    baseline_words: str = "your flags"  # the baseline candidate: the user's flags, or "safe default" (the lightest)
     # A LoRA plan: the winner against the full fine-tune with its settings (`lora_comparison`); None otherwise.
     lora: dict | None = None
 
     @property
     def winner(self) -> Candidate:
         return self.candidates[0]
+
+    @property
+    def planning_seconds(self) -> float:
+        """Planning's whole cost: the estimates and the probes."""
+        return self.estimate_seconds + self.probe_seconds
 
     def table(self, top: int = 5) -> str:
         """The ranked candidates (the top `top`), the winner first, with estimates and speeds."""
@@ -168,17 +187,20 @@ class Plan:
             settings = candidate.settings
             measured = any(c.probed for c in self.candidates)  # without probes the prior has no unit
             speed = f"{self.num_samples / candidate.seconds_per_epoch:.1f}" if measured else "-"
+            marks = ", ".join(mark for mark, on in (("winner", rank == 1), (self.baseline_words, candidate.baseline))
+                              if on)
             lines.append(
-                f"| {rank}{' (winner)' if rank == 1 else ''} | {settings.batch_size} x {settings.accum_steps} | "
+                f"| {rank}{f' ({marks})' if marks else ''} | {settings.batch_size} x {settings.accum_steps} | "
                 f"{settings.precision}{' + bf16 weights' if settings.weights == 'bf16' else ''} | "
                 f"{settings.optimizer} | {settings.checkpointing} | "
                 f"{'yes' if settings.optimizer_in_backward else 'no'} | "
                 f"{'yes' if settings.group_by_length else 'no'} | "
                 f"{format_bytes(candidate.estimated_peak_bytes)} | {speed} | "
                 f"{'probe' if candidate.probed else 'prior, scaled to the probes' if measured else 'prior only'} |")
-        lines.append(f"{len(self.candidates)} candidates fit; "
-                     f"{self.estimates} estimates in {self.estimate_seconds:.1f} s, "
-                     f"probes {self.probe_seconds:.1f} s"
+        lines.append(f"{len(self.candidates)} candidates fit; planning {self.planning_seconds:.1f} s: "
+                     f"{self.estimates} estimates in {self.estimate_seconds:.1f} s"
+                     + (f" ({self.cached_estimates} more from the cache)" if self.cached_estimates else "")
+                     + f", probes {self.probe_seconds:.1f} s"
                      + (f" (budget {self.probe_budget_seconds:.0f} s)"
                         if self.probe_budget_seconds is not None else ""))
         lines.extend(f"note: {note}" for note in self.notes)
@@ -191,12 +213,14 @@ class Plan:
             "worst_width": self.worst_width, "device": self.device, "meter": self.meter,
             "settings": dataclasses.asdict(self.winner.settings),
             "estimated_peak_bytes": self.winner.estimated_peak_bytes,
-            "estimates": self.estimates, "estimate_seconds": round(self.estimate_seconds, 3),
+            "estimates": self.estimates, "cached_estimates": self.cached_estimates,
+            "planning_seconds": round(self.planning_seconds, 3), "estimate_seconds": round(self.estimate_seconds, 3),
             "probe_seconds": round(self.probe_seconds, 3), "probe_budget_seconds": self.probe_budget_seconds,
             "candidates": [{"settings": dataclasses.asdict(candidate.settings),
                             "estimated_peak_bytes": candidate.estimated_peak_bytes,
                             "seconds_per_epoch": candidate.seconds_per_epoch, "probed": candidate.probed,
-                            "probe": candidate.probe} for candidate in self.candidates],
+                            "baseline": candidate.baseline, "probe": candidate.probe}
+                           for candidate in self.candidates],
             "notes": self.notes,
             "lora": self.lora,
         }
@@ -214,6 +238,7 @@ def plan(
     memory_budget: int,
     effective_batch: int,
     base: Strategy | None = None,
+    baseline: Strategy | None = None,
     levers: Levers = Levers(),
     fixed: Sequence[str] = (),
     device: str = "cpu",
@@ -222,9 +247,10 @@ def plan(
     margin: float | None = None,
     probe: bool = True,
     probe_budget: float | None = None,
-    probe_fraction: float = 0.10,
+    probe_fraction: float = 0.05,
     seed: int = 42,
     rss_baseline: int | None = None,
+    meter: str | None = None,
     echo: Callable[[str], None] = lambda line: None,
 ) -> Plan:
     """Plans the fastest training that fits `memory_budget`, keeping `effective_batch` exact.
@@ -239,25 +265,35 @@ def plan(
             the worst batch padded when the dataset has shorter samples.
         collator: the collator the run will use: `batch_width` and `max_length` (which caps widths); probes
             call it (for a causal LM it pads the labels too, with -100).
-        memory_budget: bytes the training step's peak may take (the run's meter).
+        memory_budget: bytes the run's peak may take, by `meter`.
         effective_batch: samples per optimizer update; every candidate keeps it exact.
         base: the user's `Strategy` (their precision, optimizer, freezing, padding, grouping, ...); every
             candidate is a `dataclasses.replace` of it, so levers the planner does not search (freezing, or
             a field of a `Strategy` subclass) are kept as given.
+        baseline: the configuration the run would train without the planner (the user's flags). It is
+            always among the candidates when it fits, probed first, and the plan replaces it only when
+            another candidate's measured prediction is at least `KEEP_BASELINE_WITHIN` faster. Default:
+            `base` when its split is the effective batch. When it does not fit, the safe default stands in
+            for it: micro-batch 1, every block checkpointed (the lowest-memory split).
         levers: the numerics levers allowed.
         fixed: names of `Strategy` fields the user set explicitly: never changed.
         device: where the run trains.
-        epochs: of the planned run (to budget the probe).
+        epochs: of the planned run (to budget the probes).
         max_grad_norm: the run's clipping (the estimate includes its temporaries).
         margin: the budget share kept free (default `DEFAULT_MARGIN` of the device type).
         probe: measure speeds on this device (False: rank by the prior alone).
-        probe_budget: seconds the probes may take in all (default: `probe_fraction` of the planned
-            run's predicted time, known after the first probe; at least one probe always runs).
+        probe_budget: seconds the probes may take in all (default: `probe_fraction` of the planned run's
+            predicted time less the seconds the estimates took; the baseline and the prior's favourite are
+            always probed). No probe starts that its predicted time would take past the budget.
         probe_fraction: see `probe_budget`.
         seed: the run's seed (batching order).
-        rss_baseline: the budget is of process RSS above this many bytes (Linux): candidates must also
-            fit by the peak RSS their probe measures (`rss_baseline_bytes()` at the start is typical).
-            None: the budget is of live tensor bytes, the estimate alone decides (the tracker's meter).
+        rss_baseline: with `meter="rss"`: the process's RSS the budget counts from (`rss_baseline_bytes()`
+            when the run starts is typical; the weights then count).
+        meter: what the budget counts. "tensors": live tensor bytes (the tracker's meter; the estimate alone
+            decides). "rss" (Linux): the process's peak RSS above `rss_baseline`. "cuda_reserved": the CUDA
+            caching allocator's reserved bytes. Under a measured meter ("rss", "cuda_reserved") a candidate
+            is eligible only when its probe's measured peak, with the margin, fits. Default: "rss" when
+            `rss_baseline` is given, else "tensors".
         echo: prints progress lines.
 
     Returns:
@@ -267,6 +303,12 @@ def plan(
         PlanError: nothing fits; the message lists what would (freezing, LoRA, a shorter max length, levers).
     """
     base = base or Strategy(batch_size=effective_batch, accum_steps=1)
+    meter = meter or ("rss" if rss_baseline is not None else "tensors")
+    if meter not in METERS:
+        raise PlanError(f"unknown budget meter {meter!r}: pass one of {', '.join(METERS)}")
+    if meter == "rss" and rss_baseline is None:
+        raise PlanError("a budget of process RSS counts from the RSS at the run's start: pass rss_baseline="
+                        "rss_baseline_bytes() (taken before the model is loaded, so the weights count)")
     if base.lora_rank and isinstance(model, nn.Module) and not is_lora_model(model):
         raise PlanError(f"{_lora_words(base)}: pass the wrapped model the run trains (model = "
                         "base.wrap_model(model)): the probes train it as it is")
@@ -279,68 +321,115 @@ def plan(
     num_labels = getattr(model, "num_labels", None) or getattr(getattr(model, "config", None), "num_labels", None) or 2
     search = _Search(model, worst_width, memory_budget, margin, max_grad_norm, num_labels, echo)
     search.padded = min(lengths) < worst_width  # a batch of more than one row holding the longest sample is padded
-    if rss_baseline is not None and not (probe and isinstance(model, nn.Module)):
-        raise PlanError("a budget of process RSS (rss_baseline) is checked by probing a real model: pass probe=True")
-    candidates = _costed_candidates(search, dataset, collator, lengths, effective_batch, base, levers, set(fixed),
-                                    device_type, seed)
-    if rss_baseline is not None and candidates:
-        # RSS holds more than tensors (libraries, data, mapped weight files): measure it once on the most
-        # promising candidate, and search again with the budget less that overhead.
-        order = sorted(range(len(lengths)), key=lambda index: -lengths[index])
-        first = candidates[0]
-        first.probe = _probe(model, first.settings, collator([dataset[i] for i in order[:first.settings.batch_size]]),
-                             device, max_grad_norm, rss_baseline)
-        search.overhead = max(0, first.probe["peak_rss_bytes"] - first.estimated_peak_bytes)
-        echo(f"  process RSS besides the estimated tensors: {format_bytes(search.overhead)} (measured: "
-             f"{format_bytes(first.probe['peak_rss_bytes'])} "
-             f"at {first.settings.batch_size} x {first.settings.accum_steps})")
-        candidates = _costed_candidates(search, dataset, collator, lengths, effective_batch, base, levers, set(fixed),
-                                        device_type, seed)
-    if not candidates:
-        if rss_baseline is not None and not search.overhead:
-            # What would fit is judged by the same meter: measure the process's RSS besides the tensors on the
-            # lightest settings (one row of the longest sample), or every suggestion would be priced as tensors alone.
-            lightest = _lightest(base, effective_batch)
-            longest = max(range(len(lengths)), key=lambda index: lengths[index])
-            probe = _probe(model, lightest, collator([dataset[longest]]), device, max_grad_norm, rss_baseline)
-            search.overhead = max(0, probe["peak_rss_bytes"] - search.peak(lightest))
-        raise PlanError(_nothing_fits_message(search, effective_batch, base, levers, collator, lengths, device_type))
-    result = Plan(memory_budget, margin, effective_batch, worst_width, device, candidates, search.count,
-                  search.seconds, 0.0, probe_budget, len(lengths),
-                  meter="of process RSS" if rss_baseline is not None else "of live tensors")
-    if search.overhead:
-        result.notes.append(f"fits: (estimate + {format_bytes(search.overhead)} of measured non-tensor RSS) x "
-                            f"{1 + margin:.2f} within the budget, and each probe's measured peak x {1 + margin:.2f}")
-    if probe and isinstance(model, nn.Module):
-        _probe_candidates(result, model, dataset, collator, lengths, device, epochs, max_grad_norm, probe_budget,
-                          probe_fraction, seed, rss_baseline, echo)
-    else:
-        for candidate in candidates:
-            candidate.seconds_per_epoch = candidate.prior
-        result.notes.append("nothing probed: speeds are a prior in arbitrary units (padded tokens, recompute, "
-                            "micro-batch size, precision), not measured")
-    if base.lora_rank:
-        lora_comparison(search, result)
-    return result
+    # The estimates run in a child process: what estimating costs (torch's fake-tensor machinery) stays out of
+    # this process, whose RSS the budget may count.
+    search.worker = EstimateWorker(search.estimate_here) if isinstance(model, nn.Module) else None
+    try:
+        measured = _Meter(meter, rss_baseline) if meter != "tensors" else None
+        if measured is not None and not (probe and isinstance(model, nn.Module)):
+            raise PlanError(f"a budget {METERS[meter]} is checked by probing a real model: pass probe=True, "
+                            "or plan for a budget of live tensors (meter='tensors')")
+        if baseline is None and base.batch_size * base.accum_steps == effective_batch:
+            baseline = base
+        costing = (dataset, collator, lengths, effective_batch, base, levers, set(fixed), device_type, seed, baseline)
+        candidates = _costed_candidates(search, *costing)
+        order = sorted(range(len(lengths)), key=lambda index: -lengths[index])  # the worst batch: the longest samples
+        first_probe: tuple[Strategy, dict] | None = None
+        first_seconds = 0.0
+        if measured is not None and candidates:
+            # The process holds more than tensors (libraries, the estimator's own modules, data, allocator caches):
+            # measure it once, on the configuration every plan probes first, and search again with the budget less it.
+            first = next((c for c in candidates if c.baseline), candidates[0])
+            batch = collator([dataset[i] for i in order[:first.settings.batch_size]])
+            started = time.perf_counter()
+            first_probe = first.settings, _probe(model, first.settings, batch, device, max_grad_norm, measured)
+            first_seconds = time.perf_counter() - started
+            search.overhead = max(0, first_probe[1]["measured_peak_bytes"] - first.estimated_peak_bytes)
+            echo(f"  the process holds {format_bytes(search.overhead)} besides the estimated tensors (measured: "
+                 f"{format_bytes(first_probe[1]['measured_peak_bytes'])} at {first.settings.batch_size} x "
+                 f"{first.settings.accum_steps})")
+            candidates = _costed_candidates(search, *costing)
+        if not candidates:
+            if measured is not None and not search.overhead:
+                # What would fit is judged by the same meter: measure the process's memory besides the tensors on
+                # the lightest settings (one row of the longest sample), or every suggestion would be priced as
+                # tensors alone.
+                lightest = _lightest(base, effective_batch)
+                longest = max(range(len(lengths)), key=lambda index: lengths[index])
+                probed = _probe(model, lightest, collator([dataset[longest]]), device, max_grad_norm, measured)
+                search.overhead = max(0, probed["measured_peak_bytes"] - search.peak(lightest))
+            raise PlanError(_nothing_fits_message(search, effective_batch, base, levers, collator, lengths,
+                                                  device_type))
+        result = Plan(memory_budget, margin, effective_batch, worst_width, device, candidates, search.count,
+                      search.seconds, 0.0, probe_budget, len(lengths), meter=METERS[meter])
+        result.cached_estimates = search.cached
+        chosen = next((c for c in candidates if c.baseline), None)
+        if chosen is None:
+            result.notes.append("neither your flags nor the safe default (micro-batch 1, every block checkpointed) "
+                                "fit: every candidate is the planner's")
+        elif chosen.settings != baseline:
+            result.baseline_words = "safe default"
+            result.notes.append(("your flags do not fit" if baseline is not None else "no split of yours to start "
+                                 "from") + "; the baseline is the safe default: micro-batch 1, every block "
+                                "checkpointed")
+        if search.overhead:
+            result.notes.append(f"fits: (estimate + {format_bytes(search.overhead)} the process measured besides "
+                                f"tensors) x {1 + margin:.2f} within the budget, and each probe's measured peak x "
+                                f"{1 + margin:.2f}")
+        if probe and isinstance(model, nn.Module):
+            if first_probe is not None:  # the overhead's probe (the baseline's, or the favourite's): not run twice
+                for candidate in candidates:
+                    if candidate.settings == first_probe[0]:
+                        _record_probe(candidate, first_probe[1])
+            _probe_candidates(result, model, dataset, collator, order, device, epochs, max_grad_norm, probe_budget,
+                              probe_fraction, measured, echo)
+            result.probe_seconds += first_seconds
+        else:
+            for candidate in candidates:
+                candidate.seconds_per_epoch = candidate.prior
+            result.notes.append("nothing probed: speeds are a prior in arbitrary units (padded tokens, recompute, "
+                                "micro-batch size, precision), not measured")
+        if base.lora_rank:
+            lora_comparison(search, result)
+        return result
+    finally:
+        if search.worker is not None:
+            search.worker.close()
 
 
 def _costed_candidates(search: _Search, dataset, collator, lengths, effective_batch: int, base: Strategy,
-                       levers: Levers, fixed: set, device_type: str, seed: int) -> list[Candidate]:
-    """The candidates that fit, with their epoch's padded tokens and updates and their prior, best prior first."""
+                       levers: Levers, fixed: set, device_type: str, seed: int,
+                       baseline: Strategy | None) -> list[Candidate]:
+    """The candidates that fit, with their epoch's padded tokens and updates and their prior, best prior first.
+
+    The baseline (the configuration without the planner; when it does not fit, the lightest split) is among
+    them, marked, whether or not the search reached it.
+    """
+    settings_list = _candidate_settings(search, effective_batch, base, levers, fixed, device_type)
+    fallback = _lightest(base, effective_batch)
+    chosen = next((s for s in (baseline, fallback) if s is not None and _valid(s) and search.fits(s)), None)
+    if chosen is not None and chosen not in settings_list:
+        settings_list.append(chosen)
+    candidates = [_costed(search, settings, dataset, collator, lengths, device_type, seed)
+                  for settings in settings_list]
+    for candidate in candidates:
+        candidate.baseline = candidate.settings == chosen
+    return sorted(candidates, key=lambda candidate: candidate.prior)
+
+
+def _costed(search: _Search, settings: Strategy, dataset, collator, lengths, device_type: str, seed: int) -> Candidate:
+    """A candidate with its estimate, its epoch's padded tokens and updates (from the lengths alone) and its prior."""
     from looptrain import data as data_module
 
-    candidates = []
-    for settings in _candidate_settings(search, effective_batch, base, levers, fixed, device_type):
-        candidate = Candidate(settings, search.peak(settings))
-        loader = data_module.make_train_loader(dataset, settings.batch_size, collator,
-                                               grouping="length" if settings.group_by_length else "random", seed=seed)
-        stats, _ = data_module.padding_stats(loader, lengths, padding=settings.padding, max_length=collator.max_length,
-                                             pad_to_multiple_of=collator.pad_to_multiple_of)
-        candidate.padded_tokens = stats["padded_tokens"]
-        candidate.updates = math.ceil(stats["num_batches"] / settings.accum_steps)
-        candidate.prior = _prior_seconds(candidate, search.model, device_type)
-        candidates.append(candidate)
-    return sorted(candidates, key=lambda candidate: candidate.prior)
+    candidate = Candidate(settings, search.peak(settings))
+    loader = data_module.make_train_loader(dataset, settings.batch_size, collator,
+                                           grouping="length" if settings.group_by_length else "random", seed=seed)
+    stats, _ = data_module.padding_stats(loader, lengths, padding=settings.padding, max_length=collator.max_length,
+                                         pad_to_multiple_of=collator.pad_to_multiple_of)
+    candidate.padded_tokens = stats["padded_tokens"]
+    candidate.updates = math.ceil(stats["num_batches"] / settings.accum_steps)
+    candidate.prior = _prior_seconds(candidate, search.model, device_type)
+    return candidate
 
 
 # ------------------------------------------------------------------------------------------ fits
@@ -360,28 +449,31 @@ class _Search:
         self.cache: dict = {}
         self.results: dict = {}  # the whole estimate (breakdown, phase), by the same key
         self.count = 0
+        self.cached = 0  # estimates read from the on-disk cache (not counted in `count`)
         self.seconds = 0.0
         self.overhead = 0  # a budget of process RSS: what the process holds besides the estimated tensors
         self.padded = False  # the worst batch of more than one row holds shorter, padded rows (see `estimate`)
-        self.keep: Any = None  # a model estimated besides `model` (its id is in the cache's keys)
+        self.full_model: Any = None  # `FULL_FINE_TUNE`'s model, made once where the estimates run
+        self.worker: EstimateWorker | None = None  # runs the estimates in a child process (`plan` starts one)
 
-    def key(self, settings: Strategy, seq_len: int | None = None, model: Any = None) -> tuple:
+    def key(self, settings: Strategy, seq_len: int | None = None, model: str | None = None) -> tuple:
         """What the estimator prices of `settings` at `seq_len` (default: the worst batch's width)."""
         priced = {**settings.estimate_options(), "accum_steps": min(settings.accum_steps, 2)}  # memory repeats after 2
         key = settings.batch_size, seq_len or self.width, type(settings), tuple(sorted(priced.items()))
-        return key if model is None or model is self.model else (*key, id(model))
+        return key if model is None else (*key, model)
 
-    def peak(self, settings: Strategy, seq_len: int | None = None, model: Any = None) -> int:
+    def peak(self, settings: Strategy, seq_len: int | None = None, model: str | None = None) -> int:
         """The estimate of `settings` at the worst batch (or `seq_len` wide), memoised by what the estimator prices.
 
-        `model`: another model than the search's (the unwrapped base of a LoRA model), kept alive by the caller.
+        `model`: None (the search's model) or `FULL_FINE_TUNE` (a LoRA model without its adapters). With a
+        `worker` (`plan` starts one), the estimate runs in its child process.
         """
         seq_len = seq_len or self.width
         key = self.key(settings, seq_len, model)
         if key not in self.cache:
             started = time.perf_counter()
-            result = estimate(self.model if model is None else model, settings.batch_size, seq_len, settings,
-                              num_labels=self.num_labels, max_grad_norm=self.max_grad_norm, padded=self.padded)
+            request = settings, seq_len, model
+            result = self.worker(request) if self.worker is not None else self.estimate_here(request)
             self.seconds += time.perf_counter() - started
             self.count += 1
             self.cache[key] = result["peak_memory_bytes"]
@@ -393,6 +485,16 @@ class _Search:
                       f"{', ' + _lora_words(settings) if settings.lora_rank else ''}"
                       f"{f', seq {seq_len}' if seq_len != self.width else ''}: {format_bytes(self.cache[key])}")
         return self.cache[key]
+
+    def estimate_here(self, request: tuple) -> dict:
+        """`estimate` of a `peak` request in this process (the worker's child calls it too)."""
+        settings, seq_len, model = request
+        if model == FULL_FINE_TUNE:
+            if self.full_model is None:
+                self.full_model = full_fine_tune_model(self.model)
+            model = self.full_model
+        return estimate(self.model if model is None else model, settings.batch_size, seq_len, settings,
+                        num_labels=self.num_labels, max_grad_norm=self.max_grad_norm, padded=self.padded)
 
     def fits(self, settings: Strategy) -> bool:
         return (self.peak(settings) + self.overhead) * (1 + self.margin) <= self.budget
@@ -656,11 +758,9 @@ def _lora_suggestions(search: _Search, base: Strategy, lightest: Strategy) -> li
     if base.qlora:
         return []
     if base.lora_rank:
-        unwrapped = full_fine_tune_model(search.model)
-        if unwrapped is None:
+        if full_fine_tune_model(search.model) is None:
             return []
-        search.keep = unwrapped  # the estimate's cache key holds its id: keep it alive
-        return [("--qlora", dataclasses.replace(lightest, qlora=True), None, unwrapped)]
+        return [("--qlora", dataclasses.replace(lightest, qlora=True), None, FULL_FINE_TUNE)]
     frozen = [name for name in ("freeze_embeddings", "freeze_layers", "freeze_encoder")
               if getattr(lightest, name) != Strategy.__dataclass_fields__[name].default]
     lora = dataclasses.replace(lightest, lora_rank=LORA_SUGGESTED_RANK,
@@ -710,10 +810,9 @@ def lora_comparison(search: _Search, result: Plan) -> dict | None:
     flags = " ".join(settings.flags())
     started, count = search.seconds, search.count
     try:
-        unwrapped = full_fine_tune_model(search.model)
-        if unwrapped is None:
+        if full_fine_tune_model(search.model) is None:
             raise ValueError("a 4-bit model without a transformers config")
-        full = search.peak(settings, model=unwrapped)
+        full = search.peak(settings, model=FULL_FINE_TUNE)
     except Exception as error:  # noqa: BLE001  a report: never a reason to fail the plan
         result.notes.append(f"no comparison of {_lora_words(winner.settings)} with a full fine-tune "
                             f"({type(error).__name__}: {error})")
@@ -770,119 +869,195 @@ def _prior_seconds(candidate: Candidate, model: Any, device_type: str) -> float:
     return candidate.padded_tokens * per_token + candidate.updates * optimizer_cost
 
 
-def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, lengths, device: str, epochs: int,
-                      max_grad_norm, probe_budget: float | None, probe_fraction: float, seed: int,
-                      rss_baseline: int | None, echo) -> None:
-    """Probes candidates within the probe budget and re-ranks them by the measured speed.
+def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: list[int], device: str, epochs: int,
+                      max_grad_norm, probe_budget: float | None, probe_fraction: float, meter: _Meter | None,
+                      echo) -> None:
+    """Probes candidates within the probe budget and ranks them by the measured speed.
 
-    The most promising candidate of each precision and optimizer is always probed (no precision is
-    assumed to be fast); the others follow in the prior's order while their predicted probe time fits
-    the budget. With `rss_baseline` (a budget of process RSS), a candidate fits only when its probe's
-    measured peak RSS (above `rss_baseline`, with the margin) does: the others are dropped, and
-    probing goes on, budget or not, until one candidate fits.
+    The baseline (the configuration without the planner) and the prior's favourite are always probed. The
+    others follow in the order of their prior scaled to the probes, each only if its predicted probe time fits
+    what is left of the budget and, `PRIOR_OPTIMISM` faster than predicted, it would beat the best measured
+    candidate by more than its probe costs (planning included: a probe that cannot pay for itself is not
+    run). Under a measured meter (`meter`) a candidate fits only when its probe's measured peak (with the
+    margin) does: the others are dropped, and probing goes on, budget or not, until one candidate fits.
+    Unprobed candidates rank after the probed ones; the baseline stays first unless another is predicted at
+    least `KEEP_BASELINE_WITHIN` faster.
     """
     started = time.perf_counter()
-    order = sorted(range(len(lengths)), key=lambda index: -lengths[index])  # the worst batch: the longest samples
-    firsts = {}
-    for candidate in result.candidates:
-        firsts.setdefault((candidate.settings.precision, candidate.settings.optimizer), candidate)
-    queue = list(firsts.values()) + [c for c in result.candidates if c not in firsts.values()]
-    budget, rejected, skipped = probe_budget, [], 0
-    for index, candidate in enumerate(queue):
-        fitting = [c for c in queue[:index] if c.probed and c not in rejected]
-        predicted = _predicted_probe_seconds(candidate, [c for c in queue[:index] if c.probed])
-        if index >= len(firsts) and fitting and budget is not None \
-                and time.perf_counter() - started + predicted > budget:
-            skipped += 1
-            continue
-        settings = candidate.settings
-        batch = collator([dataset[i] for i in order[:settings.batch_size]])
-        candidate.probe = _probe(model, settings, batch, device, max_grad_norm, rss_baseline)
-        candidate.probed = True
-        candidate.seconds_per_epoch = (candidate.probe["micro_step_seconds"] / batch["input_ids"].numel()
-                                       * candidate.padded_tokens
-                                       + candidate.probe["optimizer_step_seconds"] * candidate.updates)
-        measured = candidate.probe.get("peak_rss_bytes")
-        if measured is not None and measured * (1 + result.margin) > result.budget_bytes:
+    budget, rejected, skipped, hopeless = probe_budget, [], 0, 0
+
+    def fits(candidate: Candidate) -> bool:
+        peak = candidate.probe.get("measured_peak_bytes")
+        return peak is None or peak * (1 + result.margin) <= result.budget_bytes
+
+    def run(candidate: Candidate) -> None:
+        if not candidate.probed:
+            settings = candidate.settings
+            batch = collator([dataset[i] for i in order[:settings.batch_size]])
+            _record_probe(candidate, _probe(model, settings, batch, device, max_grad_norm, meter))
+        if not fits(candidate):
             rejected.append(candidate)
+        settings, peak = candidate.settings, candidate.probe.get("measured_peak_bytes")
         echo(f"  probe {settings.batch_size} x {settings.accum_steps}, {settings.precision}, {settings.optimizer}, "
              f"checkpointing {settings.checkpointing}{', fused step' if settings.optimizer_in_backward else ''}: "
-             f"{len(lengths) / candidate.seconds_per_epoch:.1f} samples/s predicted "
-             f"({candidate.probe['probe_seconds']:.1f} s timed"
-             + (f"; peak RSS {format_bytes(measured)}{', over the budget' if candidate in rejected else ''}"
-                if measured is not None else "") + ")")
-        if budget is None:  # a share of the planned run, as the first probe predicts it
-            budget = probe_fraction * candidate.seconds_per_epoch * epochs
-            result.probe_budget_seconds = budget
+             f"{result.num_samples / candidate.seconds_per_epoch:.1f} samples/s predicted "
+             f"({candidate.probe['probe_seconds']:.1f} s"
+             + (f"; measured peak {format_bytes(peak)}{', over the budget' if candidate in rejected else ''}"
+                if peak is not None else "") + ")")
+
+    baseline = next((c for c in result.candidates if c.baseline), None)
+    for candidate in [baseline] + [result.candidates[0]] * (result.candidates[0] is not baseline):
+        if candidate is not None:
+            run(candidate)
+    if budget is None:  # a share of the planned run (as the baseline's probe predicts it), less the estimates' time
+        reference = baseline or result.candidates[0]
+        budget = max(0.0, probe_fraction * reference.seconds_per_epoch * epochs - result.estimate_seconds)
+        result.probe_budget_seconds = round(budget, 3)
+    while True:
+        probed = [c for c in result.candidates if c.probed]
+        _scale_priors(result.candidates)
+        waiting = sorted((c for c in result.candidates if not c.probed), key=lambda c: c.seconds_per_epoch)
+        if not waiting:
+            break
+        candidate = waiting[0]
+        fitting = [c for c in probed if c not in rejected]
+        best = min((c.seconds_per_epoch for c in fitting), default=math.inf)
+        cost = _predicted_probe_seconds(candidate, probed)
+        if fitting and time.perf_counter() - started + cost > budget:
+            skipped += len(waiting)
+            break
+        if fitting and (best - PRIOR_OPTIMISM * candidate.seconds_per_epoch) * epochs <= cost:
+            hopeless += len(waiting)  # the rest are predicted slower still
+            break
+        run(candidate)
     result.probe_seconds = time.perf_counter() - started
     if skipped:
-        result.notes.append(f"{skipped} candidate(s) not probed: their probe would not fit the probe budget "
+        result.notes.append(f"{skipped} candidate(s) not probed: their probes would not fit the probe budget "
                             f"({budget:.0f} s); their speed is the prior scaled to the probes")
-    if rss_baseline is not None:
+    if hopeless:
+        result.notes.append(f"{hopeless} candidate(s) not probed: even {1 / PRIOR_OPTIMISM:.2f}x faster than "
+                            "predicted, none would win by more than its probe costs")
+    if meter is not None:
         unmeasured = [c for c in result.candidates if not c.probed]
         result.candidates = [c for c in result.candidates if c.probed and c not in rejected]
-        result.notes.append(f"budget of process RSS: {len(rejected)} probed candidate(s) measured over it and "
-                            f"{len(unmeasured)} not measured were left out")
+        if rejected or unmeasured:
+            result.notes.append(f"budget {result.meter}: {len(rejected)} probed candidate(s) measured over it and "
+                                f"{len(unmeasured)} not measured were left out")
         if not result.candidates:
-            raise PlanError(f"no candidate fits {format_bytes(result.budget_bytes)} of process RSS: the probes "
-                            "measured " + ", ".join(format_bytes(c.probe['peak_rss_bytes']) for c in rejected)
+            raise PlanError(f"no candidate fits {format_bytes(result.budget_bytes)} {result.meter}: the probes "
+                            "measured " + ", ".join(format_bytes(c.probe['measured_peak_bytes']) for c in rejected)
                             + "; raise the budget, or let the planner use --amp / --optim auto")
-    probed = [c for c in result.candidates if c.probed]
-    for candidate in (c for c in result.candidates if not c.probed):
+    _scale_priors(result.candidates)
+    result.candidates.sort(key=lambda c: (not c.probed or c in rejected, c.seconds_per_epoch))
+    baseline = next((c for c in result.candidates if c.baseline and c.probed and c not in rejected), None)
+    if baseline is not None and result.candidates[0] is not baseline \
+            and result.candidates[0].seconds_per_epoch > (1 - KEEP_BASELINE_WITHIN) * baseline.seconds_per_epoch:
+        result.candidates.remove(baseline)
+        result.candidates.insert(0, baseline)
+        result.notes.append(f"kept the {result.baseline_words}: no candidate is predicted at least "
+                            f"{KEEP_BASELINE_WITHIN:.0%} faster")
+
+
+def _record_probe(candidate: Candidate, probe: dict) -> None:
+    """A probe's measurements on its candidate, and the epoch's time they predict."""
+    candidate.probe, candidate.probed = probe, True
+    candidate.seconds_per_epoch = (probe["micro_step_seconds"] / probe["tokens"] * candidate.padded_tokens
+                                   + probe["optimizer_step_seconds"] * candidate.updates)
+
+
+def _scale_priors(candidates: list[Candidate]) -> None:
+    """Unprobed candidates' predicted time: their prior times the median ratio of the probed ones alike
+    (same precision and optimizer), or of every probed one."""
+    probed = [c for c in candidates if c.probed]
+    if not probed:
+        return
+    for candidate in (c for c in candidates if not c.probed):
         alike = [c for c in probed if (c.settings.precision, c.settings.optimizer)
                  == (candidate.settings.precision, candidate.settings.optimizer)] or probed
         ratios = sorted(c.seconds_per_epoch / c.prior for c in alike)
         candidate.seconds_per_epoch = candidate.prior * ratios[len(ratios) // 2]
-    result.candidates.sort(key=lambda c: (not c.probed, c.seconds_per_epoch))
 
 
 def _predicted_probe_seconds(candidate: Candidate, probed: list[Candidate]) -> float:
     """A probe's time, scaled from the nearest probed candidate by micro-batch rows and recompute."""
     if not probed:
         return 0.0
+
     def recompute(settings: Strategy) -> float:
         return 1 + (0.35 / settings.checkpoint_every if settings.gradient_checkpointing else 0.0)
     reference = min(probed, key=lambda c: abs(c.settings.batch_size - candidate.settings.batch_size))
     scale = candidate.settings.batch_size / reference.settings.batch_size * recompute(candidate.settings) \
         / recompute(reference.settings)
-    return reference.probe["probe_seconds"] * (1 + 1 / max(reference.probe["timed_updates"], 1)) * scale
+    return reference.probe["probe_seconds"] * scale
+
+
+class _Meter:
+    """A measured budget's meter around a probe: the process's RSS above `baseline` (Linux: the kernel's peak
+    mark, reset before the probe), or the CUDA caching allocator's peak reserved bytes."""
+
+    def __init__(self, kind: str, baseline: int | None):
+        self.kind, self.baseline = kind, baseline or 0
+
+    def reset(self) -> None:
+        if self.kind == "cuda_reserved":
+            import torch
+
+            torch.cuda.empty_cache()  # the run starts without the probes' cached blocks
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            _reset_peak_rss()
+
+    def peak(self) -> int:
+        if self.kind == "cuda_reserved":
+            import torch
+
+            return int(torch.cuda.max_memory_reserved())
+        return _status_bytes("VmHWM") - self.baseline
 
 
 def _probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_grad_norm,
-           rss_baseline: int | None = None) -> dict:
-    """One warm-up and up to 3 timed updates of the Loop on `batch`, learning rate 0.
+           meter: _Meter | None = None) -> dict:
+    """One update of the Loop on `batch` (two when it has one micro-batch), learning rate 0, timed.
 
-    Each update is a window of `min(accum_steps, 2)` micro-batches, as in the estimator: from the
-    second micro-batch on, the gradients of the first are held beside the activations, which is where
-    an accumulating run peaks. Returns the seconds per micro-step and per optimizer step (of the median
-    update), and with `rss_baseline` the process's peak RSS above it during the timed updates (the
-    kernel's mark is reset after the warm-up, whose first write of the weights and creation of the
-    optimizer state the run pays once too, before its own peak).
+    An update is a window of `min(accum_steps, 2)` micro-batches, as in the estimator: from the second
+    micro-batch on, the gradients of the first are held beside the activations, which is where an
+    accumulating run peaks. The first micro-batch is the warm-up (kernel selection, first-call costs); the
+    second is timed, from its `compute_loss` to the optimizer step, and the step itself is timed by the
+    optimizer's hooks (its first step: state creation included). A window of one micro-batch (accumulation
+    1, the fused step) runs twice and times the second. Returns the seconds per micro-step and per optimizer
+    step, the probe's own seconds, and with `meter` the peak it measured over the whole probe (warm-up
+    included: the run pays its first-call costs too).
     """
     micro_batches = min(settings.accum_steps, 2)
     # bf16 weights: the Loop casts the model in place; its fp32 tensors are set aside and put back after.
     stash = _fp32_stash(model) if settings.weights == "bf16" else {}
+    stashed = sum(tensor.numel() * tensor.element_size() for tensor in stash.values())
+    if meter is not None:
+        gc.collect()
+        meter.reset()
+    started = time.perf_counter()
     optimizer = settings.build_optimizer(model, 0.0)
     config = LoopConfig(**settings.loop_fields() | {"accum_steps": micro_batches}, max_grad_norm=max_grad_norm,
                         device=device, track_memory=False, progress_bar=False, eval_every="no", log_every=10**9)
     loop = Loop(model, optimizer, [], config=config)
-    step_seconds: list[float] = []
+    marks: list[tuple[str, float]] = []  # ("loss" | "step" | "stepped", when)
+    compute_loss = loop.compute_loss
+
+    def timed_loss(micro_batch):
+        marks.append(("loss", time.perf_counter()))
+        return compute_loss(micro_batch)
+
+    loop.compute_loss = timed_loss
     hooks = []
     for inner in inner_optimizers(loop.optimizer):
-        hooks.append(inner.register_step_pre_hook(lambda *args: step_seconds.append(-time.perf_counter())))
-        hooks.append(inner.register_step_post_hook(
-            lambda *args: step_seconds.__setitem__(-1, step_seconds[-1] + time.perf_counter())))
-    windows, optimizer_steps = [], []
+        hooks.append(inner.register_step_pre_hook(lambda *args: marks.append(("step", time.perf_counter()))))
+        hooks.append(inner.register_step_post_hook(lambda *args: marks.append(("stepped", time.perf_counter()))))
     try:
-        loop.run_update([batch] * micro_batches)  # warm-up: optimizer state, kernel selection, first-call costs
-        if rss_baseline is not None:
-            _reset_peak_rss()
-        while len(windows) < 3 and sum(windows) < 1.0:  # up to 3 timed updates, fewer when one takes a second
-            step_seconds.clear()
-            started = time.perf_counter()
+        for _ in range(1 if micro_batches == 2 else 2):
+            marks.clear()
             loop.run_update([batch] * micro_batches)
-            windows.append(time.perf_counter() - started)
-            optimizer_steps.append(sum(step_seconds))
+            ended = time.perf_counter()
+        peak = meter.peak() - stashed if meter is not None else None  # the fp32 tensors set aside: not the run's
     finally:
         for hook in hooks:
             hook.remove()
@@ -893,16 +1068,18 @@ def _probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_g
         del loop, optimizer
         _restore_stash(model, stash)
         gc.collect()
-    middle = sorted(range(len(windows)), key=lambda index: windows[index])[len(windows) // 2]  # the median update
-    optimizer_seconds = 0.0 if settings.optimizer_in_backward else optimizer_steps[middle]
-    result = {"micro_step_seconds": (windows[middle] - optimizer_seconds) / micro_batches,
-              "optimizer_step_seconds": optimizer_seconds,
-              "probe_seconds": sum(windows), "timed_updates": len(windows),
+    last_loss = max(when for kind, when in marks if kind == "loss")
+    steps = [(kind, when) for kind, when in marks if kind in ("step", "stepped") and when > last_loss]
+    if settings.optimizer_in_backward or not steps:  # the fused steps run inside backward: per-token time
+        micro_step, optimizer_seconds = ended - last_loss, 0.0
+    else:
+        micro_step = min(when for _, when in steps) - last_loss
+        optimizer_seconds = sum(when if kind == "stepped" else -when for kind, when in steps)
+    result = {"micro_step_seconds": micro_step, "optimizer_step_seconds": max(optimizer_seconds, 0.0),
+              "probe_seconds": time.perf_counter() - started, "tokens": int(batch["input_ids"].numel()),
               "batch_shape": list(batch["input_ids"].shape)}
-    if rss_baseline is not None:
-        # The fp32 tensors set aside are resident during the probe, but the run will not hold them.
-        stashed = sum(tensor.numel() * tensor.element_size() for tensor in stash.values())
-        result["peak_rss_bytes"] = _status_bytes("VmHWM") - rss_baseline - stashed
+    if peak is not None:
+        result["measured_peak_bytes"] = peak
     return result
 
 

@@ -1,0 +1,109 @@
+"""Estimates in a child process, so the training process never holds what estimating costs.
+
+An estimate runs the Loop's update on fake tensors: that imports and warms torch's fake-tensor machinery
+(sympy, torch.fx, dynamo's utilities) and leaves its caches behind, about 75-140 MiB of RSS that the
+process would keep for the whole run although no tensor of the run needs it. A budget of process RSS
+(`plan(meter="rss")`, the command line's default on a CPU) would pay it. `EstimateWorker` forks this
+process once (POSIX) and answers requests in the child, which inherits the model and everything else
+copy-on-write, so nothing is pickled but the requests and the answers; the child exits when the worker
+is closed (or when this process ends: it reads end-of-file). The child's own memory is short-lived and
+exists while this process holds only the weights, before training allocates anything.
+
+Where `os.fork` does not exist, or with ``LOOPTRAIN_ESTIMATE_IN_PROCESS=1``, requests run in this process.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+from collections.abc import Callable
+from typing import Any
+
+
+class EstimateWorker:
+    """Calls ``serve(request)`` in a forked child (or here) and returns its answer; errors are raised here.
+
+    Use as a context manager, or call `close`.
+    """
+
+    def __init__(self, serve: Callable[[Any], Any]):
+        self.serve, self.pid = serve, None
+        self._requests = self._answers = None
+        if not hasattr(os, "fork") or os.environ.get("LOOPTRAIN_ESTIMATE_IN_PROCESS", "") not in ("", "0"):
+            return
+        request_read, request_write = os.pipe()
+        answer_read, answer_write = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: answer until end-of-file, then leave without running any exit handler
+            code = 0
+            try:
+                os.close(request_write)
+                os.close(answer_read)
+                _serve_forever(serve, os.fdopen(request_read, "rb"), os.fdopen(answer_write, "wb"))
+            except BaseException:  # noqa: BLE001  the parent sees end-of-file and says so
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(request_read)
+        os.close(answer_write)
+        self.pid = pid
+        self._requests, self._answers = os.fdopen(request_write, "wb"), os.fdopen(answer_read, "rb")
+
+    def __call__(self, request: Any) -> Any:
+        if self.pid is None:
+            return self.serve(request)
+        pickle.dump(request, self._requests)
+        self._requests.flush()
+        try:
+            status, answer = pickle.load(self._answers)
+        except EOFError:
+            self.close()
+            raise RuntimeError("the estimate's child process ended without an answer (killed, or out of memory); "
+                               "set LOOPTRAIN_ESTIMATE_IN_PROCESS=1 to estimate in this process") from None
+        if status == "error":
+            raise answer
+        return answer
+
+    def close(self) -> None:
+        if self.pid is None:
+            return
+        for stream in (self._requests, self._answers):
+            try:
+                stream.close()
+            except OSError:
+                pass
+        try:
+            os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            pass
+        self.pid = None
+
+    def __enter__(self) -> EstimateWorker:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def _serve_forever(serve: Callable[[Any], Any], requests, answers) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # fake tensors compute nothing; a forked OpenMP pool is not this child's to use
+    while True:
+        try:
+            request = pickle.load(requests)
+        except EOFError:
+            return
+        try:
+            answer = ("ok", serve(request))
+        except Exception as error:  # noqa: BLE001  raised again in the parent
+            answer = ("error", error)
+        try:
+            payload = pickle.dumps(answer)
+        except Exception:  # noqa: BLE001  an error that does not pickle: its words do
+            payload = pickle.dumps(("error", RuntimeError(f"{type(answer[1]).__name__}: {answer[1]}")))
+        answers.write(payload)
+        answers.flush()
