@@ -360,6 +360,7 @@ class _Search:
         self.cache: dict = {}
         self.results: dict = {}  # the whole estimate (breakdown, phase), by the same key
         self.count = 0
+        self.cached = 0  # of `count`, the estimates read from the on-disk cache (looptrain.planning.estimate_cache)
         self.seconds = 0.0
         self.overhead = 0  # a budget of process RSS: what the process holds besides the estimated tensors
         self.padded = False  # the worst batch of more than one row holds shorter, padded rows (see `estimate`)
@@ -384,6 +385,7 @@ class _Search:
                               num_labels=self.num_labels, max_grad_norm=self.max_grad_norm, padded=self.padded)
             self.seconds += time.perf_counter() - started
             self.count += 1
+            self.cached += bool(result.get("from_cache"))
             self.cache[key] = result["peak_memory_bytes"]
             self.results[key] = result
             self.echo(f"  estimate {settings.batch_size} x {settings.accum_steps}, {settings.precision}"
@@ -391,7 +393,8 @@ class _Search:
                       f"{settings.optimizer}, checkpointing {settings.checkpointing}"
                       f"{', fused step' if settings.optimizer_in_backward else ''}"
                       f"{', ' + _lora_words(settings) if settings.lora_rank else ''}"
-                      f"{f', seq {seq_len}' if seq_len != self.width else ''}: {format_bytes(self.cache[key])}")
+                      f"{f', seq {seq_len}' if seq_len != self.width else ''}: {format_bytes(self.cache[key])}"
+                      f"{' (from the cache)' if result.get('from_cache') else ''}")
         return self.cache[key]
 
     def fits(self, settings: Strategy) -> bool:
