@@ -12,7 +12,7 @@ SHA-256 of a JSON description of:
   quantization state);
 - the batches (the windows' micro-batch shapes), the strategy (every field but those applied to the
   batches), the number of labels, the clipping threshold, padding;
-- the CPU (capability, native bf16 and fp16: ``precision="auto"`` resolves by them), the versions of
+- the CPU (capability, native bf16 and fp16: ``precision="auto"`` resolves by them), ``WORLD_SIZE``, the versions of
   torch, transformers, bitsandbytes and peft, `CODE_VERSION`, and a hash of looptrain's own source
   files, so that any change to the code estimated (the Loop, the optimizers, the tracker) misses the
   cache instead of reading a stale figure.
@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -170,6 +171,7 @@ def key(model_or_config: Any, windows: Sequence[Sequence[tuple[int, int]]], stra
         # Asked at each call (tests pin them): precision "auto" resolves by them.
         "cpu": [torch.backends.cpu.get_cpu_capability(), precision.cpu_has_native_bf16(),
                 precision.cpu_has_native_fp16()],
+        "world_size": os.environ.get("WORLD_SIZE", "1"),  # under torchrun the Loop joins the process group
     }
     text = json.dumps(description, sort_keys=True, default=_json_value)
     return hashlib.sha256(text.encode()).hexdigest()
