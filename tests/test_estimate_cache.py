@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from looptrain.planning import estimate, estimate_cache, estimator, planner, run_batches_estimate
+from looptrain.planning import estimate, estimate_cache, estimator, planner, preset_config, run_batches_estimate
 from looptrain.strategy import Strategy
 
 BATCH, WIDTH = 2, 8
@@ -136,17 +136,19 @@ def test_a_change_of_the_model_misses_the_cache(cache_root, computed, change):
 
 
 def test_the_key_holds_the_preset_the_padding_and_the_clipping():
-    def key(model, **options):
+    def key(model, windows=((BATCH, WIDTH),), **options):
         settings = {"num_labels": 2, "max_grad_norm": 1.0, "padded": False, **options}
-        return estimate_cache.key(model, [[(BATCH, WIDTH)]], Strategy(), **settings)
+        named = preset_config(model, settings["num_labels"]) if isinstance(model, str) else None
+        return estimate_cache.key(model, [list(windows)], Strategy(), named_config=named, **settings)
 
     keys = {key("bert-base"), key("bert-large"), key("bert-base", padded=True), key("bert-base", max_grad_norm=None),
             key("bert-base", num_labels=3), key(bert_config()), key(bert_model()),
-            estimate_cache.key("bert-base", [[(BATCH, WIDTH)], [(BATCH, WIDTH)]], Strategy(), num_labels=2,
-                               max_grad_norm=1.0, padded=False)}
+            key("bert-base", windows=[(BATCH, WIDTH), (BATCH, WIDTH)])}
     assert len(keys) == 8
     assert key("bert-base") == key("bert-base")
     assert key(object()) is None  # not describable: never cached
+    assert estimate_cache.key("bert-base", [[(BATCH, WIDTH)]], Strategy(), num_labels=2, max_grad_norm=1.0,
+                              padded=False) is None  # a name without the config it names
 
 
 def test_the_key_of_a_module_without_a_config_holds_its_tree_and_settings():
@@ -208,3 +210,15 @@ def test_a_runs_estimate_is_read_from_the_cache(cache_root, computed):
     windows = [[(BATCH, WIDTH)], [(BATCH, WIDTH - 2)], [(1, WIDTH)]]
     peaks = [run_batches_estimate(bert_model(), Strategy(), windows) for _ in range(2)]
     assert peaks[0] == peaks[1] > 0 and len(computed) == 1
+
+
+def test_a_config_file_keys_by_its_content(cache_root, computed, tmp_path):
+    path = tmp_path / "config.json"
+    values = {**bert_config().to_dict(), "model_type": "bert"}
+    path.write_text(json.dumps(values))
+    first = estimate(str(path), BATCH, WIDTH)
+    assert estimate(str(path), BATCH, WIDTH)["from_cache"] and len(computed) == 1
+    path.write_text(json.dumps({**values, "intermediate_size": 64}))  # the same name, another model
+    changed = estimate(str(path), BATCH, WIDTH)
+    assert len(computed) == 2 and not changed["from_cache"]
+    assert changed["parameters"] > first["parameters"]

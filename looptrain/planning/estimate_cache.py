@@ -130,16 +130,14 @@ def _module_description(model: nn.Module) -> dict:
     }
 
 
-def _model_description(model_or_config: Any, num_labels: int) -> dict | None:
+def _model_description(model_or_config: Any, named_config: Any) -> dict | None:
     """The model an estimate builds, described; None when it cannot be described (never cached then)."""
     if isinstance(model_or_config, nn.Module):
         return {"module": _module_description(model_or_config)}
     if isinstance(model_or_config, str):
-        from looptrain.planning.estimator import PRESETS, load_config, preset_config
-
-        config = preset_config(model_or_config, num_labels) if model_or_config in PRESETS \
-            else load_config(model_or_config, num_labels)
-        return {"name": model_or_config, "config": _config_description(config)}
+        if named_config is None:
+            return None
+        return {"name": model_or_config, "config": _config_description(named_config)}
     if hasattr(model_or_config, "to_dict") and hasattr(model_or_config, "model_type"):
         return {"config": _config_description(model_or_config)}
     return None
@@ -155,9 +153,13 @@ def _strategy_description(strategy: Strategy) -> dict:
 
 
 def key(model_or_config: Any, windows: Sequence[Sequence[tuple[int, int]]], strategy: Strategy, *,
-        num_labels: int, max_grad_norm: float | None, padded: bool) -> str | None:
-    """The cache key of one `estimate_windows` call (a hex digest), or None when it is not to be cached."""
-    model = _model_description(model_or_config, num_labels)
+        num_labels: int, max_grad_norm: float | None, padded: bool, named_config: Any = None) -> str | None:
+    """The cache key of one `estimate_windows` call (a hex digest), or None when it is not to be cached.
+
+    `named_config`: for a preset name or a path, the config it names (read by the estimator); without it a name
+    is not cached.
+    """
+    model = _model_description(model_or_config, named_config)
     if model is None:
         return None
     description = {

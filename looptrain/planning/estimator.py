@@ -12,6 +12,9 @@ Fake tensors have shapes but no values, so the two checks of a gradient's finite
 the estimator brings its own behaviour for them (`FakePrecision`, `FakeOptimizerInBackward`: every
 update steps, since its memory is what is measured), and production code never branches on fakes.
 
+An estimate made once is read back from the on-disk cache (`estimate_cache`) when the same question comes
+again; ``cache=False`` or ``LOOPTRAIN_CACHE_DIR=off`` computes it every time.
+
 It sits above the Loop, as the planner does; leaf modules never import it.
 """
 
@@ -118,7 +121,7 @@ def _fake_model(model_or_config: Any, num_labels: int, fake_mode) -> nn.Module:
         return copy.deepcopy(model_or_config, memo)
     config = model_or_config
     if isinstance(config, str):
-        config = preset_config(config, num_labels) if config in PRESETS else load_config(config, num_labels)
+        config = _named_config(config, num_labels)
     else:
         config = copy.deepcopy(config)
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -128,6 +131,11 @@ def _fake_model(model_or_config: Any, num_labels: int, fake_mode) -> nn.Module:
     with fake_mode:
         # The attention implementation is resolved as a real from_config resolves it (sdpa where torch has it).
         return auto_class.from_config(config)
+
+
+def _named_config(name: str, num_labels: int):
+    """The config a preset name or a local path names."""
+    return preset_config(name, num_labels) if name in PRESETS else load_config(name, num_labels)
 
 
 def _fake_tensors(model: nn.Module, fake_mode) -> None:
@@ -375,8 +383,10 @@ def estimate_windows(
     strategy = as_strategy(strategy, levers)
     LoopConfig.from_strategy(strategy, max_grad_norm=max_grad_norm, device="cpu")  # an invalid mix fails before work
     started = time.perf_counter()
-    key = estimate_cache.key(model_or_config, windows, strategy, num_labels=num_labels, max_grad_norm=max_grad_norm,
-                             padded=padded) if cache else None
+    key = estimate_cache.key(
+        model_or_config, windows, strategy, num_labels=num_labels, max_grad_norm=max_grad_norm, padded=padded,
+        named_config=_named_config(model_or_config, num_labels) if isinstance(model_or_config, str) else None,
+    ) if cache else None
     result = estimate_cache.read(key) if key is not None else None
     if result is None:
         result = _estimate_windows(model_or_config, windows, strategy, num_labels, max_grad_norm, padded)
