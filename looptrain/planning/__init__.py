@@ -4,6 +4,7 @@ Modules:
     estimator   `estimate`: a training step's peak on fake tensors, driving the Loop's own update;
                 `estimate_windows` / `bounding_windows`: a run's peak over the batches it will see;
                 `measure`: the same strategy run for real, for the accuracy check
+    estimate_cache  the on-disk cache of estimates: the key of an estimate (everything that decides it)
     planner     `plan`: a memory budget in, the fastest exact training configuration that fits out;
                 `lowest`: the full fine-tune with the lowest estimated peak (``--lowest``)
 

@@ -12,6 +12,9 @@ Fake tensors have shapes but no values, so the two checks of a gradient's finite
 the estimator brings its own behaviour for them (`FakePrecision`, `FakeOptimizerInBackward`: every
 update steps, since its memory is what is measured), and production code never branches on fakes.
 
+An estimate made once is read back from the on-disk cache (`estimate_cache`) when the same question comes
+again; ``cache=False`` or ``LOOPTRAIN_CACHE_DIR=off`` computes it every time.
+
 It sits above the Loop, as the planner does; leaf modules never import it.
 """
 
@@ -36,6 +39,7 @@ from looptrain.batches import model_shifts_labels
 from looptrain.config import LoopConfig
 from looptrain.loop import Loop
 from looptrain.optim import OptimizerInBackward
+from looptrain.planning import estimate_cache
 from looptrain.precision import Precision
 from looptrain.strategy import Strategy
 
@@ -117,7 +121,7 @@ def _fake_model(model_or_config: Any, num_labels: int, fake_mode) -> nn.Module:
         return copy.deepcopy(model_or_config, memo)
     config = model_or_config
     if isinstance(config, str):
-        config = preset_config(config, num_labels) if config in PRESETS else load_config(config, num_labels)
+        config = _named_config(config, num_labels)
     else:
         config = copy.deepcopy(config)
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -127,6 +131,11 @@ def _fake_model(model_or_config: Any, num_labels: int, fake_mode) -> nn.Module:
     with fake_mode:
         # The attention implementation is resolved as a real from_config resolves it (sdpa where torch has it).
         return auto_class.from_config(config)
+
+
+def _named_config(name: str, num_labels: int):
+    """The config a preset name or a local path names."""
+    return preset_config(name, num_labels) if name in PRESETS else load_config(name, num_labels)
 
 
 def _fake_tensors(model: nn.Module, fake_mode) -> None:
@@ -296,6 +305,7 @@ def estimate(
     num_labels: int = 2,
     max_grad_norm: float | None = 1.0,
     padded: bool = False,
+    cache: bool = True,
     **levers: Any,
 ) -> dict[str, Any]:
     """Estimate the peak memory of a training step on fake tensors, by driving the Loop's own update.
@@ -324,11 +334,15 @@ def estimate(
         **levers: strategy fields to replace, by name (``precision="bf16"``, ``optimizer="adafactor"``,
             ``gradient_checkpointing=True``, ``freeze_layers=2``, ``weights="bf16"``, ...): the same as
             passing ``dataclasses.replace(strategy, **levers)``.
+        cache: read the result from the on-disk cache of estimates when an identical estimate was made before,
+            and store it there otherwise (`looptrain.planning.estimate_cache`; ``LOOPTRAIN_CACHE_DIR=off`` turns
+            it off everywhere). False: always estimate, store nothing.
 
     Returns:
         ``peak_memory_bytes``, ``memory_meter`` ("estimate_fake_tensor_tracker"), ``memory_breakdown``
         (params, grads, optimizer_state, activations_and_temps, peak_phase), ``phase_peak_bytes``,
-        ``parameters``, ``trainable_parameters``, ``notes`` and ``estimate_seconds``.
+        ``parameters``, ``trainable_parameters``, ``notes``, ``estimate_seconds`` (this call's) and
+        ``from_cache`` (whether the result was read from the cache).
 
     Raises:
         ValueError: an invalid mix (`looptrain.ConfigError` names the fields), an unknown preset.
@@ -337,7 +351,7 @@ def estimate(
     strategy = as_strategy(strategy, levers)
     window = [(batch_size, seq_len)] * min(strategy.accum_steps, 2)
     return estimate_windows(model_or_config, [window, window], strategy, num_labels=num_labels,
-                            max_grad_norm=max_grad_norm, padded=padded)
+                            max_grad_norm=max_grad_norm, padded=padded, cache=cache)
 
 
 def estimate_windows(
@@ -348,6 +362,7 @@ def estimate_windows(
     num_labels: int = 2,
     max_grad_norm: float | None = 1.0,
     padded: bool = False,
+    cache: bool = True,
     **levers: Any,
 ) -> dict[str, Any]:
     """`estimate` over given accumulation windows: the Loop's update driven once per window, in order.
@@ -357,19 +372,38 @@ def estimate_windows(
         windows: each window's micro-batch shapes ``(rows, width)``, driven from a fresh start (no
             gradients, no optimizer state: the first update creates it), e.g. `bounding_windows` of
             the shapes a run's sampler gives.
-        strategy, num_labels, max_grad_norm, padded, **levers: as in `estimate` (`padded`: the micro-batches of
-            more than one row).
+        strategy, num_labels, max_grad_norm, padded, cache, **levers: as in `estimate` (`padded`: the
+            micro-batches of more than one row).
 
     Returns:
         The same dict as `estimate`: the peak over all the windows, its breakdown and phase.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     if not windows or not all(windows):
         raise ValueError("estimate_windows needs at least one window, and every window at least one (rows, width)")
     strategy = as_strategy(strategy, levers)
     LoopConfig.from_strategy(strategy, max_grad_norm=max_grad_norm, device="cpu")  # an invalid mix fails before work
     started = time.perf_counter()
+    key = estimate_cache.key(
+        model_or_config, windows, strategy, num_labels=num_labels, max_grad_norm=max_grad_norm, padded=padded,
+        named_config=_named_config(model_or_config, num_labels) if isinstance(model_or_config, str) else None,
+    ) if cache else None
+    result = estimate_cache.read(key) if key is not None else None
+    if result is None:
+        result = _estimate_windows(model_or_config, windows, strategy, num_labels, max_grad_norm, padded)
+        if key is not None:
+            estimate_cache.write(key, result)
+        result["from_cache"] = False
+    else:
+        result["from_cache"] = True
+    result["estimate_seconds"] = round(time.perf_counter() - started, 3)
+    return result
+
+
+def _estimate_windows(model_or_config: Any, windows: Sequence[Sequence[tuple[int, int]]], strategy: Strategy,
+                      num_labels: int, max_grad_norm: float | None, padded: bool) -> dict[str, Any]:
+    """`estimate_windows`'s work, without the cache: the Loop's update driven on fake tensors under the tracker."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     rng_states = state.capture_rng_state()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
@@ -414,7 +448,6 @@ def estimate_windows(
         "parameters": sum(_numel(p) for p in parameters),
         "trainable_parameters": sum(p.numel() for p in parameters if p.requires_grad),
         "notes": [],
-        "estimate_seconds": round(time.perf_counter() - started, 3),
     }
 
 

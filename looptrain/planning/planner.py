@@ -160,7 +160,7 @@ class Plan:
     num_samples: int
     meter: str = "of live tensors"  # METERS' words: under a measured meter the probes' measured peaks must fit too
     notes: list[str] = field(default_factory=list)
-    cached_estimates: int = 0  # estimates read from the on-disk cache
+    cached_estimates: int = 0  # of `estimates`, those read from the on-disk cache
     baseline_words: str = "your flags"  # the baseline candidate: the user's flags, or "safe default" (the lightest)
     # A LoRA plan: the winner against the full fine-tune with its settings (`lora_comparison`); None otherwise.
     lora: dict | None = None
@@ -199,7 +199,7 @@ class Plan:
                 f"{'probe' if candidate.probed else 'prior, scaled to the probes' if measured else 'prior only'} |")
         lines.append(f"{len(self.candidates)} candidates fit; planning {self.planning_seconds:.1f} s: "
                      f"{self.estimates} estimates in {self.estimate_seconds:.1f} s"
-                     + (f" ({self.cached_estimates} more from the cache)" if self.cached_estimates else "")
+                     + (f" ({self.cached_estimates} of them read from the cache)" if self.cached_estimates else "")
                      + f", probes {self.probe_seconds:.1f} s"
                      + (f" (budget {self.probe_budget_seconds:.0f} s)"
                         if self.probe_budget_seconds is not None else ""))
@@ -449,7 +449,7 @@ class _Search:
         self.cache: dict = {}
         self.results: dict = {}  # the whole estimate (breakdown, phase), by the same key
         self.count = 0
-        self.cached = 0  # estimates read from the on-disk cache (not counted in `count`)
+        self.cached = 0  # of `count`, the estimates read from the on-disk cache (looptrain.planning.estimate_cache)
         self.seconds = 0.0
         self.overhead = 0  # a budget of process RSS: what the process holds besides the estimated tensors
         self.padded = False  # the worst batch of more than one row holds shorter, padded rows (see `estimate`)
@@ -476,6 +476,7 @@ class _Search:
             result = self.worker(request) if self.worker is not None else self.estimate_here(request)
             self.seconds += time.perf_counter() - started
             self.count += 1
+            self.cached += bool(result.get("from_cache"))
             self.cache[key] = result["peak_memory_bytes"]
             self.results[key] = result
             self.echo(f"  estimate {settings.batch_size} x {settings.accum_steps}, {settings.precision}"
@@ -483,7 +484,8 @@ class _Search:
                       f"{settings.optimizer}, checkpointing {settings.checkpointing}"
                       f"{', fused step' if settings.optimizer_in_backward else ''}"
                       f"{', ' + _lora_words(settings) if settings.lora_rank else ''}"
-                      f"{f', seq {seq_len}' if seq_len != self.width else ''}: {format_bytes(self.cache[key])}")
+                      f"{f', seq {seq_len}' if seq_len != self.width else ''}: {format_bytes(self.cache[key])}"
+                      f"{' (from the cache)' if result.get('from_cache') else ''}")
         return self.cache[key]
 
     def estimate_here(self, request: tuple) -> dict:
