@@ -64,6 +64,8 @@ class LoopConfig(LoopLevers):
     max_bad_windows: int = 5  # stop after this many consecutive windows with a non-finite loss or gradient
     auto_batch: bool = False  # on out-of-memory, halve the micro-batch and double accumulation, then retry
     track_memory: bool = True  # CPU: count every tensor for an exact peak and breakdown (slower); False: RSS only
+    measure_mfu: bool = True  # model FLOP utilisation in the summary and log lines: times this device's matmul
+                              # peak once at the start (about a second, then cached on disk)
     report_to: str = "none"  # experiment trackers besides metrics.jsonl: none or tensorboard (comma-separated)
     extra: dict = field(default_factory=dict)  # free-form values recorded in summary.json (e.g. CLI options)
 
@@ -150,6 +152,8 @@ class LoopConfig(LoopLevers):
             problems.append(
                 f"unfreeze_every must be None, 'epoch' or a positive number of optimizer updates (got {every!r})"
             )
+        if not isinstance(self.measure_mfu, bool):
+            problems.append(f"measure_mfu must be True or False (got {self.measure_mfu!r})")
         if self.max_bad_windows < 1:
             problems.append(f"max_bad_windows must be >= 1 (got {self.max_bad_windows})")
         if self.auto_batch and self.optimizer_in_backward:

@@ -160,7 +160,7 @@ class Loop:
             self._check_evaluation()  # the eval hooks and metric_for_best fail now, not after hours of training
             if plan["checkpoints"]:
                 self.run.restore(plan["checkpoints"])  # weights, optimizer, scaler, RNG, counters, data position
-            self.run.open_progress()
+            self.run.open_progress()  # the bar; with measure_mfu, the matmul peak (measured once, then cached)
             if self._unfreezing is not None and (notice := self._unfreezing.reach_notice(
                     self.run.planned_updates(), self.config.epochs)):
                 self._log.echo(f"notice: {notice}")

@@ -21,12 +21,16 @@ from typing import Any
 
 import torch
 
-from looptrain import distributed, ledger, resume, state
+from looptrain import distributed, flops, ledger, resume, state
 from looptrain.config import LoopConfig
 from looptrain.precision import cpu_description, emulation_warning
 from looptrain.run_log import RunLog
 
-__all__ = ["Run", "planned_updates"]
+__all__ = ["MFU_KEYS", "Run", "planned_updates"]
+
+# The summary's model FLOP utilisation figures (None without `measure_mfu`); see `Run.flops_figures`.
+MFU_KEYS = ("mfu", "model_flops_per_token", "model_flops_per_s", "peak_flops_per_s", "peak_flops_dtype",
+            "peak_flops_device")
 
 
 def planned_updates(num_batches: int, config: LoopConfig) -> int:
@@ -49,6 +53,9 @@ class Run:
         best: the `BestTracker` of the checkpoints written so far.
         last_eval_step: the step of the latest evaluation (-1: none yet).
         last_checkpoint_step: the step of the latest checkpoint written or restored (-1: none yet).
+        model_flops: the model's training FLOPs per token (`looptrain.flops.ModelFlops`), None until
+            `open_progress` or without `measure_mfu`.
+        peak: this device's matmul peak (`looptrain.flops.matmul_peak_flops`), likewise.
     """
 
     def __init__(self, config: LoopConfig, training: Any, *, is_main: bool):
@@ -61,6 +68,8 @@ class Run:
         self.log = RunLog(self.output_dir, is_main=is_main, report_to=config.report_to,
                           progress_bar=config.progress_bar)
         self.last_eval_step = self.last_checkpoint_step = -1
+        self.model_flops: flops.ModelFlops | None = None
+        self.peak: dict | None = None
         self._first_step = 0
         self._checkpoints: set[str] = set()  # this run's checkpoints: the only ones rotation may delete
         self._epoch_rng_state: torch.Tensor | None = None
@@ -212,15 +221,36 @@ class Run:
     def open_progress(self) -> None:
         """The progress bar from the current step; the heartbeat's time-to-go counts this run's updates.
 
-        A `max_steps` that the epochs cannot reach is said once here, not discovered at the end.
+        A `max_steps` that the epochs cannot reach is said once here, not discovered at the end. With
+        `measure_mfu`, the model's FLOPs per token are counted (trainability as it is now) and this device's
+        matmul peak is read from the cache or measured (about a second): before training's clock starts.
         """
         planned, config = self.planned_updates(), self.config
         if planned is not None and 0 < planned < config.max_steps:
             self.log.echo(f"notice: max_steps={config.max_steps} (--max-steps) but {config.epochs} epoch(s) of this "
                           f"data make {planned} updates: the run stops at {planned}; raise epochs (--epochs) to "
                           f"reach {config.max_steps}")
+        if config.measure_mfu:
+            self.model_flops = flops.count_model_flops(self.training.model)
+            self.peak = flops.matmul_peak_flops(self.training.device, self.training.precision.name)
         self.log.open_progress(planned, initial=self.training.step)
         self._first_step = self.training.step
+
+    def flops_figures(self, tokens_per_s: float, samples_per_s: float) -> dict:
+        """Model FLOP/s and MFU at these rates (over every rank); every `MFU_KEYS` value None without `measure_mfu`.
+
+        FLOPs are counted per real token (per sample when the batches carry no token ids), with the
+        attention term at the mean real length of a sample, tokens / samples (docs/speed.md).
+        """
+        if self.model_flops is None or self.peak is None:
+            return dict.fromkeys(MFU_KEYS)
+        seq_len = tokens_per_s / samples_per_s if tokens_per_s and samples_per_s else 1.0
+        per_token = self.model_flops.per_token(seq_len)
+        achieved = per_token * (tokens_per_s or samples_per_s)
+        peak = self.peak["flops_per_s"] * distributed.current().world_size  # the tokens are every rank's
+        return {"mfu": achieved / peak, "model_flops_per_token": per_token, "model_flops_per_s": achieved,
+                "peak_flops_per_s": peak, "peak_flops_dtype": self.peak["dtype"],
+                "peak_flops_device": self.peak["device"]}
 
     def planned_updates(self) -> int | None:
         """The updates the whole run makes (None: a loader without a length and no `max_steps`)."""
@@ -259,18 +289,22 @@ class Run:
             "samples_per_s": interval["samples_per_s"], "tokens_per_s": interval["tokens_per_s"],
             "skipped_steps": training.skipped_steps,
             "peak_memory_bytes": training.meter.summary(training.model, training.optimizer)["peak_memory_bytes"],
+            "mfu": self.flops_figures(interval["tokens_per_s"], interval["samples_per_s"])["mfu"],
         }
+        mfu = {} if record["mfu"] is None else {"mfu": f"{record['mfu']:.1%}"}
         self.log.advance_progress(0, loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
-                                  samples_s=f"{record['samples_per_s']:.1f}")
+                                  samples_s=f"{record['samples_per_s']:.1f}", **mfu)
         self.log.event(record)
 
     # ------------------------------------------------------------------ the summary
     def summary(self, runtime_seconds: float, *, micro_batch_splits: int, unfreeze: dict | None) -> dict:
-        """The run's summary: throughput, counters, memory, final evaluation, best checkpoint."""
-        training = self.training
+        """The run's summary: throughput, MFU, counters, memory, final evaluation, best checkpoint."""
+        training, totals = self.training, self.log.totals
+        seconds = max(totals.run_seconds, 1e-9)
         result = {
             "train_runtime_s": round(runtime_seconds, 3),
-            **self.log.totals.run_figures(),
+            **totals.run_figures(),
+            **self.flops_figures(totals.run_tokens / seconds, totals.run_samples / seconds),
             "optimizer_steps": training.step,
             "skipped_steps": training.skipped_steps,
             "micro_steps": training.micro_step,

@@ -127,10 +127,12 @@ class Totals:
 
 
 def format_record(record: dict) -> str:
-    """One event as `key=value` pairs (floats to 4 significant digits; nested values left out)."""
+    """One event as `key=value` pairs (floats to 4 significant digits, `mfu` in percent; nested ones left out)."""
     parts = []
     for key, value in record.items():
-        if isinstance(value, float):
+        if key == "mfu" and isinstance(value, float):  # model FLOP utilisation, a fraction: read as a percentage
+            parts.append(f"mfu={value:.1%}")
+        elif isinstance(value, float):
             parts.append(f"{key}={value:.4g}")
         elif value is not None and not isinstance(value, (dict, list)):
             parts.append(f"{key}={value}")

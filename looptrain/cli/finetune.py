@@ -1313,6 +1313,10 @@ def final_table(summary: dict, baseline: dict | None, output_dir: Path) -> str:
             lines.append(f"| eval perplexity | {evaluation['perplexity']:.4f} | |")
     lines.append(f"| train time | {summary['train_runtime_s']:.1f} s | |")
     lines.append(f"| samples/s | {summary['train_samples_per_s']:.2f} | |")
+    if summary.get("mfu") is not None:  # model FLOP/s over the peak measured on this device (docs/speed.md)
+        lines.append(f"| MFU | {summary['mfu']:.1%} ({summary['model_flops_per_s'] / 1e9:.2f} GFLOP/s of the "
+                     f"{summary['peak_flops_dtype']} matmul peak {summary['peak_flops_per_s'] / 1e9:.1f} GFLOP/s "
+                     f"on {summary['peak_flops_device']}) | |")
     lines.append(f"| optimizer steps (skipped) | {summary['optimizer_steps']} ({summary['skipped_steps']}) | |")
     peak = summary.get("peak_memory_bytes")
     unfreeze = summary.get("unfreeze")
