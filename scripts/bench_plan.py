@@ -133,7 +133,7 @@ def worker_looptrain(spec: dict) -> dict:
                 "--max-length", str(MAX_LENGTH), "--memory-budget", f"{spec['budget']}B", "--effective-batch",
                 str(EFFECTIVE_BATCH), "--optim", "adafactor", "--group-by-length", "--lr", str(LEARNING_RATE),
                 "--weight-decay", "0", "--warmup-ratio", "0", "--eval-split", "0", "--seed", str(spec["seed"]),
-                "--no-track-memory", "--no-progress-bar", "--log-every", "1000", *spec.get("extra", [])]
+                "--no-progress-bar", "--log-every", "1000", *spec.get("extra", [])]
         started = time.perf_counter()
         code = finetune.main(argv)
         seconds = time.perf_counter() - started
@@ -146,8 +146,9 @@ def worker_looptrain(spec: dict) -> dict:
 
 
 def run_worker(spec: dict) -> dict:
+    cache = tempfile.mkdtemp(prefix="looptrain-bench-cache-")  # a cold cache: every estimate is computed
     environment = {**os.environ, **MALLOC_ENVIRONMENT, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
-                   "TOKENIZERS_PARALLELISM": "false"}
+                   "TOKENIZERS_PARALLELISM": "false", "LOOPTRAIN_CACHE_DIR": cache}
     result = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True,
                             env=environment, cwd=ROOT, timeout=7200)
     if result.returncode != 0:

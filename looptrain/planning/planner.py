@@ -332,23 +332,25 @@ def plan(
         if baseline is None and base.batch_size * base.accum_steps == effective_batch:
             baseline = base
         costing = (dataset, collator, lengths, effective_batch, base, levers, set(fixed), device_type, seed, baseline)
-        candidates = _costed_candidates(search, *costing)
         order = sorted(range(len(lengths)), key=lambda index: -lengths[index])  # the worst batch: the longest samples
         first_probe: tuple[Strategy, dict] | None = None
         first_seconds = 0.0
-        if measured is not None and candidates:
-            # The process holds more than tensors (libraries, the estimator's own modules, data, allocator caches):
-            # measure it once, on the configuration every plan probes first, and search again with the budget less it.
-            first = next((c for c in candidates if c.baseline), candidates[0])
-            batch = collator([dataset[i] for i in order[:first.settings.batch_size]])
-            started = time.perf_counter()
-            first_probe = first.settings, _probe(model, first.settings, batch, device, max_grad_norm, measured)
-            first_seconds = time.perf_counter() - started
-            search.overhead = max(0, first_probe[1]["measured_peak_bytes"] - first.estimated_peak_bytes)
-            echo(f"  the process holds {format_bytes(search.overhead)} besides the estimated tensors (measured: "
-                 f"{format_bytes(first_probe[1]['measured_peak_bytes'])} at {first.settings.batch_size} x "
-                 f"{first.settings.accum_steps})")
-            candidates = _costed_candidates(search, *costing)
+        if measured is not None:
+            # The process holds more than tensors (the modules loading imported, first-use kernels and caches, the
+            # data): measure it once, before the search, on the configuration every plan probes first (the user's,
+            # else the safe default), and search once with the budget less it.
+            first = next((s for s in (baseline, _lightest(base, effective_batch))
+                          if s is not None and _valid(s) and search.fits(s)), None)
+            if first is not None:
+                batch = collator([dataset[i] for i in order[:first.batch_size]])
+                started = time.perf_counter()
+                first_probe = first, _probe(model, first, batch, device, max_grad_norm, measured)
+                first_seconds = time.perf_counter() - started
+                search.overhead = max(0, first_probe[1]["measured_peak_bytes"] - search.peak(first))
+                echo(f"  the process holds {format_bytes(search.overhead)} besides the estimated tensors (measured: "
+                     f"{format_bytes(first_probe[1]['measured_peak_bytes'])} at {first.batch_size} x "
+                     f"{first.accum_steps})")
+        candidates = _costed_candidates(search, *costing)
         if not candidates:
             if measured is not None and not search.overhead:
                 # What would fit is judged by the same meter: measure the process's memory besides the tensors on
