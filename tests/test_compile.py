@@ -90,11 +90,15 @@ def train(make_model, batches, *, compiled: bool, lora: int = 0, **fields) -> to
 
 
 def relative_difference(first: torch.nn.Module, second: torch.nn.Module) -> float:
-    """The largest difference of a weight, relative to the largest magnitude in its tensor."""
+    """The largest difference of a weight, relative to the largest magnitude in its tensor (at least 1e-3).
+
+    The floor: a tensor whose true gradient is zero holds rounding noise only (attention's key bias: softmax ignores
+    a shift shared by every key), and noise differs between kernels; relative to itself it would be 100%.
+    """
     first_state, second_state = first.state_dict(), second.state_dict()
     assert list(first_state) == list(second_state)
     return max(float((first_state[name].float() - second_state[name].float()).abs().max()
-                     / second_state[name].float().abs().max().clamp(min=1e-12)) for name in first_state)
+                     / second_state[name].float().abs().max().clamp(min=1e-3)) for name in first_state)
 
 
 def bert_batches(widths) -> list[dict]:
@@ -216,6 +220,7 @@ def test_the_estimate_of_a_compiled_strategy_is_the_eager_one():
 def test_inductor_updates_equal_eager_ones(monkeypatch):
     """The real backend (C++ kernels generated and built): the same updates to fp32 noise."""
     monkeypatch.setenv(BACKEND_VARIABLE, "inductor")
+    torch._dynamo.reset()  # dynamo would reuse this module's aot_eager graphs: their guards do not name the backend
     eager = train(one_layer_bert, BERT_BATCHES, compiled=False, accum_steps=2)
     compiled = train(one_layer_bert, BERT_BATCHES, compiled=True, accum_steps=2)
     assert relative_difference(compiled, eager) <= 1e-5
