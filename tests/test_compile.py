@@ -174,6 +174,25 @@ def test_a_compiled_run_saves_plain_state_dict_keys_and_resumes_exactly(tmp_path
     assert relative_difference(resumed, first) <= 1e-6
 
 
+@pytest.mark.slow  # the whole command line: estimate, tokenize, compile, save
+def test_the_command_line_trains_compiled_and_its_final_model_loads_plain(model_dir, tmp_path, counting_backend):
+    from transformers import AutoModelForSequenceClassification
+
+    from looptrain.cli import finetune
+
+    from conftest import write_csv
+
+    train_file = write_csv(tmp_path / "train.csv", 16)
+    out = tmp_path / "out"
+    assert finetune.main(["--model", str(model_dir), "--data", str(train_file), "--output-dir", str(out),
+                          "--max-length", "32", "--max-steps", "2", "--batch-size", "4", "--eval-every", "no",
+                          "--compile", "--no-track-memory", "--no-progress-bar"]) == 0
+    assert counting_backend["runs"] >= 2  # the updates ran compiled
+    assert (out / "summary.json").is_file()
+    _, loading = AutoModelForSequenceClassification.from_pretrained(out / "final", output_loading_info=True)
+    assert not loading["missing_keys"] and not loading["unexpected_keys"]  # plain keys, no _orig_mod. prefix
+
+
 def test_compile_model_keeps_the_module_its_parameters_and_evaluation_works(counting_backend):
     model = one_layer_bert()
     parameters = list(model.parameters())
