@@ -6,8 +6,9 @@ short, a few up to --max-width). For each mix (precision, checkpointing) it runs
 (`Loop.run_update`, what `fit` runs) eagerly and compiled, on the same batches, and prints:
 
 - compile s: the compiled run's first updates (where dynamo and inductor compile) minus as many compiled
-  updates' median: the one-off cost. inductor's on-disk caches are off (a cold compile); a second run of
-  the same model and mix finds them and compiles in a fraction of it;
+  updates' median: the one-off cost. inductor's FX-graph and AOTAutograd caches are off; its cache of built
+  C++ kernels (/tmp/torchinductor_$USER) is not, so a machine that ran this before compiles faster than a
+  fresh one, and later mixes reuse kernels of earlier ones;
 - eager and compiled s/update: the median over --updates updates after warm-up;
 - speed-up and break-even: compile s / (eager - compiled) s per update, the updates a run needs before
   compiling pays; "never" when compiled updates are not faster.
@@ -15,7 +16,8 @@ short, a few up to --max-width). For each mix (precision, checkpointing) it runs
 Usage:
     python scripts/bench_compile.py [--updates 8] [--mixes fp32,bf16,fp32+ckpt] [--batch-size 8]
 
-Timings depend on the machine (and on its load: a shared machine is noisy); the CPU is named above the table.
+Timings depend on the machine and on its load: on a crowded machine OpenMP threads spin against each other and
+the numbers mean nothing (docs/compile.md); the CPU is named above the table.
 Never part of the test suite.
 """
 
@@ -28,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")  # a cold compile, as a fresh machine pays it
+os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")  # no graph cache: each mix compiles its graphs
 os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
