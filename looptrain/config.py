@@ -14,6 +14,7 @@ import dataclasses
 import importlib.util
 from dataclasses import dataclass, field
 
+from looptrain.compilation import compile_problems
 from looptrain.optim.in_backward import CLIP_MODES as FUSED_CLIP_MODES
 from looptrain.precision import precision_problem, resolve_device
 from looptrain.run_log import TRACKERS
@@ -175,6 +176,7 @@ class LoopConfig(LoopLevers):
             problems.append(f"run_identity must be a dict of JSON values (got {type(self.run_identity).__name__})")
         if not self.device or not isinstance(self.device, str):
             problems.append(f"device must be a string like 'auto', 'cpu' or 'cuda' (got {self.device!r})")
+        problems.extend(compile_problems(self, cpu=_on_cpu(self.device)))
         if not problems:
             problems.extend(_device_problems(self.device, self.compute_precision))
         if problems:
@@ -299,6 +301,13 @@ def _auto_means_fp16(device_name: str) -> bool:
         return amp_precision(resolve_device(device_name))[0] == "fp16"
     except ValueError:
         return False
+
+
+def _on_cpu(device_name: str) -> bool:
+    try:
+        return resolve_device(device_name).type == "cpu"
+    except (TypeError, ValueError):
+        return False  # named by _device_problems
 
 
 def _device_problems(device_name: str, precision: str) -> list:

@@ -214,6 +214,10 @@ class ChunkedLMLoss:
         def notice(line: str) -> None:
             echo(f"notice: {line}")
 
+        if getattr(config, "compile", False) and mode == "auto":  # "on" with compile: refused by LoopConfig
+            notice("chunked cross-entropy is off under --compile (it runs outside the compiled forward): the compiled "
+                   "model's own loss is used, its [tokens x vocab] logits included")
+            return None
         reason = _structural_problem(model, shifts_labels)
         if reason is None:
             head = model.get_output_embeddings()

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from looptrain import batches, distributed, lm_loss, metrics, resume, state
+from looptrain import batches, compilation, distributed, lm_loss, metrics, resume, state
 from looptrain.batches import as_loss_sum, first_dimension, move_to, split_batch
 from looptrain.config import ConfigError, LoopConfig, check_process_group
 from looptrain.gradient_checkpointing import enable_gradient_checkpointing
@@ -99,6 +99,7 @@ class Loop:
             cast_to_bf16(self.model)  # in place (the optimizer holds these same objects); a model cast already is kept
         if self.config.gradient_checkpointing:
             enable_gradient_checkpointing(self.model, every=self.config.checkpoint_every)
+        compilation.compile_model(self.model, self.config.compile)  # in place: the same module, parameters and keys
         self.wrapped_model = distributed.wrap_model(self.model, self.device)
         # HF causal LMs shift their labels inside forward: count_items counts labels[..., 1:] for them.
         self._shifted_labels = batches.model_shifts_labels(self.model)
@@ -114,8 +115,7 @@ class Loop:
         # The tensor tracker is not built for DTensors: sharded runs measure RSS (CPU) or the allocator (CUDA).
         self.meter = make_meter(self.device,
                                 track_tensors=self.config.track_memory and not distributed.is_fsdp(self.model))
-        self.step = self.micro_step = self.skipped_steps = 0
-        self.epoch = self.batch_in_epoch = 0
+        self.step = self.micro_step = self.skipped_steps = self.epoch = self.batch_in_epoch = 0
         self.last_eval: dict | None = None
         self.interrupted: str | None = None
         # The output directory: lock, ledger, checkpoints, resume, best, summary, progress lines.

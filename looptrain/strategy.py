@@ -4,8 +4,8 @@ Every lever is one dataclass field declared with `lever(...)`, whose metadata sa
 flag, its help, the values it takes and who carries it out (`applied_by`):
 
 - ``loop``: the `Loop` (precision, checkpointing, the fused step, bf16 weights, accumulation, chunked
-  cross-entropy). These fields live in `LoopLevers`, which both `Strategy` and `LoopConfig` inherit: a
-  `LoopConfig` *is* the loop's part of a strategy plus the run's own options.
+  cross-entropy, torch.compile). These fields live in `LoopLevers`, which both `Strategy` and `LoopConfig`
+  inherit: a `LoopConfig` *is* the loop's part of a strategy plus the run's own options.
 - ``model``: applied to the model before the Loop sees it (`Strategy.prepare_model`: freezing;
   `Strategy.wrap_model`: LoRA adapters through peft).
 - ``optimizer``: the optimizer the strategy builds (`Strategy.build_optimizer`).
@@ -104,6 +104,10 @@ class LoopLevers:
     ce_chunk_tokens: int = lever(0, flag="--ce-chunk-tokens", minimum=0,
                                  help="with --chunked-ce: tokens per chunk (a chunk's logits are tokens x vocab); 0: "
                                       "as many as keep a chunk within 8M logits (32 MiB in fp32)")
+    compile: bool = lever(False, flag="--compile",
+                          help="torch.compile the model's forward (and its backward): minutes of compiling first, "
+                               "then faster updates where it pays (docs/compile.md); dynamic shapes, so varying "
+                               "widths do not recompile")
 
     def lever_problems(self) -> list[str]:
         """What is wrong with single lever values (choices, minimums), one line per field."""

@@ -119,6 +119,10 @@ CASES = [
      r"already holds another run"),
     ("resume a missing checkpoint", "finetune", ["--resume", "/nonexistent/checkpoint-3"], r"checkpoint"),
     # --- the estimate's command line
+    ("compile with chunked CE on", "finetune", ["--compile", "--chunked-ce", "on"],
+     r"compile=True \(--compile\).*chunked_ce='on'.*use --chunked-ce auto or off with --compile"),
+    ("estimate: compile with chunked CE on", "estimate", ["--preset", "bert-base", "--compile", "--chunked-ce", "on"],
+     r"compile=True \(--compile\).*use --chunked-ce auto or off with --compile"),
     ("estimate: batch size 0", "estimate", ["--preset", "bert-base", "--batch-size", "0"],
      r"argument --batch-size: must be >= 1 \(got 0\)"),
     ("estimate: negative seq len", "estimate", ["--preset", "bert-base", "--seq-len", "-5"],

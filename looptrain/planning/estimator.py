@@ -287,13 +287,28 @@ def as_strategy(strategy: Strategy | None, levers: dict) -> Strategy:
 def _strategy_loop(model: nn.Module, strategy: Strategy, max_grad_norm: float | None) -> Loop:
     """The Loop of one strategy over `model`: its model levers applied, its optimizer built, its LoopConfig.
 
-    An invalid mix raises `ConfigError` (a ValueError) naming the fields.
+    An invalid mix raises `ConfigError` (a ValueError) naming the fields. A compiled strategy runs eagerly
+    (`as_run_eagerly`).
     """
+    strategy = as_run_eagerly(strategy)
     config = LoopConfig.from_strategy(strategy, max_grad_norm=max_grad_norm, device="cpu", eval_every="no",
                                       progress_bar=False, track_memory=True, log_every=10**9)
     strategy.prepare_model(model)
     model = strategy.wrap_model(model)
     return Loop(model, strategy.build_optimizer(model, 1e-5), [], config=config)
+
+
+def as_run_eagerly(strategy: Strategy) -> Strategy:
+    """The strategy the estimate drives: `compile` off, its loss as the compiled run computes it.
+
+    torch.compile does not run on fake tensors (nor under the tracker, a dispatch mode), so a compiled strategy
+    is estimated as the eager run of the same computation: chunked cross-entropy off (`--compile` turns
+    ``chunked_ce="auto"`` off). Compiled graphs may free activations earlier than eager; the estimate does not
+    count on it (docs/compile.md).
+    """
+    if not strategy.compile:
+        return strategy
+    return dataclasses.replace(strategy, compile=False, chunked_ce="off")
 
 
 def estimate(
@@ -381,7 +396,8 @@ def estimate_windows(
     if not windows or not all(windows):
         raise ValueError("estimate_windows needs at least one window, and every window at least one (rows, width)")
     strategy = as_strategy(strategy, levers)
-    LoopConfig.from_strategy(strategy, max_grad_norm=max_grad_norm, device="cpu")  # an invalid mix fails before work
+    # An invalid mix fails before work (the tracker's own refusal of compile aside: the estimate runs eagerly).
+    LoopConfig.from_strategy(strategy, max_grad_norm=max_grad_norm, device="cpu", track_memory=False)
     started = time.perf_counter()
     key = estimate_cache.key(
         model_or_config, windows, strategy, num_labels=num_labels, max_grad_norm=max_grad_norm, padded=padded,
