@@ -388,7 +388,7 @@ def test_without_probe_time_only_the_baseline_and_the_favourite_are_probed(datas
     model = make_tiny_bert(num_labels=2)
     budget = budget_between(model, train_set, collator, 4, 8)
     calls = []
-    probe = fake_probe({size: 1.0 for size in (1, 2, 4, 8, 16)})
+    probe = fake_probe(dict.fromkeys((1, 2, 4, 8, 16), 1.0))
     monkeypatch.setattr(planner, "_probe", lambda *args, **kwargs: calls.append(args[1]) or probe(*args, **kwargs))
     result = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH,
                   base=Settings(batch_size=1, accum_steps=16), probe_budget=0.0)

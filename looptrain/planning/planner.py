@@ -506,7 +506,7 @@ class _Search:
 
 def _valid(settings: Strategy) -> bool:
     try:
-        LoopConfig.from_strategy(settings, device="cpu")
+        LoopConfig.from_strategy(settings, device="cpu", track_memory=False)  # probes and planned compiled runs: off
     except ConfigError:
         return False
     return True
@@ -966,7 +966,8 @@ def _record_probe(candidate: Candidate, probe: dict) -> None:
     """A probe's measurements on its candidate, and the epoch's time they predict."""
     candidate.probe, candidate.probed = probe, True
     candidate.seconds_per_epoch = (probe["micro_step_seconds"] / probe["tokens"] * candidate.padded_tokens
-                                   + probe["optimizer_step_seconds"] * candidate.updates)
+                                   + probe["optimizer_step_seconds"] * candidate.updates
+                                   + probe.get("compile_seconds", 0.0))  # torch.compile: paid once, counted once
 
 
 def _scale_priors(candidates: list[Candidate]) -> None:
@@ -1079,11 +1080,16 @@ def _probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_g
     else:
         micro_step = min(when for _, when in steps) - last_loss
         optimizer_seconds = sum(when if kind == "stepped" else -when for kind, when in steps)
+    loss_marks = sorted(when for kind, when in marks if kind == "loss")
+    if settings.compile and len(loss_marks) >= 2:  # the first micro-batch compiled the graph: what the run pays too
+        compile_seconds = loss_marks[-1] - loss_marks[0] - micro_step
     result = {"micro_step_seconds": micro_step, "optimizer_step_seconds": max(optimizer_seconds, 0.0),
               "probe_seconds": time.perf_counter() - started, "tokens": int(batch["input_ids"].numel()),
               "batch_shape": list(batch["input_ids"].shape)}
     if peak is not None:
         result["measured_peak_bytes"] = peak
+    if settings.compile and len(loss_marks) >= 2:
+        result["compile_seconds"] = max(compile_seconds, 0.0)
     return result
 
 
