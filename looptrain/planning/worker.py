@@ -9,13 +9,17 @@ copy-on-write, so nothing is pickled but the requests and the answers; the child
 is closed (or when this process ends: it reads end-of-file). The child's own memory is short-lived and
 exists while this process holds only the weights, before training allocates anything.
 
-Where `os.fork` does not exist, or with ``LOOPTRAIN_ESTIMATE_IN_PROCESS=1``, requests run in this process.
+Requests run in this process instead where `os.fork` does not exist, under torch.distributed (a process with
+a process group's threads is not safe to fork), or with ``LOOPTRAIN_ESTIMATE_IN_PROCESS=1``. A child that does
+not answer within ``LOOPTRAIN_ESTIMATE_TIMEOUT`` seconds (default 600) is killed and the request runs here.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import select
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +34,7 @@ class EstimateWorker:
     def __init__(self, serve: Callable[[Any], Any]):
         self.serve, self.pid = serve, None
         self._requests = self._answers = None
-        if not hasattr(os, "fork") or os.environ.get("LOOPTRAIN_ESTIMATE_IN_PROCESS", "") not in ("", "0"):
+        if not _can_fork():
             return
         request_read, request_write = os.pipe()
         answer_read, answer_write = os.pipe()
@@ -57,6 +61,11 @@ class EstimateWorker:
             return self.serve(request)
         pickle.dump(request, self._requests)
         self._requests.flush()
+        timeout = float(os.environ.get("LOOPTRAIN_ESTIMATE_TIMEOUT", "600"))
+        if not select.select([self._answers], [], [], timeout)[0]:  # a child that hangs: never the run
+            os.kill(self.pid, signal.SIGKILL)
+            self.close()
+            return self.serve(request)
         try:
             status, answer = pickle.load(self._answers)
         except EOFError:
@@ -86,6 +95,16 @@ class EstimateWorker:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def _can_fork() -> bool:
+    if not hasattr(os, "fork") or os.environ.get("LOOPTRAIN_ESTIMATE_IN_PROCESS", "") not in ("", "0"):
+        return False
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # launched by torchrun: its agent's and the group's threads
+        return False
+    import torch.distributed
+
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized())
 
 
 def _serve_forever(serve: Callable[[Any], Any], requests, answers) -> None:

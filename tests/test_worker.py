@@ -1,0 +1,69 @@
+"""EstimateWorker: estimates in a forked child, so the training process's RSS never holds what estimating costs."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from looptrain.memory.meters import proc_status_bytes, reset_peak_rss
+from looptrain.planning import estimate
+from looptrain.planning.worker import EstimateWorker
+
+from conftest import make_tiny_bert
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="forks (POSIX)")
+
+
+def test_an_estimate_in_the_child_equals_one_in_this_process():
+    model = make_tiny_bert(num_labels=2)
+    here = estimate(model, 4, 16, accum_steps=2, cache=False)
+    parent = os.getpid()
+    with EstimateWorker(lambda request: (os.getpid(), estimate(model, *request, accum_steps=2, cache=False))) as worker:
+        pid, there = worker((4, 16))
+    assert pid != parent
+    assert there["peak_memory_bytes"] == here["peak_memory_bytes"]
+    assert there["memory_breakdown"] == here["memory_breakdown"]
+
+
+def test_what_the_child_allocates_is_not_this_process_s_rss():
+    reset_peak_rss()
+    before = proc_status_bytes("VmHWM")
+
+    def allocate(size):
+        block = bytearray(size)  # written: resident in the child
+        return len(block)
+
+    with EstimateWorker(allocate) as worker:
+        assert worker(200 * 2**20) == 200 * 2**20
+    assert proc_status_bytes("VmHWM") - before < 50 * 2**20
+
+
+def test_an_error_in_the_child_is_raised_here_with_its_type_and_words():
+    def fail(request):
+        raise ValueError(f"no estimate for {request}")
+
+    with EstimateWorker(fail) as worker, pytest.raises(ValueError, match="no estimate for 7"):
+        worker(7)
+
+
+def test_a_child_that_hangs_is_killed_and_the_request_runs_here(monkeypatch):
+    parent = os.getpid()
+
+    def serve(request):
+        if os.getpid() != parent:
+            time.sleep(60)  # the child hangs
+        return request * 2
+
+    monkeypatch.setenv("LOOPTRAIN_ESTIMATE_TIMEOUT", "0.5")
+    with EstimateWorker(serve) as worker:
+        assert worker.pid is not None
+        assert worker(21) == 42
+        assert worker.pid is None  # killed and reaped
+
+
+def test_in_process_when_asked(monkeypatch):
+    monkeypatch.setenv("LOOPTRAIN_ESTIMATE_IN_PROCESS", "1")
+    with EstimateWorker(lambda request: os.getpid()) as worker:
+        assert worker.pid is None and worker(None) == os.getpid()
