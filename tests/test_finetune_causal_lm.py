@@ -249,7 +249,7 @@ def test_loss_goes_down_and_eval_reports_loss_and_perplexity(finished_run):
     table = printed[printed.index("looptrain run in"):]
     assert f"| eval loss | {summary['final_eval']['loss']:.4f} | |" in table
     assert f"| eval perplexity | {summary['final_eval']['perplexity']:.4f} | |" in table
-    assert "accuracy" not in table and "majority" not in table and "F1" not in table
+    assert "accuracy" not in table and "majority" not in table and "macro-F1" not in table
 
 
 def test_final_reloads_as_a_causal_lm_and_generates(finished_run):
@@ -334,7 +334,7 @@ def test_memory_budget_plans_a_causal_lm(llama_dir, tmp_path):
     argv = ["--task", "causal-lm", "--model", str(llama_dir), "--data", str(data),
             "--output-dir", str(tmp_path / "out"), "--max-length", "32", "--lr", "3e-3", "--no-progress-bar",
             "--max-steps", "2", "--batch-size", "4", "--eval-every", "no", "--memory-budget", "1GiB",
-            "--plan-time", "0"]
+            "--plan-time", "0", "--budget-meter", "tensors"]
     assert finetune.main(argv) == 0
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     settings = summary["plan"]["settings"]

@@ -165,7 +165,8 @@ def test_finetune_with_lora_and_a_budget_plans_and_trains(model_dir, tmp_path, c
     output_dir = tmp_path / "run"
     code = finetune.main(["--model", str(model_dir), "--data", str(train_csv), "--output-dir", str(output_dir),
                           "--max-length", "32", "--no-progress-bar", "--log-every", "1000", "--lora", "4",
-                          "--memory-budget", "2MiB", "--effective-batch", "1", "--grad-checkpoint", "--plan-time", "0"])
+                          "--memory-budget", "2MiB", "--effective-batch", "1", "--grad-checkpoint", "--plan-time", "0",
+                          "--budget-meter", "tensors"])
     captured = capsys.readouterr()
     out = captured.out
     winner = next(line for line in out.splitlines() if line.startswith("winner: "))
