@@ -435,3 +435,23 @@ def test_a_planned_run_keeps_its_budget_of_process_rss_with_evaluation_and_check
     assert summary["final_eval"] is not None
     above_start = summary["peak_rss_bytes"] - summary["rss_at_start_bytes"]
     assert summary["peak_memory_bytes"] < above_start <= budget, (above_start / 2**20, finished.stdout[-3000:])
+
+
+def test_a_fused_step_that_cannot_fit_is_ruled_out_by_extrapolation_not_estimated(dataset):
+    """Memory is close to affine in a micro-batch's rows: the fused step at the whole batch holds the weights, the
+    optimizer state and 16/b times the activations of the unfused estimate at b that did not fit. A candidate ruled
+    out that way is never estimated by the plan, and a real estimate confirms it does not fit."""
+    from looptrain import planning
+
+    train_set, collator = dataset
+    model = make_tiny_bert(num_labels=2)
+    budget = budget_between(model, train_set, collator, 2, 4)
+    result = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH, probe=False)
+    assert result.extrapolated, result.notes
+    assert any("not estimated: extrapolated" in note for note in result.notes)
+    width = result.worst_width
+    for settings in result.extrapolated:
+        assert settings.optimizer_in_backward and settings.batch_size == EFFECTIVE_BATCH
+        assert settings not in [c.settings for c in result.candidates]
+        peak = planning.estimate(model, settings.batch_size, width, settings, cache=False)["peak_memory_bytes"]
+        assert peak * (1 + result.margin) > budget

@@ -173,6 +173,7 @@ class Plan:
     meter: str = "of live tensors"  # METERS' words: under a measured meter the probes' measured peaks must fit too
     notes: list[str] = field(default_factory=list)
     cached_estimates: int = 0  # of `estimates`, those read from the on-disk cache
+    extrapolated: list = field(default_factory=list)  # fused candidates ruled out without an estimate
     growth_bytes: int = 0  # under a measured meter: kept free above each probe's peak for the run's growth
     baseline_words: str = "your flags"  # the baseline candidate: the user's flags, or "safe default" (the lightest)
     # A LoRA plan: the winner against the full fine-tune with its settings (`lora_comparison`); None otherwise.
@@ -382,10 +383,11 @@ def plan(
                       search.seconds, 0.0, probe_budget, len(lengths), meter=METERS[meter])
         result.cached_estimates = search.cached
         result.growth_bytes = search.growth
+        result.extrapolated = search.extrapolated
         if search.extrapolated:
-            result.notes.append(f"{search.extrapolated} fused-step candidate(s) not estimated: extrapolated from the "
-                                "same settings' estimate at a smaller micro-batch (memory is close to affine in its "
-                                "rows), they cannot fit")
+            result.notes.append(f"{len(search.extrapolated)} fused-step candidate(s) not estimated: extrapolated "
+                                "from the same settings' estimate at a smaller micro-batch (memory is close to affine "
+                                "in its rows), they cannot fit")
         chosen = next((c for c in candidates if c.baseline), None)
         if chosen is None:
             result.notes.append("neither your flags nor the safe default (micro-batch 1, every block checkpointed) "
@@ -477,7 +479,7 @@ class _Search:
         self.seconds = 0.0
         self.overhead = 0  # a budget of process RSS: what the process holds besides the estimated tensors
         self.smallest_failure: Strategy | None = None  # `_largest_fitting`'s smallest split that did not fit
-        self.extrapolated = 0  # fused candidates ruled out by extrapolation instead of an estimate
+        self.extrapolated: list[Strategy] = []  # fused candidates ruled out by extrapolation, not estimated
         self.growth = 0  # a measured meter: kept free for what the run adds to a probe's peak (`RUN_GROWTH`)
         self.padded = False  # the worst batch of more than one row holds shorter, padded rows (see `estimate`)
         self.full_model: Any = None  # `FULL_FINE_TUNE`'s model, made once where the estimates run
@@ -620,7 +622,8 @@ def _cannot_fit_fused(search: _Search, failed: Strategy, effective_batch: int) -
              + parts["activations_and_temps"] * effective_batch / failed.batch_size)
     if (bound + search.overhead) * (1 + search.margin) <= search.budget:
         return False
-    search.extrapolated += 1
+    search.extrapolated.append(dataclasses.replace(failed, batch_size=effective_batch, accum_steps=1,
+                                                   optimizer_in_backward=True))
     return True
 
 
