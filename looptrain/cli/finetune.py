@@ -191,8 +191,8 @@ def _add_memory_arguments(group) -> None:
                        help="samples per update (default --batch-size x --accum); with --memory-budget the planner "
                             "chooses the split, without it --accum becomes N / --batch-size")
     group.add_argument("--plan-time", type=float, default=None, metavar="SECONDS",
-                       help="with --memory-budget: cap on the seconds spent probing speeds (default: 5%% of the "
-                            "planned run's predicted time, less the estimates' seconds)")
+                       help="with --memory-budget: planning's seconds, estimates and probes together (default: 5%% "
+                            "of the run as the first probe predicts it; estimates already cached are free)")
     group.add_argument("--plan-only", action="store_true",
                        help="with --memory-budget: print the plan and the command line of the winner, train nothing "
                             "(scripts/plan.py)")

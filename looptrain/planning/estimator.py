@@ -351,7 +351,8 @@ def estimate(
             passing ``dataclasses.replace(strategy, **levers)``.
         cache: read the result from the on-disk cache of estimates when an identical estimate was made before,
             and store it there otherwise (`looptrain.planning.estimate_cache`; ``LOOPTRAIN_CACHE_DIR=off`` turns
-            it off everywhere). False: always estimate, store nothing.
+            it off everywhere). False: always estimate, store nothing. ``"only"``: read the cache and raise
+            `LookupError` instead of computing (the planner's search once its time is spent).
 
     Returns:
         ``peak_memory_bytes``, ``memory_meter`` ("estimate_fake_tensor_tracker"), ``memory_breakdown``
@@ -404,6 +405,8 @@ def estimate_windows(
         named_config=_named_config(model_or_config, num_labels) if isinstance(model_or_config, str) else None,
     ) if cache else None
     result = estimate_cache.read(key) if key is not None else None
+    if result is None and cache == "only":
+        raise LookupError("no cached estimate of these settings (cache='only' computes nothing)")
     if result is None:
         result = _estimate_windows(model_or_config, windows, strategy, num_labels, max_grad_norm, padded)
         if key is not None:

@@ -100,6 +100,10 @@ class PlanError(ValueError):
     """Nothing fits the budget (the message suggests what would), or the planner was misused."""
 
 
+class SearchTimeSpent(Exception):
+    """The plan's time for estimates is spent: a split not estimated yet counts as not fitting."""
+
+
 def parse_size(text: str) -> int:
     """"4GiB", "3.5 GB", "512MiB", "1073741824B" -> bytes (B, KB, MB, GB, TB decimal; KiB ... TiB binary).
 
@@ -350,10 +354,10 @@ def plan(
         order = sorted(range(len(lengths)), key=lambda index: -lengths[index])  # the worst batch: the longest samples
         first_probe: tuple[Strategy, dict] | None = None
         first_seconds = 0.0
-        if measured is not None:
-            # The process holds more than tensors (the modules loading imported, first-use kernels and caches, the
-            # data): measure it once, before the search, on the configuration every plan probes first (the user's,
-            # else the safe default), and search once with the budget less it.
+        if probe and isinstance(model, nn.Module):
+            # Before the search, the configuration every plan probes first (the user's, else the safe default):
+            # its probe predicts the run's time, which bounds planning's (`probe_fraction`, or `probe_budget`), and
+            # under a measured meter it measures what the process holds besides tensors, which the search charges.
             first = next((s for s in (baseline, _lightest(base, effective_batch))
                           if s is not None and _valid(s) and search.fits(s)), None)
             if first is not None:
@@ -361,6 +365,12 @@ def plan(
                 started = time.perf_counter()
                 first_probe = first, _probe(model, first, batch, device, max_grad_norm, measured)
                 first_seconds = time.perf_counter() - started
+                reference = _costed(search, first, dataset, collator, lengths, device_type, seed)
+                _record_probe(reference, first_probe[1])
+                total = probe_budget if probe_budget is not None else \
+                    probe_fraction * reference.seconds_per_epoch * epochs
+                search.limit = max(search.seconds, total - first_seconds)  # compared with the estimates' seconds
+            if first is not None and measured is not None:
                 besides = max(0, first_probe[1]["measured_peak_bytes"] - search.peak(first))
                 search.growth = int(RUN_GROWTH * besides)
                 search.overhead = besides + search.growth
@@ -368,6 +378,7 @@ def plan(
                      f"{format_bytes(first_probe[1]['measured_peak_bytes'])} at {first.batch_size} x "
                      f"{first.accum_steps}); {format_bytes(search.growth)} more is kept for the run's growth")
         candidates = _costed_candidates(search, *costing)
+        search.limit = None  # what follows (suggestions when nothing fits, LoRA's comparison) is one estimate each
         if not candidates:
             if measured is not None and not search.overhead:
                 # What would fit is judged by the same meter: measure the process's memory besides the tensors on
@@ -384,6 +395,10 @@ def plan(
         result.cached_estimates = search.cached
         result.growth_bytes = search.growth
         result.extrapolated = search.extrapolated
+        if search.skipped:
+            result.notes.append(f"the search stopped short of {search.skipped} estimate(s): planning's time (5% of "
+                                "the run its first probe predicts, or --plan-time) was spent, so those splits count "
+                                "as not fitting; a rerun reads the estimates made from the cache and goes further")
         if search.extrapolated:
             result.notes.append(f"{len(search.extrapolated)} fused-step candidate(s) not estimated: extrapolated "
                                 "from the same settings' estimate at a smaller micro-batch (memory is close to affine "
@@ -407,9 +422,9 @@ def plan(
                 for candidate in candidates:
                     if candidate.settings == first_probe[0]:
                         _record_probe(candidate, first_probe[1])
+            result.probe_seconds = first_seconds
             _probe_candidates(result, model, dataset, collator, order, device, epochs, max_grad_norm, probe_budget,
                               probe_fraction, measured, echo)
-            result.probe_seconds += first_seconds
         else:
             for candidate in candidates:
                 candidate.seconds_per_epoch = candidate.prior
@@ -433,7 +448,8 @@ def _costed_candidates(search: _Search, dataset, collator, lengths, effective_ba
     """
     settings_list = _candidate_settings(search, effective_batch, base, levers, fixed, device_type)
     fallback = _lightest(base, effective_batch)
-    chosen = next((s for s in (baseline, fallback) if s is not None and _valid(s) and search.fits(s)), None)
+    chosen = next((s for s in (baseline, fallback) if s is not None and _valid(s) and _fits_or_spent(search, s)),
+                  None)
     if chosen is not None and chosen not in settings_list:
         settings_list.append(chosen)
     candidates = [_costed(search, settings, dataset, collator, lengths, device_type, seed)
@@ -441,6 +457,14 @@ def _costed_candidates(search: _Search, dataset, collator, lengths, effective_ba
     for candidate in candidates:
         candidate.baseline = candidate.settings == chosen
     return sorted(candidates, key=lambda candidate: candidate.prior)
+
+
+def _fits_or_spent(search: _Search, settings: Strategy) -> bool:
+    """`search.fits`, False once the search's time is spent on settings not estimated yet."""
+    try:
+        return search.fits(settings)
+    except SearchTimeSpent:
+        return False
 
 
 def _costed(search: _Search, settings: Strategy, dataset, collator, lengths, device_type: str, seed: int) -> Candidate:
@@ -480,6 +504,8 @@ class _Search:
         self.overhead = 0  # a budget of process RSS: what the process holds besides the estimated tensors
         self.smallest_failure: Strategy | None = None  # `_largest_fitting`'s smallest split that did not fit
         self.extrapolated: list[Strategy] = []  # fused candidates ruled out by extrapolation, not estimated
+        self.limit: float | None = None  # seconds the estimates may take; then only cached ones are read
+        self.skipped = 0  # estimates not made because `limit` was spent
         self.growth = 0  # a measured meter: kept free for what the run adds to a probe's peak (`RUN_GROWTH`)
         self.padded = False  # the worst batch of more than one row holds shorter, padded rows (see `estimate`)
         self.full_model: Any = None  # `FULL_FINE_TUNE`'s model, made once where the estimates run
@@ -501,8 +527,14 @@ class _Search:
         key = self.key(settings, seq_len, model)
         if key not in self.cache:
             started = time.perf_counter()
-            request = settings, seq_len, model
-            result = self.worker(request) if self.worker is not None else self.estimate_here(request)
+            spent = self.limit is not None and self.seconds >= self.limit  # then only cached estimates are read
+            request = settings, seq_len, model, spent
+            try:
+                result = self.worker(request) if self.worker is not None else self.estimate_here(request)
+            except LookupError:
+                self.seconds += time.perf_counter() - started
+                self.skipped += 1
+                raise SearchTimeSpent from None
             self.seconds += time.perf_counter() - started
             self.count += 1
             self.cached += bool(result.get("from_cache"))
@@ -519,13 +551,14 @@ class _Search:
 
     def estimate_here(self, request: tuple) -> dict:
         """`estimate` of a `peak` request in this process (the worker's child calls it too)."""
-        settings, seq_len, model = request
+        settings, seq_len, model, cached_only = request
         if model == FULL_FINE_TUNE:
             if self.full_model is None:
                 self.full_model = full_fine_tune_model(self.model)
             model = self.full_model
         return estimate(self.model if model is None else model, settings.batch_size, seq_len, settings,
-                        num_labels=self.num_labels, max_grad_norm=self.max_grad_norm, padded=self.padded)
+                        num_labels=self.num_labels, max_grad_norm=self.max_grad_norm, padded=self.padded,
+                        cache="only" if cached_only else True)
 
     def fits(self, settings: Strategy) -> bool:
         return (self.peak(settings) + self.overhead) * (1 + self.margin) <= self.budget
@@ -598,7 +631,11 @@ def _largest_fitting(search: _Search, template: Strategy, sizes: list[int], effe
     while low <= high:
         middle = (low + high) // 2
         settings = dataclasses.replace(template, batch_size=sizes[middle], accum_steps=effective_batch // sizes[middle])
-        if search.fits(settings):
+        try:
+            fitting = search.fits(settings)
+        except SearchTimeSpent:
+            return best  # what the estimates made so far found
+        if fitting:
             best, low = sizes[middle], middle + 1
         else:
             high = middle - 1
@@ -943,7 +980,7 @@ def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: 
     Unprobed candidates rank after the probed ones; the baseline stays first unless another is predicted at
     least `KEEP_BASELINE_WITHIN` faster.
     """
-    started = time.perf_counter()
+    started, spent = time.perf_counter(), result.probe_seconds  # the first probe, made before the search
     budget, rejected, skipped, hopeless = probe_budget, [], 0, 0
 
     def fits(candidate: Candidate) -> bool:
@@ -969,10 +1006,11 @@ def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: 
     for candidate in [baseline] + [result.candidates[0]] * (result.candidates[0] is not baseline):
         if candidate is not None:
             run(candidate)
-    if budget is None:  # a share of the planned run (as the baseline's probe predicts it), less the estimates' time
+    if budget is None:  # a share of the planned run (as the baseline's probe predicts it)
         reference = baseline or result.candidates[0]
-        budget = max(0.0, probe_fraction * reference.seconds_per_epoch * epochs - result.estimate_seconds)
-        result.probe_budget_seconds = round(budget, 3)
+        budget = probe_fraction * reference.seconds_per_epoch * epochs
+    budget = max(0.0, budget - result.estimate_seconds - spent)  # planning's time: estimates and probes together
+    result.probe_budget_seconds = round(budget, 3)
     while True:
         probed = [c for c in result.candidates if c.probed]
         _scale_priors(result.candidates)
@@ -990,7 +1028,7 @@ def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: 
             hopeless += len(waiting)  # the rest are predicted slower still
             break
         run(candidate)
-    result.probe_seconds = time.perf_counter() - started
+    result.probe_seconds = spent + time.perf_counter() - started
     if skipped:
         result.notes.append(f"{skipped} candidate(s) not probed: their probes would not fit the probe budget "
                             f"({budget:.0f} s); their speed is the prior scaled to the probes")
