@@ -83,6 +83,9 @@ METERS = {"tensors": "of live tensors", "rss": "of process RSS above the start",
 # The plan keeps the configuration the run would have trained without it unless another candidate's measured
 # prediction is at least this much faster: a probe is one update, and its prediction is a sample, not a constant.
 KEEP_BASELINE_WITHIN = 0.05
+# Planning's time is 5% of the run (`probe_fraction`), but the estimates may take at least this many seconds: the
+# search of a small run would otherwise stop at its first estimates ("at most ~10 s for a small run").
+MIN_ESTIMATE_SECONDS = 8.0
 # Under a measured meter, what a whole run adds to one probe's peak, as a share of the memory that probe measured
 # besides the tensors: later updates' other widths, the allocator's retained blocks, evaluation and checkpoint
 # saving. Measured: +39 MiB over a 160 MiB share (24%, a 3.3M-parameter BERT, tests/test_plan.py), +15 MiB over
@@ -369,7 +372,9 @@ def plan(
                 _record_probe(reference, first_probe[1])
                 total = probe_budget if probe_budget is not None else \
                     probe_fraction * reference.seconds_per_epoch * epochs
-                search.limit = max(search.seconds, total - first_seconds)  # compared with the estimates' seconds
+                # At least MIN_ESTIMATE_SECONDS of estimates: a small run's 5% would not pay for one search.
+                search.limit = max(search.seconds, total - first_seconds,
+                                   MIN_ESTIMATE_SECONDS if probe_budget is None else 0.0)
             if first is not None and measured is not None:
                 besides = max(0, first_probe[1]["measured_peak_bytes"] - search.peak(first))
                 search.growth = int(RUN_GROWTH * besides)
