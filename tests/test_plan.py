@@ -428,7 +428,7 @@ def test_a_planned_run_keeps_its_budget_of_process_rss_with_evaluation_and_check
     BertModel(config).save_pretrained(model_dir)  # 3.2M parameters: 12 MiB of weights, 50 MiB with AdamW
     make_tiny_tokenizer().save_pretrained(model_dir)
     train_csv = write_csv(tmp_path / "train.csv", 96)
-    budget = 300 * 2**20  # a fresh process holds ~160 MiB besides its tensors at its first update (docs/plan.md)
+    budget = 400 * 2**20  # a fresh process holds 160-200 MiB besides its tensors at its first update (docs/plan.md)
     command = [sys.executable, "-m", "looptrain.cli.finetune", "--model", str(model_dir), "--data", str(train_csv),
                "--output-dir", str(tmp_path / "run"), "--max-length", "32", "--eval-split", "0.25",
                "--eval-every", "2", "--max-steps", "4", "--memory-budget", f"{budget}B", "--effective-batch", "16",
@@ -438,7 +438,7 @@ def test_a_planned_run_keeps_its_budget_of_process_rss_with_evaluation_and_check
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["plan"]["meter"] == "of process RSS above the start"
-    assert "plan for a budget of 0.29 GiB of process RSS above the start" in finished.stdout
+    assert "plan for a budget of 0.39 GiB of process RSS above the start" in finished.stdout
     assert sorted(path.name for path in (tmp_path / "run").glob("checkpoint-*"))  # saved at the evaluations
     assert summary["final_eval"] is not None
     above_start = summary["peak_rss_bytes"] - summary["rss_at_start_bytes"]
