@@ -207,3 +207,21 @@ def test_command_line_sizes_are_checked_before_estimating(capsys, flags, message
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert re.search(message, err) and "Traceback" not in err
+
+
+def test_a_process_started_from_a_large_one_reports_its_own_peak_rss():
+    """On Linux ``ru_maxrss`` survives exec: a run launched by subprocess from a large process (a test runner, a
+    sweep driver) reported that process's peak as its own. The peak is the kernel's VmHWM of this process."""
+    import subprocess
+    import sys
+
+    from looptrain.memory.meters import peak_rss_bytes
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("VmHWM is Linux's")
+    ballast = bytearray(1024 * 2**20)  # written: 1 GiB resident in this process
+    ballast[::4096] = b"x" * len(ballast[::4096])
+    code = "from looptrain.memory.meters import peak_rss_bytes; print(peak_rss_bytes())"
+    child = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert peak_rss_bytes() > 1024 * 2**20 > child + 300 * 2**20  # the child imported torch, nothing more
+    del ballast

@@ -55,18 +55,39 @@ def proc_status_bytes(field: str) -> int:
     raise OSError(f"/proc/self/status has no {field}")
 
 
+_PEAK_BEFORE_RESET = 0  # the highest VmHWM this process had when `reset_peak_rss` last cleared it
+
+
 def reset_peak_rss() -> None:
-    """Sets the kernel's peak RSS mark (``VmHWM``) to the current RSS (Linux 4.0+; OSError elsewhere)."""
+    """Sets the kernel's peak RSS mark (``VmHWM``) to the current RSS (Linux 4.0+; OSError elsewhere).
+
+    The mark it clears is kept: `peak_rss_bytes` still reports the process's whole peak.
+    """
+    global _PEAK_BEFORE_RESET
+    _PEAK_BEFORE_RESET = max(_PEAK_BEFORE_RESET, proc_status_bytes("VmHWM"))
     with open("/proc/self/clear_refs", "w", encoding="utf-8") as clear_refs:
         clear_refs.write("5")
 
 
 def peak_rss_bytes() -> int:
-    """The process's peak RSS since it started, from ``getrusage`` (KiB on Linux, bytes on macOS).
+    """The process's peak RSS since it started: ``VmHWM`` on Linux (with the marks `reset_peak_rss` cleared),
+    else ``getrusage`` (KiB on Linux, bytes on macOS).
 
-    Never below the current RSS: the kernel folds its RSS counters into the high-water mark lazily, so
-    ``/proc/self/statm`` can run some pages ahead of ``ru_maxrss`` for a moment.
+    Not ``ru_maxrss`` on Linux: a process started by ``fork`` + ``exec`` (``subprocess``) inherits its parent's
+    high-water mark there, so a small run launched from a large process reported the parent's peak. Never below
+    the current RSS: the kernel folds its RSS counters into the high-water mark lazily, so ``/proc/self/statm``
+    can run some pages ahead for a moment.
     """
+    try:
+        peak = max(proc_status_bytes("VmHWM"), _PEAK_BEFORE_RESET)
+    except OSError:
+        peak = None
+    if peak is not None:
+        try:
+            with open("/proc/self/statm") as statm:
+                return max(peak, int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+        except (OSError, ValueError):
+            return peak
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     peak = peak if sys.platform == "darwin" else peak * 1024
     try:
