@@ -1076,7 +1076,7 @@ def write_outputs(summary: dict, place, inputs: Inputs, output_dir: Path, plan_r
     summary["estimated_peak_bytes"] = estimated_peak
     # Planning's cost (a plan's estimates and probes; an unplanned run's own estimate), beside the training's.
     estimating, probing = ((plan_result.estimate_seconds, plan_result.probe_seconds) if plan_result is not None
-                           else (getattr(inputs, "estimate_seconds", 0.0), 0.0))
+                           else (inputs.estimate_seconds, 0.0))
     summary["planning_seconds"] = round(estimating + probing, 3)
     summary["planning_estimate_seconds"] = round(estimating, 3)
     summary["planning_probe_seconds"] = round(probing, 3)
@@ -1170,8 +1170,6 @@ def budget_meter(args, device, print) -> str:
 def without_planner(args, base, device):
     """The configuration the run would train without --memory-budget: the flags as given (--amp as it resolves
     here), split --batch-size x (effective batch / --batch-size); None when --batch-size does not divide it."""
-    import dataclasses as dc
-
     from looptrain.precision import amp_precision
 
     batch = effective_batch(args)
@@ -1180,7 +1178,8 @@ def without_planner(args, base, device):
     precision = amp_precision(device)[0] if args.amp or args.precision == "auto" else base.precision
     if base.weights == "bf16":
         precision = "bf16"
-    return dc.replace(base, precision=precision, batch_size=args.batch_size, accum_steps=batch // args.batch_size)
+    return dataclasses.replace(base, precision=precision, batch_size=args.batch_size,
+                               accum_steps=batch // args.batch_size)
 
 
 def plan_only_output(args, result, print) -> dict:

@@ -81,15 +81,8 @@ def peak_rss_bytes() -> int:
     try:
         peak = max(proc_status_bytes("VmHWM"), _PEAK_BEFORE_RESET)
     except OSError:
-        peak = None
-    if peak is not None:
-        try:
-            with open("/proc/self/statm") as statm:
-                return max(peak, int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
-        except (OSError, ValueError):
-            return peak
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    peak = peak if sys.platform == "darwin" else peak * 1024
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = peak if sys.platform == "darwin" else peak * 1024
     try:
         with open("/proc/self/statm") as statm:
             return max(peak, int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))

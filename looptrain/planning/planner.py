@@ -353,9 +353,8 @@ def plan(
                             "or plan for a budget of live tensors (meter='tensors')")
         if baseline is None and base.batch_size * base.accum_steps == effective_batch:
             baseline = base
-        costing = (dataset, collator, lengths, effective_batch, base, levers, set(fixed), device_type, seed, baseline)
         order = sorted(range(len(lengths)), key=lambda index: -lengths[index])  # the worst batch: the longest samples
-        first_probe: tuple[Strategy, dict] | None = None
+        reference: Candidate | None = None  # the first probe's candidate, costed and probed before the search
         first_seconds = 0.0
         if probe and isinstance(model, nn.Module):
             # Before the search, the configuration every plan probes first (the user's, else the safe default):
@@ -366,23 +365,24 @@ def plan(
             if first is not None:
                 batch = collator([dataset[i] for i in order[:first.batch_size]])
                 started = time.perf_counter()
-                first_probe = first, _probe(model, first, batch, device, max_grad_norm, measured)
+                probed = _probe(model, first, batch, device, max_grad_norm, measured)
                 first_seconds = time.perf_counter() - started
                 reference = _costed(search, first, dataset, collator, lengths, device_type, seed)
-                _record_probe(reference, first_probe[1])
+                _record_probe(reference, probed)
                 total = probe_budget if probe_budget is not None else \
                     probe_fraction * reference.seconds_per_epoch * epochs
                 # At least MIN_ESTIMATE_SECONDS of estimates: a small run's 5% would not pay for one search.
                 search.limit = max(search.seconds, total - first_seconds,
                                    MIN_ESTIMATE_SECONDS if probe_budget is None else 0.0)
-            if first is not None and measured is not None:
-                besides = max(0, first_probe[1]["measured_peak_bytes"] - search.peak(first))
+            if reference is not None and measured is not None:
+                besides = max(0, reference.probe["measured_peak_bytes"] - reference.estimated_peak_bytes)
                 search.growth = int(RUN_GROWTH * besides)
                 search.overhead = besides + search.growth
                 echo(f"  the process holds {format_bytes(besides)} besides the estimated tensors (measured: "
-                     f"{format_bytes(first_probe[1]['measured_peak_bytes'])} at {first.batch_size} x "
+                     f"{format_bytes(reference.probe['measured_peak_bytes'])} at {first.batch_size} x "
                      f"{first.accum_steps}); {format_bytes(search.growth)} more is kept for the run's growth")
-        candidates = _costed_candidates(search, *costing)
+        candidates = _costed_candidates(search, dataset, collator, lengths, effective_batch, base, levers, set(fixed),
+                                        device_type, seed, baseline, reference)
         search.limit = None  # what follows (suggestions when nothing fits, LoRA's comparison) is one estimate each
         if not candidates:
             if measured is not None and not search.overhead:
@@ -423,10 +423,6 @@ def plan(
                                 f"{1 + margin:.2f} within the budget, and each probe's measured peak + the growth x "
                                 f"{1 + margin:.2f}")
         if probe and isinstance(model, nn.Module):
-            if first_probe is not None:  # the overhead's probe (the baseline's, or the favourite's): not run twice
-                for candidate in candidates:
-                    if candidate.settings == first_probe[0]:
-                        _record_probe(candidate, first_probe[1])
             result.probe_seconds = first_seconds
             _probe_candidates(result, model, dataset, collator, order, device, epochs, max_grad_norm, probe_budget,
                               probe_fraction, measured, echo)
@@ -445,11 +441,12 @@ def plan(
 
 def _costed_candidates(search: _Search, dataset, collator, lengths, effective_batch: int, base: Strategy,
                        levers: Levers, fixed: set, device_type: str, seed: int,
-                       baseline: Strategy | None) -> list[Candidate]:
+                       baseline: Strategy | None, known: Candidate | None = None) -> list[Candidate]:
     """The candidates that fit, with their epoch's padded tokens and updates and their prior, best prior first.
 
     The baseline (the configuration without the planner; when it does not fit, the lightest split) is among
-    them, marked, whether or not the search reached it.
+    them, marked, whether or not the search reached it. `known` (the candidate probed before the search) is used
+    as it is when its settings are among them, its probe kept.
     """
     settings_list = _candidate_settings(search, effective_batch, base, levers, fixed, device_type)
     fallback = _lightest(base, effective_batch)
@@ -457,7 +454,8 @@ def _costed_candidates(search: _Search, dataset, collator, lengths, effective_ba
                   None)
     if chosen is not None and chosen not in settings_list:
         settings_list.append(chosen)
-    candidates = [_costed(search, settings, dataset, collator, lengths, device_type, seed)
+    candidates = [known if known is not None and settings == known.settings
+                  else _costed(search, settings, dataset, collator, lengths, device_type, seed)
                   for settings in settings_list]
     for candidate in candidates:
         candidate.baseline = candidate.settings == chosen
@@ -1172,14 +1170,14 @@ def _probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_g
         del loop, optimizer
         _restore_stash(model, stash)
         gc.collect()
-    last_loss = max(when for kind, when in marks if kind == "loss")
+    loss_marks = sorted(when for kind, when in marks if kind == "loss")  # the micro-batches' starts
+    last_loss = loss_marks[-1]
     steps = [(kind, when) for kind, when in marks if kind in ("step", "stepped") and when > last_loss]
     if settings.optimizer_in_backward or not steps:  # the fused steps run inside backward: per-token time
         micro_step, optimizer_seconds = ended - last_loss, 0.0
     else:
         micro_step = min(when for _, when in steps) - last_loss
         optimizer_seconds = sum(when if kind == "stepped" else -when for kind, when in steps)
-    loss_marks = sorted(when for kind, when in marks if kind == "loss")
     if settings.compile and len(loss_marks) >= 2:  # the first micro-batch compiled the graph: what the run pays too
         compile_seconds = loss_marks[-1] - loss_marks[0] - micro_step
     result = {"micro_step_seconds": micro_step, "optimizer_step_seconds": max(optimizer_seconds, 0.0),
