@@ -1114,7 +1114,7 @@ class _Meter:
             import torch
 
             return int(torch.cuda.max_memory_reserved())
-        return _status_bytes("VmHWM") - self.baseline
+        return max(0, _status_bytes("VmHWM") - self.baseline)  # the process may have returned memory since the start
 
 
 def _probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_grad_norm,
