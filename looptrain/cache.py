@@ -1,4 +1,5 @@
-"""Where looptrain keeps what it measured once and can reuse: estimates, this device's matmul peak.
+"""Where looptrain keeps what it measured once and can reuse: estimates, the planner's probes, this device's
+matmul peak.
 
 `cache_dir()` is ``$LOOPTRAIN_CACHE_DIR``, else ``$XDG_CACHE_HOME/looptrain``, else ``~/.cache/looptrain``.
 ``LOOPTRAIN_CACHE_DIR=off`` (or ``0``, ``none``) turns every on-disk cache off: each figure is then

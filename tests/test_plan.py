@@ -358,7 +358,7 @@ def fake_probe(speeds: dict):
 
 @pytest.mark.parametrize("faster, kept", [(0.97, True), (0.5, False)])
 def test_the_configuration_without_the_planner_is_kept_unless_another_is_measured_faster(dataset, monkeypatch,
-                                                                                         faster, kept):
+                                                                                         faster, kept, tmp_path):
     """The user's split is always a probed candidate; the plan replaces it only when another candidate's measured
     prediction is at least KEEP_BASELINE_WITHIN (5%) faster: 3% is within a probe's noise, 2x is not."""
     from looptrain.planning import planner
@@ -371,6 +371,7 @@ def test_the_configuration_without_the_planner_is_kept_unless_another_is_measure
     user = Settings(batch_size=2, accum_steps=8)  # fits (micro-batch 2 < 4); the search's largest plain split is 4
     # Per token, micro-batch 2 takes 1 unit; every other size `faster` units (the same padding: no grouping).
     speeds = {size: (1.0 if size == 2 else faster) for size in (1, 2, 4, 8, 16)}
+    monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))  # no real probe cached by another test
     monkeypatch.setattr(planner, "_probe", fake_probe(speeds))
     monkeypatch.setattr(planner, "PRIOR_OPTIMISM", 0.0)  # probe every candidate: the ranking is the measured one
     result = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH, base=user)
@@ -385,9 +386,10 @@ def test_the_configuration_without_the_planner_is_kept_unless_another_is_measure
     assert ("| 1 (winner, your flags) |" if kept else "| 1 (winner) |") in result.table()
 
 
-def test_without_probe_time_only_the_baseline_and_the_favourite_are_probed(dataset, monkeypatch):
+def test_without_probe_time_only_the_baseline_and_the_favourite_are_probed(dataset, monkeypatch, tmp_path):
     from looptrain.planning import planner
 
+    monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))  # a probe cached by another test costs 0 s
     train_set, collator = dataset
     model = make_tiny_bert(num_labels=2)
     budget = budget_between(model, train_set, collator, 4, 8)
@@ -481,3 +483,103 @@ def test_with_no_planning_time_the_search_stops_short_and_the_baseline_trains(da
     assert result.estimates == 1 and result.cached_estimates == 0  # the baseline's own estimate: does it fit
     assert [c.settings for c in result.candidates] == [user] and result.winner.baseline
     assert any("the search stopped short of" in note for note in result.notes)
+
+
+# ------------------------------------------------------------------------------ the search order, the probe cache
+class AffineSearch:
+    """A `_Search` stand-in: a peak affine in the micro-batch's rows, per checkpointing mode; records each estimate."""
+
+    ROW = {(True, 1): 1, (True, 2): 2, (False, 1): 4}  # activations per row: every block, every other, none
+
+    def __init__(self, budget: int):
+        self.budget, self.margin, self.overhead = budget, 0.0, 0
+        self.smallest_failure, self.results, self.estimated = None, {}, []
+
+    def peak(self, settings) -> int:
+        grads = 0 if settings.optimizer_in_backward else 10
+        return 20 + grads + settings.batch_size * self.ROW[settings.gradient_checkpointing, settings.checkpoint_every]
+
+    def key(self, settings):
+        return repr(settings)
+
+    def fits(self, settings) -> bool:
+        self.estimated.append(settings)
+        return self.peak(settings) <= self.budget
+
+
+def test_the_search_finds_the_lightest_mode_first_and_never_estimates_a_split_more_checkpointing_ruled_out():
+    """Checkpointing modes are searched from every block to none, so a search cut short has found the splits most
+    likely to fit; a mode checkpointing less is estimated only up to the largest micro-batch the mode before it
+    fitted, and still finds its own largest split (memory grows as fewer blocks are checkpointed)."""
+    import dataclasses
+
+    from looptrain.planning import planner
+
+    search = AffineSearch(budget=38)  # every block: 8 rows (38), every other: 4 (38), none: 2 (38); fused: 16 rows
+    base = Settings(batch_size=16, accum_steps=1)
+    chosen = planner._candidate_settings(search, 16, base, Levers(), set(), "cpu")
+    first = search.estimated[0]
+    assert (first.gradient_checkpointing, first.checkpoint_every) == (True, 1)
+    for settings in search.estimated:  # no mode is estimated above what a more checkpointed one fitted
+        mode = (settings.gradient_checkpointing, settings.checkpoint_every)
+        if not settings.optimizer_in_backward:
+            assert settings.batch_size <= {(True, 1): 16, (True, 2): 8, (False, 1): 4}[mode], settings
+    # The same splits as a brute force over every mode, size and fused step.
+    expected = set()
+    for (checkpointing, every), fused in [(mode, fused) for mode in AffineSearch.ROW for fused in (False, True)]:
+        fits = [size for size in (1, 2, 4, 8, 16) if (not fused or size == 16) and search.peak(dataclasses.replace(
+            base, batch_size=size, accum_steps=16 // size, gradient_checkpointing=checkpointing,
+            checkpoint_every=every, optimizer_in_backward=fused)) <= search.budget]
+        if fits:
+            expected.add((checkpointing, every, fused, max(fits)))
+    found = {(s.gradient_checkpointing, s.checkpoint_every, s.optimizer_in_backward, s.batch_size) for s in chosen}
+    assert found == expected == {(True, 1, False, 8), (True, 2, False, 4), (False, 1, False, 2), (True, 1, True, 16)}
+    assert len(search.estimated) == len({repr(settings) for settings in search.estimated})  # none twice
+
+
+def test_a_rerun_reads_its_probes_from_the_cache_and_plans_the_same(dataset, monkeypatch, tmp_path):
+    """Probes on a CPU are kept in the on-disk cache like the estimates: a rerun of the same plan measures nothing,
+    predicts the same speeds and picks the same winner; with the cache off every probe is measured again."""
+    from looptrain.planning import planner
+
+    monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    train_set, collator = dataset
+    model = make_tiny_bert(num_labels=2)
+    budget = budget_between(model, train_set, collator, 4, 8)
+    options = {"memory_budget": budget, "effective_batch": EFFECTIVE_BATCH, "probe_budget": 30.0}
+    first = plan(model, train_set, collator, **options)
+    measured = [c for c in first.candidates if c.probed]
+    assert measured and not any(c.probe.get("from_cache") for c in measured)
+    calls = []
+    real = planner._measure_probe
+    monkeypatch.setattr(planner, "_measure_probe", lambda *args, **kwargs: calls.append(args[1]) or real(*args,
+                                                                                                         **kwargs))
+    model = make_tiny_bert(num_labels=2)  # a rerun's model, as loaded: the first plan's probes changed its config
+    again = plan(model, train_set, collator, **options)
+    assert calls == [] and again.cached_estimates == again.estimates
+    assert again.winner.settings == first.winner.settings
+    assert {repr(c.settings): c.seconds_per_epoch for c in again.candidates if c.probed} == \
+        {repr(c.settings): c.seconds_per_epoch for c in measured}
+    assert all(c.probe["from_cache"] for c in again.candidates if c.probed)
+    assert "probe (cached)" in again.table()
+    monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", "off")
+    plan(make_tiny_bert(num_labels=2), train_set, collator, **options)
+    assert len(calls) == len(measured)
+
+
+def test_a_cached_probe_of_process_rss_is_read_only_while_the_process_holds_about_the_same(monkeypatch, tmp_path):
+    """Under the RSS meter a cached probe's peak moves up by what the process holds more than when it was measured
+    (never down), and beyond `PROBE_HELD_TOLERANCE` more (another program, more loaded) it is measured again."""
+    from looptrain.planning import estimate_cache, planner
+
+    monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    mib = 2**20
+    probe = {"micro_step_seconds": 0.5, "optimizer_step_seconds": 0.1, "probe_seconds": 1.5, "tokens": 64,
+             "batch_shape": [2, 32], "measured_peak_bytes": 300 * mib, "held_bytes": 100 * mib}
+    estimate_cache.write_probe("k", probe)
+    assert planner._cached_probe("k", 100 * mib)["measured_peak_bytes"] == 300 * mib
+    assert planner._cached_probe("k", 120 * mib)["measured_peak_bytes"] == 320 * mib
+    assert planner._cached_probe("k", 90 * mib)["measured_peak_bytes"] == 300 * mib  # never lowered
+    assert planner._cached_probe("k", 100 * mib + planner.PROBE_HELD_TOLERANCE + 1) is None
+    assert planner._cached_probe("k", 0)["measured_peak_bytes"] == 300 * mib  # holding less: the peak stays
+    assert planner._cached_probe("missing", 100 * mib) is None

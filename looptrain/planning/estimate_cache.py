@@ -18,6 +18,10 @@ SHA-256 of a JSON description of:
   cache instead of reading a stale figure.
 
 A model the description cannot cover (neither a name, a config nor a module) is never cached.
+
+The planner's probes on a CPU (one real update of a candidate, timed, its peak measured) are kept the same way,
+under ``<cache_dir>/probes/<key>.json`` (`probe_key`, `read_probe`, `write_probe`): the key adds the probe's batch
+(its shape and each row's length), the meter, the CPU's name and the number of threads.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ from looptrain.strategy import Strategy, levers
 # Bump when the estimator's result changes for the same inputs in a way the source hash below cannot see.
 CODE_VERSION = 1
 KIND = "estimates"
+PROBES = "probes"
+_PROBE_KEYS = ("micro_step_seconds", "optimizer_step_seconds", "probe_seconds", "tokens", "batch_shape")
 _RESULT_KEYS = ("peak_memory_bytes", "memory_meter", "memory_breakdown", "phase_peak_bytes", "parameters",
                 "trainable_parameters", "notes")
 
@@ -198,3 +204,50 @@ def read(name: str) -> dict | None:
 def write(name: str, result: dict) -> None:
     """Stores an estimate's result under `name` (nothing when caching is off or the directory is not writable)."""
     cache.write_entry(KIND, name, result)
+
+
+def model_digest(model: nn.Module) -> str:
+    """A digest of what of `model` an estimate or a probe depends on (its classes, tree, configs and tensors)."""
+    text = json.dumps(_module_description(model), sort_keys=True, default=_json_value)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def probe_key(model: str, strategy: Strategy, batch: dict, *, max_grad_norm: float | None, meter: str) -> str:
+    """The cache key of one planner probe on this CPU: `strategy`'s update of the model on `batch`, under `meter`.
+
+    `model` is the model's `model_digest`, taken when planning starts: a probe changes what a description reads
+    (transformers turns the config's ``use_cache`` off under checkpointing), and a rerun starts from a fresh model.
+    The batch is described by each tensor's shape and, with an attention mask, each row's length (the probe's
+    batch is the run's worst: its longest samples). The CPU's name and the number of threads join the CPU's
+    capability, since a probe measures speed.
+    """
+    shapes = {name: list(value.shape) for name, value in sorted(batch.items()) if isinstance(value, torch.Tensor)}
+    mask = batch.get("attention_mask")
+    description = {
+        "model": model,
+        "strategy": {"class": f"{type(strategy).__module__}.{type(strategy).__qualname__}",
+                     "fields": {field.name: getattr(strategy, field.name) for field in dataclasses.fields(strategy)}},
+        "batch": shapes,
+        "rows": mask.sum(dim=-1).tolist() if isinstance(mask, torch.Tensor) else None,
+        "max_grad_norm": max_grad_norm,
+        "meter": meter,
+        "versions": _versions(),
+        "cpu": [precision.cpu_description(), torch.backends.cpu.get_cpu_capability(),
+                precision.cpu_has_native_bf16(), precision.cpu_has_native_fp16(), torch.get_num_threads()],
+        "world_size": os.environ.get("WORLD_SIZE", "1"),
+    }
+    text = json.dumps(description, sort_keys=True, default=_json_value)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def read_probe(name: str) -> dict | None:
+    """The probe stored under `name`, or None (absent, unreadable, incomplete, caching off)."""
+    entry = cache.read_entry(PROBES, name)
+    if entry is None or not all(isinstance(entry.get(field), (int, float, list)) for field in _PROBE_KEYS):
+        return None
+    return entry
+
+
+def write_probe(name: str, result: dict) -> None:
+    """Stores a probe's measurements under `name` (nothing when caching is off or the directory is not writable)."""
+    cache.write_entry(PROBES, name, result)

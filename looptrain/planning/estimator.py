@@ -3,7 +3,8 @@
 `estimate` builds the model on fake tensors (`FakeTensorMode`: shapes and dtypes, no storage, no
 compute), applies the strategy with looptrain's own freeze, checkpointing and optimizer modules,
 builds a real `Loop` over it, and drives the Loop's own update (`Loop.run_update`, the method
-`fit()` calls) for two optimizer steps under the `StorageTracker`. What it measures is what the
+`fit()` calls) for two optimizer steps under the `StorageTracker` (the first on one micro-batch: it
+creates the optimizer state). What it measures is what the
 Loop does: autocast casts, the GradScaler's unscale, clipping, the optimizer step (bitsandbytes'
 CPU kernels included), the fused step. `measure` runs the same strategy for real, through
 `Loop.fit`, for the accuracy check.
@@ -328,8 +329,9 @@ def estimate(
     The model is built under ``FakeTensorMode`` (from a config, a preset name, a local path, or a
     fake copy of a real model), the strategy is applied with looptrain's own modules, and a `Loop`
     with this strategy's `LoopConfig` runs two optimizer updates (`Loop.run_update`: forward under
-    autocast, scaled backward, unscale, clip, step, zero) on one window of ``min(accum_steps, 2)``
-    micro-batches (from the second micro-batch on, memory repeats) under the CPU meter's tracker.
+    autocast, scaled backward, unscale, clip, step, zero) under the CPU meter's tracker: the first on one
+    micro-batch (it creates the optimizer state), the second on a window of ``min(accum_steps, 2)``
+    micro-batches (from the second micro-batch on, memory repeats).
     No real memory is allocated and nothing is computed. The RNG states are left as they were.
     This prices a ``batch_size x seq_len`` batch in the worst state a batch can meet (gradients and
     optimizer state alive beside it); `estimate_windows` prices the windows a run really sees.
@@ -366,7 +368,9 @@ def estimate(
     """
     strategy = as_strategy(strategy, levers)
     window = [(batch_size, seq_len)] * min(strategy.accum_steps, 2)
-    return estimate_windows(model_or_config, [window, window], strategy, num_labels=num_labels,
+    # The first update creates the optimizer state: one micro-batch does that, and its peak is below the second
+    # update's (the same tensors, without the state), so a second micro-batch there would only cost time.
+    return estimate_windows(model_or_config, [window[:1], window], strategy, num_labels=num_labels,
                             max_grad_norm=max_grad_norm, padded=padded, cache=cache)
 
 

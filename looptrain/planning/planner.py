@@ -46,6 +46,7 @@ import importlib.util
 import math
 import re
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +60,7 @@ from looptrain.loop import Loop
 from looptrain.lora import is_4bit_layer, is_lora_model
 from looptrain.memory.meters import proc_status_bytes, reset_peak_rss
 from looptrain.optim import inner_optimizers
+from looptrain.planning import estimate_cache
 from looptrain.planning.estimator import bounding_windows, estimate, estimate_windows
 from looptrain.planning.worker import EstimateWorker
 from looptrain.precision import amp_precision, cpu_has_native_bf16, resolve_device
@@ -92,6 +94,11 @@ MIN_ESTIMATE_SECONDS = 8.0
 # 216 MiB (7%, the 36.6M-parameter BERT of scripts/bench_plan.py).
 RUN_GROWTH = 0.25
 FULL_FINE_TUNE = "full fine-tune"  # `_Search.peak(model=...)`: the search's LoRA model without its adapters
+# A probe read from the cache under the RSS meter: the process may hold at most this more above the start than when
+# the probe was measured (the same command holds the same or less; another program may hold more).
+PROBE_HELD_TOLERANCE = 32 * 1024**2
+# The models being planned, described when `plan` starts (`estimate_cache.model_digest`): the probes' cache keys.
+_MODEL_DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # A candidate is probed only if, this much faster than the prior (scaled to the probes) predicts, it would win by
 # more than its probe costs: the prior orders candidates within about this factor.
 PRIOR_OPTIMISM = 0.75
@@ -208,6 +215,8 @@ class Plan:
             settings = candidate.settings
             measured = any(c.probed for c in self.candidates)  # without probes the prior has no unit
             speed = f"{self.num_samples / candidate.seconds_per_epoch:.1f}" if measured else "-"
+            source = ("probe (cached)" if candidate.probe.get("from_cache") else "probe") if candidate.probed \
+                else "prior, scaled to the probes" if measured else "prior only"
             marks = ", ".join(mark for mark, on in (("winner", rank == 1), (self.baseline_words, candidate.baseline))
                               if on)
             lines.append(
@@ -217,7 +226,7 @@ class Plan:
                 f"{'yes' if settings.optimizer_in_backward else 'no'} | "
                 f"{'yes' if settings.group_by_length else 'no'} | "
                 f"{format_bytes(candidate.estimated_peak_bytes)} | {speed} | "
-                f"{'probe' if candidate.probed else 'prior, scaled to the probes' if measured else 'prior only'} |")
+                f"{source} |")
         lines.append(f"{len(self.candidates)} candidates fit; planning {self.planning_seconds:.1f} s: "
                      f"{self.estimates} estimates in {self.estimate_seconds:.1f} s"
                      + (f" ({self.cached_estimates} of them read from the cache)" if self.cached_estimates else "")
@@ -336,6 +345,7 @@ def plan(
                         "base.wrap_model(model)): the probes train it as it is")
     if isinstance(model, nn.Module):
         base.prepare_model(model)  # the task's own levers (freezing): never changed by the plan, probed as they run
+        _MODEL_DIGESTS[model] = estimate_cache.model_digest(model)  # before a probe changes what it reads
     device_type = resolve_device(device).type
     margin = DEFAULT_MARGIN.get(device_type, 0.15) if margin is None else margin
     lengths = list(dataset.lengths)
@@ -577,7 +587,15 @@ def _valid(settings: Strategy) -> bool:
 
 def _candidate_settings(search: _Search, effective_batch: int, base: Strategy, levers: Levers, fixed: set,
                         device_type: str) -> list[Strategy]:
-    """For each allowed precision, optimizer, checkpointing mode and fused step: the largest split that fits."""
+    """For each allowed precision, optimizer, checkpointing mode and fused step: the largest split that fits.
+
+    The checkpointing modes are searched from the one that saves the most memory (every block) to none, so that
+    a search cut short by planning's time has found the splits most likely to fit first. Memory only grows as
+    fewer blocks are checkpointed, so a mode is searched only up to the largest micro-batch the mode before it
+    reached (and not at all when that one fitted none); a later optimizer of the family (slower, lighter) must buy
+    a larger micro-batch than the ones before it reached with the same mode, and the fused step (the whole batch in
+    one micro-batch) is tried only where the unfused step did not reach it.
+    """
     sizes = divisors(effective_batch)
     if "batch_size" in fixed:
         sizes = [size for size in sizes if size == base.batch_size]
@@ -595,33 +613,47 @@ def _candidate_settings(search: _Search, effective_batch: int, base: Strategy, l
         family = OPTIMIZER_FAMILIES.get(base.optimizer, (base.optimizer,))
         optimizers = [name for name in family if device_type == "cuda" or not name.startswith("paged")]
     checkpointing_fixed = fixed & {"gradient_checkpointing", "checkpoint_every"}
-    modes = [(base.gradient_checkpointing, base.checkpoint_every)] if checkpointing_fixed else list(CHECKPOINT_MODES)
+    modes = [(base.gradient_checkpointing, base.checkpoint_every)] if checkpointing_fixed \
+        else list(reversed(CHECKPOINT_MODES))  # the most memory saved first
     fused_options = [base.optimizer_in_backward] if "optimizer_in_backward" in fixed else [False, True]
     chosen: list[Strategy] = []
     for precision, weights in dict.fromkeys(numerics):
-        failures: dict = {}  # (optimizer, checkpointing mode) -> the smallest unfused split that did not fit
-        best = 0  # the largest micro-batch a lighter (faster) mix of these numerics reached
+        reached: dict = {}  # checkpointing mode -> the largest micro-batch an earlier optimizer of the family reached
         for optimizer in optimizers:
+            cap = effective_batch  # the largest micro-batch the previous (more checkpointed) mode fitted
+            fused_may_fit = True in fused_options  # the fused step fitted (or was not needed) with the previous mode
             for checkpointing, every in modes:
+                if cap == 0 and not fused_may_fit:
+                    break  # less checkpointing fits nothing that more did not
+                unfused_best = 0
                 for fused in fused_options:
-                    if best == effective_batch:
-                        break  # the whole batch fits: no heavier lever can buy more
-                    heavier = checkpointing or fused or optimizer != optimizers[0]
                     template = dataclasses.replace(base, precision=precision, weights=weights, optimizer=optimizer,
                                                    gradient_checkpointing=checkpointing, checkpoint_every=every,
                                                    optimizer_in_backward=fused)
-                    options = [size for size in sizes if (not fused or size == effective_batch)
-                               and (not heavier or size > best)]  # a heavier lever must buy a larger micro-batch
-                    failed = failures.get((optimizer, checkpointing, every))
-                    if fused and failed is not None and _cannot_fit_fused(search, failed, effective_batch):
-                        continue  # extrapolated from the unfused estimate that failed: not worth an estimate
-                    size = _largest_fitting(search, template, options, effective_batch)
-                    if not fused and search.smallest_failure is not None:
-                        failures[(optimizer, checkpointing, every)] = search.smallest_failure
+                    floor = reached.get((checkpointing, every), 0)  # a later optimizer must buy a larger micro-batch
+                    if fused:
+                        if unfused_best == effective_batch or not fused_may_fit or floor == effective_batch:
+                            continue  # the whole batch fits unfused; or with more checkpointing it did not fit fused
+                        failed = search.smallest_failure if unfused_best < effective_batch else None
+                        if failed is not None and _cannot_fit_fused(search, failed, effective_batch):
+                            fused_may_fit = False  # extrapolated from the unfused estimate that failed
+                            continue
+                        options = [effective_batch]
+                    else:
+                        options = [size for size in sizes if floor < size <= cap]
+                        search.smallest_failure = None
+                    size = _largest_fitting(search, template, options, effective_batch) if options else None
+                    if fused:
+                        fused_may_fit = size is not None
+                    else:
+                        unfused_best = size or 0
                     if size is not None:
                         chosen.append(dataclasses.replace(template, batch_size=size,
                                                           accum_steps=effective_batch // size))
-                        best = max(best, size)
+                floor = reached.get((checkpointing, every), 0)
+                # A later optimizer of the family is lighter: it fits at least what the ones before it reached.
+                cap = max(unfused_best, floor if False in fused_options else 0)
+                reached[(checkpointing, every)] = max(floor, unfused_best)
     return chosen
 
 
@@ -990,18 +1022,25 @@ def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: 
         peak = candidate.probe.get("measured_peak_bytes")
         return peak is None or (peak + result.growth_bytes) * (1 + result.margin) <= result.budget_bytes
 
+    def batch_of(candidate: Candidate) -> dict:
+        return collator([dataset[i] for i in order[:candidate.settings.batch_size]])
+
+    def cached(candidate: Candidate) -> bool:
+        key = _probe_key(model, candidate.settings, batch_of(candidate), device, max_grad_norm, meter)
+        return key is not None and _cached_probe(key, _held_bytes(meter)) is not None
+
     def run(candidate: Candidate) -> None:
         if not candidate.probed:
-            settings = candidate.settings
-            batch = collator([dataset[i] for i in order[:settings.batch_size]])
-            _record_probe(candidate, _probe(model, settings, batch, device, max_grad_norm, meter))
+            _record_probe(candidate, _probe(model, candidate.settings, batch_of(candidate), device, max_grad_norm,
+                                            meter))
         if not fits(candidate):
             rejected.append(candidate)
         settings, peak = candidate.settings, candidate.probe.get("measured_peak_bytes")
         echo(f"  probe {settings.batch_size} x {settings.accum_steps}, {settings.precision}, {settings.optimizer}, "
              f"checkpointing {settings.checkpointing}{', fused step' if settings.optimizer_in_backward else ''}: "
              f"{result.num_samples / candidate.seconds_per_epoch:.1f} samples/s predicted "
-             f"({candidate.probe['probe_seconds']:.1f} s"
+             + (f"(from the cache, measured in {candidate.probe['probe_seconds']:.1f} s"
+                if candidate.probe.get("from_cache") else f"({candidate.probe['probe_seconds']:.1f} s")
              + (f"; measured peak {format_bytes(peak)}{', over the budget' if candidate in rejected else ''}"
                 if peak is not None else "") + ")")
 
@@ -1023,7 +1062,7 @@ def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: 
         candidate = waiting[0]
         fitting = [c for c in probed if c not in rejected]
         best = min((c.seconds_per_epoch for c in fitting), default=math.inf)
-        cost = _predicted_probe_seconds(candidate, probed)
+        cost = 0.0 if cached(candidate) else _predicted_probe_seconds(candidate, probed)
         if fitting and time.perf_counter() - started + cost > budget:
             skipped += len(waiting)
             break
@@ -1119,6 +1158,62 @@ class _Meter:
 
 def _probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_grad_norm,
            meter: _Meter | None = None) -> dict:
+    """`_measure_probe`, or its result read from the on-disk cache when this CPU measured the same probe before.
+
+    A probe on a CPU is cached (`estimate_cache.probe_key`: the model, the settings, the batch, the meter, the CPU
+    and its threads, the versions); not a compiled one (the compile cache decides its first step), nor on CUDA. A
+    cached probe says ``"from_cache": True``. Under the RSS meter it is read only while the process holds at most
+    `PROBE_HELD_TOLERANCE` more above the start than when the probe was measured, and its peak moves up by what the
+    process holds more now (never down: a rerun that read its first probes from the cache holds less, as their
+    first-use memory was never touched).
+    """
+    key = _probe_key(model, settings, batch, device, max_grad_norm, meter)
+    if key is None:
+        return _measure_probe(model, settings, batch, device, max_grad_norm, meter)
+    held = _held_bytes(meter)
+    cached = _cached_probe(key, held)
+    if cached is not None:
+        return cached
+    result = _measure_probe(model, settings, batch, device, max_grad_norm, meter)
+    estimate_cache.write_probe(key, {**result, "held_bytes": held})
+    return result
+
+
+def _probe_key(model: nn.Module, settings: Strategy, batch: dict, device: str, max_grad_norm,
+               meter: _Meter | None) -> str | None:
+    """The probe's cache key, or None when it is not cached (CUDA, a compiled model, a meter other than RSS, a
+    model `plan` did not describe when it started)."""
+    digest = _MODEL_DIGESTS.get(model)
+    if digest is None or resolve_device(device).type != "cpu" or settings.compile \
+            or (meter is not None and meter.kind != "rss"):
+        return None
+    return estimate_cache.probe_key(digest, settings, batch, max_grad_norm=max_grad_norm,
+                                    meter=meter.kind if meter is not None else "tensors")
+
+
+def _held_bytes(meter: _Meter | None) -> int:
+    """What the process holds above the start now (the RSS meter), after a collection; 0 for other meters."""
+    if meter is None or meter.kind != "rss":
+        return 0
+    gc.collect()
+    return max(0, _status_bytes("VmRSS") - meter.baseline)
+
+
+def _cached_probe(key: str | None, held: int) -> dict | None:
+    """The cached probe under `key`, its measured peak moved by what the process holds more now; None: measure."""
+    entry = estimate_cache.read_probe(key) if key is not None else None
+    if entry is None:
+        return None
+    then = entry.pop("held_bytes", 0)
+    if "measured_peak_bytes" in entry:
+        if held - then > PROBE_HELD_TOLERANCE:
+            return None  # the process holds more than when the probe was measured (another program): measure again
+        entry["measured_peak_bytes"] = int(entry["measured_peak_bytes"]) + max(0, held - then)
+    return {**entry, "from_cache": True}
+
+
+def _measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_grad_norm,
+                   meter: _Meter | None = None) -> dict:
     """One update of the Loop on `batch` (two when it has one micro-batch), learning rate 0, timed.
 
     An update is a window of `min(accum_steps, 2)` micro-batches, as in the estimator: from the second
