@@ -213,6 +213,16 @@ def test_the_end_of_run_table_explains_rss_above_a_planned_budget(meter, why):
     assert "| note |" not in finetune.final_table(within, None, "runs/x")
 
 
+def test_the_end_of_run_table_computes_no_estimate_error_against_the_rss_rise():
+    summary = {"train_runtime_s": 1.0, "train_samples_per_s": 1.0, "optimizer_steps": 1, "skipped_steps": 0,
+               "peak_memory_bytes": 500 * 2**20, "memory_meter": "cpu_rss_delta",
+               "estimated_peak_bytes": 300 * 2**20, "estimate_error": None}
+    table = finetune.final_table(summary, None, "runs/x")
+    assert "| estimated peak (worst batch) | 300.0 MiB (live tensors; this run's meter is RSS, so no error" in table
+    tracked = {**summary, "memory_meter": "cpu_tensor_tracker", "estimate_error": 0.0123}
+    assert "| estimated peak (worst batch) | 300.0 MiB (error +1.2%) | |" in finetune.final_table(tracked, None, "x")
+
+
 def test_every_run_reports_its_estimate_error(model_dir, train_csv, tmp_path):
     assert cli(model_dir, train_csv, tmp_path, "--batch-size", "8") == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -445,6 +455,9 @@ def test_a_planned_run_keeps_its_budget_of_process_rss_with_evaluation_and_check
     assert summary["final_eval"] is not None
     above_start = summary["peak_rss_bytes"] - summary["rss_at_start_bytes"]
     assert summary["peak_memory_bytes"] < above_start <= budget, (above_start / 2**20, finished.stdout[-3000:])
+    # The estimate prices tensors; this run's meter is the RSS rise, so no error is computed against it.
+    assert summary["memory_meter"] == "cpu_rss_delta" and summary["estimate_error"] is None
+    assert "MiB (live tensors; this run's meter is RSS, so no error: --budget-meter tensors" in finished.stdout
 
 
 def test_a_fused_step_that_cannot_fit_is_ruled_out_by_extrapolation_not_estimated(dataset):

@@ -101,12 +101,32 @@ def wait_for_checkpoint(output_dir: Path, process: subprocess.Popen, log_path: P
 # ---------------------------------------------------------------------------------------------------------
 
 
+# Runs finetune.py with every update followed by a 30 ms pause: the weights are the same, but the 48 updates take
+# at least 1.4 s however fast the CPU, so a signal sent up to 0.8 s after the first checkpoint lands mid-training
+# (unpaced, a fast machine finished the whole run in 0.4 s and the signal found it exiting).
+PACED = """
+import runpy, sys, time
+from looptrain.loop import Loop
+
+run_update = Loop.run_update
+
+def paced_update(self, window):
+    result = run_update(self, window)
+    time.sleep(0.03)
+    return result
+
+Loop.run_update = paced_update
+sys.argv = ["scripts/finetune.py", *sys.argv[1:]]
+runpy.run_path("scripts/finetune.py", run_name="__main__")
+"""
+
+
 def test_sigkill_at_a_random_point_then_resume_auto_equals_uninterrupted(
         model_dir, data_files, uninterrupted, tmp_path, capsys):
     output_dir = tmp_path / "killed"
     delay = random.Random(8).uniform(0.1, 0.8)  # seeded: the same kill point (in time) on every run
     log = tmp_path / "killed.log"
-    process = start(argv(model_dir, data_files, output_dir), log)
+    process = start(argv(model_dir, data_files, output_dir), log, child=["-c", PACED])
     wait_for_checkpoint(output_dir, process, log)
     time.sleep(delay)
     process.kill()
@@ -173,7 +193,7 @@ def test_sigterm_saves_a_checkpoint_exits_143_and_resume_equals_uninterrupted(
         model_dir, data_files, uninterrupted, tmp_path, capsys):
     output_dir = tmp_path / "terminated"
     log = tmp_path / "terminated.log"
-    process = start(argv(model_dir, data_files, output_dir), log)
+    process = start(argv(model_dir, data_files, output_dir), log, child=["-c", PACED])
     wait_for_checkpoint(output_dir, process, log)
     time.sleep(random.Random(9).uniform(0.1, 0.8))
     process.send_signal(signal.SIGTERM)

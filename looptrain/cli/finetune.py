@@ -1080,7 +1080,9 @@ def write_outputs(summary: dict, place, inputs: Inputs, output_dir: Path, plan_r
     summary["planning_seconds"] = round(estimating + probing, 3)
     summary["planning_estimate_seconds"] = round(estimating, 3)
     summary["planning_probe_seconds"] = round(probing, 3)
-    measured = summary.get("peak_memory_bytes")
+    # The estimate prices tensors: its error is against a meter of tensors (the tracker, CUDA's allocated bytes),
+    # not against the RSS rise, which holds what the process held besides tensors at the loop's start.
+    measured = summary.get("peak_memory_bytes") if summary.get("memory_meter") != "cpu_rss_delta" else None
     summary["estimate_error"] = (round((measured - estimated_peak) / estimated_peak, 4)
                                  if estimated_peak and measured is not None else None)
     distributed.save_pretrained(inputs.model, final_dir)  # safetensors; gathers a sharded model's weights first
@@ -1329,8 +1331,10 @@ def final_table(summary: dict, baseline: dict | None, output_dir: Path) -> str:
         stage = f", last unfreezing stage ({unfreeze['stage']}/{unfreeze['stages']})" if unfreeze else ""
         lines.append(f"| peak memory | {peak / 2**20:.1f} MiB ({summary['memory_meter']}{stage}) | |")
     if summary.get("estimated_peak_bytes"):
+        error = (f"error {summary['estimate_error']:+.1%}" if summary.get("estimate_error") is not None else
+                 "live tensors; this run's meter is RSS, so no error: --budget-meter tensors measures them")
         lines.append(f"| estimated peak (worst batch) | {summary['estimated_peak_bytes'] / 2**20:.1f} MiB "
-                     f"(error {summary['estimate_error']:+.1%}) | |")
+                     f"({error}) | |")
     if summary.get("plan"):
         lines.append(f"| memory budget | {summary['plan']['budget_bytes'] / 2**20:.1f} MiB "
                      f"{summary['plan'].get('meter', '')} (plan: {summary['plan']['settings']['batch_size']} x "
