@@ -57,7 +57,27 @@ def init_distributed(device: str = "auto") -> DistributedInfo:
     if use_cuda:
         torch.cuda.set_device(local_rank)  # before NCCL initialises, so each rank owns its GPU
     dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    global _JOINED
+    _JOINED = True
     return current()
+
+
+_JOINED = False  # whether `init_distributed` created the default group (`shutdown` leaves a caller's own alone)
+
+
+def shutdown() -> None:
+    """Leaves the process group `init_distributed` joined, every rank together (a no-op otherwise).
+
+    Call it once training is over (`finetune.py` does): a process that exits with the group alive may abort in
+    gloo's or NCCL's threads at interpreter exit ("terminate called without an active exception"), and NCCL
+    warns that the group was never destroyed. A group the caller created itself is the caller's to destroy.
+    """
+    global _JOINED
+    if not (_JOINED and dist.is_available() and dist.is_initialized()):
+        return
+    _JOINED = False
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def current() -> DistributedInfo:

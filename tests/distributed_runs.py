@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from looptrain import distributed
 from looptrain.cli import finetune
 
 
@@ -40,6 +41,7 @@ def main(plan_path: str) -> int:
         if code != 0:
             print(f"run {step['name']!r} exited {code} on rank {rank}", file=sys.stderr)
             return code
+    distributed.shutdown()  # every rank leaves the group together (a rank that exits first may abort the other)
     return 0
 
 

@@ -135,6 +135,19 @@ def test_cuda_meter_is_chosen_for_cuda_and_rss_meter_without_tracking():
     assert summary["peak_memory_bytes"] >= memory.parameter_bytes(model)
 
 
+def test_the_rss_meters_breakdown_counts_the_gradients_an_update_held_not_the_none_left_at_the_end():
+    meter = memory.make_meter("cpu", track_tensors=False)
+    model = SmallMLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    meter.start(model, optimizer)
+    run_steps(model, optimizer, meter, steps=2)
+    optimizer.zero_grad(set_to_none=True)  # as the Loop leaves it
+    meter.stop()
+    assert memory.gradient_bytes(model) == 0
+    breakdown = meter.summary(model, optimizer)["memory_breakdown"]
+    assert breakdown["grads"] == sum(parameter.numel() * 4 for parameter in model.parameters())
+
+
 MIXES = planning.ACCURACY_MIXES
 
 

@@ -1428,9 +1428,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def main_entry() -> None:
-    """The `looptrain-finetune` console script: exits with main's code."""
-    sys.exit(main())
+    """The `looptrain-finetune` console script (and `scripts/finetune.py`): exits with main's code.
+
+    Under torchrun every rank leaves the process group together first (`distributed.shutdown`); `main` itself
+    leaves it joined, so one process may call it for several runs.
+    """
+    code = main()
+    from looptrain import distributed
+
+    distributed.shutdown()
+    sys.exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main_entry()

@@ -118,6 +118,7 @@ class CpuTensorMeter:
         self._optimizer: Any = None
         self._active = False
         self._classify_on_mark = False
+        self._grads_seen = 0  # without the tracker: the most gradient bytes held at a mark
 
     @property
     def name(self) -> str:
@@ -129,6 +130,7 @@ class CpuTensorMeter:
         self._model, self._optimizer = model, optimizer
         self.rss_baseline_bytes = current_rss_bytes()
         self._start_tensor_bytes = parameter_bytes(model) + gradient_bytes(model) + optimizer_state_bytes(optimizer)
+        self._grads_seen = gradient_bytes(model)
         if not self.track_tensors:
             return
         tracker = StorageTracker()
@@ -167,11 +169,15 @@ class CpuTensorMeter:
         Cheap (the Loop marks twice per micro-batch): grads and optimizer state are classified by
         the hooks installed at ``start`` the moment they appear, so nothing is rescanned here unless
         some optimizer had no step hook to install (then the full classification runs, as at ``stop``).
+        Without the tracker it sums the gradients held now: the breakdown's grads are the most an update held
+        (a run ends with none, after ``zero_grad``).
         """
         if self.tracker is not None:
             if self._classify_on_mark:
                 self.tracker.classify(self._model, self._optimizer)
             self.tracker.set_phase(phase)
+        elif self._model is not None:  # the RSS meter's breakdown: the gradients an update held, not the end's none
+            self._grads_seen = max(self._grads_seen, gradient_bytes(self._model))
 
     def restart_peak(self) -> None:
         """Start a new peak from the live bytes (a new gradual-unfreezing stage): the trainable set may
@@ -226,7 +232,7 @@ class CpuTensorMeter:
             result["peak_memory_bytes"] = int(peak)
             result["memory_breakdown"] = _breakdown(
                 parameter_bytes(model) if model is not None else 0,
-                gradient_bytes(model) if model is not None else 0,
+                max(self._grads_seen, gradient_bytes(model) if model is not None else 0),
                 optimizer_state_bytes(optimizer),
                 peak,
                 "unknown",
