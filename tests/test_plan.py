@@ -498,6 +498,18 @@ def test_with_no_planning_time_the_search_stops_short_and_the_baseline_trains(da
     assert any("the search stopped short of" in note for note in result.notes)
 
 
+def test_a_small_runs_estimates_leave_room_in_ten_seconds_for_both_probes():
+    """Planning's time is 5% of the run, at least `MIN_PLANNING_SECONDS` (10 s), probes included: the estimates get
+    what is left after the first probe and as much again for the favourite's, which follows the search."""
+    from looptrain.planning import planner
+
+    assert planner.MIN_PLANNING_SECONDS == 10.0
+    assert planner.estimate_seconds(2.2, 2.5, planner.MIN_PLANNING_SECONDS) == pytest.approx(5.0)  # a 44-s run
+    assert planner.estimate_seconds(200.0, 2.5, planner.MIN_PLANNING_SECONDS) == pytest.approx(195.0)  # a long run
+    assert planner.estimate_seconds(2.2, 6.0, planner.MIN_PLANNING_SECONDS) < 0  # probes alone fill it: no search
+    assert planner.estimate_seconds(0.0, 1.0, 0.0) == pytest.approx(-2.0)  # --plan-time 0: no floor
+
+
 # ------------------------------------------------------------------------------ the search order, the probe cache
 class AffineSearch:
     """A `_Search` stand-in: a peak affine in the micro-batch's rows, per checkpointing mode; records each estimate."""

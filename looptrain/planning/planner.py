@@ -85,9 +85,9 @@ METERS = {"tensors": "of live tensors", "rss": "of process RSS above the start",
 # The plan keeps the configuration the run would have trained without it unless another candidate's measured
 # prediction is at least this much faster: a probe is one update, and its prediction is a sample, not a constant.
 KEEP_BASELINE_WITHIN = 0.05
-# Planning's time is 5% of the run (`probe_fraction`), but the estimates may take at least this many seconds: the
-# search of a small run would otherwise stop at its first estimates ("at most ~10 s for a small run").
-MIN_ESTIMATE_SECONDS = 8.0
+# Planning's time is 5% of the run (`probe_fraction`), but at least this many seconds, probes included: the search
+# of a small run would otherwise stop at its first estimates ("at most ~10 s for a small run").
+MIN_PLANNING_SECONDS = 10.0
 # Under a measured meter, what a whole run adds to one probe's peak, as a share of the memory that probe measured
 # besides the tensors: later updates' other widths, the allocator's retained blocks, evaluation and checkpoint
 # saving. Measured: +39 MiB over a 160 MiB share (24%, a 3.3M-parameter BERT, tests/test_plan.py), +15 MiB over
@@ -381,9 +381,8 @@ def plan(
                 _record_probe(reference, probed)
                 total = probe_budget if probe_budget is not None else \
                     probe_fraction * reference.seconds_per_epoch * epochs
-                # At least MIN_ESTIMATE_SECONDS of estimates: a small run's 5% would not pay for one search.
-                search.limit = max(search.seconds, total - first_seconds,
-                                   MIN_ESTIMATE_SECONDS if probe_budget is None else 0.0)
+                search.limit = max(search.seconds, estimate_seconds(
+                    total, first_seconds, MIN_PLANNING_SECONDS if probe_budget is None else 0.0))
             if reference is not None and measured is not None:
                 besides = max(0, reference.probe["measured_peak_bytes"] - reference.estimated_peak_bytes)
                 search.growth = int(RUN_GROWTH * besides)
@@ -583,6 +582,12 @@ def _valid(settings: Strategy) -> bool:
     except ConfigError:
         return False
     return True
+
+
+def estimate_seconds(total: float, first_probe_seconds: float, floor: float) -> float:
+    """Planning's time left for the estimates: `total` (5% of the run, or the probe budget), at least `floor`, less
+    the first probe and as much again for the probe of the search's favourite, which follows the search."""
+    return max(total, floor) - 2 * first_probe_seconds
 
 
 def _candidate_settings(search: _Search, effective_batch: int, base: Strategy, levers: Levers, fixed: set,
