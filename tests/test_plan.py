@@ -510,6 +510,32 @@ def test_a_small_runs_estimates_leave_room_in_ten_seconds_for_both_probes():
     assert planner.estimate_seconds(0.0, 1.0, 0.0) == pytest.approx(-2.0)  # --plan-time 0: no floor
 
 
+def test_a_probes_warm_up_is_the_worst_batch_cut_to_columns_real_in_every_row():
+    """The warm-up micro-batch only has to leave the gradients (their size does not depend on the width): the worst
+    batch cut to 16 columns that are real tokens in every row, right or left padding alike."""
+    from looptrain.planning.planner import PROBE_WARM_UP_WIDTH, _warm_up_batch
+
+    assert PROBE_WARM_UP_WIDTH == 16
+    ids = torch.arange(80).reshape(2, 40)
+    right = torch.ones(2, 40, dtype=torch.long)
+    right[1, 30:] = 0
+    batch = {"input_ids": ids, "attention_mask": right, "token_type_ids": torch.zeros(2, 40, dtype=torch.long),
+             "labels": torch.tensor([0, 1])}
+    warm = _warm_up_batch(batch, 16)
+    assert torch.equal(warm["input_ids"], ids[:, :16]) and torch.equal(warm["attention_mask"], right[:, :16])
+    assert warm["token_type_ids"].shape == (2, 16) and torch.equal(warm["labels"], batch["labels"])
+    left = torch.ones(2, 40, dtype=torch.long)
+    left[1, :10] = 0
+    warm = _warm_up_batch({**batch, "attention_mask": left}, 16)
+    assert torch.equal(warm["input_ids"], ids[:, 10:26]) and bool(warm["attention_mask"].all())
+    causal = {"input_ids": ids, "labels": ids.clone()}  # no mask: every column is real; token labels are cut too
+    assert _warm_up_batch(causal, 16)["labels"].shape == (2, 16)
+    assert _warm_up_batch({"input_ids": ids[:, :12]}, 16)["input_ids"].shape == (2, 12)  # no wider: as it is
+    few = torch.zeros(2, 40, dtype=torch.long)
+    few[:, :5] = 1  # 5 columns real in every row: fewer than 16, so the whole batch warms up
+    assert _warm_up_batch({**batch, "attention_mask": few}, 16)["input_ids"].shape == (2, 40)
+
+
 # ------------------------------------------------------------------------------ the search order, the probe cache
 class AffineSearch:
     """A `_Search` stand-in: a peak affine in the micro-batch's rows, per checkpointing mode; records each estimate."""

@@ -231,6 +231,7 @@ def probe_key(model: str, strategy: Strategy, batch: dict, *, max_grad_norm: flo
         "rows": mask.sum(dim=-1).tolist() if isinstance(mask, torch.Tensor) else None,
         "max_grad_norm": max_grad_norm,
         "meter": meter,
+        "warm_up": "16 real columns",  # the probe's first micro-batch (planner.PROBE_WARM_UP_WIDTH)
         "versions": _versions(),
         "cpu": [precision.cpu_description(), torch.backends.cpu.get_cpu_capability(),
                 precision.cpu_has_native_bf16(), precision.cpu_has_native_fp16(), torch.get_num_threads()],

@@ -51,6 +51,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from looptrain import strategy as strategies
@@ -97,6 +98,10 @@ FULL_FINE_TUNE = "full fine-tune"  # `_Search.peak(model=...)`: the search's LoR
 # A probe read from the cache under the RSS meter: the process may hold at most this more above the start than when
 # the probe was measured (the same command holds the same or less; another program may hold more).
 PROBE_HELD_TOLERANCE = 32 * 1024**2
+# A probe's warm-up micro-batch is the worst batch cut to this many columns that are real tokens in every row: it
+# leaves the gradients (their size does not depend on the width) and pays the first-call costs, for a fraction of
+# a worst-width micro-batch. Compiled probes warm up at the worst width: that first micro-batch compiles the graph.
+PROBE_WARM_UP_WIDTH = 16
 # The models being planned, described when `plan` starts (`estimate_cache.model_digest`): the probes' cache keys.
 _MODEL_DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # A candidate is probed only if, this much faster than the prior (scaled to the probes) predicts, it would win by
@@ -1146,8 +1151,6 @@ class _Meter:
 
     def reset(self) -> None:
         if self.kind == "cuda_reserved":
-            import torch
-
             torch.cuda.empty_cache()  # the run starts without the probes' cached blocks
             torch.cuda.reset_peak_memory_stats()
         else:
@@ -1155,8 +1158,6 @@ class _Meter:
 
     def peak(self) -> int:
         if self.kind == "cuda_reserved":
-            import torch
-
             return int(torch.cuda.max_memory_reserved())
         return max(0, _status_bytes("VmHWM") - self.baseline)  # the process may have returned memory since the start
 
@@ -1223,11 +1224,13 @@ def _measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: st
 
     An update is a window of `min(accum_steps, 2)` micro-batches, as in the estimator: from the second
     micro-batch on, the gradients of the first are held beside the activations, which is where an
-    accumulating run peaks. The first micro-batch is the warm-up (kernel selection, first-call costs); the
-    second is timed, from its `compute_loss` to the optimizer step, and the step itself is timed by the
-    optimizer's hooks (its first step: state creation included). A window of one micro-batch (accumulation
-    1, the fused step) runs twice and times the second. Returns the seconds per micro-step and per optimizer
-    step, the probe's own seconds, and with `meter` the peak it measured over the whole probe (warm-up
+    accumulating run peaks. The first micro-batch is the warm-up (first-call costs, the gradients to hold):
+    `batch` cut to `PROBE_WARM_UP_WIDTH` columns (`_warm_up_batch`), since the gradients' size does not depend on
+    the width; the second is `batch`, timed from its `compute_loss` to the optimizer step (the new width's kernel
+    selection included, as a run of dynamic widths pays it), and the step itself is timed by the optimizer's
+    hooks (its first step: state creation included). A window of one micro-batch (accumulation 1, the fused
+    step) runs twice, the warm-up then `batch`, and times the second. Returns the seconds per micro-step and per
+    optimizer step, the probe's own seconds, and with `meter` the peak it measured over the whole probe (warm-up
     included: the run pays its first-call costs too).
     """
     micro_batches = min(settings.accum_steps, 2)
@@ -1254,10 +1257,12 @@ def _measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: st
     for inner in inner_optimizers(loop.optimizer):
         hooks.append(inner.register_step_pre_hook(lambda *args: marks.append(("step", time.perf_counter()))))
         hooks.append(inner.register_step_post_hook(lambda *args: marks.append(("stepped", time.perf_counter()))))
+    warm_up = batch if settings.compile else _warm_up_batch(batch, PROBE_WARM_UP_WIDTH)
+    windows = [[warm_up, batch]] if micro_batches == 2 else [[warm_up], [batch]]
     try:
-        for _ in range(1 if micro_batches == 2 else 2):
+        for window in windows:
             marks.clear()
-            loop.run_update([batch] * micro_batches)
+            loop.run_update(window)
             ended = time.perf_counter()
         peak = meter.peak() - stashed if meter is not None else None  # the fp32 tensors set aside: not the run's
     finally:
@@ -1288,6 +1293,23 @@ def _measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: st
     if settings.compile and len(loss_marks) >= 2:
         result["compile_seconds"] = max(compile_seconds, 0.0)
     return result
+
+
+def _warm_up_batch(batch: dict, width: int) -> dict:
+    """`batch` cut to its first `width` columns that are real tokens in every row (right or left padding alike),
+    in every tensor as wide as its ``input_ids``; `batch` itself when it is no wider or has fewer such columns."""
+    input_ids = batch.get("input_ids")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] <= width:
+        return batch
+    full = input_ids.shape[1]
+    mask = batch.get("attention_mask")
+    real = mask.bool().all(dim=0) if isinstance(mask, torch.Tensor) and mask.shape == input_ids.shape \
+        else torch.ones(full, dtype=torch.bool)
+    columns = real.nonzero().flatten()[:width]
+    if len(columns) < width:
+        return batch
+    return {name: value.index_select(1, columns) if isinstance(value, torch.Tensor) and value.dim() >= 2
+            and value.shape[1] == full else value for name, value in batch.items()}
 
 
 def _fp32_stash(model: nn.Module) -> dict:
