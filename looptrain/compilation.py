@@ -15,6 +15,11 @@ mode, no grad) compiles once more too.
 The backend is inductor; ``LOOPTRAIN_COMPILE_BACKEND`` (e.g. ``aot_eager``, which traces forward and
 backward like inductor but runs torch's own kernels) chooses another, for tests and debugging.
 
+Inductor's on-disk cache is kept per CPU capability (`isolate_inductor_cache`): one directory shared by runs
+of two capabilities (an AVX-512 machine natively, then as an AVX2 one with ``ATEN_CPU_CAPABILITY=avx2``)
+served the first run's compiled graphs to the second, which failed in a generated kernel ("index out of
+bounds") or crashed the interpreter (torch 2.13).
+
 What the combinations do is decided in `compile_problems` (refusals, asked by `LoopConfig`) and in
 docs/compile.md.
 """
@@ -42,8 +47,25 @@ def compile_model(model: nn.Module, enabled: bool) -> nn.Module:
     and before a distributed wrapper. A model compiled already is left as it is.
     """
     if enabled and getattr(model, "_compiled_call_impl", None) is None:
+        isolate_inductor_cache()  # AOTAutograd's cache (any backend) lives there too
         model.compile(backend=compile_backend(), dynamic=True)
     return model
+
+
+def isolate_inductor_cache() -> str:
+    """Points inductor's default cache directory at one for this CPU capability; returns the directory.
+
+    The default (``$TMPDIR/torchinductor_<user>``) gets the capability as a suffix (``-avx512``, ``-avx2``);
+    a ``TORCHINDUCTOR_CACHE_DIR`` the user set is kept as it is.
+    """
+    import torch
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    default = default_cache_dir()
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default}-{torch.backends.cpu.get_cpu_capability().lower()}"
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
 def compile_problems(config: Any, cpu: bool) -> list[str]:

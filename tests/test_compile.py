@@ -7,6 +7,8 @@ in a second. One test, marked slow, runs inductor itself.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch._dynamo.backends.registry import lookup_backend, register_backend
@@ -243,3 +245,21 @@ def test_inductor_updates_equal_eager_ones(monkeypatch):
     eager = train(one_layer_bert, BERT_BATCHES, compiled=False, accum_steps=2)
     compiled = train(one_layer_bert, BERT_BATCHES, compiled=True, accum_steps=2)
     assert relative_difference(compiled, eager) <= 1e-5
+
+
+def test_inductors_default_cache_is_kept_per_cpu_capability_and_a_users_directory_is_kept(monkeypatch, tmp_path):
+    """One inductor cache shared by a native run and an AVX2-emulated one (ATEN_CPU_CAPABILITY=avx2) served the
+    first run's graphs to the second, which crashed: the default directory gets the capability as a suffix."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from looptrain.compilation import isolate_inductor_cache
+
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    monkeypatch.setenv(BACKEND_VARIABLE, "inductor")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    compile_model(torch.nn.Linear(2, 2), enabled=True)  # nothing is compiled before the first call
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == f"{default_cache_dir()}-{capability}"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # what torch writes back once it has read it
+    assert isolate_inductor_cache() == f"{default_cache_dir()}-{capability}"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert isolate_inductor_cache() == str(tmp_path)
