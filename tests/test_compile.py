@@ -238,8 +238,10 @@ def test_the_estimate_of_a_compiled_strategy_is_the_eager_one():
 
 
 @pytest.mark.slow
+@pytest.mark.hardware  # .ci/run: natively with the slow tests, then as an AVX2 CPU on the same inductor cache root
 def test_inductor_updates_equal_eager_ones(monkeypatch):
-    """The real backend (C++ kernels generated and built): the same updates to fp32 noise."""
+    """The real backend (C++ kernels generated and built): the same updates to fp32 noise. Run as an AVX2 CPU after
+    a native run, it once read the native run's cached graphs and crashed (`isolate_inductor_cache`)."""
     monkeypatch.setenv(BACKEND_VARIABLE, "inductor")
     torch._dynamo.reset()  # dynamo would reuse this module's aot_eager graphs: their guards do not name the backend
     eager = train(one_layer_bert, BERT_BATCHES, compiled=False, accum_steps=2)
