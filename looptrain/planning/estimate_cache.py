@@ -149,10 +149,11 @@ def _model_description(model_or_config: Any, named_config: Any) -> dict | None:
     return None
 
 
-def _strategy_description(strategy: Strategy) -> dict:
-    """Every field of the strategy but those the batches apply (the estimate is told its batches' shapes)."""
-    batches_only = {spec.name for spec in levers(type(strategy))
-                    if spec.metadata["lever"]["applied_by"] == "batches"}
+def _strategy_description(strategy: Strategy, *, batch_fields: bool = False) -> dict:
+    """Every field of the strategy but, unless `batch_fields`, those the batches apply (the estimate is told its
+    batches' shapes)."""
+    batches_only = set() if batch_fields else {spec.name for spec in levers(type(strategy))
+                                               if spec.metadata["lever"]["applied_by"] == "batches"}
     return {"class": f"{type(strategy).__module__}.{type(strategy).__qualname__}",
             "fields": {field.name: getattr(strategy, field.name) for field in dataclasses.fields(strategy)
                        if field.name not in batches_only}}
@@ -212,26 +213,26 @@ def model_digest(model: nn.Module) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def probe_key(model: str, strategy: Strategy, batch: dict, *, max_grad_norm: float | None, meter: str) -> str:
+def probe_key(model: str, strategy: Strategy, batch: dict, *, max_grad_norm: float | None, meter: str,
+              warm_up_width: int) -> str:
     """The cache key of one planner probe on this CPU: `strategy`'s update of the model on `batch`, under `meter`.
 
     `model` is the model's `model_digest`, taken when planning starts: a probe changes what a description reads
     (transformers turns the config's ``use_cache`` off under checkpointing), and a rerun starts from a fresh model.
     The batch is described by each tensor's shape and, with an attention mask, each row's length (the probe's
-    batch is the run's worst: its longest samples). The CPU's name and the number of threads join the CPU's
-    capability, since a probe measures speed.
+    batch is the run's worst: its longest samples), and the probe's warm-up by its width. The CPU's name and the
+    number of threads join the CPU's capability, since a probe measures speed.
     """
     shapes = {name: list(value.shape) for name, value in sorted(batch.items()) if isinstance(value, torch.Tensor)}
     mask = batch.get("attention_mask")
     description = {
         "model": model,
-        "strategy": {"class": f"{type(strategy).__module__}.{type(strategy).__qualname__}",
-                     "fields": {field.name: getattr(strategy, field.name) for field in dataclasses.fields(strategy)}},
+        "strategy": _strategy_description(strategy, batch_fields=True),
         "batch": shapes,
         "rows": mask.sum(dim=-1).tolist() if isinstance(mask, torch.Tensor) else None,
         "max_grad_norm": max_grad_norm,
         "meter": meter,
-        "warm_up": "16 real columns",  # the probe's first micro-batch (planner.PROBE_WARM_UP_WIDTH)
+        "warm_up_width": warm_up_width,
         "versions": _versions(),
         "cpu": [precision.cpu_description(), torch.backends.cpu.get_cpu_capability(),
                 precision.cpu_has_native_bf16(), precision.cpu_has_native_fp16(), torch.get_num_threads()],

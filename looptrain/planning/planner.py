@@ -1032,8 +1032,13 @@ def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: 
         peak = candidate.probe.get("measured_peak_bytes")
         return peak is None or (peak + result.growth_bytes) * (1 + result.margin) <= result.budget_bytes
 
+    batches: dict[int, dict] = {}  # by micro-batch size: the cache check and the probe collate it once
+
     def batch_of(candidate: Candidate) -> dict:
-        return collator([dataset[i] for i in order[:candidate.settings.batch_size]])
+        size = candidate.settings.batch_size
+        if size not in batches:
+            batches[size] = collator([dataset[i] for i in order[:size]])
+        return batches[size]
 
     def cached(candidate: Candidate) -> bool:
         key = _probe_key(model, candidate.settings, batch_of(candidate), device, max_grad_norm, meter)
@@ -1194,7 +1199,8 @@ def _probe_key(model: nn.Module, settings: Strategy, batch: dict, device: str, m
             or (meter is not None and meter.kind != "rss"):
         return None
     return estimate_cache.probe_key(digest, settings, batch, max_grad_norm=max_grad_norm,
-                                    meter=meter.kind if meter is not None else "tensors")
+                                    meter=meter.kind if meter is not None else "tensors",
+                                    warm_up_width=PROBE_WARM_UP_WIDTH)
 
 
 def _held_bytes(meter: _Meter | None) -> int:
