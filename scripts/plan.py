@@ -9,6 +9,6 @@ from pathlib import Path
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without install
-    from looptrain.cli.plan import main
+    from looptrain.cli.plan import main_entry
 
-    sys.exit(main())
+    main_entry()

@@ -41,10 +41,12 @@ def test_console_script_resolves_to_a_callable(name):
 
 
 def test_finetune_entry_point_exits_with_the_code_main_returns(monkeypatch):
-    monkeypatch.setattr(finetune, "main", lambda: 3)
+    calls = []
+    monkeypatch.setattr(finetune, "main", lambda **options: calls.append(options) or 3)
     with pytest.raises(SystemExit) as exit_info:
         finetune.main_entry()
     assert exit_info.value.code == 3
+    assert calls == [{"owns_process": True}]  # the console script's process is the run's: the allocator is its to fix
 
 
 def test_plan_entry_point_exits_with_the_code_main_returns(monkeypatch, capsys):

@@ -445,7 +445,9 @@ def test_a_planned_run_keeps_its_budget_of_process_rss_with_evaluation_and_check
                "--output-dir", str(tmp_path / "run"), "--max-length", "32", "--eval-split", "0.25",
                "--eval-every", "2", "--max-steps", "4", "--memory-budget", f"{budget}B", "--effective-batch", "16",
                "--no-progress-bar"]
-    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # As a user runs it: glibc's allocator as it starts (no MALLOC_* variables), which looptrain fixes itself.
+    environment = {key: value for key, value in os.environ.items() if not key.startswith("MALLOC_")}
+    environment = {**environment, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     finished = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -458,6 +460,77 @@ def test_a_planned_run_keeps_its_budget_of_process_rss_with_evaluation_and_check
     # The estimate prices tensors; this run's meter is the RSS rise, so no error is computed against it.
     assert summary["memory_meter"] == "cpu_rss_delta" and summary["estimate_error"] is None
     assert "MiB (live tensors; this run's meter is RSS, so no error: --budget-meter tensors" in finished.stdout
+
+
+def rss_probe(held: dict):
+    """A `_probe` stand-in under the RSS meter: one unit of time per token, and a measured peak of `held["bytes"]`
+    (what the process holds, its allocator's holes included) plus 1 MiB per row."""
+    def probe(model, settings, batch, device, max_grad_norm, meter=None):
+        rows, width = batch["input_ids"].shape
+        return {"micro_step_seconds": 1e-3 * rows * width, "optimizer_step_seconds": 0.0, "probe_seconds": 0.01,
+                "tokens": rows * width, "batch_shape": [rows, width],
+                "measured_peak_bytes": held["bytes"] + rows * 2**20}
+    return probe
+
+
+@pytest.mark.parametrize("holes", [False, True])
+def test_the_allocator_is_made_lean_only_when_the_first_probe_does_not_fit_with_its_own(dataset, monkeypatch,
+                                                                                        tmp_path, holes):
+    """glibc's own thresholds keep freed blocks resident (more RSS) but train faster: `make_lean` is asked only when
+    the first probe measures over the budget with them; the first probe is then measured again, the search charges
+    the new measure, and the plan says what was done. When it fits, the allocator is left alone."""
+    from looptrain.planning import planner, rss_baseline_bytes
+
+    train_set, collator = dataset
+    monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    held = {"bytes": (600 if holes else 100) * 2**20}
+    monkeypatch.setattr(planner, "_probe", rss_probe(held))
+    asked = []
+
+    def make_lean():
+        asked.append(held["bytes"])
+        held["bytes"] = 100 * 2**20  # the holes returned to the OS
+        return "thresholds fixed (a stand-in)"
+
+    lines = []
+    result = plan(make_tiny_bert(num_labels=2), train_set, collator, memory_budget=300 * 2**20,
+                  effective_batch=EFFECTIVE_BATCH, rss_baseline=rss_baseline_bytes(), probe_budget=0.0,
+                  make_lean=make_lean, echo=lines.append)
+    assert asked == ([600 * 2**20] if holes else [])
+    assert result.malloc == ("thresholds fixed (a stand-in)" if holes else None)
+    assert result.to_dict()["malloc"] == result.malloc
+    reference = next(c for c in result.candidates if c.baseline)
+    assert reference.probe["measured_peak_bytes"] == 100 * 2**20 + reference.settings.batch_size * 2**20
+    said = [line for line in lines if "under the C allocator's own thresholds" in line]
+    assert len(said) == (1 if holes else 0)
+    if holes:
+        assert re.search(r"16 x 1 measured 0\.60 GiB, over the budget with the run's growth, under the C allocator's "
+                         r"own thresholds: thresholds fixed \(a stand-in\); measuring it again", said[0]), said
+        assert any(note.startswith("the first probe did not fit under the C allocator's own thresholds")
+                   for note in result.notes)
+
+
+def test_plan_only_gives_the_lean_thresholds_with_the_command_when_the_plan_needed_them(model_dir, train_csv,
+                                                                                        tmp_path, monkeypatch, capsys):
+    """The console script (`owns_process=True`) lets the planner fix glibc's thresholds; a plan made with them holds
+    its budget only with them, so --plan-only prints the command with MALLOC_* set. The allocator is a stand-in:
+    this test process keeps its own."""
+    from looptrain.memory import allocator
+    from looptrain.planning import planner
+
+    monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    held = {"bytes": 900 * 2**20}
+    monkeypatch.setattr(planner, "_probe", rss_probe(held))
+    monkeypatch.setattr(allocator, "fix_thresholds", lambda: held.update(bytes=100 * 2**20) or "fixed (stand-in)")
+    argv = ["--model", str(model_dir), "--data", str(train_csv), "--output-dir", str(tmp_path / "out"),
+            "--max-length", "32", "--memory-budget", "400MiB", "--effective-batch", "16", "--plan-only", "--json"]
+    assert finetune.main(argv, owns_process=True) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["malloc"] == "fixed (stand-in)"
+    assert printed["environment"] == {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+    held["bytes"] = 900 * 2**20
+    assert finetune.main(argv) == 2  # a process that does other work keeps its allocator: nothing fits
+    assert "nothing fits" in capsys.readouterr().err
 
 
 def test_a_fused_step_that_cannot_fit_is_ruled_out_by_extrapolation_not_estimated(dataset):

@@ -1123,10 +1123,15 @@ def planned_settings(args, config, model, train_set, collator, device, output_di
 
     saved = output_dir / "run_config.json"
     if config.resume == "auto" and saved.is_file():  # the ledger already matched this run's identity
-        previous = (json.loads(saved.read_text(encoding="utf-8")).get("plan") or {}).get("settings")
+        saved_plan = json.loads(saved.read_text(encoding="utf-8")).get("plan") or {}
+        previous = saved_plan.get("settings")
         if previous:
             settings = strategy.Strategy(**previous)
             print("--memory-budget: resuming with the run's saved plan: " + " ".join(settings.flags()))
+            if saved_plan.get("malloc"):  # planned with glibc's thresholds fixed: the budget holds only with them
+                from looptrain.memory import keep_rss_lean
+
+                print("--memory-budget: " + keep_rss_lean())
             return settings, None
     given = {token.split("=")[0] for token in (args._argv or [])}
     # Every lever whose flag was given is kept as given; --precision auto and --optim auto are the planner's to choose.
@@ -1144,7 +1149,7 @@ def planned_settings(args, config, model, train_set, collator, device, output_di
                   effective_batch=effective_batch(args), base=base, baseline=baseline, levers=levers, fixed=fixed,
                   device=str(device), epochs=args.epochs, max_grad_norm=config.max_grad_norm,
                   probe_budget=args.plan_time, seed=config.seed, rss_baseline=args._rss_at_start, meter=meter,
-                  echo=print)
+                  make_lean=lean_allocator(args), echo=print)
     print(result.table())
     print("winner: " + " ".join(result.winner.settings.flags()))
     return result.winner.settings, result
@@ -1169,6 +1174,15 @@ def budget_meter(args, device, print) -> str:
     return "rss"
 
 
+def lean_allocator(args):
+    """The planner's `make_lean` in the command line's own process: glibc's malloc thresholds fixed
+    (`allocator.fix_thresholds`). None (never asked) in a process that runs `main` among other work: its allocator
+    is left alone, and the planner measures, and charges, what it holds."""
+    from looptrain.memory import allocator
+
+    return allocator.fix_thresholds if args._owns_process else None
+
+
 def without_planner(args, base, device):
     """The configuration the run would train without --memory-budget: the flags as given (--amp as it resolves
     here), split --batch-size x (effective batch / --batch-size); None when --batch-size does not divide it."""
@@ -1186,12 +1200,16 @@ def without_planner(args, base, device):
 
 def plan_only_output(args, result, print) -> dict:
     """--plan-only: the plan (a table, or JSON) and the command line that trains with the winner."""
+    from looptrain.memory.allocator import lean_environment
+
     command = ["python", "scripts/finetune.py", *without_plan_flags(args._argv), *result.winner.settings.flags()]
+    # Planned with glibc's thresholds fixed: the run keeps the budget only with them, so the command sets them.
+    environment = lean_environment() if result.malloc else {}
     if args.json:
-        builtins.print(json.dumps({**result.to_dict(), "command": command}, indent=2))
+        builtins.print(json.dumps({**result.to_dict(), "command": command, "environment": environment}, indent=2))
     else:
-        print("train it with:\n  " + " ".join(command))
-    return {"plan": result.to_dict(), "command": command, "interrupted": None}
+        print("train it with:\n  " + " ".join([f"{name}={value}" for name, value in environment.items()] + command))
+    return {"plan": result.to_dict(), "command": command, "environment": environment, "interrupted": None}
 
 
 def without_plan_flags(argv: list[str]) -> list[str]:
@@ -1395,12 +1413,17 @@ def rss_at_start() -> int | None:
         return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Runs the command line; returns the exit code (0 ok, 2 for a user error)."""
+def main(argv: list[str] | None = None, *, owns_process: bool = False) -> int:
+    """Runs the command line; returns the exit code (0 ok, 2 for a user error).
+
+    `owns_process`: the process is this run's alone (the console script's), so settings that outlive the run may
+    be changed: under a budget read as RSS, glibc's malloc thresholds where the planner needs them (`lean_allocator`).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     args._argv = argv
+    args._owns_process = owns_process
     args._rss_at_start = rss_at_start()
     from looptrain import CheckpointError, ConfigError, DataError, EvaluationError, TrainingDiverged
     from looptrain.ledger import LedgerError
@@ -1433,7 +1456,7 @@ def main_entry() -> None:
     Under torchrun every rank leaves the process group together first (`distributed.shutdown`); `main` itself
     leaves it joined, so one process may call it for several runs.
     """
-    code = main()
+    code = main(owns_process=True)
     from looptrain import distributed
 
     distributed.shutdown()

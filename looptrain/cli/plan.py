@@ -15,17 +15,18 @@ from __future__ import annotations
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Runs `finetune.py --plan-only` with these arguments; returns its exit code."""
+def main(argv: list[str] | None = None, *, owns_process: bool = False) -> int:
+    """Runs `finetune.py --plan-only` with these arguments; returns its exit code (`owns_process`: as
+    `finetune.main`'s: the console script's process may have its allocator's thresholds fixed)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--memory-budget" not in {token.split("=")[0] for token in argv}:
         print("plan.py: error: --memory-budget SIZE is required (e.g. --memory-budget 4GiB)", file=sys.stderr)
         return 2
     from looptrain.cli import finetune
 
-    return finetune.main([*argv, "--plan-only"])
+    return finetune.main([*argv, "--plan-only"], owns_process=owns_process)
 
 
 def main_entry() -> None:
     """The `looptrain-plan` console script: exits with main's code."""
-    sys.exit(main())
+    sys.exit(main(owns_process=True))

@@ -3,12 +3,14 @@
 Modules:
     tracker     `StorageTracker`: live tensor bytes by storage, their peak, phase and breakdown
     meters      `CpuTensorMeter` / `CudaMeter` (`make_meter`): a real run's peak; `format_memory_table`
+    allocator   `keep_rss_lean`: glibc malloc's thresholds fixed, so that RSS follows the live tensors
     __main__    the estimate's command line, `python -m looptrain.memory` (`looptrain.cli.estimate`)
 
 A leaf: the Loop uses the tracker and the meters. The estimator that runs the same tracker on fake
 tensors sits above the Loop, in `looptrain.planning`.
 """
 
+from looptrain.memory.allocator import keep_rss_lean
 from looptrain.memory.meters import (
     CpuTensorMeter,
     CudaMeter,
@@ -26,6 +28,7 @@ __all__ = [
     "current_rss_bytes",
     "format_memory_table",
     "gradient_bytes",
+    "keep_rss_lean",
     "make_meter",
     "parameter_bytes",
     "peak_rss_bytes",

@@ -214,14 +214,15 @@ def model_digest(model: nn.Module) -> str:
 
 
 def probe_key(model: str, strategy: Strategy, batch: dict, *, max_grad_norm: float | None, meter: str,
-              warm_up_width: int) -> str:
+              warm_up_width: int, allocator: str) -> str:
     """The cache key of one planner probe on this CPU: `strategy`'s update of the model on `batch`, under `meter`.
 
     `model` is the model's `model_digest`, taken when planning starts: a probe changes what a description reads
     (transformers turns the config's ``use_cache`` off under checkpointing), and a rerun starts from a fresh model.
     The batch is described by each tensor's shape and, with an attention mask, each row's length (the probe's
     batch is the run's worst: its longest samples), and the probe's warm-up by its width. The CPU's name and the
-    number of threads join the CPU's capability, since a probe measures speed.
+    number of threads join the CPU's capability, since a probe measures speed; the C allocator's state
+    (`looptrain.memory.allocator.describe`) joins them, since it moves both the RSS a probe measures and its time.
     """
     shapes = {name: list(value.shape) for name, value in sorted(batch.items()) if isinstance(value, torch.Tensor)}
     mask = batch.get("attention_mask")
@@ -233,6 +234,7 @@ def probe_key(model: str, strategy: Strategy, batch: dict, *, max_grad_norm: flo
         "max_grad_norm": max_grad_norm,
         "meter": meter,
         "warm_up_width": warm_up_width,
+        "allocator": allocator,
         "versions": _versions(),
         "cpu": [precision.cpu_description(), torch.backends.cpu.get_cpu_capability(),
                 precision.cpu_has_native_bf16(), precision.cpu_has_native_fp16(), torch.get_num_threads()],

@@ -59,6 +59,7 @@ from looptrain.config import ConfigError, LoopConfig
 from looptrain.gradient_checkpointing import disable_gradient_checkpointing
 from looptrain.loop import Loop
 from looptrain.lora import is_4bit_layer, is_lora_model
+from looptrain.memory import allocator
 from looptrain.memory.meters import proc_status_bytes, reset_peak_rss
 from looptrain.optim import inner_optimizers
 from looptrain.planning import estimate_cache
@@ -194,6 +195,7 @@ class Plan:
     cached_estimates: int = 0  # of `estimates`, those read from the on-disk cache
     extrapolated: list = field(default_factory=list)  # fused candidates ruled out without an estimate
     growth_bytes: int = 0  # under a measured meter: kept free above each probe's peak for the run's growth
+    malloc: str | None = None  # what `plan(make_lean=...)` did to the C allocator before the search; None: nothing
     baseline_words: str = "your flags"  # the baseline candidate: the user's flags, or "safe default" (the lightest)
     # A LoRA plan: the winner against the full fine-tune with its settings (`lora_comparison`); None otherwise.
     lora: dict | None = None
@@ -249,7 +251,8 @@ class Plan:
             "settings": dataclasses.asdict(self.winner.settings),
             "estimated_peak_bytes": self.winner.estimated_peak_bytes,
             "estimates": self.estimates, "cached_estimates": self.cached_estimates,
-            "growth_bytes": self.growth_bytes, "planning_seconds": round(self.planning_seconds, 3),
+            "growth_bytes": self.growth_bytes, "malloc": self.malloc,
+            "planning_seconds": round(self.planning_seconds, 3),
             "estimate_seconds": round(self.estimate_seconds, 3),
             "probe_seconds": round(self.probe_seconds, 3), "probe_budget_seconds": self.probe_budget_seconds,
             "candidates": [{"settings": dataclasses.asdict(candidate.settings),
@@ -287,6 +290,7 @@ def plan(
     seed: int = 42,
     rss_baseline: int | None = None,
     meter: str | None = None,
+    make_lean: Callable[[], str | None] | None = None,
     echo: Callable[[str], None] = lambda line: None,
 ) -> Plan:
     """Plans the fastest training that fits `memory_budget`, keeping `effective_batch` exact.
@@ -330,6 +334,12 @@ def plan(
             caching allocator's reserved bytes. Under a measured meter ("rss", "cuda_reserved") a candidate
             is eligible only when its probe's measured peak, with the margin, fits. Default: "rss" when
             `rss_baseline` is given, else "tensors".
+        make_lean: under `meter="rss"`: called once if the first probe, made with the C allocator as the process
+            has it, measures over the budget (with the run's growth and the margin). It may fix the allocator's
+            thresholds so that RSS follows the tensors (the command line passes `allocator.fix_thresholds`) and
+            returns what it did, or None when it changed nothing; the first probe is then measured again, and the
+            plan says so (`Plan.malloc`). glibc's own thresholds keep freed blocks resident but train about a third
+            faster (docs/memory.md), so they are left alone wherever the first probe fits with them.
         echo: prints progress lines.
 
     Returns:
@@ -357,6 +367,8 @@ def plan(
     worst_width = _worst_width(lengths, collator, base.padding)
     num_labels = getattr(model, "num_labels", None) or getattr(getattr(model, "config", None), "num_labels", None) or 2
     search = _Search(model, worst_width, memory_budget, margin, max_grad_norm, num_labels, echo)
+    malloc: str | None = None
+    started_over = 0.0  # the first probe measured again once `make_lean` fixed the allocator: its seconds
     search.padded = min(lengths) < worst_width  # a batch of more than one row holding the longest sample is padded
     # The estimates run in a child process: what estimating costs (torch's fake-tensor machinery) stays out of
     # this process, whose RSS the budget may count.
@@ -381,13 +393,25 @@ def plan(
                 batch = collator([dataset[i] for i in order[:first.batch_size]])
                 started = time.perf_counter()
                 probed = _probe(model, first, batch, device, max_grad_norm, measured)
+                if meter == "rss" and make_lean is not None and not _fits_with_growth(search, first, probed):
+                    malloc = make_lean()
+                    if malloc is not None:
+                        echo(f"  {first.batch_size} x {first.accum_steps} measured "
+                             f"{format_bytes(probed['measured_peak_bytes'])}, over the budget with the run's growth, "
+                             f"under the C allocator's own thresholds: {malloc}; measuring it again")
+                        again = time.perf_counter()
+                        probed = _probe(model, first, batch, device, max_grad_norm, measured)
+                        started_over = time.perf_counter() - again
                 first_seconds = time.perf_counter() - started
                 reference = _costed(search, first, dataset, collator, lengths, device_type, seed)
                 _record_probe(reference, probed)
                 total = probe_budget if probe_budget is not None else \
                     probe_fraction * reference.seconds_per_epoch * epochs
+                # A probe measured again with the allocator fixed budgets as one probe: the first, which did not
+                # fit, is the allocator's cost, not the search's (planning overruns its floor by it).
                 search.limit = max(search.seconds, estimate_seconds(
-                    total, first_seconds, MIN_PLANNING_SECONDS if probe_budget is None else 0.0))
+                    total, first_seconds if malloc is None else started_over,
+                    MIN_PLANNING_SECONDS if probe_budget is None else 0.0))
             if reference is not None and measured is not None:
                 besides = max(0, reference.probe["measured_peak_bytes"] - reference.estimated_peak_bytes)
                 search.growth = int(RUN_GROWTH * besides)
@@ -413,6 +437,10 @@ def plan(
                       search.seconds, 0.0, probe_budget, len(lengths), meter=METERS[meter])
         result.cached_estimates = search.cached
         result.growth_bytes = search.growth
+        result.malloc = malloc
+        if malloc is not None:
+            result.notes.append(f"the first probe did not fit under the C allocator's own thresholds, which keep "
+                                f"freed blocks resident: {malloc}")
         result.extrapolated = search.extrapolated
         if search.skipped:
             result.notes.append(f"the search stopped short of {search.skipped} estimate(s): planning's time (5% of "
@@ -451,6 +479,14 @@ def plan(
     finally:
         if search.worker is not None:
             search.worker.close()
+
+
+def _fits_with_growth(search: _Search, settings: Strategy, probed: dict) -> bool:
+    """Whether a first probe's measured peak fits the budget once the run's growth on what it measured besides
+    the tensors, and the margin, are added (the test every probed candidate passes)."""
+    peak = probed["measured_peak_bytes"]
+    growth = RUN_GROWTH * max(0, peak - search.peak(settings))
+    return (peak + growth) * (1 + search.margin) <= search.budget
 
 
 def _costed_candidates(search: _Search, dataset, collator, lengths, effective_batch: int, base: Strategy,
@@ -1200,7 +1236,7 @@ def _probe_key(model: nn.Module, settings: Strategy, batch: dict, device: str, m
         return None
     return estimate_cache.probe_key(digest, settings, batch, max_grad_norm=max_grad_norm,
                                     meter=meter.kind if meter is not None else "tensors",
-                                    warm_up_width=PROBE_WARM_UP_WIDTH)
+                                    warm_up_width=PROBE_WARM_UP_WIDTH, allocator=allocator.describe())
 
 
 def _held_bytes(meter: _Meter | None) -> int:

@@ -1,0 +1,106 @@
+"""The CPU allocator: glibc malloc's thresholds, fixed so that a process's RSS follows its live tensors.
+
+PyTorch's CPU tensors come from the C library's ``malloc``. glibc raises its mmap threshold each time a large
+mmapped block is freed (up to 32 MiB), so after the first steps a training process serves its activations from the
+heap, whose freed holes stay resident: RSS then measures the allocator's history (docs/memory.md, "The RSS trap").
+A budget read as RSS (`--memory-budget` on a CPU) may not be held that way: the planner measured 0.63 GiB besides
+the tensors in a process that holds 0.22 GiB with the thresholds fixed, and refused every plan of a budget that
+Hugging Face Trainer, run with them fixed, kept. `keep_rss_lean` fixes them in the running process, as the
+``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` environment variables would have at its start.
+
+The price is time: every freed block above the threshold goes back to the OS and the next one is faulted in anew
+(a third more training time, measured in docs/memory.md), so the planner asks for it only where the process's
+first probe, under glibc's own thresholds, does not fit the budget (`plan(make_lean=...)`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import sys
+
+LEAN_THRESHOLD_BYTES = 128 * 1024  # glibc's own starting mmap threshold, kept fixed instead of raised
+USER_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+USER_TUNABLES = ("glibc.malloc.mmap_threshold", "glibc.malloc.trim_threshold")
+_M_TRIM_THRESHOLD = -1  # <malloc.h>
+_M_MMAP_THRESHOLD = -3
+
+_applied: int | None = None  # the threshold this process fixed, once it has
+
+
+def _glibc() -> ctypes.CDLL | None:
+    """The process's own C library when it is glibc (``mallopt`` and ``malloc_trim`` are glibc's), else None."""
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        libc = ctypes.CDLL(None)  # the symbols already loaded into this process: its libc among them
+    except OSError:
+        return None
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+
+
+def user_malloc_settings(environment: dict | None = None) -> list[str]:
+    """The malloc thresholds the user set for this process (environment variables or GLIBC_TUNABLES), by name."""
+    environment = os.environ if environment is None else environment
+    given = [name for name in USER_VARIABLES if environment.get(name)]
+    tunables = environment.get("GLIBC_TUNABLES", "")
+    return given + [name for name in USER_TUNABLES if name + "=" in tunables]
+
+
+def lean_environment(threshold: int = LEAN_THRESHOLD_BYTES) -> dict[str, str]:
+    """The environment variables that give a new process the thresholds `keep_rss_lean` fixes."""
+    return {name: str(threshold) for name in USER_VARIABLES}
+
+
+def is_lean() -> bool:
+    """Whether `keep_rss_lean` fixed the thresholds in this process."""
+    return _applied is not None
+
+
+def describe() -> str:
+    """The allocator's state in a line (it decides what a probe's RSS measures, so probe caches key on it)."""
+    if _applied is not None:
+        return f"glibc: thresholds fixed at {_applied} bytes by looptrain"
+    given = user_malloc_settings()
+    if given:
+        variables = [f"{name}={os.environ[name]}" for name in USER_VARIABLES if os.environ.get(name)]
+        tunables = [f"GLIBC_TUNABLES={os.environ['GLIBC_TUNABLES']}"] if os.environ.get("GLIBC_TUNABLES") else []
+        return "as set: " + ", ".join(variables + tunables)
+    return "glibc: dynamic thresholds" if _glibc() is not None else "not glibc"
+
+
+def keep_rss_lean(threshold: int = LEAN_THRESHOLD_BYTES) -> str:
+    """Fixes glibc's mmap and trim thresholds at `threshold` bytes and returns what was done, in a sentence.
+
+    Blocks of `threshold` bytes or more are then mmapped and unmapped when freed, and the heap's free top is returned
+    above it, so the process's RSS rises and falls with its tensors. What the heap holds free now is returned at
+    once (``malloc_trim``). Process-wide and not undone: glibc cannot be given back its dynamic threshold. Leaves
+    the allocator as it is where the user set a threshold (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``
+    or ``GLIBC_TUNABLES``) and where the C library is not glibc; calling it again changes nothing.
+    """
+    global _applied
+    if threshold < 1:
+        raise ValueError(f"the malloc threshold must be positive, got {threshold}")
+    if _applied is not None:
+        return f"glibc malloc's thresholds are fixed at {_applied // 1024} KiB (done earlier in this process)"
+    given = user_malloc_settings()
+    if given:
+        return f"glibc malloc's thresholds are left as set by {', '.join(given)}"
+    libc = _glibc()
+    if libc is None:
+        return "the C library is not glibc: its allocator is left as it is, and RSS may keep freed memory"
+    if not (libc.mallopt(_M_MMAP_THRESHOLD, threshold) and libc.mallopt(_M_TRIM_THRESHOLD, threshold)):
+        return "glibc refused the malloc thresholds (mallopt): the allocator is left as it is"
+    libc.malloc_trim(0)
+    _applied = threshold
+    return (f"glibc malloc's mmap and trim thresholds fixed at {threshold // 1024} KiB, so that RSS follows the "
+            "live tensors (slower: freed blocks go back to the OS; MALLOC_MMAP_THRESHOLD_ set by you is kept)")
+
+
+def fix_thresholds() -> str | None:
+    """`keep_rss_lean` as the planner's `make_lean` (`plan(make_lean=fix_thresholds)`): what it did, or None when it
+    changed nothing (fixed earlier, thresholds the user set, not glibc)."""
+    before = is_lean()
+    said = keep_rss_lean()
+    return said if is_lean() and not before else None

