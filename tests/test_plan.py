@@ -197,6 +197,47 @@ def test_a_planned_run_reports_its_plan_and_its_estimate_error(model_dir, train_
     assert f"| planning | {summary['planning_seconds']:.1f} s (estimates" in out
 
 
+@pytest.mark.parametrize("owns_process", [True, False])
+def test_a_resumed_planned_run_keeps_its_saved_plan_and_the_allocator_it_was_planned_with(model_dir, train_csv,
+                                                                                           tmp_path, capsys,
+                                                                                           monkeypatch, owns_process):
+    """`--resume auto` trains the saved plan without planning again; a plan made with glibc's thresholds fixed
+    (`plan.malloc`) fixes them again in the console script's process, and says how in any other."""
+    import os
+    import signal
+
+    from looptrain import Loop
+    from looptrain.memory import allocator
+
+    def interrupt(self, *, step, **_):
+        if step == 1:  # stop after this window, with a checkpoint
+            os.kill(os.getpid(), signal.SIGINT)
+
+    argv = ["--model", str(model_dir), "--data", str(train_csv), "--output-dir", str(tmp_path), "--max-length", "32",
+            "--no-progress-bar", "--log-every", "1000", "--memory-budget", "2MiB", "--effective-batch", "16",
+            "--budget-meter", "tensors", "--max-steps", "3"]
+    with monkeypatch.context() as patched:
+        patched.setattr(Loop, "on_step_end", interrupt)
+        assert finetune.main(argv) == 130
+    first = json.loads((tmp_path / "run_config.json").read_text())
+    assert first["plan"]["malloc"] is None  # a budget of tensors: the allocator is never asked
+    first["plan"]["malloc"] = "fixed (as a console script's plan would say)"
+    (tmp_path / "run_config.json").write_text(json.dumps(first))
+    capsys.readouterr()
+    monkeypatch.setattr(allocator, "keep_rss_lean", lambda: "thresholds fixed again (stand-in)")
+    assert finetune.main([*argv, "--resume", "auto"], owns_process=owns_process) == 0
+    out = capsys.readouterr().out
+    assert "--memory-budget: resuming with the run's saved plan: " in out and "plan for a budget" not in out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["optimizer_steps"] == 3
+    # The saved plan is written again, so a later resume (or a reader of the summary) still finds it.
+    assert json.loads((tmp_path / "run_config.json").read_text())["plan"] == first["plan"] == summary["plan"]
+    said = ("--memory-budget: thresholds fixed again (stand-in)" if owns_process else
+            "--memory-budget: the plan was made with glibc's malloc thresholds fixed, and this process keeps its "
+            "allocator: run scripts/finetune.py, or set MALLOC_MMAP_THRESHOLD_=131072 MALLOC_TRIM_THRESHOLD_=131072")
+    assert said in out
+
+
 @pytest.mark.parametrize("meter, why", [
     ("of live tensors", "the budget was of live tensors (the peak memory above); RSS also holds"),
     ("of process RSS above the start", "the plan's probes measured one update at the worst batch; evaluation, "

@@ -873,7 +873,8 @@ def train(args, config, place, model_path: str, print) -> dict:
     if summary["interrupted"]:
         return summary  # a checkpoint was saved; no final/ for an unfinished run
     summary["rss_at_start_bytes"] = args._rss_at_start  # what a budget of RSS counts from (None: not Linux)
-    summary = write_outputs(summary, place, inputs, output_dir, plan_result, estimated_peak, print)
+    summary = write_outputs(summary, place, inputs, output_dir, plan_result, estimated_peak, print,
+                            resumed_plan=args._resumed_plan)
     if args.merge_lora and place.is_main:
         write_merged(args, model_path, inputs, output_dir / "final", print)
     distributed.barrier()
@@ -1057,12 +1058,14 @@ def prepare_output_dir(args, config, place, model_path: str, model, precision: s
         resolved = {"arguments": {k: v for k, v in vars(args).items() if not k.startswith("_")},
                     "model_path": model_path, "loop_config": config.to_dict(), "world_size": place.world_size,
                     "resolved": {"precision": precision, "device": str(device), "cpu": cpu_description()},
-                    "plan": plan_result.to_dict() if plan_result is not None else None}
+                    "plan": plan_result.to_dict() if plan_result is not None else args._resumed_plan}
         write_json_atomic(output_dir / "run_config.json", resolved)
 
 
-def write_outputs(summary: dict, place, inputs: Inputs, output_dir: Path, plan_result, estimated_peak, print) -> dict:
-    """A finished run's final/ and summary.json (its plan and its estimate's error added), then the two tables."""
+def write_outputs(summary: dict, place, inputs: Inputs, output_dir: Path, plan_result, estimated_peak, print,
+                  resumed_plan: dict | None = None) -> dict:
+    """A finished run's final/ and summary.json (its plan, or the saved plan a resumed run trained, and its
+    estimate's error added), then the two tables."""
     from looptrain import distributed, memory, metrics
     from looptrain.state import write_json_atomic
 
@@ -1072,7 +1075,7 @@ def write_outputs(summary: dict, place, inputs: Inputs, output_dir: Path, plan_r
     summary["task"] = inputs.task
     summary["majority_baseline"] = baseline
     summary["final_dir"] = str(final_dir)
-    summary["plan"] = plan_result.to_dict() if plan_result is not None else None
+    summary["plan"] = plan_result.to_dict() if plan_result is not None else resumed_plan
     summary["estimated_peak_bytes"] = estimated_peak
     # Planning's cost (a plan's estimates and probes; an unplanned run's own estimate), beside the training's.
     estimating, probing = ((plan_result.estimate_seconds, plan_result.probe_seconds) if plan_result is not None
@@ -1126,12 +1129,16 @@ def planned_settings(args, config, model, train_set, collator, device, output_di
         saved_plan = json.loads(saved.read_text(encoding="utf-8")).get("plan") or {}
         previous = saved_plan.get("settings")
         if previous:
+            args._resumed_plan = saved_plan  # written again (run_config.json, summary.json): a later resume reads it
             settings = strategy.Strategy(**previous)
             print("--memory-budget: resuming with the run's saved plan: " + " ".join(settings.flags()))
             if saved_plan.get("malloc"):  # planned with glibc's thresholds fixed: the budget holds only with them
-                from looptrain.memory import keep_rss_lean
+                from looptrain.memory import allocator
 
-                print("--memory-budget: " + keep_rss_lean())
+                print("--memory-budget: " + (allocator.keep_rss_lean() if args._owns_process else
+                      "the plan was made with glibc's malloc thresholds fixed, and this process keeps its allocator: "
+                      "run scripts/finetune.py, or set " + " ".join(
+                          f"{name}={value}" for name, value in allocator.lean_environment().items())))
             return settings, None
     given = {token.split("=")[0] for token in (args._argv or [])}
     # Every lever whose flag was given is kept as given; --precision auto and --optim auto are the planner's to choose.
@@ -1424,6 +1431,7 @@ def main(argv: list[str] | None = None, *, owns_process: bool = False) -> int:
     args = parser.parse_args(argv)
     args._argv = argv
     args._owns_process = owns_process
+    args._resumed_plan = None  # a resumed planned run: the plan its run_config.json saved
     args._rss_at_start = rss_at_start()
     from looptrain import CheckpointError, ConfigError, DataError, EvaluationError, TrainingDiverged
     from looptrain.ledger import LedgerError
