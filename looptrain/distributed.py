@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,9 +81,25 @@ def shutdown() -> None:
     dist.destroy_process_group()
 
 
+_ALONE = False  # inside `alone()`: this process acts as if it were the only one
+
+
+@contextlib.contextmanager
+def alone() -> Iterator[None]:
+    """Within it this rank acts as a single process: `current()` says rank 0 of 1, so a Loop built there neither
+    wraps its model in DDP nor reduces across ranks (rank 0's planning: its estimates and probes train alone while
+    the other ranks wait for the plan)."""
+    global _ALONE
+    before, _ALONE = _ALONE, True
+    try:
+        yield
+    finally:
+        _ALONE = before
+
+
 def current() -> DistributedInfo:
-    """This process's place in an initialised group (rank 0 of 1 when there is none)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    """This process's place in an initialised group (rank 0 of 1 when there is none, or inside `alone()`)."""
+    if _ALONE or not (dist.is_available() and dist.is_initialized()):
         return DistributedInfo()
     return DistributedInfo(
         rank=dist.get_rank(),

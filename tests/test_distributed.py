@@ -56,6 +56,10 @@ def runs(model_dir, tmp_path_factory):
         {"name": "fsdp", "argv": [*common, "--batch-size", "4", "--fsdp", "--grad-checkpoint",
                                   "--output-dir", str(root / "fsdp")]},
     ]
+    # A planned run: rank 0 plans, both ranks train its plan (each planning for itself could pick another split).
+    steps.append({"name": "planned", "argv": [*common, "--batch-size", "4", "--memory-budget", "64MiB",
+                                              "--budget-meter", "tensors", "--plan-time", "3",
+                                              "--output-dir", str(root / "planned")]})
     # Resumes from the mid-run checkpoint (end of epoch 0: step 3), under DDP and under FSDP2.
     for name, extra in (("two", []), ("fsdp", ["--fsdp", "--grad-checkpoint"])):
         resumed = root / f"{name}-resumed"
@@ -64,6 +68,17 @@ def runs(model_dir, tmp_path_factory):
                                                        str(resumed), "--resume", str(resumed / "checkpoint-3")]}]
     launch(2, root, steps)
     return root
+
+
+def test_a_planned_run_trains_rank_zeros_plan_on_every_rank(runs):
+    summary = json.loads((runs / "planned" / "summary.json").read_text())
+    assert summary["plan"]["effective_batch"] == 8  # per rank
+    assert json.loads((runs / "planned" / "run_config.json").read_text())["world_size"] == 2
+    settings = summary["plan"]["settings"]
+    assert settings["batch_size"] * settings["accum_steps"] == 8
+    assert summary["optimizer_steps"] == 6  # 38 samples, 2 epochs, a global batch of 16: 3 updates an epoch
+    rank_zero = (runs / "planned.rank0.out").read_text()
+    assert "plan for a budget of 64.0 MiB of live tensors" in rank_zero and (runs / "planned" / "final").is_dir()
 
 
 def final_weights(directory: Path) -> dict:

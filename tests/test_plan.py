@@ -238,6 +238,38 @@ def test_a_resumed_planned_run_keeps_its_saved_plan_and_the_allocator_it_was_pla
     assert said in out
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_under_torchrun_rank_zero_plans_and_every_rank_gets_its_plan_or_its_error(monkeypatch, rank):
+    """Every rank planning for itself could pick another split (its probes time the machine at another moment), and
+    DDP would then hang or train unequal windows: rank 0 plans and the others take its plan; its PlanError, too.
+    (tests/test_distributed.py trains a planned run on two ranks.)"""
+    from looptrain import distributed
+    from looptrain.cli.finetune import plan_on_rank_zero
+    from looptrain.planning import PlanError
+
+    place = distributed.DistributedInfo(rank=rank, world_size=2)
+    sent = []
+
+    def gather(value):  # rank 0's value reaches every rank
+        sent.append(value)
+        return [value if rank == 0 else "rank zero's plan", None]
+
+    monkeypatch.setattr(distributed, "all_gather_objects", gather)
+    planned = []
+    assert plan_on_rank_zero(place, lambda: planned.append(rank) or "rank zero's plan") == "rank zero's plan"
+    assert planned == ([0] if rank == 0 else []) and sent == ["rank zero's plan" if rank == 0 else None]
+
+    def refuse():
+        raise PlanError("nothing fits (test)")
+
+    if rank == 0:  # a plan that fails on rank 0 is sent, then raised on every rank
+        with pytest.raises(PlanError, match=r"nothing fits \(test\)"):
+            plan_on_rank_zero(place, refuse)
+        assert isinstance(sent[-1], PlanError)
+    with pytest.raises(PlanError, match=r"nothing fits \(test\)"):  # one process: raised at once, nothing sent
+        plan_on_rank_zero(distributed.DistributedInfo(), refuse)
+
+
 @pytest.mark.parametrize("meter, why", [
     ("of live tensors", "the budget was of live tensors (the peak memory above); RSS also holds"),
     ("of process RSS above the start", "the plan's probes measured one update at the worst batch; evaluation, "

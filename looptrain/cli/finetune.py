@@ -1121,7 +1121,7 @@ def write_merged(args, model_path: str, inputs: Inputs, final_dir: Path, print) 
 
 def planned_settings(args, config, model, train_set, collator, device, output_dir: Path, print):
     """The plan's settings for --memory-budget: a resumed run keeps its saved plan, a new one plans."""
-    from looptrain import strategy
+    from looptrain import distributed, strategy
     from looptrain.planning import Levers, plan
 
     saved = output_dir / "run_config.json"
@@ -1152,14 +1152,46 @@ def planned_settings(args, config, model, train_set, collator, device, output_di
           f"(levers: split, checkpointing, fused step{', precision' if levers.precision else ''}"
           f"{', optimizer family' if levers.optimizer_family else ''}; fixed: {', '.join(sorted(fixed)) or 'nothing'})")
     meter = budget_meter(args, device, print)
-    result = plan(model, train_set, collator, memory_budget=args.memory_budget_bytes,
-                  effective_batch=effective_batch(args), base=base, baseline=baseline, levers=levers, fixed=fixed,
-                  device=str(device), epochs=args.epochs, max_grad_norm=config.max_grad_norm,
-                  probe_budget=args.plan_time, seed=config.seed, rss_baseline=args._rss_at_start, meter=meter,
-                  make_lean=lean_allocator(args), echo=print)
+    place = distributed.current()
+    result = plan_on_rank_zero(place, lambda: plan(
+        model, train_set, collator, memory_budget=args.memory_budget_bytes, effective_batch=effective_batch(args),
+        base=base, baseline=baseline, levers=levers, fixed=fixed, device=str(device), epochs=args.epochs,
+        max_grad_norm=config.max_grad_norm, probe_budget=args.plan_time, seed=config.seed,
+        rss_baseline=args._rss_at_start, meter=meter, make_lean=lean_allocator(args), echo=print))
+    if not place.is_main and result.malloc and args._owns_process:
+        from looptrain.memory import keep_rss_lean
+
+        keep_rss_lean()  # rank 0 planned with glibc's thresholds fixed: its plan holds only with them
     print(result.table())
     print("winner: " + " ".join(result.winner.settings.flags()))
     return result.winner.settings, result
+
+
+def plan_on_rank_zero(place, make_plan):
+    """`make_plan()` on rank 0, its result (a `Plan`, or the `PlanError` it raised) on every rank.
+
+    Ranks that each planned for themselves could pick different splits (each probe times the machine at another
+    moment), and DDP would then hang or train unequal windows; a rank whose plan failed alone would leave the
+    others waiting for it. Rank 0 plans `distributed.alone()`: the planner's estimates and probes build Loops, which
+    would otherwise wrap the model in DDP and wait for ranks that are not planning.
+    """
+    from looptrain import distributed
+    from looptrain.planning import PlanError
+
+    result: typing.Any = None
+    if place.is_main:
+        try:
+            with distributed.alone():  # the planner's Loops train on this rank alone: no DDP, no collectives
+                result = make_plan()
+        except PlanError as error:
+            if not place.is_distributed:
+                raise
+            result = error
+    if place.is_distributed:
+        result = distributed.all_gather_objects(result)[0]
+        if isinstance(result, PlanError):
+            raise result
+    return result
 
 
 def budget_meter(args, device, print) -> str:
