@@ -24,13 +24,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_plan import AVX2_ENVIRONMENT, MAX_LENGTH, MIB, ROOT, prepare, worker_cpu
+from bench_plan import AVX2_ENVIRONMENT, MALLOC_ENVIRONMENT, MAX_LENGTH, MIB, ROOT, prepare, worker_cpu
 
 SETTINGS = {
     "glibc default (dynamic threshold)": {},
-    "128 KiB (--memory-budget's)": {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"},
-    "128 KiB + THP_MEM_ALLOC_ENABLE=1": {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072",
-                                         "THP_MEM_ALLOC_ENABLE": "1"},
+    "128 KiB (--memory-budget's)": MALLOC_ENVIRONMENT,
+    "128 KiB + THP_MEM_ALLOC_ENABLE=1": {**MALLOC_ENVIRONMENT, "THP_MEM_ALLOC_ENABLE": "1"},
     "1 MiB": {"MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_TRIM_THRESHOLD_": "131072"},
     "4 MiB": {"MALLOC_MMAP_THRESHOLD_": "4194304", "MALLOC_TRIM_THRESHOLD_": "131072"},
 }

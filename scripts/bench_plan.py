@@ -39,12 +39,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from looptrain.memory.allocator import lean_environment
 from looptrain.memory.meters import proc_status_bytes, reset_peak_rss
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "intermediate_size": 2048,
          "vocab_size": 21128}
-MALLOC_ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+MALLOC_ENVIRONMENT = lean_environment()  # MALLOC_MMAP_THRESHOLD_=131072 MALLOC_TRIM_THRESHOLD_=131072
 EFFECTIVE_BATCH = 32
 MAX_LENGTH = 256
 LEARNING_RATE = 5e-5

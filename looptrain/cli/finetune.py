@@ -1132,13 +1132,7 @@ def planned_settings(args, config, model, train_set, collator, device, output_di
             args._resumed_plan = saved_plan  # written again (run_config.json, summary.json): a later resume reads it
             settings = strategy.Strategy(**previous)
             print("--memory-budget: resuming with the run's saved plan: " + " ".join(settings.flags()))
-            if saved_plan.get("malloc"):  # planned with glibc's thresholds fixed: the budget holds only with them
-                from looptrain.memory import allocator
-
-                print("--memory-budget: " + (allocator.keep_rss_lean() if args._owns_process else
-                      "the plan was made with glibc's malloc thresholds fixed, and this process keeps its allocator: "
-                      "run scripts/finetune.py, or set " + " ".join(
-                          f"{name}={value}" for name, value in allocator.lean_environment().items())))
+            follow_plan_allocator(args, saved_plan.get("malloc"), print)
             return settings, None
     given = {token.split("=")[0] for token in (args._argv or [])}
     # Every lever whose flag was given is kept as given; --precision auto and --optim auto are the planner's to choose.
@@ -1158,10 +1152,8 @@ def planned_settings(args, config, model, train_set, collator, device, output_di
         base=base, baseline=baseline, levers=levers, fixed=fixed, device=str(device), epochs=args.epochs,
         max_grad_norm=config.max_grad_norm, probe_budget=args.plan_time, seed=config.seed,
         rss_baseline=args._rss_at_start, meter=meter, make_lean=lean_allocator(args), echo=print))
-    if not place.is_main and result.malloc and args._owns_process:
-        from looptrain.memory import keep_rss_lean
-
-        keep_rss_lean()  # rank 0 planned with glibc's thresholds fixed: its plan holds only with them
+    if not place.is_main:
+        follow_plan_allocator(args, result.malloc, print)
     print(result.table())
     print("winner: " + " ".join(result.winner.settings.flags()))
     return result.winner.settings, result
@@ -1211,6 +1203,20 @@ def budget_meter(args, device, print) -> str:
         print("--memory-budget: the process's RSS cannot be read here (not Linux): planning for live tensors")
         return "tensors"
     return "rss"
+
+
+def follow_plan_allocator(args, malloc: str | None, print) -> None:
+    """A plan made with glibc's thresholds fixed (`Plan.malloc`) holds its budget only with them: a process that
+    trains it without planning (a resumed run, the other ranks under torchrun) fixes them too where it owns the
+    process, and says how to otherwise."""
+    from looptrain.memory import allocator
+
+    if not malloc:
+        return
+    print("--memory-budget: " + (allocator.keep_rss_lean() if args._owns_process else
+          "the plan was made with glibc's malloc thresholds fixed, and this process keeps its allocator: run "
+          "scripts/finetune.py, or set " + " ".join(f"{name}={value}"
+                                                     for name, value in allocator.lean_environment().items())))
 
 
 def lean_allocator(args):

@@ -368,7 +368,7 @@ def plan(
     num_labels = getattr(model, "num_labels", None) or getattr(getattr(model, "config", None), "num_labels", None) or 2
     search = _Search(model, worst_width, memory_budget, margin, max_grad_norm, num_labels, echo)
     malloc: str | None = None
-    started_over = 0.0  # the first probe measured again once `make_lean` fixed the allocator: its seconds
+    reprobe_seconds = 0.0  # the first probe measured again once `make_lean` fixed the allocator: its seconds
     search.padded = min(lengths) < worst_width  # a batch of more than one row holding the longest sample is padded
     # The estimates run in a child process: what estimating costs (torch's fake-tensor machinery) stays out of
     # this process, whose RSS the budget may count.
@@ -393,7 +393,9 @@ def plan(
                 batch = collator([dataset[i] for i in order[:first.batch_size]])
                 started = time.perf_counter()
                 probed = _probe(model, first, batch, device, max_grad_norm, measured)
-                if meter == "rss" and make_lean is not None and not _fits_with_growth(search, first, probed):
+                peak = probed.get("measured_peak_bytes", 0)
+                if meter == "rss" and make_lean is not None and not _fits_measured(
+                        peak, _run_growth(peak, search.peak(first)), search.margin, search.budget):
                     malloc = make_lean()
                     if malloc is not None:
                         echo(f"  {first.batch_size} x {first.accum_steps} measured "
@@ -401,7 +403,7 @@ def plan(
                              f"under the C allocator's own thresholds: {malloc}; measuring it again")
                         again = time.perf_counter()
                         probed = _probe(model, first, batch, device, max_grad_norm, measured)
-                        started_over = time.perf_counter() - again
+                        reprobe_seconds = time.perf_counter() - again
                 first_seconds = time.perf_counter() - started
                 reference = _costed(search, first, dataset, collator, lengths, device_type, seed)
                 _record_probe(reference, probed)
@@ -410,11 +412,11 @@ def plan(
                 # A probe measured again with the allocator fixed budgets as one probe: the first, which did not
                 # fit, is the allocator's cost, not the search's (planning overruns its floor by it).
                 search.limit = max(search.seconds, estimate_seconds(
-                    total, first_seconds if malloc is None else started_over,
+                    total, first_seconds if malloc is None else reprobe_seconds,
                     MIN_PLANNING_SECONDS if probe_budget is None else 0.0))
             if reference is not None and measured is not None:
                 besides = max(0, reference.probe["measured_peak_bytes"] - reference.estimated_peak_bytes)
-                search.growth = int(RUN_GROWTH * besides)
+                search.growth = _run_growth(reference.probe["measured_peak_bytes"], reference.estimated_peak_bytes)
                 search.overhead = besides + search.growth
                 echo(f"  the process holds {format_bytes(besides)} besides the estimated tensors (measured: "
                      f"{format_bytes(reference.probe['measured_peak_bytes'])} at {first.batch_size} x "
@@ -481,12 +483,14 @@ def plan(
             search.worker.close()
 
 
-def _fits_with_growth(search: _Search, settings: Strategy, probed: dict) -> bool:
-    """Whether a first probe's measured peak fits the budget once the run's growth on what it measured besides
-    the tensors, and the margin, are added (the test every probed candidate passes)."""
-    peak = probed["measured_peak_bytes"]
-    growth = RUN_GROWTH * max(0, peak - search.peak(settings))
-    return (peak + growth) * (1 + search.margin) <= search.budget
+def _run_growth(measured_peak: int, estimated_peak: int) -> int:
+    """What a whole run may add to one probe's measured peak: `RUN_GROWTH` of what it measured besides the tensors."""
+    return int(RUN_GROWTH * max(0, measured_peak - estimated_peak))
+
+
+def _fits_measured(peak: int, growth: int, margin: float, budget: int) -> bool:
+    """A probe's measured peak fits: with the run's growth and the margin, within the budget."""
+    return (peak + growth) * (1 + margin) <= budget
 
 
 def _costed_candidates(search: _Search, dataset, collator, lengths, effective_batch: int, base: Strategy,
@@ -1066,7 +1070,7 @@ def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: 
 
     def fits(candidate: Candidate) -> bool:
         peak = candidate.probe.get("measured_peak_bytes")
-        return peak is None or (peak + result.growth_bytes) * (1 + result.margin) <= result.budget_bytes
+        return peak is None or _fits_measured(peak, result.growth_bytes, result.margin, result.budget_bytes)
 
     batches: dict[int, dict] = {}  # by micro-batch size: the cache check and the probe collate it once
 
@@ -1076,14 +1080,19 @@ def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: 
             batches[size] = collator([dataset[i] for i in order[:size]])
         return batches[size]
 
+    hits: dict[int, dict] = {}  # by candidate: a cached probe `cached` found, so that `run` does not read it again
+
     def cached(candidate: Candidate) -> bool:
         key = _probe_key(model, candidate.settings, batch_of(candidate), device, max_grad_norm, meter)
-        return key is not None and _cached_probe(key, _held_bytes(meter)) is not None
+        entry = _cached_probe(key, _held_bytes(meter)) if key is not None else None
+        if entry is not None:
+            hits[id(candidate)] = entry
+        return entry is not None
 
     def run(candidate: Candidate) -> None:
         if not candidate.probed:
-            _record_probe(candidate, _probe(model, candidate.settings, batch_of(candidate), device, max_grad_norm,
-                                            meter))
+            _record_probe(candidate, hits.pop(id(candidate), None)
+                          or _probe(model, candidate.settings, batch_of(candidate), device, max_grad_norm, meter))
         if not fits(candidate):
             rejected.append(candidate)
         settings, peak = candidate.settings, candidate.probe.get("measured_peak_bytes")
