@@ -12,7 +12,7 @@ that are not -100 (`model_shifts_labels` tells such a model apart).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -195,6 +195,70 @@ def split_batch(batch: Any, parts: int) -> list:
         return value
 
     return [piece(batch, start, stop) for start, stop in zip(bounds, bounds[1:]) if stop > start]
+
+
+def token_pieces(lengths: Sequence[int], max_tokens: int, width: Callable[[int], int] = int) -> list[list[int]]:
+    """How `split_by_tokens` cuts rows of these lengths: lists of row positions, longest rows first.
+
+    The rows are ordered longest first (stable), then cut greedily: each piece takes as many of the next rows
+    as keep its row count times `width(its longest row)` (the padded width) within `max_tokens`; a row wider
+    than that alone is a piece of its own.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1 (got {max_tokens})")
+    order = sorted(range(len(lengths)), key=lambda row: -int(lengths[row]))
+    pieces: list[list[int]] = []
+    for row in order:
+        if pieces and (len(pieces[-1]) + 1) * width(int(lengths[pieces[-1][0]])) <= max_tokens:
+            pieces[-1].append(row)
+        else:
+            pieces.append([row])
+    return pieces
+
+
+def split_by_tokens(batch: Any, max_tokens: int, multiple: int | None = None, trim: bool = True) -> list:
+    """Cuts a dict batch into micro-batches of at most `max_tokens` padded tokens (rows x the piece's width).
+
+    The rows are cut as `token_pieces` says (longest rows first: the order of rows inside one update changes
+    no sum). A right-padded batch's pieces drop the padding columns none of their rows use (the width rounded
+    up to `multiple`), in every tensor as wide as its ``input_ids``; a left-padded one keeps its width
+    (dropping leading columns would move the rows' positions). Row lengths are the attention mask's (without
+    one, every row is the batch's width). `trim=False` keeps every piece at the batch's width (fixed-width
+    padding). A batch that is one piece of its own width is returned as it is.
+
+    Raises:
+        ValueError: the batch is not a dict with a 2-D ``input_ids``; `max_tokens` < 1.
+    """
+    input_ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError("micro_batch_tokens cuts dict batches with a 2-D `input_ids` (token ids), and this batch "
+                         f"is a {type(batch).__name__} without one: turn micro_batch_tokens off (0) and split it "
+                         "with batch_size and accum_steps")
+    rows, width = input_ids.shape
+    mask = batch.get("attention_mask")
+    has_mask = isinstance(mask, torch.Tensor) and mask.shape == input_ids.shape
+    lengths = mask.sum(dim=1).tolist() if has_mask else [width] * rows
+    trim = trim and has_mask and bool((mask[:, 0] != 0).all())  # right padding: every row starts with a real token
+    multiple = max(int(multiple or 1), 1)
+
+    def padded(length: int) -> int:
+        return min(width, -(-length // multiple) * multiple) if trim else width
+
+    pieces = token_pieces(lengths, max_tokens, padded)
+    if len(pieces) == 1 and padded(int(lengths[pieces[0][0]])) == width:
+        return [batch]
+
+    def piece(value: Any, index: torch.Tensor, columns: int) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows:
+            value = value.index_select(0, index.to(value.device))
+            return value[:, :columns] if value.dim() >= 2 and value.shape[1] == width else value
+        if isinstance(value, Mapping):
+            return {key: piece(item, index, columns) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(piece(item, index, columns) for item in value)
+        return value
+
+    return [piece(batch, torch.tensor(members), padded(int(lengths[members[0]]))) for members in pieces]
 
 
 def on_device(model: nn.Module, device: torch.device) -> bool:

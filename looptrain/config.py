@@ -157,6 +157,11 @@ class LoopConfig(LoopLevers):
             problems.append(f"measure_mfu must be True or False (got {self.measure_mfu!r})")
         if self.max_bad_windows < 1:
             problems.append(f"max_bad_windows must be >= 1 (got {self.max_bad_windows})")
+        if self.micro_batch_tokens and self.optimizer_in_backward:
+            problems.append(
+                "micro_batch_tokens cuts a batch into micro-batches that accumulate, which optimizer_in_backward=True "
+                "cannot do (it steps in every backward); turn one of them off"
+            )
         if self.auto_batch and self.optimizer_in_backward:
             problems.append(
                 "auto_batch=True splits a micro-batch into an accumulation window, which "
@@ -247,6 +252,12 @@ def check_process_group(
             problems.append(
                 "auto_batch=True cannot run with several processes: one rank would retry a window while the "
                 "others wait in its all-reduce; set the micro-batch size by hand (--batch-size, --accum)"
+            )
+        if config.micro_batch_tokens:
+            problems.append(
+                "micro_batch_tokens cannot run with several processes: each rank would cut its batch into a "
+                "different number of micro-batches, and DDP / FSDP2 need the same forwards on every rank; set the "
+                "micro-batch size by hand (--batch-size, --accum)"
             )
         if config.unfreeze_every is not None:
             problems.append(

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from looptrain import batches, compilation, distributed, lm_loss, metrics, resume, state
-from looptrain.batches import as_loss_sum, first_dimension, move_to, split_batch
+from looptrain.batches import as_loss_sum, first_dimension, move_to, split_batch, split_by_tokens
 from looptrain.config import ConfigError, LoopConfig, check_process_group
 from looptrain.gradient_checkpointing import enable_gradient_checkpointing
 from looptrain.guards import (
@@ -41,7 +41,7 @@ from looptrain.guards import (
     memory_held,
     split_after_out_of_memory,
 )
-from looptrain.memory import make_meter
+from looptrain.memory import allocator, make_meter
 from looptrain.optim import BF16Optimizer, cast_to_bf16, optimizer_name_of, stored_in_bf16, wrap_for_config
 from looptrain.precision import Precision, resolve_device, resolve_precision
 from looptrain.run import Run, planned_updates
@@ -242,7 +242,8 @@ class Loop:
             optimizer stepped (`WindowResult`); `step` and `micro_step` are advanced.
         """
         self.wrapped_model.train()
-        micro_batches = [piece for batch in window for piece in split_batch(batch, self._micro_batch_splits)]
+        micro_batches = [piece for batch in window for cut in self._token_pieces(batch)
+                         for piece in split_batch(cut, self._micro_batch_splits)]
         counts = [self.count_items(batch) for batch in micro_batches]  # before any forward, as HF's num_items_in_batch
         # The window's items, summed over every rank.
         (num_items,) = distributed.all_reduce_tensors_sum(batches.total_items(counts, self.device))
@@ -250,6 +251,8 @@ class Loop:
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         loss_items = torch.zeros((), dtype=torch.float32, device=self.device)
         for index, (batch, items) in enumerate(zip(micro_batches, counts)):
+            if self.config.trim_heap:
+                allocator.release_freed()  # the last micro-batch's freed heap pages: not resident through this one
             batch = move_to(batch, self.device)
             # DDP / FSDP2: gradients are reduced across ranks on the window's last micro-batch only.
             with distributed.gradient_sync(self.wrapped_model, self.model, enabled=index == len(micro_batches) - 1):
@@ -275,6 +278,15 @@ class Loop:
         else:
             self.skipped_steps += 1
         return WindowResult(loss_sum, num_items, loss_items, grad_norm, stepped)
+
+    def _token_pieces(self, batch) -> list:
+        """The batch cut into micro-batches of at most `micro_batch_tokens` padded tokens (0: the batch itself)."""
+        tokens = self.config.micro_batch_tokens
+        if not tokens:
+            return [batch]
+        collator = getattr(self.train_loader, "collate_fn", None)  # its rounding and fixed widths are kept
+        return split_by_tokens(batch, tokens, multiple=getattr(collator, "pad_to_multiple_of", None),
+                               trim=getattr(collator, "padding", "dynamic") != "max_length")
 
     def _clip_gradients(self) -> torch.Tensor:
         """Clips the window's gradients to `max_grad_norm`; returns their norm before clipping."""

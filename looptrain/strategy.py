@@ -76,6 +76,10 @@ class LoopLevers:
     accum_steps: int = lever(1, flag="--accum", minimum=1, group="training",
                              help="micro-batches per optimizer update (gradient accumulation): the effective batch is "
                                   "--batch-size x --accum")
+    micro_batch_tokens: int = lever(0, flag="--micro-batch-tokens", minimum=0, group="training",
+                                    help="cut each batch, longest rows first, into micro-batches of at most this many "
+                                         "padded tokens (rows x the piece's longest row) that accumulate exactly: "
+                                         "short rows run many to a micro-batch, long ones few; 0: off")
     precision: str = lever("fp32", flag="--precision", choices=CONFIG_PRECISIONS,
                            help="autocast dtype: fp32 (off), bf16, fp16 (with a GradScaler), or auto (what is fast on "
                                 "this device)")
@@ -104,6 +108,10 @@ class LoopLevers:
     ce_chunk_tokens: int = lever(0, flag="--ce-chunk-tokens", minimum=0,
                                  help="with --chunked-ce: tokens per chunk (a chunk's logits are tokens x vocab); 0: "
                                       "as many as keep a chunk within 8M logits (32 MiB in fp32)")
+    trim_heap: bool = lever(False, flag="--trim-heap",
+                            help="CPU, glibc: give the heap's freed pages back to the OS before each micro-batch "
+                                 "(malloc_trim), so that RSS holds one micro-batch's leftovers, not the run's: 2-10%% "
+                                 "slower")
     compile: bool = lever(False, flag="--compile",
                           help="torch.compile the model's forward (and its backward): minutes of compiling first, "
                                "then faster updates where it pays (docs/compile.md); dynamic shapes, so varying "

@@ -244,9 +244,13 @@ def main(argv: list[str] | None = None) -> int:
             checkpointing = (
                 "every " + str(settings["checkpoint_every"]) if settings["gradient_checkpointing"] else "none"
             )
+            tokens = settings.get("micro_batch_tokens")
+            heap = ("glibc thresholds fixed" if plan.get("malloc") else "") + (
+                ", heap trimmed" if settings.get("trim_heap") else "")
             chosen = (
-                f"{settings['batch_size']} x {settings['accum_steps']}, {settings['precision']}, "
-                f"checkpointing {checkpointing}, "
+                f"{settings['batch_size']} x {settings['accum_steps']}"
+                f"{f' in <= {tokens}-token micro-batches' if tokens else ''}, {settings['precision']}, "
+                f"checkpointing {checkpointing}, {heap.strip(', ') or 'glibc as it is'}, "
                 f"grouping {'on' if settings['group_by_length'] else 'off'} ({plan['estimates']} estimates, "
                 f"{plan['cached_estimates']} from the cache)")
         planning = f"{result['planning_seconds']:.1f} ({result['planning_seconds'] / result['seconds']:.1%})" \

@@ -169,6 +169,7 @@ def test_bf16_weights_with_stochastic_rounding_learn_like_fp32_and_round_to_near
     ("adamw", {"accum_steps": 4}),
     ("adamw", {"accum_steps": 4, "grad_dtype": "fp32"}),
 ])
+@pytest.mark.slow  # over 4 s: make test stays under 5 minutes on 2 cores; .ci/run runs it
 def test_every_optimizer_and_mode_learns_with_bf16_weights(pretrained, optimizer, fields):
     """Same task at lr 1e-4 (Adafactor's and 8-bit AdamW's updates differ from AdamW's): bf16 + SR ends
     within 15% of the same optimizer's fp32 improvement."""

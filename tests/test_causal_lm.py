@@ -260,6 +260,7 @@ def eval_events(output_dir) -> list[dict]:
 
 @pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                     reason="needs torch.distributed with gloo")
+@pytest.mark.slow  # over 6 s: make test stays under 5 minutes on 2 cores; .ci/run runs it
 def test_ddp_counts_every_ranks_shifted_labels(tmp_path):
     # 2 ranks x 2 micro-batches of 4 per window; the last window (12 rows) leaves rank 1 one micro-batch. The
     # window's item count is summed over both ranks before any forward: the full-batch reference's update.

@@ -162,6 +162,7 @@ def test_a_forced_resume_of_another_shape_is_one_clear_error_before_run_config_c
     assert (output_dir / "run_config.json").read_bytes() == run_config
 
 
+@pytest.mark.slow  # over 4 s: make test stays under 5 minutes on 2 cores; .ci/run runs it
 def test_two_runs_on_one_directory_one_refuses_naming_the_pid_the_other_is_intact(model_dir, data_files, tmp_path):
     output_dir = tmp_path / "shared"
     first = start(argv(model_dir, data_files, output_dir), tmp_path / "first.log")

@@ -53,7 +53,7 @@ def test_every_candidate_keeps_the_effective_batch_and_fits(dataset, cpu_kind):
     model = make_tiny_bert(num_labels=2)
     budget = budget_between(model, train_set, collator, 4, 8)
     result = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH,
-                  levers=Levers(precision=True), probe=False)
+                  levers=Levers(precision=True), probe=False, token_micro_batches=False)  # the splits as searched
     numerics = {(c.settings.precision, c.settings.weights) for c in result.candidates}
     if cpu_kind == "native-bf16":  # --amp means bf16 here: bf16 autocast and bf16 weights are tried beside fp32
         assert {("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16")} <= numerics
@@ -87,6 +87,7 @@ def test_a_lever_the_user_fixed_is_never_changed(dataset):
                 settings.optimizer_in_backward) == ("bf16", "sgd", True, 1, False)
 
 
+@pytest.mark.slow  # over 4 s: make test stays under 5 minutes on 2 cores; .ci/run runs it
 def test_the_winner_measured_by_the_tracker_stays_within_the_budget(dataset):
     train_set, collator = dataset
     model = make_tiny_bert(num_labels=2)
@@ -111,13 +112,16 @@ def test_one_very_long_sample_is_planned_for(dataset, tmp_path):
     train_set, collator = dataset
     model = make_tiny_bert(num_labels=2)
     budget = budget_between(model, train_set, collator, 8, 16)
-    short_plan = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH, probe=False)
+    # The splits as searched (not cut by tokens, tests/test_token_micro_batches.py): their micro-batch sizes.
+    short_plan = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH, probe=False,
+                      token_micro_batches=False)
     # The same data plus one sample of 32 tokens: any batch holding it is 32 wide, so it is the worst batch.
     long_text = " ".join(["good"] * 40)
     rows = [{"text": long_text, "label": "pos"}] + [{"text": "the good film", "label": "neg"}] * 63
     long_set = data.tokenize(data.read_classification_data(rows), make_tiny_tokenizer(), 32)
     assert max(long_set.lengths) == 32 and sorted(long_set.lengths)[-2] < 8
-    long_plan = plan(model, long_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH, probe=False)
+    long_plan = plan(model, long_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH, probe=False,
+                     token_micro_batches=False)
     assert long_plan.worst_width == 32 > short_plan.worst_width
     def largest_plain_batch(result) -> int:
         return max((c.settings.batch_size for c in result.candidates
@@ -328,6 +332,8 @@ def test_plan_script_prints_json_and_the_command_line_and_writes_nothing(model_d
     (["--memory-budget", "4"], r"--memory-budget: the memory size '4' has no unit: write 4GiB, 4MiB or, for bytes, 4B"),
     (["--json"], r"--json prints the plan of --plan-only as JSON .*add --plan-only, or drop --json"),
     (["--effective-batch", "10", "--batch-size", "4"], r"--effective-batch 10 with --batch-size 4"),
+    (["--memory-budget", "1GiB", "--micro-batch-tokens", "64"],
+     r"--memory-budget chooses the micro-batches itself, their tokens included: drop --micro-batch-tokens"),
 ])
 def test_planner_flag_errors(model_dir, train_csv, tmp_path, capsys, flags, message):
     assert cli(model_dir, train_csv, tmp_path, *flags) == 2
@@ -469,6 +475,7 @@ def test_the_configuration_without_the_planner_is_kept_unless_another_is_measure
     assert ("| 1 (winner, your flags) |" if kept else "| 1 (winner) |") in result.table()
 
 
+@pytest.mark.slow  # over 4 s: make test stays under 5 minutes on 2 cores; .ci/run runs it
 def test_without_probe_time_only_the_baseline_and_the_favourite_are_probed(dataset, monkeypatch, tmp_path):
     from looptrain.planning import planner
 
@@ -493,6 +500,7 @@ def test_without_probe_time_only_the_baseline_and_the_favourite_are_probed(datas
 
 
 # ------------------------------------------------------------------------------------------ the meter users mean
+@pytest.mark.slow  # over 6 s: make test stays under 5 minutes on 2 cores; .ci/run runs it
 @pytest.mark.hardware  # .ci/run runs it natively and again as an AVX2 CPU (ONEDNN_MAX_CPU_ISA=AVX2 ...)
 def test_a_planned_run_keeps_its_budget_of_process_rss_with_evaluation_and_checkpoints(tmp_path):
     """The default meter on a CPU is the process's RSS above its start (what top and the OOM killer see): a fresh
@@ -572,6 +580,7 @@ def test_the_allocator_is_made_lean_only_when_the_first_probe_does_not_fit_with_
     assert asked == ([600 * 2**20] if holes else [])
     assert result.malloc == ("thresholds fixed (a stand-in)" if holes else None)
     assert result.to_dict()["malloc"] == result.malloc
+    assert not any(c.settings.trim_heap for c in result.candidates)  # a probe of one update cannot see what it saves
     reference = next(c for c in result.candidates if c.baseline)
     assert reference.probe["measured_peak_bytes"] == 100 * 2**20 + reference.settings.batch_size * 2**20
     said = [line for line in lines if "under the C allocator's own thresholds" in line]
@@ -583,6 +592,7 @@ def test_the_allocator_is_made_lean_only_when_the_first_probe_does_not_fit_with_
                    for note in result.notes)
 
 
+@pytest.mark.slow  # over 6 s: make test stays under 5 minutes on 2 cores; .ci/run runs it
 def test_plan_only_gives_the_lean_thresholds_with_the_command_when_the_plan_needed_them(model_dir, train_csv,
                                                                                         tmp_path, monkeypatch, capsys):
     """The console script (`owns_process=True`) lets the planner fix glibc's thresholds; a plan made with them holds
@@ -734,6 +744,7 @@ def test_the_search_finds_the_lightest_mode_first_and_never_estimates_a_split_mo
     assert len(search.estimated) == len({repr(settings) for settings in search.estimated})  # none twice
 
 
+@pytest.mark.slow  # over 6 s: make test stays under 5 minutes on 2 cores; .ci/run runs it
 def test_a_rerun_reads_its_probes_from_the_cache_and_plans_the_same(dataset, monkeypatch, tmp_path):
     """Probes on a CPU are kept in the on-disk cache like the estimates: a rerun of the same plan measures nothing,
     predicts the same speeds and picks the same winner; with the cache off every probe is measured again."""

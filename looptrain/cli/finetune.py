@@ -377,6 +377,9 @@ def check_flags(args, parser: argparse.ArgumentParser) -> None:
         if args.max_tokens is not None:
             raise UsageError("--memory-budget plans a fixed effective batch, which --max-tokens does not have; "
                              "drop one")
+        if args.micro_batch_tokens:
+            raise UsageError("--memory-budget chooses the micro-batches itself, their tokens included: drop "
+                             "--micro-batch-tokens (or --memory-budget, to cut the batches by hand)")
         if args.fsdp:
             raise UsageError("--memory-budget plans one process's memory; "
                              "the estimator does not model --fsdp sharding: drop one of them")
@@ -1151,7 +1154,8 @@ def planned_settings(args, config, model, train_set, collator, device, output_di
         model, train_set, collator, memory_budget=args.memory_budget_bytes, effective_batch=effective_batch(args),
         base=base, baseline=baseline, levers=levers, fixed=fixed, device=str(device), epochs=args.epochs,
         max_grad_norm=config.max_grad_norm, probe_budget=args.plan_time, seed=config.seed,
-        rss_baseline=args._rss_at_start, meter=meter, make_lean=lean_allocator(args), echo=print))
+        rss_baseline=args._rss_at_start, meter=meter, make_lean=lean_allocator(args),
+        token_micro_batches=place.world_size == 1, echo=print))  # ranks must run the same micro-batches
     if not place.is_main:
         follow_plan_allocator(args, result.malloc, print)
     print(result.table())
@@ -1301,7 +1305,8 @@ def run_estimate(args, config, model, train_set, collator, train_loader, plan_re
     settings = strategy_of(args, **{**config.loop_fields(), "precision": resolve_precision_name(config)})
     try:
         windows = run_windows(train_loader.batch_sampler, train_set.lengths, collator, config.accum_steps,
-                              epochs=config.epochs, max_steps=config.max_steps)
+                              epochs=config.epochs, max_steps=config.max_steps,
+                              micro_batch_tokens=config.micro_batch_tokens)
         # A resumed run may start anywhere, with its optimizer state restored: no window is priced without it.
         # In a child process (EstimateWorker): what estimating costs stays out of the training's RSS.
         with EstimateWorker(lambda _: run_batches_estimate(

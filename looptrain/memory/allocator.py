@@ -11,6 +11,10 @@ Hugging Face Trainer, run with them fixed, kept. `keep_rss_lean` fixes them in t
 The price is time: every freed block above the threshold goes back to the OS and the next one is faulted in anew
 (a third more training time, measured in docs/memory.md), so the planner asks for it only where the process's
 first probe, under glibc's own thresholds, does not fit the budget (`plan(make_lean=...)`).
+
+Between the two, `release_freed` (the Loop's ``trim_heap`` lever: ``malloc_trim`` before every micro-batch) keeps
+glibc's thresholds and gives the heap's freed pages back between micro-batches: RSS then holds what one micro-batch
+leaves resident, not what the run has, for 2-10% of the speed (docs/memory.md).
 """
 
 from __future__ import annotations
@@ -96,6 +100,21 @@ def keep_rss_lean(threshold: int = LEAN_THRESHOLD_BYTES) -> str:
     _applied = threshold
     return (f"glibc malloc's mmap and trim thresholds fixed at {threshold // 1024} KiB, so that RSS follows the "
             "live tensors (slower: freed blocks go back to the OS; MALLOC_MMAP_THRESHOLD_ set by you is kept)")
+
+
+def release_freed() -> bool:
+    """Gives the heap's free pages back to the OS (glibc ``malloc_trim(0)``: every arena, holes included); whether
+    the C library could. Costs milliseconds; the pages given back are faulted in again when next used."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True
+
+
+def can_release() -> bool:
+    """Whether `release_freed` does anything here (the C library is glibc)."""
+    return _glibc() is not None
 
 
 def fix_thresholds() -> str | None:

@@ -367,7 +367,10 @@ def estimate(
         TypeError: a keyword that is no lever.
     """
     strategy = as_strategy(strategy, levers)
-    window = [(batch_size, seq_len)] * min(strategy.accum_steps, 2)
+    window = [(batch_size, seq_len)] * strategy.accum_steps
+    if strategy.micro_batch_tokens:  # every row seq_len wide: equal pieces, then one smaller one
+        window, strategy = token_windows([window], strategy)[0], dataclasses.replace(strategy, micro_batch_tokens=0)
+    window = window[:2]
     # The first update creates the optimizer state: one micro-batch does that, and its peak is below the second
     # update's (the same tensors, without the state), so a second micro-batch there would only cost time.
     return estimate_windows(model_or_config, [window[:1], window], strategy, num_labels=num_labels,
@@ -401,6 +404,9 @@ def estimate_windows(
     if not windows or not all(windows):
         raise ValueError("estimate_windows needs at least one window, and every window at least one (rows, width)")
     strategy = as_strategy(strategy, levers)
+    if strategy.micro_batch_tokens:  # the micro-batches the Loop would cut, priced as they are
+        windows, strategy = token_windows(windows, strategy), dataclasses.replace(strategy, micro_batch_tokens=0)
+    strategy = dataclasses.replace(strategy, trim_heap=False)  # the C heap's pages hold no tensor: nothing to price
     # An invalid mix fails before work (the tracker's own refusal of compile aside: the estimate runs eagerly).
     LoopConfig.from_strategy(strategy, max_grad_norm=max_grad_norm, device="cpu", track_memory=False)
     started = time.perf_counter()
@@ -420,6 +426,20 @@ def estimate_windows(
         result["from_cache"] = True
     result["estimate_seconds"] = round(time.perf_counter() - started, 3)
     return result
+
+
+def token_windows(windows: Sequence[Sequence[tuple[int, int]]], strategy: Strategy) -> list[list[tuple[int, int]]]:
+    """Windows of ``(rows, width)`` batches as the Loop cuts them with `strategy.micro_batch_tokens`, every row of
+    a batch as wide as the batch (`looptrain.batches.token_pieces`: rows that fit the tokens together, then the
+    rest)."""
+    cut = []
+    for window in windows:
+        pieces = []
+        for rows, width in window:
+            per_piece = max(1, min(rows, strategy.micro_batch_tokens // width))
+            pieces += [(per_piece, width)] * (rows // per_piece) + [(rows % per_piece, width)] * bool(rows % per_piece)
+        cut.append(pieces)
+    return cut
 
 
 def _estimate_windows(model_or_config: Any, windows: Sequence[Sequence[tuple[int, int]]], strategy: Strategy,

@@ -55,6 +55,7 @@ import torch
 from torch import nn
 
 from looptrain import strategy as strategies
+from looptrain.batches import token_pieces
 from looptrain.config import ConfigError, LoopConfig
 from looptrain.gradient_checkpointing import disable_gradient_checkpointing
 from looptrain.loop import Loop
@@ -227,7 +228,7 @@ class Plan:
             marks = ", ".join(mark for mark, on in (("winner", rank == 1), (self.baseline_words, candidate.baseline))
                               if on)
             lines.append(
-                f"| {rank}{f' ({marks})' if marks else ''} | {settings.batch_size} x {settings.accum_steps} | "
+                f"| {rank}{f' ({marks})' if marks else ''} | {split_words(settings)} | "
                 f"{settings.precision}{' + bf16 weights' if settings.weights == 'bf16' else ''} | "
                 f"{settings.optimizer} | {settings.checkpointing} | "
                 f"{'yes' if settings.optimizer_in_backward else 'no'} | "
@@ -265,6 +266,12 @@ class Plan:
         }
 
 
+def split_words(settings: Strategy) -> str:
+    """The micro-batch split in words: ``4 x 8``, or ``32 x 1 in <= 1024-token micro-batches``."""
+    words = f"{settings.batch_size} x {settings.accum_steps}"
+    return words + (f" in <= {settings.micro_batch_tokens}-token micro-batches" if settings.micro_batch_tokens else "")
+
+
 def divisors(number: int) -> list[int]:
     return [value for value in range(1, number + 1) if number % value == 0]
 
@@ -291,6 +298,7 @@ def plan(
     rss_baseline: int | None = None,
     meter: str | None = None,
     make_lean: Callable[[], str | None] | None = None,
+    token_micro_batches: bool = True,
     echo: Callable[[str], None] = lambda line: None,
 ) -> Plan:
     """Plans the fastest training that fits `memory_budget`, keeping `effective_batch` exact.
@@ -340,6 +348,12 @@ def plan(
             returns what it did, or None when it changed nothing; the first probe is then measured again, and the
             plan says so (`Plan.malloc`). glibc's own thresholds keep freed blocks resident but train about a third
             faster (docs/memory.md), so they are left alone wherever the first probe fits with them.
+        token_micro_batches: train every candidate but the baseline as `by_tokens` realises it: its window as one
+            batch, cut into micro-batches of at most (its micro-batch x the worst width) padded tokens
+            (`micro_batch_tokens`), so that short rows run many to a micro-batch within the same memory. Its
+            estimate and probe are those of its split at the worst width, which bounds every such micro-batch; its
+            predicted time counts the micro-batches it cuts. False (several processes, which must run the same
+            micro-batches): the splits as they are.
         echo: prints progress lines.
 
     Returns:
@@ -349,6 +363,9 @@ def plan(
         PlanError: nothing fits; the message lists what would (freezing, LoRA, a shorter max length, levers).
     """
     base = base or Strategy(batch_size=effective_batch, accum_steps=1)
+    if base.micro_batch_tokens or (baseline is not None and baseline.micro_batch_tokens):
+        raise PlanError("the planner chooses the micro-batches' tokens itself: drop micro_batch_tokens "
+                        "(--micro-batch-tokens) from the strategy it plans")
     meter = meter or ("rss" if rss_baseline is not None else "tensors")
     if meter not in METERS:
         raise PlanError(f"unknown budget meter {meter!r}: pass one of {', '.join(METERS)}")
@@ -370,6 +387,7 @@ def plan(
     malloc: str | None = None
     reprobe_seconds = 0.0  # the first probe measured again once `make_lean` fixed the allocator: its seconds
     search.padded = min(lengths) < worst_width  # a batch of more than one row holding the longest sample is padded
+    search.by_tokens = token_micro_batches
     # The estimates run in a child process: what estimating costs (torch's fake-tensor machinery) stays out of
     # this process, whose RSS the budget may count.
     search.worker = EstimateWorker(search.estimate_here) if isinstance(model, nn.Module) else None
@@ -393,9 +411,7 @@ def plan(
                 batch = collator([dataset[i] for i in order[:first.batch_size]])
                 started = time.perf_counter()
                 probed = _probe(model, first, batch, device, max_grad_norm, measured)
-                peak = probed.get("measured_peak_bytes", 0)
-                if meter == "rss" and make_lean is not None and not _fits_measured(
-                        peak, _run_growth(peak, search.peak(first)), search.margin, search.budget):
+                if meter == "rss" and make_lean is not None and not _probe_fits(probed, search, first):
                     malloc = make_lean()
                     if malloc is not None:
                         echo(f"  {first.batch_size} x {first.accum_steps} measured "
@@ -405,7 +421,8 @@ def plan(
                         probed = _probe(model, first, batch, device, max_grad_norm, measured)
                         reprobe_seconds = time.perf_counter() - again
                 first_seconds = time.perf_counter() - started
-                reference = _costed(search, first, dataset, collator, lengths, device_type, seed)
+                reference = _costed(search, first, dataset, collator, lengths, device_type, seed,
+                                    as_given=first == baseline)
                 _record_probe(reference, probed)
                 total = probe_budget if probe_budget is not None else \
                     probe_fraction * reference.seconds_per_epoch * epochs
@@ -475,12 +492,26 @@ def plan(
                 candidate.seconds_per_epoch = candidate.prior
             result.notes.append("nothing probed: speeds are a prior in arbitrary units (padded tokens, recompute, "
                                 "micro-batch size, precision), not measured")
+        # The user's own flags train as given; the safe default is the planner's, and is cut like the rest.
+        realised = [candidate for candidate in result.candidates
+                    if not (candidate.baseline and result.baseline_words == "your flags")
+                    and _realise(search, candidate)]
+        if realised:
+            result.notes.append(f"{len(realised)} candidate(s) train each window as one batch cut into micro-batches "
+                                "of at most (micro-batch x the worst width) padded tokens: short rows run many to a "
+                                "micro-batch, within the memory of the split they were estimated and probed as")
         if base.lora_rank:
             lora_comparison(search, result)
         return result
     finally:
         if search.worker is not None:
             search.worker.close()
+
+
+def _probe_fits(probed: dict, search: _Search, settings: Strategy) -> bool:
+    """A probe's measured peak fits the search's budget, with the run's growth (from its estimate) and the margin."""
+    peak = probed.get("measured_peak_bytes", 0)
+    return _fits_measured(peak, _run_growth(peak, search.peak(settings)), search.margin, search.budget)
 
 
 def _run_growth(measured_peak: int, estimated_peak: int) -> int:
@@ -509,7 +540,8 @@ def _costed_candidates(search: _Search, dataset, collator, lengths, effective_ba
     if chosen is not None and chosen not in settings_list:
         settings_list.append(chosen)
     candidates = [known if known is not None and settings == known.settings
-                  else _costed(search, settings, dataset, collator, lengths, device_type, seed)
+                  else _costed(search, settings, dataset, collator, lengths, device_type, seed,
+                               as_given=settings == baseline)
                   for settings in settings_list]
     for candidate in candidates:
         candidate.baseline = candidate.settings == chosen
@@ -524,19 +556,47 @@ def _fits_or_spent(search: _Search, settings: Strategy) -> bool:
         return False
 
 
-def _costed(search: _Search, settings: Strategy, dataset, collator, lengths, device_type: str, seed: int) -> Candidate:
-    """A candidate with its estimate, its epoch's padded tokens and updates (from the lengths alone) and its prior."""
+def _costed(search: _Search, settings: Strategy, dataset, collator, lengths, device_type: str, seed: int,
+            as_given: bool = False) -> Candidate:
+    """A candidate with its estimate, its epoch's padded tokens and updates (from the lengths alone) and its prior:
+    of its batches as `by_tokens` cuts them (`as_given`: the user's own flags, trained as they are)."""
     from looptrain import data as data_module
 
     candidate = Candidate(settings, search.peak(settings))
-    loader = data_module.make_train_loader(dataset, settings.batch_size, collator,
-                                           grouping="length" if settings.group_by_length else "random", seed=seed)
-    stats, _ = data_module.padding_stats(loader, lengths, padding=settings.padding, max_length=collator.max_length,
-                                         pad_to_multiple_of=collator.pad_to_multiple_of)
-    candidate.padded_tokens = stats["padded_tokens"]
-    candidate.updates = math.ceil(stats["num_batches"] / settings.accum_steps)
+    trained = by_tokens(settings, search.width) if search.by_tokens and not as_given else settings  # `_realise`
+    loader = data_module.make_train_loader(dataset, trained.batch_size, collator,
+                                           grouping="length" if trained.group_by_length else "random", seed=seed)
+    windows = run_windows(loader.batch_sampler, lengths, collator, trained.accum_steps,
+                          micro_batch_tokens=trained.micro_batch_tokens)
+    candidate.padded_tokens = sum(rows * width for window in windows for rows, width in window)
+    candidate.updates = len(windows)
     candidate.prior = _prior_seconds(candidate, search.model, device_type)
     return candidate
+
+
+def by_tokens(settings: Strategy, width: int) -> Strategy:
+    """A split as a token-cut run trains it: the window (micro-batch x accumulation) as one batch, cut into
+    micro-batches of at most micro-batch x `width` padded tokens (`micro_batch_tokens`); `settings` as they are
+    when that cannot apply (fixed-width padding, no accumulation, the fused step, torch.compile, a cut already).
+
+    Each such micro-batch of r rows w wide has r x w <= micro-batch x `width` tokens and r x w x w attention
+    scores at most micro-batch x `width` x `width`: within what the split's estimate and probe at `width` (the
+    worst batch) priced.
+    """
+    if settings.padding != "dynamic" or settings.accum_steps == 1 or settings.optimizer_in_backward \
+            or settings.compile or settings.micro_batch_tokens:
+        return settings
+    return dataclasses.replace(settings, batch_size=settings.batch_size * settings.accum_steps, accum_steps=1,
+                               micro_batch_tokens=settings.batch_size * width)
+
+
+def _realise(search: _Search, candidate: Candidate) -> bool:
+    """Gives a candidate the settings its time was predicted for (`by_tokens`); whether that changed them."""
+    if not search.by_tokens:
+        return False
+    trained = by_tokens(candidate.settings, search.width)
+    candidate.settings, changed = trained, trained != candidate.settings
+    return changed
 
 
 # ------------------------------------------------------------------------------------------ fits
@@ -567,9 +627,22 @@ class _Search:
         self.padded = False  # the worst batch of more than one row holds shorter, padded rows (see `estimate`)
         self.full_model: Any = None  # `FULL_FINE_TUNE`'s model, made once where the estimates run
         self.worker: EstimateWorker | None = None  # runs the estimates in a child process (`plan` starts one)
+        self.by_tokens = False  # candidates other than the baseline train as `by_tokens` cuts them (`_realise`)
+
+    def priced(self, settings: Strategy) -> Strategy:
+        """The settings whose estimate is that of `settings`: with `micro_batch_tokens`, the split whose memory bounds
+        theirs (its micro-batch at the worst width: what `by_tokens` made them from); `trim_heap` off (the C heap
+        holds no tensor)."""
+        settings = dataclasses.replace(settings, trim_heap=False)
+        if not settings.micro_batch_tokens:
+            return settings
+        rows = max(1, min(settings.batch_size, settings.micro_batch_tokens // self.width))
+        return dataclasses.replace(settings, batch_size=rows, micro_batch_tokens=0,
+                                   accum_steps=math.ceil(settings.batch_size / rows) * settings.accum_steps)
 
     def key(self, settings: Strategy, seq_len: int | None = None, model: str | None = None) -> tuple:
         """What the estimator prices of `settings` at `seq_len` (default: the worst batch's width)."""
+        settings = self.priced(settings)
         priced = {**settings.estimate_options(), "accum_steps": min(settings.accum_steps, 2)}  # memory repeats after 2
         key = settings.batch_size, seq_len or self.width, type(settings), tuple(sorted(priced.items()))
         return key if model is None else (*key, model)
@@ -581,6 +654,7 @@ class _Search:
         `worker` (`plan` starts one), the estimate runs in its child process.
         """
         seq_len = seq_len or self.width
+        settings = self.priced(settings)
         key = self.key(settings, seq_len, model)
         if key not in self.cache:
             started = time.perf_counter()
@@ -1411,18 +1485,28 @@ def rss_baseline_bytes() -> int:
 
 
 def run_windows(sampler: Any, lengths: Sequence[int], collator: Any, accum_steps: int, epochs: int = 1,
-                max_steps: int = 0) -> list[list[tuple[int, int]]]:
+                max_steps: int = 0, micro_batch_tokens: int = 0) -> list[list[tuple[int, int]]]:
     """The micro-batch shapes ``(rows, padded width)`` of every window a run trains on, in order.
 
     Read from the sampler's own epochs (`epoch_batches(epoch)`: no batch is built, no resume offset is
-    consumed), cut into windows as the Loop cuts them (the last one of an epoch may be shorter), and
-    stopped after `max_steps` windows when that is set.
+    consumed), cut into windows as the Loop cuts them (the last one of an epoch may be shorter; with
+    `micro_batch_tokens`, each batch into its pieces, `looptrain.batches.token_pieces`), and stopped after
+    `max_steps` windows when that is set.
     """
+    def width(batch_lengths: Sequence[int]) -> int:
+        return int(collator.batch_width(batch_lengths))
+
+    def micro_batches(batch: Sequence[int]) -> list[tuple[int, int]]:
+        batch_lengths = [lengths[index] for index in batch]
+        pieces = (token_pieces(batch_lengths, micro_batch_tokens, lambda length: width([length]))
+                  if micro_batch_tokens else [range(len(batch))])
+        return [(len(piece), width([batch_lengths[row] for row in piece])) for piece in pieces]
+
     windows: list[list[tuple[int, int]]] = []
     for epoch in range(epochs):
-        shapes = [(len(batch), int(collator.batch_width([lengths[index] for index in batch])))
-                  for batch in sampler.epoch_batches(epoch)]
-        windows.extend(shapes[start:start + accum_steps] for start in range(0, len(shapes), accum_steps))
+        batches = sampler.epoch_batches(epoch)
+        windows.extend([shape for batch in batches[start:start + accum_steps] for shape in micro_batches(batch)]
+                       for start in range(0, len(batches), accum_steps))
         if 0 < max_steps <= len(windows):
             return windows[:max_steps]
     return windows
@@ -1442,5 +1526,5 @@ def run_batches_estimate(model: Any, settings: Strategy, windows: Sequence[Seque
                             max_grad_norm=max_grad_norm, padded=padded)["peak_memory_bytes"]
 
 
-__all__ = ["Candidate", "Levers", "Lowest", "Plan", "PlanError", "Settings", "lowest", "parse_size", "plan",
-           "rss_baseline_bytes", "run_batches_estimate", "run_windows"]
+__all__ = ["Candidate", "Levers", "Lowest", "Plan", "PlanError", "Settings", "by_tokens", "lowest", "parse_size",
+           "plan", "rss_baseline_bytes", "run_batches_estimate", "run_windows"]
