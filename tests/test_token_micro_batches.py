@@ -193,3 +193,31 @@ def test_the_command_line_trains_in_token_micro_batches(model_dir, tmp_path):
     summary = json.loads((output_dir / "summary.json").read_text())
     assert summary["optimizer_steps"] == 2  # 24 samples, 12 per update, however they were cut
     assert summary["config"]["micro_batch_tokens"] == 32 and summary["config"]["trim_heap"] is True
+
+
+def test_a_split_whose_probe_measures_over_the_budget_is_replaced_by_the_next_smaller_one(dataset, monkeypatch,
+                                                                                          tmp_path):
+    """The estimate may fit where the process's RSS does not: the probe rejects the split, and the next smaller
+    split of the same settings is costed and probed at once (budget or not), instead of leaving only the lightest."""
+    from looptrain.planning import planner, rss_baseline_bytes
+
+    train_set, collator = dataset
+    monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    probed_rows = []
+
+    def probe(model, settings, batch, device, max_grad_norm, meter=None):
+        rows, width = batch["input_ids"].shape
+        probed_rows.append(rows)
+        # Per token, more rows are faster (sublinear), so the largest split that fits wins.
+        return {"micro_step_seconds": 1e-3 * rows ** 0.5 * width, "optimizer_step_seconds": 0.0, "probe_seconds": 0.01,
+                "tokens": rows * width, "batch_shape": [rows, width],
+                "measured_peak_bytes": (100 + 12 * rows) * 2**20}  # 16 rows: 292 MiB, over; 8 rows: 196 MiB
+
+    monkeypatch.setattr(planner, "_probe", probe)
+    result = plan(make_tiny_bert(num_labels=2), train_set, collator, memory_budget=300 * 2**20, effective_batch=16,
+                  rss_baseline=rss_baseline_bytes(), base=Settings(batch_size=2, accum_steps=8, group_by_length=True))
+    assert 16 in probed_rows and 8 in probed_rows
+    assert all(candidate.probe["batch_shape"][0] <= 8 for candidate in result.candidates)
+    width = result.worst_width
+    assert result.winner.settings.micro_batch_tokens == 8 * width  # the 8-row split, cut by tokens
+    assert result.winner.probe["batch_shape"] == [8, width]

@@ -348,7 +348,8 @@ def plan(
             returns what it did, or None when it changed nothing; the first probe is then measured again, and the
             plan says so (`Plan.malloc`). glibc's own thresholds keep freed blocks resident but train about a third
             faster (docs/memory.md), so they are left alone wherever the first probe fits with them.
-        token_micro_batches: train every candidate but the baseline as `by_tokens` realises it: its window as one
+        token_micro_batches: train every candidate but your own flags (a `baseline` given and fitting: it trains as
+            given; the safe default is the planner's own and is cut too) as `by_tokens` realises it: its window as one
             batch, cut into micro-batches of at most (its micro-batch x the worst width) padded tokens
             (`micro_batch_tokens`), so that short rows run many to a micro-batch within the same memory. Its
             estimate and probe are those of its split at the worst width, which bounds every such micro-batch; its
@@ -486,7 +487,9 @@ def plan(
         if probe and isinstance(model, nn.Module):
             result.probe_seconds = first_seconds
             _probe_candidates(result, model, dataset, collator, order, device, epochs, max_grad_norm, probe_budget,
-                              probe_fraction, measured, echo)
+                              probe_fraction, measured, echo,
+                              smaller=lambda candidate: None if "batch_size" in fixed else _smaller_split(
+                                  search, candidate, result.candidates, dataset, collator, lengths, device_type, seed))
         else:
             for candidate in candidates:
                 candidate.seconds_per_epoch = candidate.prior
@@ -1127,7 +1130,7 @@ def _prior_seconds(candidate: Candidate, model: Any, device_type: str) -> float:
 
 def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: list[int], device: str, epochs: int,
                       max_grad_norm, probe_budget: float | None, probe_fraction: float, meter: _Meter | None,
-                      echo) -> None:
+                      echo, smaller: Callable[[Candidate], Candidate | None] = lambda candidate: None) -> None:
     """Probes candidates within the probe budget and ranks them by the measured speed.
 
     The baseline (the configuration without the planner) and the prior's favourite are always probed. The
@@ -1137,7 +1140,8 @@ def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: 
     run). Under a measured meter (`meter`) a candidate fits only when its probe's measured peak (with the
     margin) does: the others are dropped, and probing goes on, budget or not, until one candidate fits.
     Unprobed candidates rank after the probed ones; the baseline stays first unless another is predicted at
-    least `KEEP_BASELINE_WITHIN` faster.
+    least `KEEP_BASELINE_WITHIN` faster. A candidate whose probe measures over the budget is replaced by the next
+    smaller split of its settings (`smaller`), probed at once, budget or not (it stands in for the one probed).
     """
     started, spent = time.perf_counter(), result.probe_seconds  # the first probe, made before the search
     budget, rejected, skipped, hopeless = probe_budget, [], 0, 0
@@ -1167,7 +1171,8 @@ def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: 
         if not candidate.probed:
             _record_probe(candidate, hits.pop(id(candidate), None)
                           or _probe(model, candidate.settings, batch_of(candidate), device, max_grad_norm, meter))
-        if not fits(candidate):
+        over = not fits(candidate)
+        if over:
             rejected.append(candidate)
         settings, peak = candidate.settings, candidate.probe.get("measured_peak_bytes")
         echo(f"  probe {settings.batch_size} x {settings.accum_steps}, {settings.precision}, {settings.optimizer}, "
@@ -1177,6 +1182,10 @@ def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: 
                 if candidate.probe.get("from_cache") else f"({candidate.probe['probe_seconds']:.1f} s")
              + (f"; measured peak {format_bytes(peak)}{', over the budget' if candidate in rejected else ''}"
                 if peak is not None else "") + ")")
+        replacement = smaller(candidate) if over else None
+        if replacement is not None:
+            result.candidates.append(replacement)
+            run(replacement)
 
     baseline = next((c for c in result.candidates if c.baseline), None)
     for candidate in [baseline] + [result.candidates[0]] * (result.candidates[0] is not baseline):
@@ -1230,6 +1239,21 @@ def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: 
         result.candidates.insert(0, baseline)
         result.notes.append(f"kept the {result.baseline_words}: no candidate is predicted at least "
                             f"{KEEP_BASELINE_WITHIN:.0%} faster")
+
+
+def _smaller_split(search: _Search, candidate: Candidate, candidates: list[Candidate], dataset, collator, lengths,
+                   device_type: str, seed: int) -> Candidate | None:
+    """The next smaller micro-batch of a candidate's settings (same effective batch), costed, when it is no candidate
+    yet and its estimate fits; None otherwise (micro-batch 1, or the next one is a candidate already)."""
+    settings = candidate.settings
+    effective_batch = settings.batch_size * settings.accum_steps
+    sizes = [size for size in divisors(effective_batch) if size < settings.batch_size]
+    if settings.optimizer_in_backward or not sizes:
+        return None
+    smaller = dataclasses.replace(settings, batch_size=sizes[-1], accum_steps=effective_batch // sizes[-1])
+    if any(other.settings == smaller for other in candidates) or not _valid(smaller) or not search.fits(smaller):
+        return None
+    return _costed(search, smaller, dataset, collator, lengths, device_type, seed)
 
 
 def _record_probe(candidate: Candidate, probe: dict) -> None:
