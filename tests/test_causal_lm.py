@@ -116,6 +116,21 @@ def test_accumulation_equals_the_full_batch_loop(family, count, updates_per_epoc
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_token_micro_batches_of_a_causal_lm_equal_the_full_batch_loop(family):
+    # Batches of 16 rows (3-23 tokens) cut into micro-batches of at most 48 padded tokens, each trimmed to its own
+    # longest row, its labels with it: the shifted token counts of every piece add up to the batch's mean.
+    samples = lm_samples(32, seed=2)
+    reference = reference_run(family, samples, rows_per_update=16, epochs=1, lr=1.0)
+    model = make_causal_lm(family)
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=1.0), batched(samples, 16),
+                config=quiet_config(micro_batch_tokens=48, max_grad_norm=None))
+    loop.fit()
+    assert loop.step == 2 and loop.micro_step > 2 * 5  # at most 2 rows of 23 tokens in 48: many pieces per batch
+    assert max_difference(reference, make_causal_lm(family)) > 1e-2
+    assert max_difference(reference, model) < 1e-6
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_a_causal_lm_counts_its_shifted_labels(family):
     model = make_causal_lm(family)
     batch = collate(lm_samples(8, seed=2))
