@@ -222,9 +222,9 @@ def split_by_tokens(batch: Any, max_tokens: int, multiple: int | None = None, tr
     The rows are cut as `token_pieces` says (longest rows first: the order of rows inside one update changes
     no sum). A right-padded batch's pieces drop the padding columns none of their rows use (the width rounded
     up to `multiple`), in every tensor as wide as its ``input_ids``; a left-padded one keeps its width
-    (dropping leading columns would move the rows' positions). Row lengths are the attention mask's (without
-    one, every row is the batch's width). `trim=False` keeps every piece at the batch's width (fixed-width
-    padding). A batch that is one piece of its own width is returned as it is.
+    (dropping leading columns would move the rows' positions). A row's length runs to its last real token in the
+    attention mask (without one, every row is the batch's width). `trim=False` keeps every piece at the batch's
+    width (fixed-width padding). A batch that is one piece of its own width is returned as it is.
 
     Raises:
         ValueError: the batch is not a dict with a 2-D ``input_ids``; `max_tokens` < 1.
@@ -237,7 +237,11 @@ def split_by_tokens(batch: Any, max_tokens: int, multiple: int | None = None, tr
     rows, width = input_ids.shape
     mask = batch.get("attention_mask")
     has_mask = isinstance(mask, torch.Tensor) and mask.shape == input_ids.shape
-    lengths = mask.sum(dim=1).tolist() if has_mask else [width] * rows
+    if has_mask:  # a row's length: up to its last real token (a mask with zeros inside a row keeps them)
+        real = mask != 0
+        lengths = torch.where(real.any(dim=1), width - real.flip(1).int().argmax(dim=1), 0).tolist()
+    else:
+        lengths = [width] * rows
     trim = trim and has_mask and bool((mask[:, 0] != 0).all())  # right padding: every row starts with a real token
     multiple = max(int(multiple or 1), 1)
 

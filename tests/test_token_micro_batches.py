@@ -65,6 +65,10 @@ def test_a_left_padded_batch_keeps_its_width_and_a_batch_without_token_ids_is_re
     (batch,) = random_token_batches([[4, 2, 3]], vocab_size=30)
     left = {key: value.flip(-1) if value.dim() == 2 else value for key, value in batch.items()}
     assert {piece["input_ids"].shape[1] for piece in split_by_tokens(left, 4)} == {4}
+    # A mask with a zero inside a row: the row runs to its last real token, and nothing real is cut off.
+    holes = {"input_ids": torch.arange(12).view(3, 4), "attention_mask": torch.tensor([[1, 0, 1, 0], [1, 1, 1, 1],
+                                                                                       [1, 0, 0, 0]])}
+    assert [piece["input_ids"].tolist() for piece in split_by_tokens(holes, 4)] == [[[4, 5, 6, 7]], [[0, 1, 2]], [[8]]]
     with pytest.raises(ValueError, match="micro_batch_tokens cuts dict batches with a 2-D `input_ids`"):
         split_by_tokens({"x": torch.ones(4, 3)}, 4)
 
