@@ -170,6 +170,7 @@ class TokenDataset(torch.utils.data.Dataset):
         return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": ids}
 
 
+@pytest.mark.slow  # over 4 s: make test stays under 5 minutes on 2 cores; .ci/run runs it
 def test_the_planner_plans_a_causal_lm_dataset_for_its_worst_batch():
     dataset, collator = TokenDataset(32), CausalLMCollator(0, max_length=48)
     model = causal_lm(qwen2_config)

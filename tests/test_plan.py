@@ -445,6 +445,7 @@ def fake_probe(speeds: dict):
     return probe
 
 
+@pytest.mark.slow  # over 4 s: make test stays under 5 minutes on 2 cores; .ci/run runs it
 @pytest.mark.parametrize("faster, kept", [(0.97, True), (0.5, False)])
 def test_the_configuration_without_the_planner_is_kept_unless_another_is_measured_faster(dataset, monkeypatch,
                                                                                          faster, kept, tmp_path):

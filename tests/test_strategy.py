@@ -104,6 +104,7 @@ def test_the_estimator_takes_a_strategy_or_its_fields_as_keywords():
     assert replaced["memory_breakdown"]["optimizer_state"] > as_object["memory_breakdown"]["optimizer_state"]
 
 
+@pytest.mark.slow  # over 4 s: make test stays under 5 minutes on 2 cores; .ci/run runs it
 def test_a_lever_declared_once_reaches_both_command_lines_the_estimator_and_the_planner(
         pooler_lever, model_dir, tmp_path, capsys):
     model = make_tiny_bert(num_labels=2)
