@@ -184,17 +184,20 @@ def split_batch(batch: Any, parts: int) -> list:
         return [batch]
     rows = first_dimension(batch)
     bounds = [round(rows * index / parts) for index in range(parts + 1)]
+    return [_per_row(batch, rows, lambda value, start=start, stop=stop: value[start:stop])
+            for start, stop in zip(bounds, bounds[1:]) if stop > start]
 
-    def piece(value: Any, start: int, stop: int) -> Any:
-        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows:
-            return value[start:stop]
-        if isinstance(value, Mapping):
-            return {key: piece(item, start, stop) for key, item in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(piece(item, start, stop) for item in value)
-        return value
 
-    return [piece(batch, start, stop) for start, stop in zip(bounds, bounds[1:]) if stop > start]
+def _per_row(batch: Any, rows: int, cut: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """The batch with `cut` applied to every tensor whose first dimension is its `rows` (through mappings, lists
+    and tuples); anything else is shared."""
+    if isinstance(batch, torch.Tensor) and batch.dim() and batch.shape[0] == rows:
+        return cut(batch)
+    if isinstance(batch, Mapping):
+        return {key: _per_row(item, rows, cut) for key, item in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_per_row(item, rows, cut) for item in batch)
+    return batch
 
 
 def token_pieces(lengths: Sequence[int], max_tokens: int, width: Callable[[int], int] = int) -> list[list[int]]:
@@ -252,17 +255,15 @@ def split_by_tokens(batch: Any, max_tokens: int, multiple: int | None = None, tr
     if len(pieces) == 1 and padded(int(lengths[pieces[0][0]])) == width:
         return [batch]
 
-    def piece(value: Any, index: torch.Tensor, columns: int) -> Any:
-        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows:
+    def piece(members: list[int]) -> Any:
+        index, columns = torch.tensor(members), padded(int(lengths[members[0]]))
+
+        def cut(value: torch.Tensor) -> torch.Tensor:
             value = value.index_select(0, index.to(value.device))
             return value[:, :columns] if value.dim() >= 2 and value.shape[1] == width else value
-        if isinstance(value, Mapping):
-            return {key: piece(item, index, columns) for key, item in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(piece(item, index, columns) for item in value)
-        return value
+        return _per_row(batch, rows, cut)
 
-    return [piece(batch, torch.tensor(members), padded(int(lengths[members[0]]))) for members in pieces]
+    return [piece(members) for members in pieces]
 
 
 def on_device(model: nn.Module, device: torch.device) -> bool:

@@ -236,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     print("| run | samples/s (all work) | vs Trainer | seconds | peak RSS - baseline MiB | x budget | planning s "
           "| MFU | plan |")
     print("|---|---|---|---|---|---|---|---|---|")
+    from looptrain.planning.planner import split_words  # the table's words for a plan, as the planner prints them
+    from looptrain.strategy import Strategy
+
     for name, result in runs.items():
         plan = result.get("plan")
         chosen = "-"
@@ -244,12 +247,10 @@ def main(argv: list[str] | None = None) -> int:
             checkpointing = (
                 "every " + str(settings["checkpoint_every"]) if settings["gradient_checkpointing"] else "none"
             )
-            tokens = settings.get("micro_batch_tokens")
             heap = ("glibc thresholds fixed" if plan.get("malloc") else "") + (
                 ", heap trimmed" if settings.get("trim_heap") else "")
             chosen = (
-                f"{settings['batch_size']} x {settings['accum_steps']}"
-                f"{f' in <= {tokens}-token micro-batches' if tokens else ''}, {settings['precision']}, "
+                f"{split_words(Strategy(**settings))}, {settings['precision']}, "
                 f"checkpointing {checkpointing}, {heap.strip(', ') or 'glibc as it is'}, "
                 f"grouping {'on' if settings['group_by_length'] else 'off'} ({plan['estimates']} estimates, "
                 f"{plan['cached_estimates']} from the cache)")

@@ -20,6 +20,7 @@ leaves resident, not what the run has, for 2-10% of the speed (docs/memory.md).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 import sys
@@ -33,6 +34,7 @@ _M_MMAP_THRESHOLD = -3
 _applied: int | None = None  # the threshold this process fixed, once it has
 
 
+@functools.cache  # `release_freed` asks before every micro-batch; libc_ver reads the interpreter's file
 def _glibc() -> ctypes.CDLL | None:
     """The process's own C library when it is glibc (``mallopt`` and ``malloc_trim`` are glibc's), else None."""
     if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":

@@ -36,7 +36,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from looptrain import state
 from looptrain import strategy as strategies
-from looptrain.batches import model_shifts_labels
+from looptrain.batches import model_shifts_labels, token_pieces
 from looptrain.config import LoopConfig
 from looptrain.loop import Loop
 from looptrain.optim import OptimizerInBackward
@@ -432,14 +432,8 @@ def token_windows(windows: Sequence[Sequence[tuple[int, int]]], strategy: Strate
     """Windows of ``(rows, width)`` batches as the Loop cuts them with `strategy.micro_batch_tokens`, every row of
     a batch as wide as the batch (`looptrain.batches.token_pieces`: rows that fit the tokens together, then the
     rest)."""
-    cut = []
-    for window in windows:
-        pieces = []
-        for rows, width in window:
-            per_piece = max(1, min(rows, strategy.micro_batch_tokens // width))
-            pieces += [(per_piece, width)] * (rows // per_piece) + [(rows % per_piece, width)] * bool(rows % per_piece)
-        cut.append(pieces)
-    return cut
+    return [[(len(piece), width) for rows, width in window
+             for piece in token_pieces([width] * rows, strategy.micro_batch_tokens)] for window in windows]
 
 
 def _estimate_windows(model_or_config: Any, windows: Sequence[Sequence[tuple[int, int]]], strategy: Strategy,

@@ -174,6 +174,9 @@ class Candidate:
     probed: bool = False
     probe: dict = field(default_factory=dict)  # seconds per padded token, per optimizer step, probe seconds
     baseline: bool = False  # the configuration the run would train without the planner
+    # What the run trains, when not `settings` themselves: the split cut by tokens (`by_tokens`); `plan` gives it
+    # to `settings` once the probes, which measure the split, are done. Its padded tokens are `padded_tokens`.
+    trained: Strategy | None = None
 
 
 @dataclass
@@ -495,10 +498,9 @@ def plan(
                 candidate.seconds_per_epoch = candidate.prior
             result.notes.append("nothing probed: speeds are a prior in arbitrary units (padded tokens, recompute, "
                                 "micro-batch size, precision), not measured")
-        # The user's own flags train as given; the safe default is the planner's, and is cut like the rest.
-        realised = [candidate for candidate in result.candidates
-                    if not (candidate.baseline and result.baseline_words == "your flags")
-                    and _realise(search, candidate)]
+        realised = [candidate for candidate in result.candidates if candidate.trained is not None]
+        for candidate in realised:
+            candidate.settings, candidate.trained = candidate.trained, None
         if realised:
             result.notes.append(f"{len(realised)} candidate(s) train each window as one batch cut into micro-batches "
                                 "of at most (micro-batch x the worst width) padded tokens: short rows run many to a "
@@ -566,7 +568,9 @@ def _costed(search: _Search, settings: Strategy, dataset, collator, lengths, dev
     from looptrain import data as data_module
 
     candidate = Candidate(settings, search.peak(settings))
-    trained = by_tokens(settings, search.width) if search.by_tokens and not as_given else settings  # `_realise`
+    # The user's own flags train as given; the safe default is the planner's, and is cut like the rest.
+    trained = by_tokens(settings, search.width) if search.by_tokens and not as_given else settings
+    candidate.trained = trained if trained != settings else None
     loader = data_module.make_train_loader(dataset, trained.batch_size, collator,
                                            grouping="length" if trained.group_by_length else "random", seed=seed)
     windows = run_windows(loader.batch_sampler, lengths, collator, trained.accum_steps,
@@ -591,15 +595,6 @@ def by_tokens(settings: Strategy, width: int) -> Strategy:
         return settings
     return dataclasses.replace(settings, batch_size=settings.batch_size * settings.accum_steps, accum_steps=1,
                                micro_batch_tokens=settings.batch_size * width)
-
-
-def _realise(search: _Search, candidate: Candidate) -> bool:
-    """Gives a candidate the settings its time was predicted for (`by_tokens`); whether that changed them."""
-    if not search.by_tokens:
-        return False
-    trained = by_tokens(candidate.settings, search.width)
-    candidate.settings, changed = trained, trained != candidate.settings
-    return changed
 
 
 # ------------------------------------------------------------------------------------------ fits
@@ -630,7 +625,7 @@ class _Search:
         self.padded = False  # the worst batch of more than one row holds shorter, padded rows (see `estimate`)
         self.full_model: Any = None  # `FULL_FINE_TUNE`'s model, made once where the estimates run
         self.worker: EstimateWorker | None = None  # runs the estimates in a child process (`plan` starts one)
-        self.by_tokens = False  # candidates other than the baseline train as `by_tokens` cuts them (`_realise`)
+        self.by_tokens = False  # candidates other than your flags train as `by_tokens` cuts them (`_costed`)
 
     def priced(self, settings: Strategy) -> Strategy:
         """The settings whose estimate is that of `settings`: with `micro_batch_tokens`, the split whose memory bounds
