@@ -216,9 +216,15 @@ def main(argv: list[str] | None = None) -> int:
         spec = {**prepared, "seed": arguments.seed, "samples": len(lengths), "malloc": arguments.looptrain_malloc,
                 "environment": AVX2_ENVIRONMENT if arguments.avx2 else {}}
         if arguments.budget_mib is not None:
-            result = run_worker({**spec, "framework": "looptrain", "budget": int(arguments.budget_mib * MIB)})
-            print(json.dumps({key: value for key, value in result.items() if key != "plan"}, indent=2))
-            print(json.dumps(result["plan"]["candidates"], indent=1)[:4000])
+            cache = tempfile.mkdtemp(prefix="looptrain-bench-cache-")
+            for run in ("cold", "rerun")[:1 + arguments.rerun]:
+                result = run_worker({**spec, "framework": "looptrain", "budget": int(arguments.budget_mib * MIB),
+                                     "cache": cache})
+                print(f"{run}:", json.dumps({key: value for key, value in result.items() if key != "plan"}, indent=2))
+                print(json.dumps(result["plan"]["candidates"], indent=1)[:4000])
+                print(f"{run}: {result['seconds']:.1f} s, planning {result['planning_seconds']:.1f} s, training "
+                      f"{result['train_seconds']:.1f} s, peak {result['peak_rss_delta'] / MIB:.1f} MiB "
+                      f"({result['peak_rss_delta'] / (arguments.budget_mib * MIB):.3f}x the budget)")
             return 0
         trainer = run_worker({**spec, "framework": "trainer"})
         budget = trainer["peak_rss_delta"]

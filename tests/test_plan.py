@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -560,18 +561,21 @@ def test_the_allocator_is_made_lean_only_when_the_first_probe_does_not_fit_with_
                                                                                         tmp_path, holes):
     """glibc's own thresholds keep freed blocks resident (more RSS) but train faster: `make_lean` is asked only when
     the first probe measures over the budget with them; the first probe is then measured again, the search charges
-    the new measure, and the plan says what was done. When it fits, the allocator is left alone."""
+    the new measure, and the plan says what was done. When it fits, the allocator is left alone, and every candidate
+    trims the heap before each micro-batch (its freed blocks would stay resident over the run)."""
+    from looptrain.memory import allocator
     from looptrain.planning import planner, rss_baseline_bytes
 
     train_set, collator = dataset
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
-    held = {"bytes": (600 if holes else 100) * 2**20}
+    held = {"bytes": (600 if holes else 100) * 2**20, "lean": False}
     monkeypatch.setattr(planner, "_probe", rss_probe(held))
+    monkeypatch.setattr(allocator, "keeps_freed", lambda: not held["lean"])  # glibc's own thresholds, until fixed
     asked = []
 
     def make_lean():
         asked.append(held["bytes"])
-        held["bytes"] = 100 * 2**20  # the holes returned to the OS
+        held.update(bytes=100 * 2**20, lean=True)  # the holes returned to the OS
         return "thresholds fixed (a stand-in)"
 
     lines = []
@@ -581,7 +585,8 @@ def test_the_allocator_is_made_lean_only_when_the_first_probe_does_not_fit_with_
     assert asked == ([600 * 2**20] if holes else [])
     assert result.malloc == ("thresholds fixed (a stand-in)" if holes else None)
     assert result.to_dict()["malloc"] == result.malloc
-    assert not any(c.settings.trim_heap for c in result.candidates)  # a probe of one update cannot see what it saves
+    assert [c.settings.trim_heap for c in result.candidates] == [not holes] * len(result.candidates)
+    assert any("the run trims the heap before each micro-batch" in note for note in result.notes) == (not holes)
     reference = next(c for c in result.candidates if c.baseline)
     assert reference.probe["measured_peak_bytes"] == 100 * 2**20 + reference.settings.batch_size * 2**20
     said = [line for line in lines if "under the C allocator's own thresholds" in line]
@@ -653,6 +658,29 @@ def test_with_no_planning_time_the_search_stops_short_and_the_baseline_trains(da
     assert result.estimates == 1 and result.cached_estimates == 0  # the baseline's own estimate: does it fit
     assert [c.settings for c in result.candidates] == [user] and result.winner.baseline
     assert any("the search stopped short of" in note for note in result.notes)
+
+
+def test_a_rerun_on_the_cache_takes_the_same_decisions_in_a_fraction_of_the_time(dataset, monkeypatch, tmp_path):
+    """Planning's time counts each estimate at what computing it cost, one read from the cache at its recorded cost:
+    a rerun on the cache stops where the first run stopped (it does not spend the time again on splits the first did
+    not reach), plans the same candidates and trains the same winner. Here every estimate costs 1 s."""
+    from looptrain.planning import planner
+
+    monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    train_set, collator = dataset
+    model = make_tiny_bert(num_labels=2)
+    budget = budget_between(model, train_set, collator, 4, 8)
+    real = planner.estimate
+    monkeypatch.setattr(planner, "estimate", lambda *args, **kwargs: {**real(*args, **kwargs), "compute_seconds": 1.0})
+    monkeypatch.setattr(planner, "_probe", fake_probe(dict.fromkeys((1, 2, 4, 8, 16), 1.0)))
+    options = {"memory_budget": budget, "effective_batch": EFFECTIVE_BATCH, "probe_budget": 2.5}
+    first = plan(model, train_set, collator, **options)
+    assert first.estimates == 3 and first.cached_estimates == 0  # 1 s each: the third starts at 2 s of 2.48 s
+    assert any("the search stopped short of" in note for note in first.notes)
+    again = plan(model, train_set, collator, **options)
+    assert again.estimates == again.cached_estimates == 3  # not one more: the cached three cost 3 s as before
+    assert again.notes == first.notes and again.charged_seconds == pytest.approx(first.charged_seconds)
+    assert [c.settings for c in again.candidates] == [c.settings for c in first.candidates]
 
 
 def test_a_small_runs_estimates_leave_room_in_ten_seconds_for_both_probes():
@@ -774,6 +802,24 @@ def test_a_rerun_reads_its_probes_from_the_cache_and_plans_the_same(dataset, mon
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", "off")
     plan(make_tiny_bert(num_labels=2), train_set, collator, **options)
     assert len(calls) == len(measured)
+
+
+def test_a_probe_of_process_rss_trims_the_heap_where_glibc_keeps_freed_blocks(monkeypatch):
+    """Under glibc's own thresholds a probe measures a fresh heap, which a whole run outgrows unless it trims the heap
+    before each micro-batch: the probe is measured as the run will train, trimmed; with the thresholds fixed (or under
+    the tensors meter) as given."""
+    from looptrain.memory import allocator
+    from looptrain.planning import planner
+
+    monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", "off")
+    measured = []
+    monkeypatch.setattr(planner, "_measure_probe", lambda model, settings, *rest: measured.append(settings) or {})
+    settings = Settings(batch_size=2, accum_steps=8)
+    rss = planner._Meter("rss", planner.rss_baseline_bytes())
+    for keeps, meter, trims in ((True, rss, True), (False, rss, False), (True, None, False)):
+        monkeypatch.setattr(allocator, "keeps_freed", lambda keeps=keeps: keeps)
+        planner._probe(torch.nn.Linear(1, 1), settings, {}, "cpu", 1.0, meter)
+        assert measured.pop() == dataclasses.replace(settings, trim_heap=trims)
 
 
 def test_a_cached_probe_of_process_rss_is_read_only_while_the_process_holds_about_the_same(monkeypatch, tmp_path):

@@ -192,7 +192,8 @@ def _add_memory_arguments(group) -> None:
                             "chooses the split, without it --accum becomes N / --batch-size")
     group.add_argument("--plan-time", type=float, default=None, metavar="SECONDS",
                        help="with --memory-budget: planning's seconds, estimates and probes together (default: 5%% "
-                            "of the run as the first probe predicts it; estimates already cached are free)")
+                            "of the run as the first probe predicts it; an estimate or probe read from the cache "
+                            "counts at its recorded cost, so a rerun takes the same plan in a fraction of the time)")
     group.add_argument("--plan-only", action="store_true",
                        help="with --memory-budget: print the plan and the command line of the winner, train nothing "
                             "(scripts/plan.py)")

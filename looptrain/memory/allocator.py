@@ -114,6 +114,13 @@ def release_freed() -> bool:
     return True
 
 
+def keeps_freed() -> bool:
+    """Whether freed heap blocks stay resident across a run here: glibc with its own dynamic thresholds (neither
+    fixed by `keep_rss_lean` nor set by the user). A short probe then measures a fresh heap, and a long run holds
+    more than it, unless the heap is trimmed before each micro-batch (`release_freed`, the Loop's ``trim_heap``)."""
+    return not is_lean() and not user_malloc_settings() and _glibc() is not None
+
+
 def can_release() -> bool:
     """Whether `release_freed` does anything here (the C library is glibc)."""
     return _glibc() is not None

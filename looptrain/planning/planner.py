@@ -200,6 +200,9 @@ class Plan:
     extrapolated: list = field(default_factory=list)  # fused candidates ruled out without an estimate
     growth_bytes: int = 0  # under a measured meter: kept free above each probe's peak for the run's growth
     malloc: str | None = None  # what `plan(make_lean=...)` did to the C allocator before the search; None: nothing
+    # Planning's time as its budget counts it: each estimate and probe at what it cost when computed, a cached one at
+    # its recorded cost, so that a rerun reading them from the cache takes the same decisions in less time.
+    charged_seconds: float = 0.0
     baseline_words: str = "your flags"  # the baseline candidate: the user's flags, or "safe default" (the lightest)
     # A LoRA plan: the winner against the full fine-tune with its settings (`lora_comparison`); None otherwise.
     lora: dict | None = None
@@ -389,7 +392,6 @@ def plan(
     num_labels = getattr(model, "num_labels", None) or getattr(getattr(model, "config", None), "num_labels", None) or 2
     search = _Search(model, worst_width, memory_budget, margin, max_grad_norm, num_labels, echo)
     malloc: str | None = None
-    reprobe_seconds = 0.0  # the first probe measured again once `make_lean` fixed the allocator: its seconds
     search.padded = min(lengths) < worst_width  # a batch of more than one row holding the longest sample is padded
     search.by_tokens = token_micro_batches
     # The estimates run in a child process: what estimating costs (torch's fake-tensor machinery) stays out of
@@ -404,7 +406,7 @@ def plan(
             baseline = base
         order = sorted(range(len(lengths)), key=lambda index: -lengths[index])  # the worst batch: the longest samples
         reference: Candidate | None = None  # the first probe's candidate, costed and probed before the search
-        first_seconds = 0.0
+        first_seconds = first_charged = 0.0  # the first probe(s): wall seconds, and as `_Search.charged` counts them
         if probe and isinstance(model, nn.Module):
             # Before the search, the configuration every plan probes first (the user's, else the safe default):
             # its probe predicts the run's time, which bounds planning's (`probe_fraction`, or `probe_budget`), and
@@ -415,15 +417,15 @@ def plan(
                 batch = collator([dataset[i] for i in order[:first.batch_size]])
                 started = time.perf_counter()
                 probed = _probe(model, first, batch, device, max_grad_norm, measured)
+                first_charged = probed["probe_seconds"]  # as measured, or as recorded when read from the cache
                 if meter == "rss" and make_lean is not None and not _probe_fits(probed, search, first):
                     malloc = make_lean()
                     if malloc is not None:
                         echo(f"  {first.batch_size} x {first.accum_steps} measured "
                              f"{format_bytes(probed['measured_peak_bytes'])}, over the budget with the run's growth, "
                              f"under the C allocator's own thresholds: {malloc}; measuring it again")
-                        again = time.perf_counter()
                         probed = _probe(model, first, batch, device, max_grad_norm, measured)
-                        reprobe_seconds = time.perf_counter() - again
+                        first_charged += probed["probe_seconds"]
                 first_seconds = time.perf_counter() - started
                 reference = _costed(search, first, dataset, collator, lengths, device_type, seed,
                                     as_given=first == baseline)
@@ -432,9 +434,8 @@ def plan(
                     probe_fraction * reference.seconds_per_epoch * epochs
                 # A probe measured again with the allocator fixed budgets as one probe: the first, which did not
                 # fit, is the allocator's cost, not the search's (planning overruns its floor by it).
-                search.limit = max(search.seconds, estimate_seconds(
-                    total, first_seconds if malloc is None else reprobe_seconds,
-                    MIN_PLANNING_SECONDS if probe_budget is None else 0.0))
+                search.limit = max(search.charged, estimate_seconds(
+                    total, probed["probe_seconds"], MIN_PLANNING_SECONDS if probe_budget is None else 0.0))
             if reference is not None and measured is not None:
                 besides = max(0, reference.probe["measured_peak_bytes"] - reference.estimated_peak_bytes)
                 search.growth = _run_growth(reference.probe["measured_peak_bytes"], reference.estimated_peak_bytes)
@@ -468,7 +469,8 @@ def plan(
         if search.skipped:
             result.notes.append(f"the search stopped short of {search.skipped} estimate(s): planning's time (5% of "
                                 "the run its first probe predicts, or --plan-time) was spent, so those splits count "
-                                "as not fitting; a rerun reads the estimates made from the cache and goes further")
+                                "as not fitting; a longer --plan-time searches further (a rerun on the cache stops "
+                                "where this run did)")
         if search.extrapolated:
             result.notes.append(f"{len(search.extrapolated)} fused-step candidate(s) not estimated: extrapolated "
                                 "from the same settings' estimate at a smaller micro-batch (memory is close to affine "
@@ -489,6 +491,7 @@ def plan(
                                 f"{1 + margin:.2f}")
         if probe and isinstance(model, nn.Module):
             result.probe_seconds = first_seconds
+            result.charged_seconds = search.charged + first_charged
             _probe_candidates(result, model, dataset, collator, order, device, epochs, max_grad_norm, probe_budget,
                               probe_fraction, measured, echo,
                               smaller=lambda candidate: None if "batch_size" in fixed else _smaller_split(
@@ -501,6 +504,12 @@ def plan(
         realised = [candidate for candidate in result.candidates if candidate.trained is not None]
         for candidate in realised:
             candidate.settings, candidate.trained = candidate.trained, None
+        if _trims(measured):
+            for candidate in result.candidates:
+                candidate.settings = _as_run(candidate.settings, measured)
+            result.notes.append("glibc's own malloc thresholds keep freed blocks resident over a run, where a probe "
+                                "measured a fresh heap: the run trims the heap before each micro-batch (--trim-heap, "
+                                "2-10% of the speed), as its probes did, so that its RSS stays near theirs")
         if realised:
             result.notes.append(f"{len(realised)} candidate(s) train each window as one batch cut into micro-batches "
                                 "of at most (micro-batch x the worst width) padded tokens: short rows run many to a "
@@ -616,6 +625,9 @@ class _Search:
         self.count = 0
         self.cached = 0  # of `count`, the estimates read from the on-disk cache (looptrain.planning.estimate_cache)
         self.seconds = 0.0
+        # The estimates as `limit` counts them: each at what computing it cost (a cached one at its recorded cost), so
+        # that a rerun reading them from the cache stops where the first run stopped, in a fraction of the time.
+        self.charged = 0.0
         self.overhead = 0  # a budget of process RSS: what the process holds besides the estimated tensors
         self.smallest_failure: Strategy | None = None  # `_largest_fitting`'s smallest split that did not fit
         self.extrapolated: list[Strategy] = []  # fused candidates ruled out by extrapolation, not estimated
@@ -656,7 +668,7 @@ class _Search:
         key = self.key(settings, seq_len, model)
         if key not in self.cache:
             started = time.perf_counter()
-            spent = self.limit is not None and self.seconds >= self.limit  # then only cached estimates are read
+            spent = self.limit is not None and self.charged >= self.limit  # then only cached estimates are read
             request = settings, seq_len, model, spent
             try:
                 result = self.worker(request) if self.worker is not None else self.estimate_here(request)
@@ -664,7 +676,9 @@ class _Search:
                 self.seconds += time.perf_counter() - started
                 self.skipped += 1
                 raise SearchTimeSpent from None
-            self.seconds += time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            self.seconds += elapsed
+            self.charged += result.get("compute_seconds", elapsed)  # a cached one: as recorded when computed
             self.count += 1
             self.cached += bool(result.get("from_cache"))
             self.cache[key] = result["peak_memory_bytes"]
@@ -1137,9 +1151,12 @@ def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: 
     Unprobed candidates rank after the probed ones; the baseline stays first unless another is predicted at
     least `KEEP_BASELINE_WITHIN` faster. A candidate whose probe measures over the budget is replaced by the next
     smaller split of its settings (`smaller`), probed at once, budget or not (it stands in for the one probed).
+    The budget counts each probe at its seconds as measured, a cached one at its recorded seconds
+    (`Plan.charged_seconds`), so that a rerun on the cache takes the same decisions.
     """
     started, spent = time.perf_counter(), result.probe_seconds  # the first probe, made before the search
     budget, rejected, skipped, hopeless = probe_budget, [], 0, 0
+    charged = 0.0  # the probes below as the budget counts them: each at its (measured or recorded) seconds
 
     def fits(candidate: Candidate) -> bool:
         peak = candidate.probe.get("measured_peak_bytes")
@@ -1153,19 +1170,12 @@ def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: 
             batches[size] = collator([dataset[i] for i in order[:size]])
         return batches[size]
 
-    hits: dict[int, dict] = {}  # by candidate: a cached probe `cached` found, so that `run` does not read it again
-
-    def cached(candidate: Candidate) -> bool:
-        key = _probe_key(model, candidate.settings, batch_of(candidate), device, max_grad_norm, meter)
-        entry = _cached_probe(key, _held_bytes(meter)) if key is not None else None
-        if entry is not None:
-            hits[id(candidate)] = entry
-        return entry is not None
-
     def run(candidate: Candidate) -> None:
+        nonlocal charged
         if not candidate.probed:
-            _record_probe(candidate, hits.pop(id(candidate), None)
-                          or _probe(model, candidate.settings, batch_of(candidate), device, max_grad_norm, meter))
+            _record_probe(candidate, _probe(model, candidate.settings, batch_of(candidate), device, max_grad_norm,
+                                            meter))
+            charged += candidate.probe["probe_seconds"]
         over = not fits(candidate)
         if over:
             rejected.append(candidate)
@@ -1189,7 +1199,8 @@ def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: 
     if budget is None:  # a share of the planned run (as the baseline's probe predicts it)
         reference = baseline or result.candidates[0]
         budget = probe_fraction * reference.seconds_per_epoch * epochs
-    budget = max(0.0, budget - result.estimate_seconds - spent)  # planning's time: estimates and probes together
+    budget = max(0.0, budget - result.charged_seconds - charged)  # planning's time: estimates and probes together
+    charged = 0.0
     result.probe_budget_seconds = round(budget, 3)
     while True:
         probed = [c for c in result.candidates if c.probed]
@@ -1200,8 +1211,8 @@ def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: 
         candidate = waiting[0]
         fitting = [c for c in probed if c not in rejected]
         best = min((c.seconds_per_epoch for c in fitting), default=math.inf)
-        cost = 0.0 if cached(candidate) else _predicted_probe_seconds(candidate, probed)
-        if fitting and time.perf_counter() - started + cost > budget:
+        cost = _predicted_probe_seconds(candidate, probed)  # cached or not: a rerun decides as the first run did
+        if fitting and charged + cost > budget:
             skipped += len(waiting)
             break
         if fitting and (best - PRIOR_OPTIMISM * candidate.seconds_per_epoch) * epochs <= cost:
@@ -1316,6 +1327,7 @@ def _probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_g
     process holds more now (never down: a rerun that read its first probes from the cache holds less, as their
     first-use memory was never touched).
     """
+    settings = _as_run(settings, meter)
     key = _probe_key(model, settings, batch, device, max_grad_norm, meter)
     if key is None:
         return _measure_probe(model, settings, batch, device, max_grad_norm, meter)
@@ -1326,6 +1338,18 @@ def _probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_g
     result = _measure_probe(model, settings, batch, device, max_grad_norm, meter)
     estimate_cache.write_probe(key, {**result, "held_bytes": held})
     return result
+
+
+def _trims(meter: _Meter | None) -> bool:
+    """Whether runs planned under `meter` trim the C heap before each micro-batch (``trim_heap``), and so their probes:
+    a budget of process RSS with glibc's own thresholds, which keep freed blocks resident. A probe measures a fresh
+    heap; a whole run without trimming held 7-8% more than the budget its probes kept (docs/plan.md)."""
+    return meter is not None and meter.kind == "rss" and allocator.keeps_freed()
+
+
+def _as_run(settings: Strategy, meter: _Meter | None) -> Strategy:
+    """`settings` as a run planned under `meter` trains them, and so as they are probed: trimmed where `_trims`."""
+    return dataclasses.replace(settings, trim_heap=True) if _trims(meter) else settings
 
 
 def _probe_key(model: nn.Module, settings: Strategy, batch: dict, device: str, max_grad_norm,
