@@ -492,6 +492,9 @@ def test_without_probe_time_only_the_baseline_and_the_favourite_are_probed(datas
     calls = []
     probe = fake_probe(dict.fromkeys((1, 2, 4, 8, 16), 1.0))
     monkeypatch.setattr(planner, "_probe", lambda *args, **kwargs: calls.append(args[1]) or probe(*args, **kwargs))
+    # One estimate at a time: two workers would estimate the lightest split beside the baseline before planning's
+    # time is known (free where there are two cores), which the first plan's search did not need.
+    monkeypatch.setattr(planner, "_estimate_workers", lambda: 1)
     result = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH,
                   base=Settings(batch_size=1, accum_steps=16), probe_budget=0.0)
     assert len(result.candidates) > 2
@@ -655,7 +658,8 @@ def test_with_no_planning_time_the_search_stops_short_and_the_baseline_trains(da
     user = Settings(batch_size=2, accum_steps=8)
     result = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH, base=user,
                   probe_budget=0.0)
-    assert result.estimates == 1 and result.cached_estimates == 0  # the baseline's own estimate: does it fit
+    # The baseline's own estimate (does it fit), and with two estimate workers the lightest split's beside it.
+    assert result.estimates == planner._estimate_workers() and result.cached_estimates == 0
     assert [c.settings for c in result.candidates] == [user] and result.winner.baseline
     assert any("the search stopped short of" in note for note in result.notes)
 
@@ -673,6 +677,7 @@ def test_a_rerun_on_the_cache_takes_the_same_decisions_in_a_fraction_of_the_time
     real = planner.estimate
     monkeypatch.setattr(planner, "estimate", lambda *args, **kwargs: {**real(*args, **kwargs), "compute_seconds": 1.0})
     monkeypatch.setattr(planner, "_probe", fake_probe(dict.fromkeys((1, 2, 4, 8, 16), 1.0)))
+    monkeypatch.setattr(planner, "_estimate_workers", lambda: 1)  # one at a time (side by side: the next test)
     options = {"memory_budget": budget, "effective_batch": EFFECTIVE_BATCH, "probe_budget": 2.5}
     first = plan(model, train_set, collator, **options)
     assert first.estimates == 3 and first.cached_estimates == 0  # 1 s each: the third starts at 2 s of 2.48 s
@@ -681,6 +686,31 @@ def test_a_rerun_on_the_cache_takes_the_same_decisions_in_a_fraction_of_the_time
     assert again.estimates == again.cached_estimates == 3  # not one more: the cached three cost 3 s as before
     assert again.notes == first.notes and again.charged_seconds == pytest.approx(first.charged_seconds)
     assert [c.settings for c in again.candidates] == [c.settings for c in first.candidates]
+
+
+def test_estimates_side_by_side_find_the_same_plan_and_charge_a_round_as_its_longest(dataset, monkeypatch, tmp_path):
+    """With two estimate workers the search estimates the baseline beside the lightest split, and each binary-search
+    step beside the step it takes when that one fits: the same candidates as one worker finds, its rounds charged
+    as their longest estimate (here every estimate costs 1 s), so the same time searches as far."""
+    from looptrain.planning import planner
+
+    train_set, collator = dataset
+    model = make_tiny_bert(num_labels=2)
+    budget = budget_between(model, train_set, collator, 4, 8)
+    real = planner.estimate
+    monkeypatch.setattr(planner, "estimate", lambda *args, **kwargs: {**real(*args, **kwargs), "compute_seconds": 1.0})
+    monkeypatch.setattr(planner, "_probe", fake_probe(dict.fromkeys((1, 2, 4, 8, 16), 1.0)))
+    results = {}
+    for workers in (1, 2):
+        monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / f"cache-{workers}"))
+        monkeypatch.setattr(planner, "_estimate_workers", lambda workers=workers: workers)
+        results[workers] = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH,
+                                probe_budget=100.0)
+    one, two = results[1], results[2]
+    assert [c.settings for c in two.candidates] == [c.settings for c in one.candidates]
+    assert one.charged_seconds == pytest.approx(one.estimates + 0.01 * len([c for c in one.candidates if c.probed]),
+                                                abs=0.05)
+    assert two.estimates >= one.estimates and two.charged_seconds < one.charged_seconds - 1
 
 
 def test_a_small_runs_estimates_leave_room_in_ten_seconds_for_both_probes():
@@ -693,6 +723,8 @@ def test_a_small_runs_estimates_leave_room_in_ten_seconds_for_both_probes():
     assert planner.estimate_seconds(200.0, 2.5, planner.MIN_PLANNING_SECONDS) == pytest.approx(195.0)  # a long run
     assert planner.estimate_seconds(2.2, 6.0, planner.MIN_PLANNING_SECONDS) < 0  # probes alone fill it: no search
     assert planner.estimate_seconds(0.0, 1.0, 0.0) == pytest.approx(-2.0)  # --plan-time 0: no floor
+    # The first probe measured twice (the allocator fixed after the first): both count, the second is reserved again.
+    assert planner.estimate_seconds(2.2, 1.0, planner.MIN_PLANNING_SECONDS, spent=3.5) == pytest.approx(5.5)
 
 
 def test_a_probes_warm_up_is_the_worst_batch_cut_to_columns_real_in_every_row():
@@ -737,6 +769,9 @@ class AffineSearch:
 
     def key(self, settings):
         return repr(settings)
+
+    def prefetch(self, settings_list) -> None:
+        pass  # one estimate at a time: `estimated` records the search's own order
 
     def fits(self, settings) -> bool:
         self.estimated.append(settings)

@@ -67,3 +67,33 @@ def test_in_process_when_asked(monkeypatch):
     monkeypatch.setenv("LOOPTRAIN_ESTIMATE_IN_PROCESS", "1")
     with EstimateWorker(lambda request: os.getpid()) as worker:
         assert worker.pid is None and worker(None) == os.getpid()
+
+
+def test_two_workers_answer_side_by_side_and_close_in_any_order(monkeypatch, tmp_path):
+    """The planner estimates two splits at once on two workers: each child answers its own request while the other
+    works (each waits to see the other start), and the first worker closes while the second still runs (the second
+    child holds none of its pipe ends, which would keep the first child from reading end-of-file and closing it from
+    returning)."""
+    monkeypatch.setenv("LOOPTRAIN_ESTIMATE_TIMEOUT", "60")
+
+    def serve(request):
+        (tmp_path / str(request)).touch()
+        other = tmp_path / str(3 - request)
+        for _ in range(400):  # up to 20 s: the other child starts while this one waits, or never (one at a time)
+            if other.exists():
+                break
+            time.sleep(0.05)
+        return os.getpid(), request * 2, other.exists()
+
+    first, second = EstimateWorker(serve), EstimateWorker(serve)
+    try:
+        first.submit(1)
+        second.submit(2)
+        (pid_one, one, saw_two), (pid_two, two, saw_one) = first.collect(), second.collect()
+        assert (one, two) == (2, 4) and len({pid_one, pid_two, os.getpid()}) == 3
+        assert saw_two and saw_one  # side by side
+        first.close()
+        assert first.pid is None and second(2)[1] == 4
+    finally:
+        first.close()
+        second.close()

@@ -14,7 +14,9 @@ first probe, under glibc's own thresholds, does not fit the budget (`plan(make_l
 
 Between the two, `release_freed` (the Loop's ``trim_heap`` lever: ``malloc_trim`` before every micro-batch) keeps
 glibc's thresholds and gives the heap's freed pages back between micro-batches: RSS then holds what one micro-batch
-leaves resident, not what the run has, for 2-10% of the speed (docs/memory.md).
+leaves resident, not what the run has, for 2-10% of the speed (docs/memory.md). The planner trims wherever it keeps
+glibc's own thresholds under a budget of RSS (`keeps_freed`): its probes measure a fresh heap, which a whole run
+without trimming outgrows.
 """
 
 from __future__ import annotations

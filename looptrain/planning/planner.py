@@ -44,6 +44,7 @@ import dataclasses
 import gc
 import importlib.util
 import math
+import os
 import re
 import time
 import weakref
@@ -396,7 +397,8 @@ def plan(
     search.by_tokens = token_micro_batches
     # The estimates run in a child process: what estimating costs (torch's fake-tensor machinery) stays out of
     # this process, whose RSS the budget may count.
-    search.worker = EstimateWorker(search.estimate_here) if isinstance(model, nn.Module) else None
+    search.workers = [EstimateWorker(search.estimate_here) for _ in range(_estimate_workers())] \
+        if isinstance(model, nn.Module) else []
     try:
         measured = _Meter(meter, rss_baseline) if meter != "tensors" else None
         if measured is not None and not (probe and isinstance(model, nn.Module)):
@@ -411,8 +413,9 @@ def plan(
             # Before the search, the configuration every plan probes first (the user's, else the safe default):
             # its probe predicts the run's time, which bounds planning's (`probe_fraction`, or `probe_budget`), and
             # under a measured meter it measures what the process holds besides tensors, which the search charges.
-            first = next((s for s in (baseline, _lightest(base, effective_batch))
-                          if s is not None and _valid(s) and search.fits(s)), None)
+            firsts = [s for s in (baseline, _lightest(base, effective_batch)) if s is not None and _valid(s)]
+            search.prefetch(firsts)  # side by side: the lightest is needed when the baseline does not fit
+            first = next((s for s in firsts if search.fits(s)), None)
             if first is not None:
                 batch = collator([dataset[i] for i in order[:first.batch_size]])
                 started = time.perf_counter()
@@ -432,10 +435,11 @@ def plan(
                 _record_probe(reference, probed)
                 total = probe_budget if probe_budget is not None else \
                     probe_fraction * reference.seconds_per_epoch * epochs
-                # A probe measured again with the allocator fixed budgets as one probe: the first, which did not
-                # fit, is the allocator's cost, not the search's (planning overruns its floor by it).
+                # Both probes count when the first was measured again with the allocator fixed: planning's time is
+                # all of it, and the favourite's probe is reserved at the second's (the allocator as it will be).
                 search.limit = max(search.charged, estimate_seconds(
-                    total, probed["probe_seconds"], MIN_PLANNING_SECONDS if probe_budget is None else 0.0))
+                    total, probed["probe_seconds"], MIN_PLANNING_SECONDS if probe_budget is None else 0.0,
+                    spent=first_charged))
             if reference is not None and measured is not None:
                 besides = max(0, reference.probe["measured_peak_bytes"] - reference.estimated_peak_bytes)
                 search.growth = _run_growth(reference.probe["measured_peak_bytes"], reference.estimated_peak_bytes)
@@ -518,8 +522,8 @@ def plan(
             lora_comparison(search, result)
         return result
     finally:
-        if search.worker is not None:
-            search.worker.close()
+        for worker in search.workers:
+            worker.close()
 
 
 def _probe_fits(probed: dict, search: _Search, settings: Strategy) -> bool:
@@ -636,7 +640,7 @@ class _Search:
         self.growth = 0  # a measured meter: kept free for what the run adds to a probe's peak (`RUN_GROWTH`)
         self.padded = False  # the worst batch of more than one row holds shorter, padded rows (see `estimate`)
         self.full_model: Any = None  # `FULL_FINE_TUNE`'s model, made once where the estimates run
-        self.worker: EstimateWorker | None = None  # runs the estimates in a child process (`plan` starts one)
+        self.workers: list[EstimateWorker] = []  # run the estimates in child processes (`plan` starts them)
         self.by_tokens = False  # candidates other than your flags train as `by_tokens` cuts them (`_costed`)
 
     def priced(self, settings: Strategy) -> Strategy:
@@ -660,25 +664,58 @@ class _Search:
     def peak(self, settings: Strategy, seq_len: int | None = None, model: str | None = None) -> int:
         """The estimate of `settings` at the worst batch (or `seq_len` wide), memoised by what the estimator prices.
 
-        `model`: None (the search's model) or `FULL_FINE_TUNE` (a LoRA model without its adapters). With a
-        `worker` (`plan` starts one), the estimate runs in its child process.
+        `model`: None (the search's model) or `FULL_FINE_TUNE` (a LoRA model without its adapters). With
+        `workers` (`plan` starts them), the estimate runs in a child process.
         """
+        request = self._request(settings, seq_len, model)
+        if request[-1] not in self.cache:
+            self._estimate([request], demanded=True)
+        return self.cache[request[-1]]
+
+    def prefetch(self, settings_list: Sequence[Strategy]) -> None:
+        """Estimates those of `settings_list` not memoised yet side by side, one per worker, so that `peak` finds them
+        (`search.workers`: one per core, up to two). Best effort: nothing with one worker, for fewer than two
+        estimates, or once the search's time is spent. A round is charged as its longest estimate: the search's
+        decisions do not depend on how many ran beside each other, and a rerun on the cache takes the same."""
+        if len(self.workers) < 2 or (self.limit is not None and self.charged >= self.limit):
+            return
+        wanted = {}
+        for settings in settings_list:
+            request = self._request(settings, None, None)
+            if request[-1] not in self.cache:
+                wanted.setdefault(request[-1], request)
+        if len(wanted) > 1:
+            self._estimate(list(wanted.values())[:len(self.workers)], demanded=False)
+
+    def _request(self, settings: Strategy, seq_len: int | None, model: str | None) -> tuple:
         seq_len = seq_len or self.width
         settings = self.priced(settings)
-        key = self.key(settings, seq_len, model)
-        if key not in self.cache:
-            started = time.perf_counter()
-            spent = self.limit is not None and self.charged >= self.limit  # then only cached estimates are read
-            request = settings, seq_len, model, spent
+        return settings, seq_len, model, self.key(settings, seq_len, model)
+
+    def _estimate(self, requests: list[tuple], demanded: bool) -> None:
+        """One round: each request on its own worker (here without any), their results memoised."""
+        started = time.perf_counter()
+        spent = self.limit is not None and self.charged >= self.limit  # then only cached estimates are read
+        workers = self.workers or [None] * len(requests)
+        for (settings, seq_len, model, _), worker in zip(requests, workers):
+            if worker is not None:
+                worker.submit((settings, seq_len, model, spent))
+        answers = []
+        for request, worker in zip(requests, workers):  # every answer is read, so that no worker is left behind
+            settings, seq_len, model, _ = request
             try:
-                result = self.worker(request) if self.worker is not None else self.estimate_here(request)
-            except LookupError:
-                self.seconds += time.perf_counter() - started
-                self.skipped += 1
-                raise SearchTimeSpent from None
-            elapsed = time.perf_counter() - started
-            self.seconds += elapsed
-            self.charged += result.get("compute_seconds", elapsed)  # a cached one: as recorded when computed
+                answers.append(worker.collect() if worker is not None
+                               else self.estimate_here((settings, seq_len, model, spent)))
+            except LookupError as error:
+                answers.append(error)
+        elapsed = time.perf_counter() - started
+        self.seconds += elapsed
+        results = [answer for answer in answers if not isinstance(answer, LookupError)]
+        # A cached estimate counts at what computing it cost; a round of side-by-side estimates, at its longest.
+        self.charged += max((result.get("compute_seconds", elapsed) for result in results), default=0.0)
+        for (settings, seq_len, _, key), result in zip(requests, answers):
+            if isinstance(result, LookupError):
+                continue
             self.count += 1
             self.cached += bool(result.get("from_cache"))
             self.cache[key] = result["peak_memory_bytes"]
@@ -690,7 +727,9 @@ class _Search:
                       f"{', ' + _lora_words(settings) if settings.lora_rank else ''}"
                       f"{f', seq {seq_len}' if seq_len != self.width else ''}: {format_bytes(self.cache[key])}"
                       f"{' (from the cache)' if result.get('from_cache') else ''}")
-        return self.cache[key]
+        if demanded and len(results) < len(requests):
+            self.skipped += 1
+            raise SearchTimeSpent
 
     def estimate_here(self, request: tuple) -> dict:
         """`estimate` of a `peak` request in this process (the worker's child calls it too)."""
@@ -707,6 +746,13 @@ class _Search:
         return (self.peak(settings) + self.overhead) * (1 + self.margin) <= self.budget
 
 
+def _estimate_workers() -> int:
+    """How many estimates run side by side: one per core this process may use, up to two (an estimate is one
+    thread of Python; the search rarely has more than two it is sure to need)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(2, cores))
+
+
 def _valid(settings: Strategy) -> bool:
     try:
         LoopConfig.from_strategy(settings, device="cpu", track_memory=False)  # probes and planned compiled runs: off
@@ -715,10 +761,11 @@ def _valid(settings: Strategy) -> bool:
     return True
 
 
-def estimate_seconds(total: float, first_probe_seconds: float, floor: float) -> float:
+def estimate_seconds(total: float, first_probe_seconds: float, floor: float, spent: float | None = None) -> float:
     """Planning's time left for the estimates: `total` (5% of the run, or the probe budget), at least `floor`, less
-    the first probe and as much again for the probe of the search's favourite, which follows the search."""
-    return max(total, floor) - 2 * first_probe_seconds
+    the probes made before the search (`spent`; default: one, the first probe) and as much as the first probe again
+    for the probe of the search's favourite, which follows the search."""
+    return max(total, floor) - (first_probe_seconds if spent is None else spent) - first_probe_seconds
 
 
 def _candidate_settings(search: _Search, effective_batch: int, base: Strategy, levers: Levers, fixed: set,
@@ -795,13 +842,18 @@ def _candidate_settings(search: _Search, effective_batch: int, base: Strategy, l
 
 def _largest_fitting(search: _Search, template: Strategy, sizes: list[int], effective_batch: int) -> int | None:
     """The largest micro-batch in `sizes` that fits (memory grows with it: a binary search)."""
+    def split(index: int) -> Strategy:
+        return dataclasses.replace(template, batch_size=sizes[index], accum_steps=effective_batch // sizes[index])
+
     sizes = [size for size in sizes
              if _valid(dataclasses.replace(template, batch_size=size, accum_steps=effective_batch // size))]
     low, high, best = 0, len(sizes) - 1, None
     search.smallest_failure = None
     while low <= high:
         middle = (low + high) // 2
-        settings = dataclasses.replace(template, batch_size=sizes[middle], accum_steps=effective_batch // sizes[middle])
+        settings = split(middle)
+        # Beside it, where the search goes next when it fits (larger splits are the faster ones).
+        search.prefetch([settings] + ([split((middle + 1 + high) // 2)] if middle < high else []))
         try:
             fitting = search.fits(settings)
         except SearchTimeSpent:

@@ -33,6 +33,7 @@ class EstimateWorker:
 
     def __init__(self, serve: Callable[[Any], Any]):
         self.serve, self.pid = serve, None
+        self._pending: Any = None  # the request `submit` sent, until `collect`
         self._requests = self._answers = None
         if not _can_fork():
             return
@@ -46,6 +47,8 @@ class EstimateWorker:
             try:
                 os.close(request_write)
                 os.close(answer_read)
+                for descriptor in _PARENT_ENDS:  # other workers' ends: held here, their children would never end
+                    _close_quietly(descriptor)
                 _serve_forever(serve, os.fdopen(request_read, "rb"), os.fdopen(answer_write, "wb"))
             except BaseException:  # noqa: BLE001  the parent sees end-of-file and says so
                 code = 1
@@ -53,14 +56,26 @@ class EstimateWorker:
                 os._exit(code)
         os.close(request_read)
         os.close(answer_write)
+        _PARENT_ENDS.update((request_write, answer_read))
         self.pid = pid
         self._requests, self._answers = os.fdopen(request_write, "wb"), os.fdopen(answer_read, "rb")
 
     def __call__(self, request: Any) -> Any:
+        self.submit(request)
+        return self.collect()
+
+    def submit(self, request: Any) -> None:
+        """Sends `request` to the child, which starts on it at once; `collect` returns its answer. One at a time."""
+        self._pending = request
+        if self.pid is not None:
+            pickle.dump(request, self._requests)
+            self._requests.flush()
+
+    def collect(self) -> Any:
+        """The answer to the request `submit` sent (computed here when there is no child); its error is raised here."""
+        request, self._pending = self._pending, None
         if self.pid is None:
             return self.serve(request)
-        pickle.dump(request, self._requests)
-        self._requests.flush()
         timeout = float(os.environ.get("LOOPTRAIN_ESTIMATE_TIMEOUT", "600"))
         if not select.select([self._answers], [], [], timeout)[0]:  # a child that hangs: never the run
             os.kill(self.pid, signal.SIGKILL)
@@ -79,6 +94,7 @@ class EstimateWorker:
     def close(self) -> None:
         if self.pid is None:
             return
+        _PARENT_ENDS.difference_update((self._requests.fileno(), self._answers.fileno()))
         for stream in (self._requests, self._answers):
             try:
                 stream.close()
@@ -95,6 +111,18 @@ class EstimateWorker:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+# The pipe ends this process holds for its live workers' children. A child forked later closes them: a copy held
+# open there would keep an earlier child from reading end-of-file, and closing that worker would wait forever.
+_PARENT_ENDS: set[int] = set()
+
+
+def _close_quietly(descriptor: int) -> None:
+    try:
+        os.close(descriptor)
+    except OSError:
+        pass
 
 
 def _can_fork() -> bool:
