@@ -713,6 +713,34 @@ def test_estimates_side_by_side_find_the_same_plan_and_charge_a_round_as_its_lon
     assert two.estimates >= one.estimates and two.charged_seconds < one.charged_seconds - 1
 
 
+def test_a_round_side_by_side_is_charged_as_its_longest_and_a_failed_prefetch_is_not_kept():
+    """`_Search.prefetch` sends one estimate to each worker and reads every answer: the round counts as its longest
+    estimate, and an estimate that failed beside another is not memoised, so the search meets its error when it
+    asks for it, and not before."""
+    from looptrain.planning import planner
+
+    class Worker:
+        def submit(self, request):
+            self.request = request
+
+        def collect(self):
+            settings = self.request[0]
+            if settings.batch_size == 16:
+                raise ValueError("no estimate at 16 rows")
+            return {"peak_memory_bytes": settings.batch_size * 2**20, "compute_seconds": settings.batch_size / 4}
+
+    search = planner._Search(torch.nn.Linear(1, 1), 32, 2**30, 0.05, 1.0, 2, lambda line: None)
+    search.workers = [Worker(), Worker()]
+    two, four, sixteen = (Settings(batch_size=size, accum_steps=16 // size) for size in (2, 4, 16))
+    search.prefetch([two, four])
+    assert search.count == 2 and search.charged == pytest.approx(1.0)  # 0.5 s beside 1.0 s: the round is 1.0 s
+    assert search.peak(four) == 4 * 2**20 and search.count == 2  # memoised: not estimated again
+    search.prefetch([sixteen, Settings(batch_size=8, accum_steps=2)])
+    assert search.count == 3 and search.charged == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="no estimate at 16 rows"):
+        search.peak(sixteen)
+
+
 def test_a_small_runs_estimates_leave_room_in_ten_seconds_for_both_probes():
     """Planning's time is 5% of the run, at least `MIN_PLANNING_SECONDS` (10 s), probes included: the estimates get
     what is left after the first probe and as much again for the favourite's, which follows the search."""

@@ -706,15 +706,19 @@ class _Search:
             try:
                 answers.append(worker.collect() if worker is not None
                                else self.estimate_here((settings, seq_len, model, spent)))
-            except LookupError as error:
+            except Exception as error:  # noqa: BLE001  raised below for what was asked, once every answer is in
                 answers.append(error)
         elapsed = time.perf_counter() - started
         self.seconds += elapsed
-        results = [answer for answer in answers if not isinstance(answer, LookupError)]
+        failed = next((answer for answer in answers if isinstance(answer, Exception)
+                       and not isinstance(answer, LookupError)), None)
+        if demanded and failed is not None:
+            raise failed  # a prefetch's failure is not memoised: `peak` meets it again if the search asks
+        results = [answer for answer in answers if not isinstance(answer, Exception)]
         # A cached estimate counts at what computing it cost; a round of side-by-side estimates, at its longest.
         self.charged += max((result.get("compute_seconds", elapsed) for result in results), default=0.0)
         for (settings, seq_len, _, key), result in zip(requests, answers):
-            if isinstance(result, LookupError):
+            if isinstance(result, Exception):
                 continue
             self.count += 1
             self.cached += bool(result.get("from_cache"))
