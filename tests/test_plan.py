@@ -664,6 +664,20 @@ def test_with_no_planning_time_the_search_stops_short_and_the_baseline_trains(da
     assert any("the search stopped short of" in note for note in result.notes)
 
 
+def one_second_estimates(dataset, monkeypatch):
+    """The dataset, a tiny BERT and a budget between micro-batches 4 and 8, with every estimate costed at 1 s
+    (`compute_seconds`: what planning's time charges) and probes faked: planning's decisions depend on no clock."""
+    from looptrain.planning import planner
+
+    train_set, collator = dataset
+    model = make_tiny_bert(num_labels=2)
+    budget = budget_between(model, train_set, collator, 4, 8)
+    real = planner.estimate
+    monkeypatch.setattr(planner, "estimate", lambda *args, **kwargs: {**real(*args, **kwargs), "compute_seconds": 1.0})
+    monkeypatch.setattr(planner, "_probe", fake_probe(dict.fromkeys((1, 2, 4, 8, 16), 1.0)))
+    return train_set, collator, model, budget
+
+
 def test_a_rerun_on_the_cache_takes_the_same_decisions_in_a_fraction_of_the_time(dataset, monkeypatch, tmp_path):
     """Planning's time counts each estimate at what computing it cost, one read from the cache at its recorded cost:
     a rerun on the cache stops where the first run stopped (it does not spend the time again on splits the first did
@@ -671,12 +685,7 @@ def test_a_rerun_on_the_cache_takes_the_same_decisions_in_a_fraction_of_the_time
     from looptrain.planning import planner
 
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
-    train_set, collator = dataset
-    model = make_tiny_bert(num_labels=2)
-    budget = budget_between(model, train_set, collator, 4, 8)
-    real = planner.estimate
-    monkeypatch.setattr(planner, "estimate", lambda *args, **kwargs: {**real(*args, **kwargs), "compute_seconds": 1.0})
-    monkeypatch.setattr(planner, "_probe", fake_probe(dict.fromkeys((1, 2, 4, 8, 16), 1.0)))
+    train_set, collator, model, budget = one_second_estimates(dataset, monkeypatch)
     monkeypatch.setattr(planner, "_estimate_workers", lambda: 1)  # one at a time (side by side: the next test)
     options = {"memory_budget": budget, "effective_batch": EFFECTIVE_BATCH, "probe_budget": 2.5}
     first = plan(model, train_set, collator, **options)
@@ -694,12 +703,7 @@ def test_estimates_side_by_side_find_the_same_plan_and_charge_a_round_as_its_lon
     as their longest estimate (here every estimate costs 1 s), so the same time searches as far."""
     from looptrain.planning import planner
 
-    train_set, collator = dataset
-    model = make_tiny_bert(num_labels=2)
-    budget = budget_between(model, train_set, collator, 4, 8)
-    real = planner.estimate
-    monkeypatch.setattr(planner, "estimate", lambda *args, **kwargs: {**real(*args, **kwargs), "compute_seconds": 1.0})
-    monkeypatch.setattr(planner, "_probe", fake_probe(dict.fromkeys((1, 2, 4, 8, 16), 1.0)))
+    train_set, collator, model, budget = one_second_estimates(dataset, monkeypatch)
     results = {}
     for workers in (1, 2):
         monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / f"cache-{workers}"))

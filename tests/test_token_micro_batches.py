@@ -180,7 +180,7 @@ def test_trim_heap_gives_the_freed_pages_back_before_every_micro_batch(monkeypat
     loop.fit()
     assert len(calls) == loop.micro_step == 6
     monkeypatch.undo()
-    assert allocator.release_freed() == allocator.can_release()
+    assert allocator.release_freed() == (allocator._glibc() is not None)  # trims where the C library is glibc
 
 
 @pytest.mark.slow  # a whole command-line run (7 s); .ci/run runs it

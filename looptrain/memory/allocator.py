@@ -123,11 +123,6 @@ def keeps_freed() -> bool:
     return not is_lean() and not user_malloc_settings() and _glibc() is not None
 
 
-def can_release() -> bool:
-    """Whether `release_freed` does anything here (the C library is glibc)."""
-    return _glibc() is not None
-
-
 def fix_thresholds() -> str | None:
     """`keep_rss_lean` as the planner's `make_lean` (`plan(make_lean=fix_thresholds)`): what it did, or None when it
     changed nothing (fixed earlier, thresholds the user set, not glibc)."""

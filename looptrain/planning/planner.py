@@ -846,18 +846,17 @@ def _candidate_settings(search: _Search, effective_batch: int, base: Strategy, l
 
 def _largest_fitting(search: _Search, template: Strategy, sizes: list[int], effective_batch: int) -> int | None:
     """The largest micro-batch in `sizes` that fits (memory grows with it: a binary search)."""
-    def split(index: int) -> Strategy:
-        return dataclasses.replace(template, batch_size=sizes[index], accum_steps=effective_batch // sizes[index])
+    def split(size: int) -> Strategy:
+        return dataclasses.replace(template, batch_size=size, accum_steps=effective_batch // size)
 
-    sizes = [size for size in sizes
-             if _valid(dataclasses.replace(template, batch_size=size, accum_steps=effective_batch // size))]
+    sizes = [size for size in sizes if _valid(split(size))]
     low, high, best = 0, len(sizes) - 1, None
     search.smallest_failure = None
     while low <= high:
         middle = (low + high) // 2
-        settings = split(middle)
+        settings = split(sizes[middle])
         # Beside it, where the search goes next when it fits (larger splits are the faster ones).
-        search.prefetch([settings] + ([split((middle + 1 + high) // 2)] if middle < high else []))
+        search.prefetch([settings] + ([split(sizes[(middle + 1 + high) // 2])] if middle < high else []))
         try:
             fitting = search.fits(settings)
         except SearchTimeSpent:
