@@ -757,6 +757,9 @@ def test_a_small_runs_estimates_leave_room_in_ten_seconds_for_both_probes():
     assert planner.estimate_seconds(0.0, 1.0, 0.0) == pytest.approx(-2.0)  # --plan-time 0: no floor
     # The first probe measured twice (the allocator fixed after the first): both count, the second is reserved again.
     assert planner.estimate_seconds(2.2, 1.0, planner.MIN_PLANNING_SECONDS, spent=3.5) == pytest.approx(5.5)
+    # Under a measured meter, the stand-in's probe (a smaller split, when the favourite measures over) is reserved too.
+    assert planner.estimate_seconds(2.2, 1.0, planner.MIN_PLANNING_SECONDS, spent=3.5, reserved=2) == \
+        pytest.approx(4.5)
 
 
 def test_a_probes_warm_up_is_the_worst_batch_cut_to_columns_real_in_every_row():
@@ -808,6 +811,56 @@ class AffineSearch:
     def fits(self, settings) -> bool:
         self.estimated.append(settings)
         return self.peak(settings) <= self.budget
+
+
+def test_the_optimizers_libraries_are_imported_before_the_estimate_workers_fork(dataset, monkeypatch):
+    """Importing transformers' Adafactor (or bitsandbytes) costs about a second; imported once before the workers
+    fork, each child finds it imported. Every optimizer the plan may try is imported; a missing library is left to
+    the estimate, which says so."""
+    from looptrain.planning import planner
+
+    events = []
+    monkeypatch.setattr(planner, "import_optimizer", lambda name: events.append(name))
+    real_worker = planner.EstimateWorker
+    monkeypatch.setattr(planner, "EstimateWorker", lambda serve: events.append("fork") or real_worker(serve))
+    train_set, collator = dataset
+    plan(make_tiny_bert(num_labels=2), train_set, collator, memory_budget=2**30, effective_batch=EFFECTIVE_BATCH,
+         base=Settings(batch_size=8, accum_steps=1, optimizer="adafactor"), probe=False)
+    assert events[0] == "adafactor" and events[1:] == ["fork"] * planner._estimate_workers()
+
+    events.clear()
+    planner._import_optimizers(Settings(optimizer="adamw"), Levers(optimizer_family=True), ())
+    assert events == ["adamw", "adamw8bit", "paged_adamw8bit"]
+    events.clear()
+    planner._import_optimizers(Settings(optimizer="adamw"), Levers(optimizer_family=True), ("optimizer",))
+    assert events == ["adamw"]
+
+    def missing(name):
+        raise ImportError("no bitsandbytes")
+
+    monkeypatch.setattr(planner, "import_optimizer", missing)
+    planner._import_optimizers(Settings(optimizer="adamw8bit"), Levers(), ())  # no error here
+
+
+def test_the_last_step_of_the_search_is_estimated_beside_the_split_below_the_best():
+    """Each binary-search step is estimated beside the step it takes when that one fits; the last step, beside the
+    split below the best so far: the one `_smaller_split` probes in place of the favourite when the favourite's probe
+    measures over the budget, so that its estimate is made before, in the round's spare worker."""
+    from looptrain.planning import planner
+
+    class Rounds(AffineSearch):
+        def __init__(self, budget: int):
+            super().__init__(budget)
+            self.rounds = []
+
+        def prefetch(self, settings_list) -> None:
+            self.rounds.append([settings.batch_size for settings in settings_list])
+
+    template = Settings(batch_size=1, accum_steps=32, gradient_checkpointing=True, checkpoint_every=1)
+    for budget, best, last in ((38, 8, [8, 2]), (37, 4, [8, 2]), (50, 16, [32, 8])):
+        search = Rounds(budget)  # every block checkpointed: 20 + 10 + a row each
+        assert planner._largest_fitting(search, template, [1, 2, 4, 8, 16, 32], 32) == best
+        assert search.rounds[0] == [4, 16] and search.rounds[-1] == last
 
 
 def test_the_search_finds_the_lightest_mode_first_and_never_estimates_a_split_more_checkpointing_ruled_out():

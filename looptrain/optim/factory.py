@@ -160,6 +160,17 @@ def register_embedding_state_bits(model: nn.Module, bits: int = 32) -> int:
     return count
 
 
+def import_optimizer(name: str) -> None:
+    """Imports the library the optimizer `name` comes from (transformers for ``adafactor``, bitsandbytes for the 8-bit
+    ones), so that processes forked afterwards find it imported: the first import costs about a second on a CPU
+    (transformers' optimization module pulls in peft and bitsandbytes, whose kernels import torch.compile's
+    machinery). Raises ImportError as `build_optimizer` would."""
+    if name == "adafactor":
+        import transformers.optimization  # noqa: F401
+    elif name in ("adamw8bit", "paged_adamw8bit"):
+        _import_bitsandbytes()
+
+
 def _import_bitsandbytes():
     try:
         import bitsandbytes

@@ -40,6 +40,7 @@ Everything measured and decided is in the returned `Plan` (`table()`, `to_dict()
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import importlib.util
@@ -64,6 +65,7 @@ from looptrain.lora import is_4bit_layer, is_lora_model
 from looptrain.memory import allocator
 from looptrain.memory.meters import proc_status_bytes, reset_peak_rss
 from looptrain.optim import inner_optimizers
+from looptrain.optim.factory import import_optimizer
 from looptrain.planning import estimate_cache
 from looptrain.planning.estimator import bounding_windows, estimate, estimate_windows
 from looptrain.planning.worker import EstimateWorker
@@ -396,7 +398,10 @@ def plan(
     search.padded = min(lengths) < worst_width  # a batch of more than one row holding the longest sample is padded
     search.by_tokens = token_micro_batches
     # The estimates run in a child process: what estimating costs (torch's fake-tensor machinery) stays out of
-    # this process, whose RSS the budget may count.
+    # this process, whose RSS the budget may count. The optimizers' libraries are imported here first, once: the
+    # probes need them here anyway, and each child forked after finds them imported instead of paying for it.
+    if isinstance(model, nn.Module):
+        _import_optimizers(base, levers, fixed)
     search.workers = [EstimateWorker(search.estimate_here) for _ in range(_estimate_workers())] \
         if isinstance(model, nn.Module) else []
     try:
@@ -436,10 +441,11 @@ def plan(
                 total = probe_budget if probe_budget is not None else \
                     probe_fraction * reference.seconds_per_epoch * epochs
                 # Both probes count when the first was measured again with the allocator fixed: planning's time is
-                # all of it, and the favourite's probe is reserved at the second's (the allocator as it will be).
+                # all of it, and the probes after the search are reserved at the second's (the allocator as it will
+                # be): the favourite's, and under a measured meter its stand-in's (`_smaller_split`).
                 search.limit = max(search.charged, estimate_seconds(
                     total, probed["probe_seconds"], MIN_PLANNING_SECONDS if probe_budget is None else 0.0,
-                    spent=first_charged))
+                    spent=first_charged, reserved=1 if measured is None else 2))
             if reference is not None and measured is not None:
                 besides = max(0, reference.probe["measured_peak_bytes"] - reference.estimated_peak_bytes)
                 search.growth = _run_growth(reference.probe["measured_peak_bytes"], reference.estimated_peak_bytes)
@@ -750,6 +756,16 @@ class _Search:
         return (self.peak(settings) + self.overhead) * (1 + self.margin) <= self.budget
 
 
+def _import_optimizers(base: Strategy, levers: Levers, fixed: Sequence[str]) -> None:
+    """Imports the libraries of the optimizers the plan may estimate and probe (`import_optimizer`); one that is not
+    installed is left to the estimate, which says so."""
+    names = OPTIMIZER_FAMILIES.get(base.optimizer, (base.optimizer,)) \
+        if levers.optimizer_family and "optimizer" not in fixed else (base.optimizer,)
+    for name in names:
+        with contextlib.suppress(ImportError):
+            import_optimizer(name)
+
+
 def _estimate_workers() -> int:
     """How many estimates run side by side: one per core this process may use, up to two (an estimate is one
     thread of Python; the search rarely has more than two it is sure to need)."""
@@ -765,11 +781,13 @@ def _valid(settings: Strategy) -> bool:
     return True
 
 
-def estimate_seconds(total: float, first_probe_seconds: float, floor: float, spent: float | None = None) -> float:
+def estimate_seconds(total: float, first_probe_seconds: float, floor: float, spent: float | None = None,
+                     reserved: int = 1) -> float:
     """Planning's time left for the estimates: `total` (5% of the run, or the probe budget), at least `floor`, less
     the probes made before the search (`spent`; default: one, the first probe) and as much as the first probe again
-    for the probe of the search's favourite, which follows the search."""
-    return max(total, floor) - (first_probe_seconds if spent is None else spent) - first_probe_seconds
+    for each of the `reserved` probes that follow the search: the favourite's, and under a measured meter the one of
+    the smaller split that stands in for it when it measures over the budget."""
+    return max(total, floor) - (first_probe_seconds if spent is None else spent) - reserved * first_probe_seconds
 
 
 def _candidate_settings(search: _Search, effective_batch: int, base: Strategy, levers: Levers, fixed: set,
@@ -855,8 +873,13 @@ def _largest_fitting(search: _Search, template: Strategy, sizes: list[int], effe
     while low <= high:
         middle = (low + high) // 2
         settings = split(sizes[middle])
-        # Beside it, where the search goes next when it fits (larger splits are the faster ones).
-        search.prefetch([settings] + ([split(sizes[(middle + 1 + high) // 2])] if middle < high else []))
+        # Beside it, where the search goes next when it fits (larger splits are the faster ones); at the last step,
+        # the split below the best so far, which stands in for it when its probe measures over the budget
+        # (`_smaller_split`).
+        below = sizes.index(best) - 1 if best is not None else -1
+        beside = [split(sizes[(middle + 1 + high) // 2])] if middle < high \
+            else [split(sizes[below])] if below >= 0 else []
+        search.prefetch([settings] + beside)
         try:
             fitting = search.fits(settings)
         except SearchTimeSpent:
