@@ -12,7 +12,7 @@ import torch
 from looptrain import Loop, LoopConfig, data
 from looptrain.cli import finetune
 from looptrain.optim import build_optimizer
-from looptrain.planning import Levers, PlanError, Settings, parse_size, plan
+from looptrain.planning import Levers, PlanError, Settings, parse_size, plan, probes
 
 from conftest import make_tiny_bert, make_tiny_tokenizer, write_csv
 
@@ -438,7 +438,7 @@ def test_bf16_weights_are_a_numerics_lever_and_probes_leave_the_fp32_weights_alo
 
 # ------------------------------------------------------------------------------------------ never loses
 def fake_probe(speeds: dict):
-    """A `_probe` stand-in: the micro-step seconds per token of each micro-batch size, no optimizer time."""
+    """A `probes.probe` stand-in: the micro-step seconds per token of each micro-batch size, no optimizer time."""
     def probe(model, settings, batch, device, max_grad_norm, meter=None):
         tokens = int(batch["input_ids"].numel())
         return {"micro_step_seconds": speeds[settings.batch_size] * tokens, "optimizer_step_seconds": 0.0,
@@ -463,7 +463,7 @@ def test_the_configuration_without_the_planner_is_kept_unless_another_is_measure
     # Per token, micro-batch 2 takes 1 unit; every other size `faster` units (the same padding: no grouping).
     speeds = {size: (1.0 if size == 2 else faster) for size in (1, 2, 4, 8, 16)}
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))  # no real probe cached by another test
-    monkeypatch.setattr(planner, "_probe", fake_probe(speeds))
+    monkeypatch.setattr(probes, "probe", fake_probe(speeds))
     monkeypatch.setattr(planner, "PRIOR_OPTIMISM", 0.0)  # probe every candidate: the ranking is the measured one
     result = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH, base=user)
     baseline = [c for c in result.candidates if c.baseline]
@@ -491,7 +491,7 @@ def test_without_probe_time_only_the_baseline_and_the_favourite_are_probed(datas
          base=Settings(batch_size=1, accum_steps=16), probe=False)
     calls = []
     probe = fake_probe(dict.fromkeys((1, 2, 4, 8, 16), 1.0))
-    monkeypatch.setattr(planner, "_probe", lambda *args, **kwargs: calls.append(args[1]) or probe(*args, **kwargs))
+    monkeypatch.setattr(probes, "probe", lambda *args, **kwargs: calls.append(args[1]) or probe(*args, **kwargs))
     # One estimate at a time: two workers would estimate the lightest split beside the baseline before planning's
     # time is known (free where there are two cores), which the first plan's search did not need.
     monkeypatch.setattr(planner, "_estimate_workers", lambda: 1)
@@ -549,7 +549,7 @@ def test_a_planned_run_keeps_its_budget_of_process_rss_with_evaluation_and_check
 
 
 def rss_probe(held: dict):
-    """A `_probe` stand-in under the RSS meter: one unit of time per token, and a measured peak of `held["bytes"]`
+    """A `probes.probe` stand-in under the RSS meter: one unit of time per token, and a measured peak of `held["bytes"]`
     (what the process holds, its allocator's holes included) plus 1 MiB per row."""
     def probe(model, settings, batch, device, max_grad_norm, meter=None):
         rows, width = batch["input_ids"].shape
@@ -567,12 +567,12 @@ def test_the_allocator_is_made_lean_only_when_the_first_probe_does_not_fit_with_
     the new measure, and the plan says what was done. When it fits, the allocator is left alone, and every candidate
     trims the heap before each micro-batch (its freed blocks would stay resident over the run)."""
     from looptrain.memory import allocator
-    from looptrain.planning import planner, rss_baseline_bytes
+    from looptrain.planning import rss_baseline_bytes
 
     train_set, collator = dataset
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     held = {"bytes": (600 if holes else 100) * 2**20, "lean": False}
-    monkeypatch.setattr(planner, "_probe", rss_probe(held))
+    monkeypatch.setattr(probes, "probe", rss_probe(held))
     monkeypatch.setattr(allocator, "keeps_freed", lambda: not held["lean"])  # glibc's own thresholds, until fixed
     asked = []
 
@@ -608,11 +608,10 @@ def test_plan_only_gives_the_lean_thresholds_with_the_command_when_the_plan_need
     its budget only with them, so --plan-only prints the command with MALLOC_* set. The allocator is a stand-in:
     this test process keeps its own."""
     from looptrain.memory import allocator
-    from looptrain.planning import planner
 
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     held = {"bytes": 900 * 2**20}
-    monkeypatch.setattr(planner, "_probe", rss_probe(held))
+    monkeypatch.setattr(probes, "probe", rss_probe(held))
     monkeypatch.setattr(allocator, "fix_thresholds", lambda: held.update(bytes=100 * 2**20) or "fixed (stand-in)")
     argv = ["--model", str(model_dir), "--data", str(train_csv), "--output-dir", str(tmp_path / "out"),
             "--max-length", "32", "--memory-budget", "400MiB", "--effective-batch", "16", "--plan-only", "--json"]
@@ -654,7 +653,7 @@ def test_with_no_planning_time_the_search_stops_short_and_the_baseline_trains(da
     train_set, collator = dataset
     model = make_tiny_bert(num_labels=2)
     budget = budget_between(model, train_set, collator, 4, 8)
-    monkeypatch.setattr(planner, "_probe", fake_probe(dict.fromkeys((1, 2, 4, 8, 16), 1.0)))
+    monkeypatch.setattr(probes, "probe", fake_probe(dict.fromkeys((1, 2, 4, 8, 16), 1.0)))
     user = Settings(batch_size=2, accum_steps=8)
     result = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH, base=user,
                   probe_budget=0.0)
@@ -674,7 +673,7 @@ def one_second_estimates(dataset, monkeypatch):
     budget = budget_between(model, train_set, collator, 4, 8)
     real = planner.estimate
     monkeypatch.setattr(planner, "estimate", lambda *args, **kwargs: {**real(*args, **kwargs), "compute_seconds": 1.0})
-    monkeypatch.setattr(planner, "_probe", fake_probe(dict.fromkeys((1, 2, 4, 8, 16), 1.0)))
+    monkeypatch.setattr(probes, "probe", fake_probe(dict.fromkeys((1, 2, 4, 8, 16), 1.0)))
     return train_set, collator, model, budget
 
 
@@ -765,7 +764,7 @@ def test_a_small_runs_estimates_leave_room_in_ten_seconds_for_both_probes():
 def test_a_probes_warm_up_is_the_worst_batch_cut_to_columns_real_in_every_row():
     """The warm-up micro-batch only has to leave the gradients (their size does not depend on the width): the worst
     batch cut to 16 columns that are real tokens in every row, right or left padding alike."""
-    from looptrain.planning.planner import PROBE_WARM_UP_WIDTH, _warm_up_batch
+    from looptrain.planning.probes import PROBE_WARM_UP_WIDTH, warm_up_batch
 
     assert PROBE_WARM_UP_WIDTH == 16
     ids = torch.arange(80).reshape(2, 40)
@@ -773,19 +772,19 @@ def test_a_probes_warm_up_is_the_worst_batch_cut_to_columns_real_in_every_row():
     right[1, 30:] = 0
     batch = {"input_ids": ids, "attention_mask": right, "token_type_ids": torch.zeros(2, 40, dtype=torch.long),
              "labels": torch.tensor([0, 1])}
-    warm = _warm_up_batch(batch, 16)
+    warm = warm_up_batch(batch, 16)
     assert torch.equal(warm["input_ids"], ids[:, :16]) and torch.equal(warm["attention_mask"], right[:, :16])
     assert warm["token_type_ids"].shape == (2, 16) and torch.equal(warm["labels"], batch["labels"])
     left = torch.ones(2, 40, dtype=torch.long)
     left[1, :10] = 0
-    warm = _warm_up_batch({**batch, "attention_mask": left}, 16)
+    warm = warm_up_batch({**batch, "attention_mask": left}, 16)
     assert torch.equal(warm["input_ids"], ids[:, 10:26]) and bool(warm["attention_mask"].all())
     causal = {"input_ids": ids, "labels": ids.clone()}  # no mask: every column is real; token labels are cut too
-    assert _warm_up_batch(causal, 16)["labels"].shape == (2, 16)
-    assert _warm_up_batch({"input_ids": ids[:, :12]}, 16)["input_ids"].shape == (2, 12)  # no wider: as it is
+    assert warm_up_batch(causal, 16)["labels"].shape == (2, 16)
+    assert warm_up_batch({"input_ids": ids[:, :12]}, 16)["input_ids"].shape == (2, 12)  # no wider: as it is
     few = torch.zeros(2, 40, dtype=torch.long)
     few[:, :5] = 1  # 5 columns real in every row: fewer than 16, so the whole batch warms up
-    assert _warm_up_batch({**batch, "attention_mask": few}, 16)["input_ids"].shape == (2, 40)
+    assert warm_up_batch({**batch, "attention_mask": few}, 16)["input_ids"].shape == (2, 40)
 
 
 # ------------------------------------------------------------------------------ the search order, the probe cache
@@ -819,13 +818,12 @@ def test_planning_hides_the_objects_it_found_from_the_collector_and_gives_them_b
     and unfreezes them when it returns; objects the caller had frozen stay frozen."""
     import gc
 
-    from looptrain.planning import planner
 
     train_set, collator = dataset
     model = make_tiny_bert(num_labels=2)
     seen = []
     probe = fake_probe(dict.fromkeys((1, 2, 4, 8, 16), 1.0))
-    monkeypatch.setattr(planner, "_probe", lambda *args, **kwargs: seen.append(gc.get_freeze_count())
+    monkeypatch.setattr(probes, "probe", lambda *args, **kwargs: seen.append(gc.get_freeze_count())
                         or probe(*args, **kwargs))
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     options = {"memory_budget": 2**30, "effective_batch": EFFECTIVE_BATCH, "probe_budget": 0.0}
@@ -925,7 +923,6 @@ def test_the_search_finds_the_lightest_mode_first_and_never_estimates_a_split_mo
 def test_a_rerun_reads_its_probes_from_the_cache_and_plans_the_same(dataset, monkeypatch, tmp_path):
     """Probes on a CPU are kept in the on-disk cache like the estimates: a rerun of the same plan measures nothing,
     predicts the same speeds and picks the same winner; with the cache off every probe is measured again."""
-    from looptrain.planning import planner
 
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     train_set, collator = dataset
@@ -936,8 +933,8 @@ def test_a_rerun_reads_its_probes_from_the_cache_and_plans_the_same(dataset, mon
     measured = [c for c in first.candidates if c.probed]
     assert measured and not any(c.probe.get("from_cache") for c in measured)
     calls = []
-    real = planner._measure_probe
-    monkeypatch.setattr(planner, "_measure_probe", lambda *args, **kwargs: calls.append(args[1]) or real(*args,
+    real = probes.measure_probe
+    monkeypatch.setattr(probes, "measure_probe", lambda *args, **kwargs: calls.append(args[1]) or real(*args,
                                                                                                          **kwargs))
     model = make_tiny_bert(num_labels=2)  # a rerun's model, as loaded: the first plan's probes changed its config
     again = plan(model, train_set, collator, **options)
@@ -957,32 +954,31 @@ def test_a_probe_of_process_rss_trims_the_heap_where_glibc_keeps_freed_blocks(mo
     before each micro-batch: the probe is measured as the run will train, trimmed; with the thresholds fixed (or under
     the tensors meter) as given."""
     from looptrain.memory import allocator
-    from looptrain.planning import planner
 
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", "off")
     measured = []
-    monkeypatch.setattr(planner, "_measure_probe", lambda model, settings, *rest: measured.append(settings) or {})
+    monkeypatch.setattr(probes, "measure_probe", lambda model, settings, *rest: measured.append(settings) or {})
     settings = Settings(batch_size=2, accum_steps=8)
-    rss = planner._Meter("rss", planner.rss_baseline_bytes())
+    rss = probes.Meter("rss", probes.rss_baseline_bytes())
     for keeps, meter, trims in ((True, rss, True), (False, rss, False), (True, None, False)):
         monkeypatch.setattr(allocator, "keeps_freed", lambda keeps=keeps: keeps)
-        planner._probe(torch.nn.Linear(1, 1), settings, {}, "cpu", 1.0, meter)
+        probes.probe(torch.nn.Linear(1, 1), settings, {}, "cpu", 1.0, meter)
         assert measured.pop() == dataclasses.replace(settings, trim_heap=trims)
 
 
 def test_a_cached_probe_of_process_rss_is_read_only_while_the_process_holds_about_the_same(monkeypatch, tmp_path):
     """Under the RSS meter a cached probe's peak moves up by what the process holds more than when it was measured
     (never down), and beyond `PROBE_HELD_TOLERANCE` more (another program, more loaded) it is measured again."""
-    from looptrain.planning import estimate_cache, planner
+    from looptrain.planning import estimate_cache
 
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     mib = 2**20
     probe = {"micro_step_seconds": 0.5, "optimizer_step_seconds": 0.1, "probe_seconds": 1.5, "tokens": 64,
              "batch_shape": [2, 32], "measured_peak_bytes": 300 * mib, "held_bytes": 100 * mib}
     estimate_cache.write_probe("k", probe)
-    assert planner._cached_probe("k", 100 * mib)["measured_peak_bytes"] == 300 * mib
-    assert planner._cached_probe("k", 120 * mib)["measured_peak_bytes"] == 320 * mib
-    assert planner._cached_probe("k", 90 * mib)["measured_peak_bytes"] == 300 * mib  # never lowered
-    assert planner._cached_probe("k", 100 * mib + planner.PROBE_HELD_TOLERANCE + 1) is None
-    assert planner._cached_probe("k", 0)["measured_peak_bytes"] == 300 * mib  # holding less: the peak stays
-    assert planner._cached_probe("missing", 100 * mib) is None
+    assert probes.cached_probe("k", 100 * mib)["measured_peak_bytes"] == 300 * mib
+    assert probes.cached_probe("k", 120 * mib)["measured_peak_bytes"] == 320 * mib
+    assert probes.cached_probe("k", 90 * mib)["measured_peak_bytes"] == 300 * mib  # never lowered
+    assert probes.cached_probe("k", 100 * mib + probes.PROBE_HELD_TOLERANCE + 1) is None
+    assert probes.cached_probe("k", 0)["measured_peak_bytes"] == 300 * mib  # holding less: the peak stays
+    assert probes.cached_probe("missing", 100 * mib) is None

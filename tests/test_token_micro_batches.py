@@ -12,7 +12,7 @@ from looptrain import Loop, LoopConfig, planning
 from looptrain.batches import split_by_tokens, token_pieces
 from looptrain.config import ConfigError, check_process_group
 from looptrain.memory import allocator
-from looptrain.planning import PlanError, Settings, by_tokens, plan, run_windows
+from looptrain.planning import PlanError, Settings, by_tokens, plan, probes, run_windows
 from looptrain.strategy import Strategy
 
 from conftest import make_tiny_bert, make_tiny_tokenizer, quiet_config, random_token_batches, write_csv
@@ -203,7 +203,7 @@ def test_a_split_whose_probe_measures_over_the_budget_is_replaced_by_the_next_sm
                                                                                           tmp_path):
     """The estimate may fit where the process's RSS does not: the probe rejects the split, and the next smaller
     split of the same settings is costed and probed at once (budget or not), instead of leaving only the lightest."""
-    from looptrain.planning import planner, rss_baseline_bytes
+    from looptrain.planning import rss_baseline_bytes
 
     train_set, collator = dataset
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
@@ -217,7 +217,7 @@ def test_a_split_whose_probe_measures_over_the_budget_is_replaced_by_the_next_sm
                 "tokens": rows * width, "batch_shape": [rows, width],
                 "measured_peak_bytes": (100 + 12 * rows) * 2**20}  # 16 rows: 292 MiB, over; 8 rows: 196 MiB
 
-    monkeypatch.setattr(planner, "_probe", probe)
+    monkeypatch.setattr(probes, "probe", probe)
     result = plan(make_tiny_bert(num_labels=2), train_set, collator, memory_budget=300 * 2**20, effective_batch=16,
                   rss_baseline=rss_baseline_bytes(), base=Settings(batch_size=2, accum_steps=8, group_by_length=True))
     assert 16 in probed_rows and 8 in probed_rows

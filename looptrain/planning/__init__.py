@@ -7,10 +7,14 @@ Modules:
     estimate_cache  the on-disk cache of estimates: the key of an estimate (everything that decides it)
     planner     `plan`: a memory budget in, the fastest exact training configuration that fits out;
                 `lowest`: the full fine-tune with the lowest estimated peak (``--lowest``)
+    probes      `probe`: one real update on the worst batch, timed and measured by the budget's meter
+    worker      `EstimateWorker`: the estimates in forked child processes
+    errors      `PlanError`
 
 Their command lines live in `looptrain.cli` (`python -m looptrain.memory` is the estimate's).
 """
 
+from looptrain.planning.errors import PlanError
 from looptrain.planning.estimator import (
     ACCURACY_MIXES,
     ESTIMATE_METER,
@@ -29,16 +33,15 @@ from looptrain.planning.planner import (
     Levers,
     Lowest,
     Plan,
-    PlanError,
     Settings,
     by_tokens,
     lowest,
     parse_size,
     plan,
-    rss_baseline_bytes,
     run_batches_estimate,
     run_windows,
 )
+from looptrain.planning.probes import rss_baseline_bytes
 
 __all__ = [
     "ACCURACY_MIXES",

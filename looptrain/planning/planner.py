@@ -48,26 +48,21 @@ import math
 import os
 import re
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 from looptrain import strategy as strategies
 from looptrain.batches import token_pieces
 from looptrain.config import ConfigError, LoopConfig
-from looptrain.gradient_checkpointing import disable_gradient_checkpointing
-from looptrain.loop import Loop
 from looptrain.lora import is_4bit_layer, is_lora_model
-from looptrain.memory import allocator
-from looptrain.memory.meters import proc_status_bytes, reset_peak_rss
-from looptrain.optim import inner_optimizers
 from looptrain.optim.factory import import_optimizer
-from looptrain.planning import estimate_cache
+from looptrain.planning import estimate_cache, probes
+from looptrain.planning.errors import PlanError
 from looptrain.planning.estimator import bounding_windows, estimate, estimate_windows
+from looptrain.planning.probes import rss_baseline_bytes
 from looptrain.planning.worker import EstimateWorker
 from looptrain.precision import amp_precision, cpu_has_native_bf16, resolve_device
 from looptrain.strategy import Strategy
@@ -100,24 +95,11 @@ MIN_PLANNING_SECONDS = 10.0
 # 216 MiB (7%, the 36.6M-parameter BERT of scripts/bench_plan.py).
 RUN_GROWTH = 0.25
 FULL_FINE_TUNE = "full fine-tune"  # `_Search.peak(model=...)`: the search's LoRA model without its adapters
-# A probe read from the cache under the RSS meter: the process may hold at most this more above the start than when
-# the probe was measured (the same command holds the same or less; another program may hold more).
-PROBE_HELD_TOLERANCE = 32 * 1024**2
-# A probe's warm-up micro-batch is the worst batch cut to this many columns that are real tokens in every row: it
-# leaves the gradients (their size does not depend on the width) and pays the first-call costs, for a fraction of
-# a worst-width micro-batch. Compiled probes warm up at the worst width: that first micro-batch compiles the graph.
-PROBE_WARM_UP_WIDTH = 16
-# The models being planned, described when `plan` starts (`estimate_cache.model_digest`): the probes' cache keys.
-_MODEL_DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # A candidate is probed only if, this much faster than the prior (scaled to the probes) predicts, it would win by
 # more than its probe costs: the prior orders candidates within about this factor.
 PRIOR_OPTIMISM = 0.75
 _UNITS = {"b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
-
-
-class PlanError(ValueError):
-    """Nothing fits the budget (the message suggests what would), or the planner was misused."""
 
 
 class SearchTimeSpent(Exception):
@@ -387,7 +369,7 @@ def plan(
                         "base.wrap_model(model)): the probes train it as it is")
     if isinstance(model, nn.Module):
         base.prepare_model(model)  # the task's own levers (freezing): never changed by the plan, probed as they run
-        _MODEL_DIGESTS[model] = estimate_cache.model_digest(model)  # before a probe changes what it reads
+        probes.MODEL_DIGESTS[model] = estimate_cache.model_digest(model)  # before a probe changes what it reads
     device_type = resolve_device(device).type
     margin = DEFAULT_MARGIN.get(device_type, 0.15) if margin is None else margin
     lengths = list(dataset.lengths)
@@ -406,7 +388,7 @@ def plan(
     search.workers = [EstimateWorker(search.estimate_here) for _ in range(_estimate_workers())] \
         if isinstance(model, nn.Module) else []
     try:
-        measured = _Meter(meter, rss_baseline) if meter != "tensors" else None
+        measured = probes.Meter(meter, rss_baseline) if meter != "tensors" else None
         if measured is not None and not (probe and isinstance(model, nn.Module)):
             raise PlanError(f"a budget {METERS[meter]} is checked by probing a real model: pass probe=True, "
                             "or plan for a budget of live tensors (meter='tensors')")
@@ -425,7 +407,7 @@ def plan(
             if first is not None:
                 batch = collator([dataset[i] for i in order[:first.batch_size]])
                 started = time.perf_counter()
-                probed = _probe(model, first, batch, device, max_grad_norm, measured)
+                probed = probes.probe(model, first, batch, device, max_grad_norm, measured)
                 first_charged = probed["probe_seconds"]  # as measured, or as recorded when read from the cache
                 if meter == "rss" and make_lean is not None and not _probe_fits(probed, search, first):
                     malloc = make_lean()
@@ -433,7 +415,7 @@ def plan(
                         echo(f"  {first.batch_size} x {first.accum_steps} measured "
                              f"{format_bytes(probed['measured_peak_bytes'])}, over the budget with the run's growth, "
                              f"under the C allocator's own thresholds: {malloc}; measuring it again")
-                        probed = _probe(model, first, batch, device, max_grad_norm, measured)
+                        probed = probes.probe(model, first, batch, device, max_grad_norm, measured)
                         first_charged += probed["probe_seconds"]
                 first_seconds = time.perf_counter() - started
                 reference = _costed(search, first, dataset, collator, lengths, device_type, seed,
@@ -464,7 +446,7 @@ def plan(
                 # tensors alone.
                 lightest = _lightest(base, effective_batch)
                 longest = max(range(len(lengths)), key=lambda index: lengths[index])
-                probed = _probe(model, lightest, collator([dataset[longest]]), device, max_grad_norm, measured)
+                probed = probes.probe(model, lightest, collator([dataset[longest]]), device, max_grad_norm, measured)
                 search.overhead = max(0, probed["measured_peak_bytes"] - search.peak(lightest))
             raise PlanError(_nothing_fits_message(search, effective_batch, base, levers, collator, lengths,
                                                   device_type))
@@ -515,9 +497,9 @@ def plan(
         realised = [candidate for candidate in result.candidates if candidate.trained is not None]
         for candidate in realised:
             candidate.settings, candidate.trained = candidate.trained, None
-        if _trims(measured):
+        if probes.trims(measured):
             for candidate in result.candidates:
-                candidate.settings = _as_run(candidate.settings, measured)
+                candidate.settings = probes.as_run(candidate.settings, measured)
             result.notes.append("glibc's own malloc thresholds keep freed blocks resident over a run, where a probe "
                                 "measured a fresh heap: the run trims the heap before each micro-batch (--trim-heap, "
                                 "2-10% of the speed), as its probes did, so that its RSS stays near theirs")
@@ -1233,7 +1215,7 @@ def _prior_seconds(candidate: Candidate, model: Any, device_type: str) -> float:
 
 
 def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: list[int], device: str, epochs: int,
-                      max_grad_norm, probe_budget: float | None, probe_fraction: float, meter: _Meter | None,
+                      max_grad_norm, probe_budget: float | None, probe_fraction: float, meter: probes.Meter | None,
                       echo, smaller: Callable[[Candidate], Candidate | None] = lambda candidate: None) -> None:
     """Probes candidates within the probe budget and ranks them by the measured speed.
 
@@ -1268,7 +1250,7 @@ def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: 
     def run(candidate: Candidate) -> None:
         nonlocal charged
         if not candidate.probed:
-            _record_probe(candidate, _probe(model, candidate.settings, batch_of(candidate), device, max_grad_norm,
+            _record_probe(candidate, probes.probe(model, candidate.settings, batch_of(candidate), device, max_grad_norm,
                                             meter))
             charged += candidate.probe["probe_seconds"]
         over = not fits(candidate)
@@ -1389,237 +1371,6 @@ def _predicted_probe_seconds(candidate: Candidate, probed: list[Candidate]) -> f
     scale = candidate.settings.batch_size / reference.settings.batch_size * recompute(candidate.settings) \
         / recompute(reference.settings)
     return reference.probe["probe_seconds"] * scale
-
-
-class _Meter:
-    """A measured budget's meter around a probe: the process's RSS above `baseline` (Linux: the kernel's peak
-    mark, reset before the probe), or the CUDA caching allocator's peak reserved bytes."""
-
-    def __init__(self, kind: str, baseline: int | None):
-        self.kind, self.baseline = kind, baseline or 0
-
-    def reset(self) -> None:
-        if self.kind == "cuda_reserved":
-            torch.cuda.empty_cache()  # the run starts without the probes' cached blocks
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            _reset_peak_rss()
-
-    def peak(self) -> int:
-        if self.kind == "cuda_reserved":
-            return int(torch.cuda.max_memory_reserved())
-        return max(0, _status_bytes("VmHWM") - self.baseline)  # the process may have returned memory since the start
-
-
-def _probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_grad_norm,
-           meter: _Meter | None = None) -> dict:
-    """`_measure_probe`, or its result read from the on-disk cache when this CPU measured the same probe before.
-
-    A probe on a CPU is cached (`estimate_cache.probe_key`: the model, the settings, the batch, the meter, the CPU
-    and its threads, the versions); not a compiled one (the compile cache decides its first step), nor on CUDA. A
-    cached probe says ``"from_cache": True``. Under the RSS meter it is read only while the process holds at most
-    `PROBE_HELD_TOLERANCE` more above the start than when the probe was measured, and its peak moves up by what the
-    process holds more now (never down: a rerun that read its first probes from the cache holds less, as their
-    first-use memory was never touched).
-    """
-    settings = _as_run(settings, meter)
-    key = _probe_key(model, settings, batch, device, max_grad_norm, meter)
-    if key is None:
-        return _measure_probe(model, settings, batch, device, max_grad_norm, meter)
-    held = _held_bytes(meter)
-    cached = _cached_probe(key, held)
-    if cached is not None:
-        return cached
-    result = _measure_probe(model, settings, batch, device, max_grad_norm, meter)
-    estimate_cache.write_probe(key, {**result, "held_bytes": held})
-    return result
-
-
-def _trims(meter: _Meter | None) -> bool:
-    """Whether runs planned under `meter` trim the C heap before each micro-batch (``trim_heap``), and so their probes:
-    a budget of process RSS with glibc's own thresholds, which keep freed blocks resident. A probe measures a fresh
-    heap; a whole run without trimming held 7-8% more than the budget its probes kept (docs/plan.md)."""
-    return meter is not None and meter.kind == "rss" and allocator.keeps_freed()
-
-
-def _as_run(settings: Strategy, meter: _Meter | None) -> Strategy:
-    """`settings` as a run planned under `meter` trains them, and so as they are probed: trimmed where `_trims`."""
-    return dataclasses.replace(settings, trim_heap=True) if _trims(meter) else settings
-
-
-def _probe_key(model: nn.Module, settings: Strategy, batch: dict, device: str, max_grad_norm,
-               meter: _Meter | None) -> str | None:
-    """The probe's cache key, or None when it is not cached (CUDA, a compiled model, a meter other than RSS, a
-    model `plan` did not describe when it started)."""
-    digest = _MODEL_DIGESTS.get(model)
-    if digest is None or resolve_device(device).type != "cpu" or settings.compile \
-            or (meter is not None and meter.kind != "rss"):
-        return None
-    return estimate_cache.probe_key(digest, settings, batch, max_grad_norm=max_grad_norm,
-                                    meter=meter.kind if meter is not None else "tensors",
-                                    warm_up_width=PROBE_WARM_UP_WIDTH, allocator=allocator.describe())
-
-
-def _held_bytes(meter: _Meter | None) -> int:
-    """What the process holds above the start now (the RSS meter), after a collection; 0 for other meters."""
-    if meter is None or meter.kind != "rss":
-        return 0
-    gc.collect()
-    return max(0, _status_bytes("VmRSS") - meter.baseline)
-
-
-def _cached_probe(key: str | None, held: int) -> dict | None:
-    """The cached probe under `key`, its measured peak moved by what the process holds more now; None: measure."""
-    entry = estimate_cache.read_probe(key) if key is not None else None
-    if entry is None:
-        return None
-    then = entry.pop("held_bytes", 0)
-    if "measured_peak_bytes" in entry:
-        if held - then > PROBE_HELD_TOLERANCE:
-            return None  # the process holds more than when the probe was measured (another program): measure again
-        entry["measured_peak_bytes"] = int(entry["measured_peak_bytes"]) + max(0, held - then)
-    return {**entry, "from_cache": True}
-
-
-def _measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_grad_norm,
-                   meter: _Meter | None = None) -> dict:
-    """One update of the Loop on `batch` (two when it has one micro-batch), learning rate 0, timed.
-
-    An update is a window of `min(accum_steps, 2)` micro-batches, as in the estimator: from the second
-    micro-batch on, the gradients of the first are held beside the activations, which is where an
-    accumulating run peaks. The first micro-batch is the warm-up (first-call costs, the gradients to hold):
-    `batch` cut to `PROBE_WARM_UP_WIDTH` columns (`_warm_up_batch`), since the gradients' size does not depend on
-    the width; the second is `batch`, timed from its `compute_loss` to the optimizer step (the new width's kernel
-    selection included, as a run of dynamic widths pays it), and the step itself is timed by the optimizer's
-    hooks (its first step: state creation included). A window of one micro-batch (accumulation 1, the fused
-    step) runs twice, the warm-up then `batch`, and times the second. Returns the seconds per micro-step and per
-    optimizer step, the probe's own seconds, and with `meter` the peak it measured over the whole probe (warm-up
-    included: the run pays its first-call costs too).
-    """
-    micro_batches = min(settings.accum_steps, 2)
-    # bf16 weights: the Loop casts the model in place; its fp32 tensors are set aside and put back after.
-    stash = _fp32_stash(model) if settings.weights == "bf16" else {}
-    stashed = sum(tensor.numel() * tensor.element_size() for tensor in stash.values())
-    if meter is not None:
-        gc.collect()
-        meter.reset()
-    started = time.perf_counter()
-    optimizer = settings.build_optimizer(model, 0.0)
-    config = LoopConfig(**settings.loop_fields() | {"accum_steps": micro_batches}, max_grad_norm=max_grad_norm,
-                        device=device, track_memory=False, progress_bar=False, eval_every="no", log_every=10**9)
-    loop = Loop(model, optimizer, [], config=config)
-    marks: list[tuple[str, float]] = []  # ("loss" | "step" | "stepped", when)
-    compute_loss = loop.compute_loss
-
-    def timed_loss(micro_batch):
-        marks.append(("loss", time.perf_counter()))
-        return compute_loss(micro_batch)
-
-    loop.compute_loss = timed_loss
-    hooks = []
-    for inner in inner_optimizers(loop.optimizer):
-        hooks.append(inner.register_step_pre_hook(lambda *args: marks.append(("step", time.perf_counter()))))
-        hooks.append(inner.register_step_post_hook(lambda *args: marks.append(("stepped", time.perf_counter()))))
-    warm_up = batch if settings.compile else _warm_up_batch(batch, PROBE_WARM_UP_WIDTH)
-    windows = [[warm_up, batch]] if micro_batches == 2 else [[warm_up], [batch]]
-    try:
-        for window in windows:
-            marks.clear()
-            loop.run_update(window)
-            ended = time.perf_counter()
-        peak = meter.peak() - stashed if meter is not None else None  # the fp32 tensors set aside: not the run's
-    finally:
-        for hook in hooks:
-            hook.remove()
-        if hasattr(loop.optimizer, "remove"):  # the wrappers' hooks (fused step, fp32 accumulation)
-            loop.optimizer.remove()
-        disable_gradient_checkpointing(model)
-        loop.optimizer.zero_grad(set_to_none=True)  # the wrappers' zero_grad drops fp32 buffers too
-        del loop, optimizer
-        _restore_stash(model, stash)
-        gc.collect()
-    loss_marks = sorted(when for kind, when in marks if kind == "loss")  # the micro-batches' starts
-    last_loss = loss_marks[-1]
-    steps = [(kind, when) for kind, when in marks if kind in ("step", "stepped") and when > last_loss]
-    if settings.optimizer_in_backward or not steps:  # the fused steps run inside backward: per-token time
-        micro_step, optimizer_seconds = ended - last_loss, 0.0
-    else:
-        micro_step = min(when for _, when in steps) - last_loss
-        optimizer_seconds = sum(when if kind == "stepped" else -when for kind, when in steps)
-    if settings.compile and len(loss_marks) >= 2:  # the first micro-batch compiled the graph: what the run pays too
-        compile_seconds = loss_marks[-1] - loss_marks[0] - micro_step
-    result = {"micro_step_seconds": micro_step, "optimizer_step_seconds": max(optimizer_seconds, 0.0),
-              "probe_seconds": time.perf_counter() - started, "tokens": int(batch["input_ids"].numel()),
-              "batch_shape": list(batch["input_ids"].shape)}
-    if peak is not None:
-        result["measured_peak_bytes"] = peak
-    if settings.compile and len(loss_marks) >= 2:
-        result["compile_seconds"] = max(compile_seconds, 0.0)
-    return result
-
-
-def _warm_up_batch(batch: dict, width: int) -> dict:
-    """`batch` cut to its first `width` columns that are real tokens in every row (right or left padding alike),
-    in every tensor as wide as its ``input_ids``; `batch` itself when it is no wider or has fewer such columns."""
-    input_ids = batch.get("input_ids")
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] <= width:
-        return batch
-    full = input_ids.shape[1]
-    mask = batch.get("attention_mask")
-    real = mask.bool().all(dim=0) if isinstance(mask, torch.Tensor) and mask.shape == input_ids.shape \
-        else torch.ones(full, dtype=torch.bool)
-    columns = real.nonzero().flatten()[:width]
-    if len(columns) < width:
-        return batch
-    return {name: value.index_select(1, columns) if isinstance(value, torch.Tensor) and value.dim() >= 2
-            and value.shape[1] == full else value for name, value in batch.items()}
-
-
-def _fp32_stash(model: nn.Module) -> dict:
-    """The model's floating-point parameters' and buffers' tensors, kept to undo a probe's bf16 cast."""
-    stash = {}
-    for module in model.modules():
-        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
-            if tensor.is_floating_point():
-                stash[(module, name)] = tensor.data
-    return stash
-
-
-def _restore_stash(model: nn.Module, stash: dict) -> None:
-    """Puts the stashed tensors back (parameters keep their identity)."""
-    for (module, name), data in stash.items():
-        if name in module._parameters:
-            module._parameters[name].data = data
-        else:
-            module._buffers[name] = data
-
-
-def _status_bytes(field: str) -> int:
-    """A `/proc/self/status` memory figure (VmRSS, VmHWM) in bytes."""
-    try:
-        return proc_status_bytes(field)
-    except OSError as error:
-        raise PlanError(f"{error}: a budget of process RSS needs Linux") from error
-
-
-def _reset_peak_rss() -> None:
-    """Sets the kernel's peak RSS mark (VmHWM) to the current RSS (Linux 4.0+)."""
-    try:
-        reset_peak_rss()
-    except OSError as error:
-        raise PlanError(f"cannot reset the peak RSS mark ({error}): "
-                        "a budget of process RSS needs Linux 4.0+") from error
-
-
-def rss_baseline_bytes() -> int:
-    """The process's resident set size now, from ``VmRSS``, as `plan(rss_baseline=...)` counts it.
-
-    Unlike `looptrain.memory.current_rss_bytes` (which falls back to the peak), it has no fallback.
-
-    Raises:
-        PlanError: not Linux (a budget of process RSS needs it).
-    """
-    return _status_bytes("VmRSS")
 
 
 def run_windows(sampler: Any, lengths: Sequence[int], collator: Any, accum_steps: int, epochs: int = 1,
