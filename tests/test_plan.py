@@ -812,16 +812,25 @@ class AffineSearch:
         return self.peak(settings) <= self.budget
 
 
+def row_estimates(model, rows, *args, **kwargs) -> dict:
+    """An `estimate` stand-in for tests whose statement needs no real estimate: a MiB per row, the peak in the
+    optimizer step, computed in no time."""
+    return {"peak_memory_bytes": rows * 2**20, "memory_breakdown": {"peak_phase": "optimizer_step"},
+            "compute_seconds": 0.0, "from_cache": False}
+
+
 def test_planning_hides_the_objects_it_found_from_the_collector_and_gives_them_back(dataset, monkeypatch, tmp_path):
     """Each probe collects garbage before it is measured; after the imports a full collection took about 0.2 s. The
     plan freezes the objects that exist when it starts (`gc.freeze`), so its collections scan only what it makes,
     and unfreezes them when it returns; objects the caller had frozen stay frozen."""
     import gc
 
+    from looptrain.planning import planner
 
     train_set, collator = dataset
     model = make_tiny_bert(num_labels=2)
     seen = []
+    monkeypatch.setattr(planner, "estimate", row_estimates)
     probe = fake_probe(dict.fromkeys((1, 2, 4, 8, 16), 1.0))
     monkeypatch.setattr(probes, "probe", lambda *args, **kwargs: seen.append(gc.get_freeze_count())
                         or probe(*args, **kwargs))
@@ -846,6 +855,7 @@ def test_the_optimizers_libraries_are_imported_before_the_estimate_workers_fork(
     from looptrain.planning import planner
 
     events = []
+    monkeypatch.setattr(planner, "estimate", row_estimates)
     monkeypatch.setattr(planner, "import_optimizer", lambda name: events.append(name))
     real_worker = planner.EstimateWorker
     monkeypatch.setattr(planner, "EstimateWorker", lambda serve: events.append("fork") or real_worker(serve))

@@ -384,10 +384,10 @@ def plan(
     # probes need them here anyway, and each child forked after finds them imported instead of paying for it.
     if isinstance(model, nn.Module):
         _import_optimizers(base, levers, fixed)
-    frozen = _freeze_objects()
-    search.workers = [EstimateWorker(search.estimate_here) for _ in range(_estimate_workers())] \
-        if isinstance(model, nn.Module) else []
+    frozen = _freeze_objects(collect=probe and meter != "tensors")
     try:
+        for _ in range(_estimate_workers() if isinstance(model, nn.Module) else 0):
+            search.workers.append(EstimateWorker(search.estimate_here))  # closed below, whatever happens next
         measured = probes.Meter(meter, rss_baseline) if meter != "tensors" else None
         if measured is not None and not (probe and isinstance(model, nn.Module)):
             raise PlanError(f"a budget {METERS[meter]} is checked by probing a real model: pass probe=True, "
@@ -517,16 +517,18 @@ def plan(
             gc.unfreeze()
 
 
-def _freeze_objects() -> bool:
-    """Collects once, then hides every object the process holds from the collector until `plan` returns
-    (`gc.freeze`): the probes' collections, which free what each probe made before the next is measured, then scan
-    only what planning made. After transformers, peft and bitsandbytes are imported, a full collection scans
-    hundreds of thousands of objects (about 0.2 s each, 12 of them in a plan of 4 probes). The children forked after
-    it share those objects' pages untouched. Returns whether it froze them (not when the caller had already: theirs
-    stay frozen)."""
+def _freeze_objects(collect: bool) -> bool:
+    """Hides every object the process holds from the collector until `plan` returns (`gc.freeze`): the probes'
+    collections, which free what each probe made before the next is measured, then scan only what planning made.
+    After transformers, peft and bitsandbytes are imported, a full collection scans hundreds of thousands of objects
+    (about 0.2 s each, 12 of them in a plan of 4 probes). The children forked after it share those objects' pages
+    untouched. `collect`: a full collection first (once), where probes measure the process's memory, so that garbage
+    made before planning is not frozen into their measurements. Returns whether it froze them (not when the caller
+    had already: theirs stay frozen)."""
     if gc.get_freeze_count():
         return False
-    gc.collect()
+    if collect:
+        gc.collect()
     gc.freeze()
     return True
 
