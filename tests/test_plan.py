@@ -702,15 +702,29 @@ def test_estimates_side_by_side_find_the_same_plan_and_charge_a_round_as_its_lon
     as their longest estimate (here every estimate costs 1 s), so the same time searches as far."""
     from looptrain.planning import planner
 
-    train_set, collator, model, budget = one_second_estimates(dataset, monkeypatch)
+    train_set, collator = dataset
+    model = make_tiny_bert(num_labels=2)
+    per_row = {(True, 1): 1, (True, 2): 2, (False, 1): 4}  # MiB of activations a row: every block, every other, none
+
+    def affine(model, rows, seq_len, settings, **kwargs) -> dict:  # 10 MiB of weights, the rows' activations
+        activations = rows * per_row[settings.gradient_checkpointing, settings.checkpoint_every] * 2**20
+        return {"peak_memory_bytes": 10 * 2**20 + activations, "compute_seconds": 1.0, "from_cache": False,
+                "memory_breakdown": {"peak_phase": "backward", "params": 10 * 2**20, "optimizer_state": 0,
+                                     "activations_and_temps": activations}}
+
+    monkeypatch.setattr(planner, "estimate", affine)
+    monkeypatch.setattr(probes, "probe", fake_probe(dict.fromkeys((1, 2, 4, 8, 16), 1.0)))
+    budget = int(1.05 * 36 * 2**20)  # no checkpointing: 4 rows fit (26 MiB), 8 do not (42 MiB); every other: 8
     results = {}
     for workers in (1, 2):
         monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / f"cache-{workers}"))
         monkeypatch.setattr(planner, "_estimate_workers", lambda workers=workers: workers)
         results[workers] = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH,
-                                probe_budget=100.0)
+                                probe_budget=100.0, token_micro_batches=False)  # the splits as searched
     one, two = results[1], results[2]
     assert [c.settings for c in two.candidates] == [c.settings for c in one.candidates]
+    assert {(c.settings.batch_size, c.settings.checkpoint_every if c.settings.gradient_checkpointing else 0)
+            for c in one.candidates} >= {(4, 0), (8, 2), (16, 1)}
     assert one.charged_seconds == pytest.approx(one.estimates + 0.01 * len([c for c in one.candidates if c.probed]),
                                                 abs=0.05)
     assert two.estimates >= one.estimates and two.charged_seconds < one.charged_seconds - 1
