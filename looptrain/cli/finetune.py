@@ -397,9 +397,12 @@ def check_flags(args, parser: argparse.ArgumentParser) -> None:
         if args.effective_batch < 1:
             raise UsageError(f"--effective-batch must be >= 1 (got {args.effective_batch})")
         if args.memory_budget is None:
-            if "--accum" in given or args.effective_batch % args.batch_size:
-                raise UsageError(f"--effective-batch {args.effective_batch} with --batch-size {args.batch_size}: pass "
-                                 "an effective batch that --batch-size divides, and no --accum (it follows)")
+            if "--accum" in given:
+                raise UsageError(f"--effective-batch {args.effective_batch} and --accum {args.accum_steps} both set "
+                                 "the accumulation: drop --accum (it follows: the effective batch / --batch-size)")
+            if args.effective_batch % args.batch_size:
+                raise UsageError(f"--effective-batch {args.effective_batch} is not a multiple of --batch-size "
+                                 f"{args.batch_size}: pass an effective batch that --batch-size divides")
             args.accum_steps = args.effective_batch // args.batch_size
     if args.plan_time is not None and not args.plan_time >= 0:
         raise UsageError(f"--plan-time must be a number of seconds >= 0 (got {args.plan_time})")
