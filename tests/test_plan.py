@@ -332,7 +332,7 @@ def test_plan_script_prints_json_and_the_command_line_and_writes_nothing(model_d
     (["--budget-meter", "tensors"], r"--plan-only, --plan-time and --budget-meter belong to --memory-budget"),
     (["--memory-budget", "4"], r"--memory-budget: the memory size '4' has no unit: write 4GiB, 4MiB or, for bytes, 4B"),
     (["--json"], r"--json prints the plan of --plan-only as JSON .*add --plan-only, or drop --json"),
-    (["--effective-batch", "10", "--batch-size", "4"], r"--effective-batch 10 with --batch-size 4"),
+    (["--effective-batch", "10", "--batch-size", "4"], r"--effective-batch 10 is not a multiple of --batch-size 4"),
     (["--memory-budget", "1GiB", "--micro-batch-tokens", "64"],
      r"--memory-budget chooses the micro-batches itself, their tokens included: drop --micro-batch-tokens"),
 ])
