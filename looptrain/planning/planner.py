@@ -62,7 +62,6 @@ from looptrain.optim.factory import import_optimizer
 from looptrain.planning import estimate_cache, probes
 from looptrain.planning.errors import PlanError
 from looptrain.planning.estimator import bounding_windows, estimate, estimate_windows
-from looptrain.planning.probes import rss_baseline_bytes
 from looptrain.planning.worker import EstimateWorker
 from looptrain.precision import amp_precision, cpu_has_native_bf16, resolve_device
 from looptrain.strategy import Strategy
@@ -757,12 +756,18 @@ class _Search:
         return (self.peak(settings) + self.overhead) * (1 + self.margin) <= self.budget
 
 
+def _optimizer_names(base: Strategy, levers: Levers, fixed: Sequence[str]) -> tuple[str, ...]:
+    """The optimizers the plan may try: the user's, or with `Levers.optimizer_family` (and the optimizer not fixed)
+    every member of its family (`OPTIMIZER_FAMILIES`)."""
+    if levers.optimizer_family and "optimizer" not in fixed:
+        return OPTIMIZER_FAMILIES.get(base.optimizer, (base.optimizer,))
+    return (base.optimizer,)
+
+
 def _import_optimizers(base: Strategy, levers: Levers, fixed: Sequence[str]) -> None:
     """Imports the libraries of the optimizers the plan may estimate and probe (`import_optimizer`); one that is not
     installed is left to the estimate, which says so."""
-    names = OPTIMIZER_FAMILIES.get(base.optimizer, (base.optimizer,)) \
-        if levers.optimizer_family and "optimizer" not in fixed else (base.optimizer,)
-    for name in names:
+    for name in _optimizer_names(base, levers, fixed):
         with contextlib.suppress(ImportError):
             import_optimizer(name)
 
@@ -814,10 +819,8 @@ def _candidate_settings(search: _Search, effective_batch: int, base: Strategy, l
     # bf16 weights compute in bf16 (LoopConfig.compute_precision), and never with fp16's GradScaler.
     numerics = [("bf16" if weights == "bf16" else precision, weights) for precision, weights in numerics
                 if weights == "fp32" or precision != "fp16"]
-    optimizers = [base.optimizer]
-    if levers.optimizer_family and "optimizer" not in fixed:
-        family = OPTIMIZER_FAMILIES.get(base.optimizer, (base.optimizer,))
-        optimizers = [name for name in family if device_type == "cuda" or not name.startswith("paged")]
+    optimizers = [name for name in _optimizer_names(base, levers, fixed)
+                  if device_type == "cuda" or not name.startswith("paged")]
     checkpointing_fixed = fixed & {"gradient_checkpointing", "checkpoint_every"}
     modes = [(base.gradient_checkpointing, base.checkpoint_every)] if checkpointing_fixed \
         else list(reversed(CHECKPOINT_MODES))  # the most memory saved first
@@ -1253,7 +1256,7 @@ def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: 
         nonlocal charged
         if not candidate.probed:
             _record_probe(candidate, probes.probe(model, candidate.settings, batch_of(candidate), device, max_grad_norm,
-                                            meter))
+                                                  meter))
             charged += candidate.probe["probe_seconds"]
         over = not fits(candidate)
         if over:
@@ -1418,4 +1421,4 @@ def run_batches_estimate(model: Any, settings: Strategy, windows: Sequence[Seque
 
 
 __all__ = ["Candidate", "Levers", "Lowest", "Plan", "PlanError", "Settings", "by_tokens", "lowest", "parse_size",
-           "plan", "rss_baseline_bytes", "run_batches_estimate", "run_windows"]
+           "plan", "run_batches_estimate", "run_windows"]

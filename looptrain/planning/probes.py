@@ -61,7 +61,7 @@ class Meter:
 
 
 def probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_grad_norm,
-           meter: Meter | None = None) -> dict:
+          meter: Meter | None = None) -> dict:
     """`measure_probe`, or its result read from the on-disk cache when this CPU measured the same probe before.
 
     A probe on a CPU is cached (`estimate_cache.probe_key`: the model, the settings, the batch, the meter, the CPU
@@ -97,7 +97,7 @@ def as_run(settings: Strategy, meter: Meter | None) -> Strategy:
 
 
 def probe_key(model: nn.Module, settings: Strategy, batch: dict, device: str, max_grad_norm,
-               meter: Meter | None) -> str | None:
+              meter: Meter | None) -> str | None:
     """The probe's cache key, or None when it is not cached (CUDA, a compiled model, a meter other than RSS, a
     model `plan` did not describe when it started)."""
     digest = MODEL_DIGESTS.get(model)
@@ -131,7 +131,7 @@ def cached_probe(key: str | None, held: int) -> dict | None:
 
 
 def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_grad_norm,
-                   meter: Meter | None = None) -> dict:
+                  meter: Meter | None = None) -> dict:
     """One update of the Loop on `batch` (two when it has one micro-batch), learning rate 0, timed.
 
     An update is a window of `min(accum_steps, 2)` micro-batches, as in the estimator: from the second
