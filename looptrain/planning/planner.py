@@ -57,6 +57,7 @@ from torch import nn
 from looptrain import strategy as strategies
 from looptrain.batches import token_pieces
 from looptrain.config import ConfigError, LoopConfig
+from looptrain.flops import ModelFlops, count_model_flops
 from looptrain.lora import is_4bit_layer, is_lora_model
 from looptrain.optim.factory import import_optimizer
 from looptrain.planning import estimate_cache, probes
@@ -152,6 +153,8 @@ class Candidate:
     settings: Strategy
     estimated_peak_bytes: int
     padded_tokens: int = 0  # an epoch's padded tokens under these settings' batching
+    micro_batches: int = 0  # an epoch's micro-batches under these settings' batching
+    flops: float = 0.0  # an epoch's model FLOPs over its padded micro-batches (`looptrain.flops`; 0: not counted)
     updates: int = 0  # optimizer updates per epoch
     seconds_per_epoch: float | None = None  # predicted: from the probe, or the prior scaled to the probes' seconds
     prior: float = 0.0  # the unitless prior that orders the probes
@@ -161,6 +164,7 @@ class Candidate:
     # What the run trains, when not `settings` themselves: the split cut by tokens (`by_tokens`); `plan` gives it
     # to `settings` once the probes, which measure the split, are done. Its padded tokens are `padded_tokens`.
     trained: Strategy | None = None
+    predicted: bool = False  # `estimated_peak_bytes` predicted from two estimates of its settings (`_Search.predict`)
 
 
 @dataclass
@@ -190,6 +194,7 @@ class Plan:
     baseline_words: str = "your flags"  # the baseline candidate: the user's flags, or "safe default" (the lightest)
     # A LoRA plan: the winner against the full fine-tune with its settings (`lora_comparison`); None otherwise.
     lora: dict | None = None
+    predictions: int = 0  # splits the search decided by a prediction from two estimates (`_Search.predict`)
 
     @property
     def winner(self) -> Candidate:
@@ -223,11 +228,13 @@ class Plan:
                 f"{settings.optimizer} | {settings.checkpointing} | "
                 f"{'yes' if settings.optimizer_in_backward else 'no'} | "
                 f"{'yes' if settings.group_by_length else 'no'} | "
-                f"{format_bytes(candidate.estimated_peak_bytes)} | {speed} | "
+                f"{format_bytes(candidate.estimated_peak_bytes)}{' (predicted)' if candidate.predicted else ''} | "
+                f"{speed} | "
                 f"{source} |")
         lines.append(f"{len(self.candidates)} candidates fit; planning {self.planning_seconds:.1f} s: "
                      f"{self.estimates} estimates in {self.estimate_seconds:.1f} s"
                      + (f" ({self.cached_estimates} of them read from the cache)" if self.cached_estimates else "")
+                     + (f", {self.predictions} splits predicted from them" if self.predictions else "")
                      + f", probes {self.probe_seconds:.1f} s"
                      + (f" (budget {self.probe_budget_seconds:.0f} s)"
                         if self.probe_budget_seconds is not None else ""))
@@ -241,13 +248,14 @@ class Plan:
             "worst_width": self.worst_width, "device": self.device, "meter": self.meter,
             "settings": dataclasses.asdict(self.winner.settings),
             "estimated_peak_bytes": self.winner.estimated_peak_bytes,
-            "estimates": self.estimates, "cached_estimates": self.cached_estimates,
+            "estimates": self.estimates, "cached_estimates": self.cached_estimates, "predictions": self.predictions,
             "growth_bytes": self.growth_bytes, "malloc": self.malloc,
             "planning_seconds": round(self.planning_seconds, 3),
             "estimate_seconds": round(self.estimate_seconds, 3),
             "probe_seconds": round(self.probe_seconds, 3), "probe_budget_seconds": self.probe_budget_seconds,
             "candidates": [{"settings": dataclasses.asdict(candidate.settings),
                             "estimated_peak_bytes": candidate.estimated_peak_bytes,
+                            "estimate_predicted": candidate.predicted,
                             "seconds_per_epoch": candidate.seconds_per_epoch, "probed": candidate.probed,
                             "baseline": candidate.baseline, "probe": candidate.probe}
                            for candidate in self.candidates],
@@ -378,6 +386,8 @@ def plan(
     malloc: str | None = None
     search.padded = min(lengths) < worst_width  # a batch of more than one row holding the longest sample is padded
     search.by_tokens = token_micro_batches
+    search.measured = meter != "tensors"
+    search.flops = count_model_flops(model) if isinstance(model, nn.Module) else None
     # The estimates run in a child process: what estimating costs (torch's fake-tensor machinery) stays out of
     # this process, whose RSS the budget may count. The optimizers' libraries are imported here first, once: the
     # probes need them here anyway, and each child forked after finds them imported instead of paying for it.
@@ -419,7 +429,7 @@ def plan(
                 first_seconds = time.perf_counter() - started
                 reference = _costed(search, first, dataset, collator, lengths, device_type, seed,
                                     as_given=first == baseline)
-                _record_probe(reference, probed)
+                _record_probe(reference, probed, search.flops)
                 total = probe_budget if probe_budget is not None else \
                     probe_fraction * reference.seconds_per_epoch * epochs
                 # Both probes count when the first was measured again with the allocator fixed: planning's time is
@@ -458,6 +468,7 @@ def plan(
             result.notes.append(f"the first probe did not fit under the C allocator's own thresholds, which keep "
                                 f"freed blocks resident: {malloc}")
         result.extrapolated = search.extrapolated
+        result.predictions = len(search.predicted)
         if search.skipped:
             result.notes.append(f"the search stopped short of {search.skipped} estimate(s): planning's time (5% of "
                                 "the run its first probe predicts, or --plan-time) was spent, so those splits count "
@@ -485,7 +496,7 @@ def plan(
             result.probe_seconds = first_seconds
             result.charged_seconds = search.charged + first_charged
             _probe_candidates(result, model, dataset, collator, order, device, epochs, max_grad_norm, probe_budget,
-                              probe_fraction, measured, echo,
+                              probe_fraction, measured, echo, flops=search.flops,
                               smaller=lambda candidate: None if "batch_size" in fixed else _smaller_split(
                                   search, candidate, result.candidates, dataset, collator, lengths, device_type, seed))
         else:
@@ -586,7 +597,8 @@ def _costed(search: _Search, settings: Strategy, dataset, collator, lengths, dev
     of its batches as `by_tokens` cuts them (`as_given`: the user's own flags, trained as they are)."""
     from looptrain import data as data_module
 
-    candidate = Candidate(settings, search.peak(settings))
+    candidate = Candidate(settings, search.candidate_peak(settings))
+    candidate.predicted = search.key(settings) not in search.cache
     # The user's own flags train as given; the safe default is the planner's, and is cut like the rest.
     trained = by_tokens(settings, search.width) if search.by_tokens and not as_given else settings
     candidate.trained = trained if trained != settings else None
@@ -594,7 +606,11 @@ def _costed(search: _Search, settings: Strategy, dataset, collator, lengths, dev
                                            grouping="length" if trained.group_by_length else "random", seed=seed)
     windows = run_windows(loader.batch_sampler, lengths, collator, trained.accum_steps,
                           micro_batch_tokens=trained.micro_batch_tokens)
-    candidate.padded_tokens = sum(rows * width for window in windows for rows, width in window)
+    shapes = [shape for window in windows for shape in window]
+    candidate.padded_tokens = sum(rows * width for rows, width in shapes)
+    candidate.micro_batches = len(shapes)
+    if search.flops is not None:
+        candidate.flops = sum(_work(search.flops, rows, width) for rows, width in shapes)
     candidate.updates = len(windows)
     candidate.prior = _prior_seconds(candidate, search.model, device_type)
     return candidate
@@ -642,12 +658,19 @@ class _Search:
         self.smallest_failure: Strategy | None = None  # `_largest_fitting`'s smallest split that did not fit
         self.extrapolated: list[Strategy] = []  # fused candidates ruled out by extrapolation, not estimated
         self.limit: float | None = None  # seconds the estimates may take; then only cached ones are read
+        self.round_seconds = 0.0  # the longest round of estimates so far, as charged: what `spent` expects of the next
         self.skipped = 0  # estimates not made because `limit` was spent
         self.growth = 0  # a measured meter: kept free for what the run adds to a probe's peak (`RUN_GROWTH`)
         self.padded = False  # the worst batch of more than one row holds shorter, padded rows (see `estimate`)
         self.full_model: Any = None  # `FULL_FINE_TUNE`'s model, made once where the estimates run
         self.workers: list[EstimateWorker] = []  # run the estimates in child processes (`plan` starts them)
         self.by_tokens = False  # candidates other than your flags train as `by_tokens` cuts them (`_costed`)
+        # A measured meter: every candidate's memory is confirmed by its probe, so a split's predicted peak
+        # (`predict`) stands for its estimate; under the tensors meter the estimate decides alone, and the search
+        # estimates the split its predictions chose (`_largest_fitting`).
+        self.measured = False
+        self.predicted: set = set()  # keys of the splits a prediction decided (`predict`), not estimated
+        self.flops: ModelFlops | None = None  # the model's FLOPs per token, which weigh a probe's time (`plan` sets it)
 
     def priced(self, settings: Strategy) -> Strategy:
         """The settings whose estimate is that of `settings`: with `micro_batch_tokens`, the split whose memory bounds
@@ -683,7 +706,7 @@ class _Search:
         (`search.workers`: one per core, up to two). Best effort: nothing with one worker, for fewer than two
         estimates, or once the search's time is spent. A round is charged as its longest estimate: the search's
         decisions do not depend on how many ran beside each other, and a rerun on the cache takes the same."""
-        if len(self.workers) < 2 or (self.limit is not None and self.charged >= self.limit):
+        if len(self.workers) < 2 or self.spent():
             return
         wanted = {}
         for settings in settings_list:
@@ -701,7 +724,7 @@ class _Search:
     def _estimate(self, requests: list[tuple], demanded: bool) -> None:
         """One round: each request on its own worker (here without any), their results memoised."""
         started = time.perf_counter()
-        spent = self.limit is not None and self.charged >= self.limit  # then only cached estimates are read
+        spent = self.spent()  # then only cached estimates are read
         workers = self.workers or [None] * len(requests)
         for (settings, seq_len, model, _), worker in zip(requests, workers):
             if worker is not None:
@@ -722,7 +745,9 @@ class _Search:
             raise failed  # a prefetch's failure is not memoised: `peak` meets it again if the search asks
         results = [answer for answer in answers if not isinstance(answer, Exception)]
         # A cached estimate counts at what computing it cost; a round of side-by-side estimates, at its longest.
-        self.charged += max((result.get("compute_seconds", elapsed) for result in results), default=0.0)
+        cost = max((result.get("compute_seconds", elapsed) for result in results), default=0.0)
+        self.charged += cost
+        self.round_seconds = max(self.round_seconds, cost)
         for (settings, seq_len, _, key), result in zip(requests, answers):
             if isinstance(result, Exception):
                 continue
@@ -741,6 +766,11 @@ class _Search:
             self.skipped += 1
             raise SearchTimeSpent
 
+    def spent(self) -> bool:
+        """Whether planning's time (`limit`) has no room for another round as long as the longest so far: then only
+        cached estimates are read (a round is not started that would end past the limit)."""
+        return self.limit is not None and self.charged + self.round_seconds > self.limit
+
     def estimate_here(self, request: tuple) -> dict:
         """`estimate` of a `peak` request in this process (the worker's child calls it too)."""
         settings, seq_len, model, cached_only = request
@@ -752,8 +782,56 @@ class _Search:
                         num_labels=self.num_labels, max_grad_norm=self.max_grad_norm, padded=self.padded,
                         cache="only" if cached_only else True)
 
+    def predict(self, settings: Strategy) -> int | None:
+        """The estimate of `settings` (memoised), else their peak predicted from two estimates of the same settings at
+        other micro-batches, else None.
+
+        For fixed settings at one width, the peak of each phase of the update (forward, backward, the optimizer
+        step: `phase_peak_bytes`) is affine in the micro-batch's rows: activations and temporaries grow with them,
+        weights, gradients and optimizer state do not (docs/plan.md: exact to 2e-4 on 13 mixes of models, optimizers,
+        precisions, checkpointing, LoRA and chunked cross-entropy). Each phase is read off the line through the two
+        nearest estimates (those on either side when there are), and the prediction is the largest. Where the worst
+        batch of several rows is padded, one row is not (nothing to pad): it is neither a point nor predicted.
+        """
+        key = self.key(settings)
+        if key in self.cache:
+            return self.cache[key]
+        rows, smallest = key[0], 2 if self.padded else 1
+        points = sorted((other[0], result) for other, result in self.results.items()
+                        if other[1:] == key[1:] and other[0] >= smallest)
+        if rows < smallest or len(points) < 2:
+            return None
+        below = [point for point in points if point[0] < rows]
+        above = [point for point in points if point[0] > rows]
+        (low, first), (high, second) = (below[-1], above[0]) if below and above else \
+            (below[-2], below[-1]) if len(below) >= 2 else (above[0], above[1])
+
+        def phases(result: dict) -> dict:
+            return result.get("phase_peak_bytes") or {"peak": result["peak_memory_bytes"]}
+
+        ends = phases(first), phases(second)
+        return int(max(ends[0][phase] + (ends[1][phase] - ends[0][phase]) * (rows - low) / (high - low)
+                       for phase in ends[0] if phase in ends[1]))
+
+    def known(self, settings: Strategy) -> bool:
+        """Whether `fits` can answer for `settings` without an estimate."""
+        return self.predict(settings) is not None
+
+    def candidate_peak(self, settings: Strategy) -> int:
+        """A candidate's peak: its estimate; under a measured meter (its probe measures it) its prediction when it
+        has no estimate."""
+        predicted = self.predict(settings) if self.measured else None
+        return predicted if predicted is not None else self.peak(settings)
+
     def fits(self, settings: Strategy) -> bool:
-        return (self.peak(settings) + self.overhead) * (1 + self.margin) <= self.budget
+        """Whether `settings` fit the budget less the margin (with what the process holds besides tensors): by their
+        estimate, or their prediction (`predict`) when they have none, or by an estimate made now."""
+        peak = self.predict(settings)
+        if peak is None:
+            peak = self.peak(settings)
+        elif self.key(settings) not in self.cache:
+            self.predicted.add(self.key(settings))
+        return (peak + self.overhead) * (1 + self.margin) <= self.budget
 
 
 def _optimizer_names(base: Strategy, levers: Levers, fixed: Sequence[str]) -> tuple[str, ...]:
@@ -867,7 +945,14 @@ def _candidate_settings(search: _Search, effective_batch: int, base: Strategy, l
 
 
 def _largest_fitting(search: _Search, template: Strategy, sizes: list[int], effective_batch: int) -> int | None:
-    """The largest micro-batch in `sizes` that fits (memory grows with it: a binary search)."""
+    """The largest micro-batch in `sizes` that fits (memory grows with it: a binary search).
+
+    A step is decided by its split's estimate, or by its prediction from two estimates of the same settings at other
+    micro-batches (`_Search.predict`): the first step is estimated beside the step it takes when it fits, and from
+    then on the line through them decides most steps without an estimate. Under the tensors meter (the estimate
+    decides alone) the largest split a prediction chose is estimated before it is returned; should it not fit, the
+    search goes on below it.
+    """
     def split(size: int) -> Strategy:
         return dataclasses.replace(template, batch_size=size, accum_steps=effective_batch // size)
 
@@ -877,13 +962,14 @@ def _largest_fitting(search: _Search, template: Strategy, sizes: list[int], effe
     while low <= high:
         middle = (low + high) // 2
         settings = split(sizes[middle])
-        # Beside it, where the search goes next when it fits (larger splits are the faster ones); at the last step,
-        # the split below the best so far, which stands in for it when its probe measures over the budget
-        # (`_smaller_split`).
-        below = sizes.index(best) - 1 if best is not None else -1
-        beside = [split(sizes[(middle + 1 + high) // 2])] if middle < high \
-            else [split(sizes[below])] if below >= 0 else []
-        search.prefetch([settings] + beside)
+        if not search.known(settings):
+            # Beside it, where the search goes next when it fits (larger splits are the faster ones); at the last
+            # step, the split below the best so far, which stands in for it when its probe measures over the budget
+            # (`_smaller_split`).
+            below = sizes.index(best) - 1 if best is not None else -1
+            beside = [split(sizes[(middle + 1 + high) // 2])] if middle < high \
+                else [split(sizes[below])] if below >= 0 else []
+            search.prefetch([settings] + [other for other in beside if not search.known(other)])
         try:
             fitting = search.fits(settings)
         except SearchTimeSpent:
@@ -893,7 +979,17 @@ def _largest_fitting(search: _Search, template: Strategy, sizes: list[int], effe
         else:
             high = middle - 1
             search.smallest_failure = settings
-    return best
+    if best is None or search.measured or search.key(split(best)) in search.cache:
+        return best
+    try:
+        search.peak(split(best))  # a prediction chose it: estimated, as the tensors meter decides by estimates
+    except SearchTimeSpent:
+        return best  # planning's time is spent: the prediction stands
+    if search.fits(split(best)):
+        return best
+    found = _largest_fitting(search, template, sizes[:sizes.index(best)], effective_batch)
+    search.smallest_failure = search.smallest_failure or split(best)
+    return found
 
 
 def _cannot_fit_fused(search: _Search, failed: Strategy, effective_batch: int) -> bool:
@@ -905,7 +1001,15 @@ def _cannot_fit_fused(search: _Search, failed: Strategy, effective_batch: int) -
     `effective_batch / failed.batch_size` times as many rows. Below that bound the fused candidate is estimated.
     """
     result = search.results.get(search.key(failed))
-    if result is None or result["memory_breakdown"]["peak_phase"] not in ("forward", "backward"):
+    if result is None:  # a prediction ruled it out: the nearest estimate above it (which did not fit either)
+        family = search.key(failed)[1:]
+        failures = [(key[0], result) for key, result in search.results.items()
+                    if key[1:] == family and key[0] > failed.batch_size]
+        if not failures:
+            return False
+        rows, result = min(failures, key=lambda failure: failure[0])
+        failed = dataclasses.replace(failed, batch_size=rows, accum_steps=effective_batch // rows)
+    if result["memory_breakdown"]["peak_phase"] not in ("forward", "backward"):
         return False
     parts = result["memory_breakdown"]
     bound = (parts["params"] + parts["optimizer_state"]
@@ -1221,7 +1325,8 @@ def _prior_seconds(candidate: Candidate, model: Any, device_type: str) -> float:
 
 def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: list[int], device: str, epochs: int,
                       max_grad_norm, probe_budget: float | None, probe_fraction: float, meter: probes.Meter | None,
-                      echo, smaller: Callable[[Candidate], Candidate | None] = lambda candidate: None) -> None:
+                      echo, smaller: Callable[[Candidate], Candidate | None] = lambda candidate: None,
+                      flops: ModelFlops | None = None) -> None:
     """Probes candidates within the probe budget and ranks them by the measured speed.
 
     The baseline (the configuration without the planner) and the prior's favourite are always probed. The
@@ -1256,7 +1361,7 @@ def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: 
         nonlocal charged
         if not candidate.probed:
             _record_probe(candidate, probes.probe(model, candidate.settings, batch_of(candidate), device, max_grad_norm,
-                                                  meter))
+                                                  meter), flops)
             charged += candidate.probe["probe_seconds"]
         over = not fits(candidate)
         if over:
@@ -1344,12 +1449,43 @@ def _smaller_split(search: _Search, candidate: Candidate, candidates: list[Candi
     return _costed(search, smaller, dataset, collator, lengths, device_type, seed)
 
 
-def _record_probe(candidate: Candidate, probe: dict) -> None:
-    """A probe's measurements on its candidate, and the epoch's time they predict."""
+def _record_probe(candidate: Candidate, probe: dict, flops: ModelFlops | None = None) -> None:
+    """A probe's measurements on its candidate, and the epoch's time they predict: each micro-batch's fixed cost
+    and its work at the probe's seconds per FLOP (`micro_batch_costs`), else (no small step timed, or no FLOPs
+    counted) its padded tokens at the probe's seconds per token; and each optimizer step."""
     candidate.probe, candidate.probed = probe, True
-    candidate.seconds_per_epoch = (probe["micro_step_seconds"] / probe["tokens"] * candidate.padded_tokens
-                                   + probe["optimizer_step_seconds"] * candidate.updates
+    costs = micro_batch_costs(probe, flops) if candidate.flops else None
+    work = costs[0] * candidate.micro_batches + costs[1] * candidate.flops if costs is not None \
+        else probe["micro_step_seconds"] / probe["tokens"] * candidate.padded_tokens
+    candidate.seconds_per_epoch = (work + probe["optimizer_step_seconds"] * candidate.updates
                                    + probe.get("compile_seconds", 0.0))  # torch.compile: paid once, counted once
+
+
+def micro_batch_costs(probe: dict, flops: ModelFlops | None) -> tuple[float, float] | None:
+    """A probe's seconds per micro-batch whatever its size, and per model FLOP of its work: the line through its two
+    timed micro-batches (the warm-up's second run and the worst batch), their work in model FLOPs (`_work`: padded
+    tokens, attention growing with the width). None without a small step timed or FLOPs counted.
+
+    A micro-batch's fixed cost (Python, dispatch, hooks: the same for 1 row or 8) is why cutting a batch into more
+    micro-batches costs more than its tokens say; and attention makes a token of the worst width dearer than one of
+    a typical batch.
+    """
+    small, shape = probe.get("small_step_seconds"), probe.get("small_batch_shape")
+    if small is None or shape is None or flops is None:
+        return None
+    small_work, large_work = _work(flops, *shape), _work(flops, *probe["batch_shape"])
+    if large_work <= small_work or probe["micro_step_seconds"] <= small:
+        return None
+    per_flop = (probe["micro_step_seconds"] - small) / (large_work - small_work)
+    fixed = small - per_flop * small_work
+    if fixed < 0:  # noise: all of it work
+        return 0.0, probe["micro_step_seconds"] / large_work
+    return fixed, per_flop
+
+
+def _work(flops: ModelFlops, rows: int, width: int) -> float:
+    """The model FLOPs of a padded micro-batch of `rows` x `width` tokens."""
+    return rows * width * flops.per_token(width)
 
 
 def _scale_priors(candidates: list[Candidate]) -> None:

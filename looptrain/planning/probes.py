@@ -138,14 +138,22 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
     micro-batch on, the gradients of the first are held beside the activations, which is where an
     accumulating run peaks. The first micro-batch is the warm-up (first-call costs, the gradients to hold):
     `batch` cut to `PROBE_WARM_UP_WIDTH` columns (`warm_up_batch`), since the gradients' size does not depend on
-    the width; the second is `batch`, timed from its `compute_loss` to the optimizer step (the new width's kernel
-    selection included, as a run of dynamic widths pays it), and the step itself is timed by the optimizer's
-    hooks (its first step: state creation included). A window of one micro-batch (accumulation 1, the fused
-    step) runs twice, the warm-up then `batch`, and times the second. Returns the seconds per micro-step and per
-    optimizer step, the probe's own seconds, and with `meter` the peak it measured over the whole probe (warm-up
-    included: the run pays its first-call costs too).
+    the width. It runs again, warm, and is timed (`small_step_seconds`, `small_batch_shape`): beside the timed
+    `batch`, it tells what a micro-batch costs whatever its size from what its work costs. Then `batch`, timed from
+    its `compute_loss` to the optimizer step (the new width's kernel selection included, as a run of dynamic widths
+    pays it), and the step itself is timed by the optimizer's hooks (its first step: state creation included). A
+    window of one micro-batch (accumulation 1, the fused step) runs twice, the warm-up then `batch`, and times the
+    second. Returns the seconds per micro-step and per optimizer step, the probe's own seconds, and with `meter` the
+    peak it measured over the whole probe (warm-up included: the run pays its first-call costs too).
     """
     micro_batches = min(settings.accum_steps, 2)
+    warm_up = batch if settings.compile else warm_up_batch(batch, PROBE_WARM_UP_WIDTH)
+    # A window of micro-batches runs the warm-up twice: the second time, warm, it is timed too (`small_step_seconds`),
+    # so that the planner tells a micro-batch's fixed cost from its work (`micro_batch_costs`).
+    windows = [[warm_up, warm_up, batch] if warm_up is not batch else [warm_up, batch]] if micro_batches == 2 \
+        else [[warm_up], [batch]]
+    config = LoopConfig(**settings.loop_fields() | {"accum_steps": len(windows[0])}, max_grad_norm=max_grad_norm,
+                        device=device, track_memory=False, progress_bar=False, eval_every="no", log_every=10**9)
     # bf16 weights: the Loop casts the model in place; its fp32 tensors are set aside and put back after.
     stash = _fp32_stash(model) if settings.weights == "bf16" else {}
     stashed = sum(tensor.numel() * tensor.element_size() for tensor in stash.values())
@@ -154,8 +162,6 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
         meter.reset()
     started = time.perf_counter()
     optimizer = settings.build_optimizer(model, 0.0)
-    config = LoopConfig(**settings.loop_fields() | {"accum_steps": micro_batches}, max_grad_norm=max_grad_norm,
-                        device=device, track_memory=False, progress_bar=False, eval_every="no", log_every=10**9)
     loop = Loop(model, optimizer, [], config=config)
     marks: list[tuple[str, float]] = []  # ("loss" | "step" | "stepped", when)
     compute_loss = loop.compute_loss
@@ -169,8 +175,6 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
     for inner in inner_optimizers(loop.optimizer):
         hooks.append(inner.register_step_pre_hook(lambda *args: marks.append(("step", time.perf_counter()))))
         hooks.append(inner.register_step_post_hook(lambda *args: marks.append(("stepped", time.perf_counter()))))
-    warm_up = batch if settings.compile else warm_up_batch(batch, PROBE_WARM_UP_WIDTH)
-    windows = [[warm_up, batch]] if micro_batches == 2 else [[warm_up], [batch]]
     try:
         for window in windows:
             marks.clear()
@@ -204,6 +208,9 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
         result["measured_peak_bytes"] = peak
     if settings.compile and len(loss_marks) >= 2:
         result["compile_seconds"] = max(compile_seconds, 0.0)
+    if len(loss_marks) == 3:  # the warm-up's second run, from its loss to the timed micro-batch's
+        result["small_step_seconds"] = loss_marks[2] - loss_marks[1]
+        result["small_batch_shape"] = list(warm_up["input_ids"].shape)
     return result
 
 
