@@ -776,6 +776,47 @@ def test_a_small_runs_estimates_leave_room_in_ten_seconds_for_both_probes():
         pytest.approx(4.5)
 
 
+def test_a_probe_times_a_small_micro_batch_and_a_candidates_epoch_counts_each_micro_batchs_fixed_cost():
+    """A probe of an accumulating split runs its warm-up twice and times the second (rows x 16 tokens) beside the
+    worst batch; an unaccumulated one times only the worst batch. The line through the two, in model FLOPs, splits
+    a micro-batch's time into a fixed cost and its work; an epoch is then its micro-batches' fixed costs, their work
+    and its optimizer steps, so the same tokens cut into twice the micro-batches are predicted slower by that cost.
+    """
+    from looptrain.flops import ModelFlops, count_model_flops
+    from looptrain.planning import planner
+
+    model = make_tiny_bert(num_labels=2)
+    rows, width = 2, 24  # wider than the warm-up's 16 columns, every one a real token
+    ids = torch.randint(5, model.config.vocab_size, (rows, width), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones(rows, width, dtype=torch.long),
+             "labels": torch.tensor([0, 1])}
+    accumulating = probes.measure_probe(model, Settings(batch_size=2, accum_steps=8), batch, "cpu", 1.0)
+    assert accumulating["small_batch_shape"] == [rows, probes.PROBE_WARM_UP_WIDTH]
+    assert 0 < accumulating["small_step_seconds"]
+    whole = probes.measure_probe(model, Settings(batch_size=2, accum_steps=1), batch, "cpu", 1.0)
+    assert "small_step_seconds" not in whole
+    assert planner.micro_batch_costs(whole, count_model_flops(model)) is None
+
+    flops = ModelFlops(dense=100.0, attention=1.0)  # 2 x 16 rows: 3,712 FLOPs; 2 x 256: 182,272
+    probe = {"micro_step_seconds": 0.1 + 182_272e-6, "small_step_seconds": 0.1 + 3_712e-6,
+             "small_batch_shape": [2, 16], "batch_shape": [2, 256], "tokens": 512, "optimizer_step_seconds": 0.5}
+    fixed, per_flop = planner.micro_batch_costs(probe, flops)
+    assert fixed == pytest.approx(0.1) and per_flop == pytest.approx(1e-6)
+    assert planner.micro_batch_costs({**probe, "small_step_seconds": 0.3}, flops) is None  # noise: slower than large
+    assert planner.micro_batch_costs({**probe, "small_step_seconds": 0.001}, flops) == \
+        (0.0, pytest.approx(probe["micro_step_seconds"] / 182_272))  # a negative fixed cost: all of it work
+
+    few, many = (planner.Candidate(Settings(), 0, padded_tokens=4096, micro_batches=count, flops=2e6, updates=8)
+                 for count in (10, 20))
+    for candidate in (few, many):
+        planner._record_probe(candidate, probe, flops)
+    assert few.seconds_per_epoch == pytest.approx(0.1 * 10 + 2.0 + 0.5 * 8)
+    assert many.seconds_per_epoch - few.seconds_per_epoch == pytest.approx(0.1 * 10)
+    tokens_only = planner.Candidate(Settings(), 0, padded_tokens=4096, micro_batches=10, updates=8)  # no FLOPs
+    planner._record_probe(tokens_only, probe, flops)
+    assert tokens_only.seconds_per_epoch == pytest.approx(probe["micro_step_seconds"] / 512 * 4096 + 0.5 * 8)
+
+
 def test_a_probes_warm_up_is_the_worst_batch_cut_to_columns_real_in_every_row():
     """The warm-up micro-batch only has to leave the gradients (their size does not depend on the width): the worst
     batch cut to 16 columns that are real tokens in every row, right or left padding alike."""

@@ -788,10 +788,11 @@ class _Search:
 
         For fixed settings at one width, the peak of each phase of the update (forward, backward, the optimizer
         step: `phase_peak_bytes`) is affine in the micro-batch's rows: activations and temporaries grow with them,
-        weights, gradients and optimizer state do not (docs/plan.md: exact to 2e-4 on 13 mixes of models, optimizers,
-        precisions, checkpointing, LoRA and chunked cross-entropy). Each phase is read off the line through the two
-        nearest estimates (those on either side when there are), and the prediction is the largest. Where the worst
-        batch of several rows is padded, one row is not (nothing to pad): it is neither a point nor predicted.
+        weights, gradients and optimizer state do not (docs/plan.md: exact to 2.3e-4 on 12 mixes of models,
+        optimizers, precisions, checkpointing, LoRA and chunked cross-entropy). Each phase is read off the line
+        through the two nearest estimates (those on either side when there are), and the prediction is the largest.
+        Where the worst batch of several rows is padded, one row is not (nothing to pad): it is neither a point nor
+        predicted.
         """
         key = self.key(settings)
         if key in self.cache:
