@@ -987,16 +987,19 @@ def test_a_splits_peak_is_predicted_phase_by_phase_from_two_estimates_at_other_m
     assert search.predict(dataclasses.replace(split(3), optimizer="sgd")) is None
 
 
-def phased_estimates(extra: dict | None = None):
+def phased_estimates(extra: dict | None = None, seconds: float = 0.0):
     """An `estimate` stand-in whose phases are affine in the rows (MiB): forward 10 + 3r, backward 12 + 4r, the
-    optimizer step 40, plus `extra` MiB of backward at given rows (not affine there). Records the rows estimated."""
+    optimizer step 40, plus `extra` MiB of backward at given rows (not affine there), each costed at `seconds`.
+    Records the rows estimated."""
     calls = []
 
     def estimate(model, rows, seq_len, settings, **kwargs) -> dict:
+        if kwargs.get("cache") == "only":  # planning's time spent: only cached estimates are read, and none is
+            raise LookupError("not in the cache")
         calls.append(rows)
         phases = {"forward": 10 + 3 * rows, "backward": 12 + 4 * rows + (extra or {}).get(rows, 0), "optimizer": 40}
         peak_phase = max(phases, key=phases.get)
-        return {"peak_memory_bytes": phases[peak_phase] * 2**20, "compute_seconds": 0.0, "from_cache": False,
+        return {"peak_memory_bytes": phases[peak_phase] * 2**20, "compute_seconds": seconds, "from_cache": False,
                 "phase_peak_bytes": {phase: value * 2**20 for phase, value in phases.items()},
                 "memory_breakdown": {"peak_phase": peak_phase}}
 
@@ -1008,7 +1011,7 @@ def test_the_search_decides_steps_by_prediction_and_estimates_the_split_a_predic
     decides the rest by prediction. Per phase: the peaks at 8 and 32 rows (44 and 140 MiB) put 16 rows at 76 MiB, where
     a line through the peaks themselves would not. Under the tensors meter a split a prediction chose is estimated
     before it is returned, and when that estimate does not fit, the search goes on below it; under a measured meter
-    (each candidate's probe measures it) the prediction stands."""
+    (each candidate's probe measures it) the prediction stands, and so it does when planning's time is spent."""
     from looptrain.planning import planner
 
     template = Settings(batch_size=1, accum_steps=128)
@@ -1024,6 +1027,14 @@ def test_the_search_decides_steps_by_prediction_and_estimates_the_split_a_predic
         search.measured = measured
         assert planner._largest_fitting(search, template, sizes, 128) == best
         assert calls == estimated and search.key(template.__class__(batch_size=16, accum_steps=8)) in search.predicted
+
+    # Planning's time spent before the chosen split could be estimated: the prediction stands, as its peak too.
+    stand_in, calls = phased_estimates(seconds=1.0)
+    monkeypatch.setattr(planner, "estimate", stand_in)
+    search = planner._Search(torch.nn.Linear(1, 1), 32, 78 * 2**20, 0.0, 1.0, 2, lambda line: None)
+    search.limit = 2.5  # two estimates of 1 s: a third would end past it
+    assert planner._largest_fitting(search, template, sizes, 128) == 16 and calls == [8, 32]
+    assert search.candidate_peak(Settings(batch_size=16, accum_steps=8)) == 76 * 2**20 and calls == [8, 32]
 
 
 def test_the_search_finds_the_lightest_mode_first_and_never_estimates_a_split_more_checkpointing_ruled_out():

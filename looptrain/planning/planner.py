@@ -819,10 +819,17 @@ class _Search:
         return self.predict(settings) is not None
 
     def candidate_peak(self, settings: Strategy) -> int:
-        """A candidate's peak: its estimate; under a measured meter (its probe measures it) its prediction when it
-        has no estimate."""
-        predicted = self.predict(settings) if self.measured else None
-        return predicted if predicted is not None else self.peak(settings)
+        """A candidate's peak: its estimate; its prediction when it has none and either a measured meter's probe
+        will measure it or planning's time is spent."""
+        predicted = self.predict(settings)
+        if predicted is not None and self.measured:
+            return predicted
+        try:
+            return self.peak(settings)
+        except SearchTimeSpent:
+            if predicted is None:
+                raise
+            return predicted
 
     def fits(self, settings: Strategy) -> bool:
         """Whether `settings` fit the budget less the margin (with what the process holds besides tensors): by their
