@@ -20,8 +20,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from looptrain import strategy as strategies
+from looptrain.planning.errors import PlanError
 from looptrain.planning.estimator import ESTIMATE_METER, PRESETS, estimate, ladder, load_config, preset_config
-from looptrain.planning.planner import PlanError, lowest
+from looptrain.planning.lowest import lowest
 from looptrain.precision import cpu_has_native_bf16
 
 

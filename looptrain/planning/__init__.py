@@ -5,8 +5,8 @@ Modules:
                 `estimate_windows` / `bounding_windows`: a run's peak over the batches it will see;
                 `measure`: the same strategy run for real, for the accuracy check
     estimate_cache  the on-disk cache of estimates: the key of an estimate (everything that decides it)
-    planner     `plan`: a memory budget in, the fastest exact training configuration that fits out;
-                `lowest`: the full fine-tune with the lowest estimated peak (``--lowest``)
+    planner     `plan`: a memory budget in, the fastest exact training configuration that fits out
+    lowest      `lowest`: the full fine-tune with the lowest estimated peak (``--lowest``)
     probes      `probe`: one real update on the worst batch, timed and measured by the budget's meter
     worker      `EstimateWorker`: the estimates in forked child processes
     errors      `PlanError`
@@ -28,14 +28,13 @@ from looptrain.planning.estimator import (
     preset_config,
     random_batch,
 )
+from looptrain.planning.lowest import Lowest, lowest
 from looptrain.planning.planner import (
     Candidate,
     Levers,
-    Lowest,
     Plan,
     Settings,
     by_tokens,
-    lowest,
     parse_size,
     plan,
     run_batches_estimate,
