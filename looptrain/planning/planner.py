@@ -473,7 +473,7 @@ def plan(
             result.notes.append(f"the first probe did not fit under the C allocator's own thresholds, which keep "
                                 f"freed blocks resident: {malloc}")
         result.extrapolated = search.extrapolated
-        result.predictions = len(search.predicted)
+        result.predictions = len(search.predicted - search.cache.keys())  # not estimated after all
         if search.skipped:
             result.notes.append(f"the search stopped short of {search.skipped} estimate(s): planning's time (5% of "
                                 "the run its first probe predicts, or --plan-time) was spent, so those splits count "

@@ -134,7 +134,7 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
                   meter: Meter | None = None) -> dict:
     """One update of the Loop on `batch` (two when it has one micro-batch), learning rate 0, timed.
 
-    An update is a window of `min(accum_steps, 2)` micro-batches, as in the estimator: from the second
+    An accumulating split's update is one window of micro-batches, as in the estimator: from the second
     micro-batch on, the gradients of the first are held beside the activations, which is where an
     accumulating run peaks. The first micro-batch is the warm-up (first-call costs, the gradients to hold):
     `batch` cut to `PROBE_WARM_UP_WIDTH` columns (`warm_up_batch`), since the gradients' size does not depend on
