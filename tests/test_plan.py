@@ -657,8 +657,8 @@ def test_plan_only_gives_the_lean_thresholds_with_the_command_when_the_plan_need
 
 
 def test_a_fused_step_that_cannot_fit_is_ruled_out_by_extrapolation_not_estimated(dataset):
-    """Memory is close to affine in a micro-batch's rows: the fused step at the whole batch holds the weights, the
-    optimizer state and 16/b times the activations of the unfused estimate at b that did not fit. A candidate ruled
+    """Activations are affine in a micro-batch's rows: the fused step at the whole batch holds the weights, the
+    optimizer state and the activations the line through two unfused estimates gives at 16 rows. A candidate ruled
     out that way is never estimated by the plan, and a real estimate confirms it does not fit."""
     from looptrain import planning
 
@@ -667,13 +667,33 @@ def test_a_fused_step_that_cannot_fit_is_ruled_out_by_extrapolation_not_estimate
     budget = budget_between(model, train_set, collator, 2, 4)
     result = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH, probe=False)
     assert result.extrapolated, result.notes
-    assert any("not estimated: extrapolated" in note for note in result.notes)
+    assert any("fused-step candidate(s) not estimated: the line through two estimates" in note
+               for note in result.notes)
     width = result.worst_width
     for settings in result.extrapolated:
         assert settings.optimizer_in_backward and settings.batch_size == EFFECTIVE_BATCH
         assert settings not in [c.settings for c in result.candidates]
         peak = planning.estimate(model, settings.batch_size, width, settings, cache=False)["peak_memory_bytes"]
         assert peak * (1 + result.margin) > budget
+
+
+def test_the_fused_steps_bound_is_the_line_through_two_estimates_not_one_scaled():
+    """The fused step at the whole batch is ruled out without an estimate only when the weights, the optimizer state
+    and the activations read off the line through the two largest unfused estimates (activations 10 + 2 MiB a row:
+    74 MiB at 32 rows) do not fit. Scaling one estimate's activations by the rows (26 MiB at 8 rows, x 4) would
+    overstate them by the line's intercept, and rule out a fused step that fits."""
+    from looptrain.planning import planner
+
+    mib = 2**20
+    for budget, ruled_out in ((240, False), (200, True)):  # the bound: 100 + 50 + 74 = 224 MiB
+        search = planner._Search(torch.nn.Linear(1, 1), 32, budget * mib, 0.0, 1.0, 2, lambda line: None)
+        for rows in (4, 8):
+            split = Settings(batch_size=rows, accum_steps=32 // rows)
+            search.results[search.key(split)] = {"memory_breakdown": {
+                "peak_phase": "backward", "params": 100 * mib, "optimizer_state": 50 * mib,
+                "activations_and_temps": (10 + 2 * rows) * mib}}
+        assert planner._cannot_fit_fused(search, Settings(batch_size=8, accum_steps=4), 32) == ruled_out
+        assert [s.batch_size for s in search.extrapolated] == ([32] if ruled_out else [])
 
 
 def test_with_no_planning_time_the_search_stops_short_and_the_baseline_trains(dataset, monkeypatch, tmp_path):
@@ -882,7 +902,7 @@ class AffineSearch:
     ROW = {(True, 1): 1, (True, 2): 2, (False, 1): 4}  # activations per row: every block, every other, none
 
     def __init__(self, budget: int):
-        self.budget, self.margin, self.overhead, self.measured = budget, 0.0, 0, False
+        self.budget, self.margin, self.overhead, self.measured, self.padded = budget, 0.0, 0, False, False
         self.smallest_failure, self.results, self.estimated, self.cache = None, {}, [], set()
 
     def peak(self, settings) -> int:
