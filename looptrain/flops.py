@@ -61,6 +61,10 @@ class ModelFlops:
         """Training FLOPs of one token in a sequence of `seq_len` tokens."""
         return self.dense + self.attention * seq_len
 
+    def per_batch(self, rows: int, seq_len: int) -> float:
+        """Training FLOPs of a batch of `rows` sequences padded to `seq_len` tokens (the padding computed too)."""
+        return rows * seq_len * self.per_token(seq_len)
+
 
 def _matmul_weights(module: nn.Module) -> int:
     """The multiply-adds per token of a module's own weight matrix (0 for anything but a matmul layer)."""

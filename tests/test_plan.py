@@ -918,6 +918,9 @@ class AffineSearch:
     def known(self, settings) -> bool:
         return False  # no predictions: every step is estimated
 
+    def family_estimates(self, settings) -> list:
+        return []  # no estimate results: the fused step is never ruled out without its own
+
     def fits(self, settings) -> bool:
         self.estimated.append(settings)
         self.cache.add(self.key(settings))

@@ -167,7 +167,7 @@ def import_optimizer(name: str) -> None:
     machinery). Raises ImportError as `build_optimizer` would."""
     if name == "adafactor":
         import transformers.optimization  # noqa: F401
-    elif name in ("adamw8bit", "paged_adamw8bit"):
+    elif name in EIGHT_BIT_OPTIMIZERS:
         _import_bitsandbytes()
 
 

@@ -615,7 +615,7 @@ def _costed(search: _Search, settings: Strategy, dataset, collator, lengths, dev
     candidate.padded_tokens = sum(rows * width for rows, width in shapes)
     candidate.micro_batches = len(shapes)
     if search.flops is not None:
-        candidate.flops = sum(_work(search.flops, rows, width) for rows, width in shapes)
+        candidate.flops = sum(search.flops.per_batch(rows, width) for rows, width in shapes)
     candidate.updates = len(windows)
     candidate.prior = _prior_seconds(candidate, search.model, device_type)
     return candidate
@@ -802,10 +802,8 @@ class _Search:
         key = self.key(settings)
         if key in self.cache:
             return self.cache[key]
-        rows, smallest = key[0], 2 if self.padded else 1
-        points = sorted((other[0], result) for other, result in self.results.items()
-                        if other[1:] == key[1:] and other[0] >= smallest)
-        if rows < smallest or len(points) < 2:
+        rows, points = key[0], self.family_estimates(settings)
+        if rows < (2 if self.padded else 1) or len(points) < 2:
             return None
         below = [point for point in points if point[0] < rows]
         above = [point for point in points if point[0] > rows]
@@ -818,6 +816,13 @@ class _Search:
         ends = phases(first), phases(second)
         return int(max(ends[0][phase] + (ends[1][phase] - ends[0][phase]) * (rows - low) / (high - low)
                        for phase in ends[0] if phase in ends[1]))
+
+    def family_estimates(self, settings: Strategy) -> list[tuple[int, dict]]:
+        """The estimates of `settings` at other micro-batches that lie on one line, ``(rows, result)`` by rows: at two
+        rows or more where the worst batch is padded (one row is not)."""
+        key, smallest = self.key(settings), 2 if self.padded else 1
+        return sorted(((other[0], result) for other, result in self.results.items()
+                       if other[1:] == key[1:] and other[0] >= smallest), key=lambda point: point[0])
 
     def known(self, settings: Strategy) -> bool:
         """Whether `fits` can answer for `settings` without an estimate."""
@@ -839,11 +844,11 @@ class _Search:
     def fits(self, settings: Strategy) -> bool:
         """Whether `settings` fit the budget less the margin (with what the process holds besides tensors): by their
         estimate, or their prediction (`predict`) when they have none, or by an estimate made now."""
-        peak = self.predict(settings)
+        key, peak = self.key(settings), self.predict(settings)
         if peak is None:
             peak = self.peak(settings)
-        elif self.key(settings) not in self.cache:
-            self.predicted.add(self.key(settings))
+        elif key not in self.cache:
+            self.predicted.add(key)
         return (peak + self.overhead) * (1 + self.margin) <= self.budget
 
 
@@ -1016,9 +1021,7 @@ def _cannot_fit_fused(search: _Search, failed: Strategy, effective_batch: int) -
     the fused candidate is estimated. (Scaling one estimate's activations by `effective_batch / rows` overstates
     them by the line's intercept: on worked example 1 it ruled out 8-bit AdamW fused, 3.09 GiB, under 4 GiB.)
     """
-    family, smallest = search.key(failed)[1:], 2 if search.padded else 1
-    points = sorted((key[0], result["memory_breakdown"]) for key, result in search.results.items()
-                    if key[1:] == family and key[0] >= smallest)
+    points = [(rows, result["memory_breakdown"]) for rows, result in search.family_estimates(failed)]
     if len(points) < 2 or any(parts["peak_phase"] not in ("forward", "backward") for _, parts in points[-2:]):
         return False
     (low, first), (high, second) = points[-2:]
@@ -1346,8 +1349,9 @@ def _record_probe(candidate: Candidate, probe: dict, flops: ModelFlops | None = 
 
 def micro_batch_costs(probe: dict, flops: ModelFlops | None) -> tuple[float, float] | None:
     """A probe's seconds per micro-batch whatever its size, and per model FLOP of its work: the line through its two
-    timed micro-batches (the warm-up's second run and the worst batch), their work in model FLOPs (`_work`: padded
-    tokens, attention growing with the width). None without a small step timed or FLOPs counted.
+    timed micro-batches (the warm-up's second run and the worst batch), their work in model FLOPs
+    (`ModelFlops.per_batch`: padded tokens, attention growing with the width). None without a small step timed or
+    FLOPs counted.
 
     A micro-batch's fixed cost (Python, dispatch, hooks: the same for 1 row or 8) is why cutting a batch into more
     micro-batches costs more than its tokens say; and attention makes a token of the worst width dearer than one of
@@ -1356,7 +1360,7 @@ def micro_batch_costs(probe: dict, flops: ModelFlops | None) -> tuple[float, flo
     small, shape = probe.get("small_step_seconds"), probe.get("small_batch_shape")
     if small is None or shape is None or flops is None:
         return None
-    small_work, large_work = _work(flops, *shape), _work(flops, *probe["batch_shape"])
+    small_work, large_work = flops.per_batch(*shape), flops.per_batch(*probe["batch_shape"])
     if large_work <= small_work or probe["micro_step_seconds"] <= small:
         return None
     per_flop = (probe["micro_step_seconds"] - small) / (large_work - small_work)
@@ -1364,11 +1368,6 @@ def micro_batch_costs(probe: dict, flops: ModelFlops | None) -> tuple[float, flo
     if fixed < 0:  # noise: all of it work
         return 0.0, probe["micro_step_seconds"] / large_work
     return fixed, per_flop
-
-
-def _work(flops: ModelFlops, rows: int, width: int) -> float:
-    """The model FLOPs of a padded micro-batch of `rows` x `width` tokens."""
-    return rows * width * flops.per_token(width)
 
 
 def _scale_priors(candidates: list[Candidate]) -> None:
