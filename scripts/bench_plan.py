@@ -13,7 +13,8 @@ length grouping allowed; fp32 in both unless `--amp` is passed here), which plan
 - Memory: each framework runs in a fresh process with `MALLOC_MMAP_THRESHOLD_=131072
   MALLOC_TRIM_THRESHOLD_=131072`; the baseline is the RSS after importing torch, transformers and
   looptrain (before the model exists), the kernel's peak mark is reset to it (`/proc/self/clear_refs`),
-  and the peak is VmHWM minus that baseline: the weights count, as they do in the budget.
+  and the peak is the process's highest VmHWM since (`peak_rss_bytes`: the marks the planner's probes reset
+  included) minus that baseline: the weights count, as they do in the budget.
 - Time: from the first training work (Trainer: building `Trainer`; looptrain: reading the data, so
   tokenizing, planning and the per-run estimate count) to the end of the final save.
 
@@ -40,7 +41,7 @@ import time
 from pathlib import Path
 
 from looptrain.memory.allocator import lean_environment
-from looptrain.memory.meters import proc_status_bytes, reset_peak_rss
+from looptrain.memory.meters import peak_rss_bytes, proc_status_bytes, reset_peak_rss
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "intermediate_size": 2048,
@@ -71,7 +72,7 @@ def _baseline() -> int:
 
     import looptrain  # noqa: F401
 
-    reset_peak_rss()
+    reset_peak_rss(forget=True)  # from here on, peak_rss_bytes is the run's peak, the probes' included
     return proc_status_bytes("VmRSS")
 
 
@@ -138,7 +139,7 @@ def worker_trainer(spec: dict) -> dict:
         trainer.save_model(os.path.join(output_dir, "final"))
     seconds = time.perf_counter() - started
     return {"seconds": seconds, "samples": len(features), "samples_per_s": len(features) / seconds,
-            "peak_rss_delta": proc_status_bytes("VmHWM") - baseline}
+            "peak_rss_delta": peak_rss_bytes() - baseline}
 
 
 def worker_looptrain(spec: dict) -> dict:
@@ -159,7 +160,7 @@ def worker_looptrain(spec: dict) -> dict:
     if code != 0:
         raise RuntimeError(f"finetune.py exited {code}")
     return {"seconds": seconds, "samples": spec["samples"], "samples_per_s": spec["samples"] / seconds,
-            "peak_rss_delta": proc_status_bytes("VmHWM") - baseline, "plan": summary["plan"],
+            "peak_rss_delta": peak_rss_bytes() - baseline, "plan": summary["plan"],
             "estimated_peak_bytes": summary["estimated_peak_bytes"], "train_seconds": summary["train_runtime_s"],
             "planning_seconds": summary["planning_seconds"], "mfu": summary.get("mfu"),
             "peak_flops_dtype": summary.get("peak_flops_dtype")}

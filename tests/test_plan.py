@@ -439,7 +439,7 @@ def test_bf16_weights_are_a_numerics_lever_and_probes_leave_the_fp32_weights_alo
 # ------------------------------------------------------------------------------------------ never loses
 def fake_probe(speeds: dict):
     """A `probes.probe` stand-in: the micro-step seconds per token of each micro-batch size, no optimizer time."""
-    def probe(model, settings, batch, device, max_grad_norm, meter=None):
+    def probe(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None):
         tokens = int(batch["input_ids"].numel())
         return {"micro_step_seconds": speeds[settings.batch_size] * tokens, "optimizer_step_seconds": 0.0,
                 "probe_seconds": 0.01, "tokens": tokens, "batch_shape": list(batch["input_ids"].shape)}
@@ -551,7 +551,7 @@ def test_a_planned_run_keeps_its_budget_of_process_rss_with_evaluation_and_check
 def rss_probe(held: dict):
     """A `probes.probe` stand-in under the RSS meter: one unit of time per token, and a measured peak of `held["bytes"]`
     (what the process holds, its allocator's holes included) plus 1 MiB per row."""
-    def probe(model, settings, batch, device, max_grad_norm, meter=None):
+    def probe(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None):
         rows, width = batch["input_ids"].shape
         return {"micro_step_seconds": 1e-3 * rows * width, "optimizer_step_seconds": 0.0, "probe_seconds": 0.01,
                 "tokens": rows * width, "batch_shape": [rows, width],
@@ -1167,6 +1167,58 @@ def test_a_probe_of_process_rss_trims_the_heap_where_glibc_keeps_freed_blocks(mo
         monkeypatch.setattr(allocator, "keeps_freed", lambda keeps=keeps: keeps)
         probes.probe(torch.nn.Linear(1, 1), settings, {}, "cpu", 1.0, meter)
         assert measured.pop() == dataclasses.replace(settings, trim_heap=trims)
+
+
+def test_a_probe_stops_at_its_ceiling_and_leaves_the_model_as_it_was():
+    """Under a measured meter a probe that reads above its ceiling stops there: a probe over the budget would have
+    taken the process past it (docs/plan.md). Its peak is past the ceiling and far below the whole update's, it has
+    no timings, and the model keeps its weights and holds no gradients. The batch's wide layers (16 x 256 tokens x
+    4096 features: 64 MiB a tensor) are served by mmap whatever the heap holds, so RSS follows them."""
+    model = make_tiny_bert(num_labels=2, max_position_embeddings=256, intermediate_size=4096)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    ids = torch.randint(5, 20, (16, 256), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.zeros(16, dtype=torch.long)}
+    settings = Settings(batch_size=16, accum_steps=2, optimizer="sgd")
+    mib = 2**20
+    stopped = probes.measure_probe(model, settings, batch, "cpu", 1.0, probes.Meter("rss", probes.rss_baseline_bytes()),
+                                   48 * mib)
+    whole = probes.measure_probe(model, settings, batch, "cpu", 1.0, probes.Meter("rss", probes.rss_baseline_bytes()))
+    assert stopped["stopped"] is True and stopped["ceiling"] == 48 * mib
+    assert "micro_step_seconds" not in stopped and "stopped" not in whole and whole["micro_step_seconds"] > 0
+    assert whole["measured_peak_bytes"] > 200 * mib  # what the update holds at its worst
+    assert 48 * mib < stopped["measured_peak_bytes"] < whole["measured_peak_bytes"] / 2
+    assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())
+    assert all(parameter.grad is None for parameter in model.parameters())
+
+
+def test_a_stopped_probe_is_read_from_the_cache_only_for_a_ceiling_no_higher(monkeypatch, tmp_path):
+    """A probe stopped at its ceiling says its peak passes that ceiling, not where it ends: a plan with a lower
+    ceiling reads it from the cache, one with a higher ceiling measures it again."""
+    from looptrain.planning import estimate_cache
+
+    monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    mib = 2**20
+    measured = []
+
+    def measure(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None):
+        measured.append(ceiling)
+        if ceiling is None:
+            return {"micro_step_seconds": 0.1, "optimizer_step_seconds": 0.0, "probe_seconds": 0.5, "tokens": 4,
+                    "batch_shape": [1, 4], "measured_peak_bytes": 150 * mib}
+        return {"stopped": True, "ceiling": ceiling, "measured_peak_bytes": ceiling + mib, "probe_seconds": 0.5,
+                "tokens": 4, "batch_shape": [1, 4]}
+
+    monkeypatch.setattr(probes, "measure_probe", measure)
+    model = torch.nn.Linear(1, 1)
+    probes.MODEL_DIGESTS[model] = estimate_cache.model_digest(model)
+    meter, settings, batch = probes.Meter("rss", probes.rss_baseline_bytes()), Settings(), {"input_ids": [[1] * 4]}
+    assert not probes.probe(model, settings, batch, "cpu", 1.0, meter, 100 * mib).get("from_cache")
+    assert probes.probe(model, settings, batch, "cpu", 1.0, meter, 90 * mib)["from_cache"]  # passes 90 too
+    assert measured == [100 * mib]
+    assert not probes.probe(model, settings, batch, "cpu", 1.0, meter, 110 * mib).get("from_cache")
+    assert probes.probe(model, settings, batch, "cpu", 1.0, meter, None).get("from_cache") is None  # no ceiling
+    assert probes.probe(model, settings, batch, "cpu", 1.0, meter, 120 * mib)["from_cache"]  # measured whole now
+    assert measured == [100 * mib, 110 * mib, None]
 
 
 def test_a_cached_probe_of_process_rss_is_read_only_while_the_process_holds_about_the_same(monkeypatch, tmp_path):

@@ -209,7 +209,7 @@ def test_a_split_whose_probe_measures_over_the_budget_is_replaced_by_the_next_sm
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     probed_rows = []
 
-    def probe(model, settings, batch, device, max_grad_norm, meter=None):
+    def probe(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None):
         rows, width = batch["input_ids"].shape
         probed_rows.append(rows)
         # Per token, more rows are faster (sublinear), so the largest split that fits wins.
@@ -225,3 +225,39 @@ def test_a_split_whose_probe_measures_over_the_budget_is_replaced_by_the_next_sm
     width = result.worst_width
     assert result.winner.settings.micro_batch_tokens == 8 * width  # the 8-row split, cut by tokens
     assert result.winner.probe["batch_shape"] == [8, width]
+
+
+def test_no_probe_runs_past_what_fits_its_ceiling_stops_it(dataset, monkeypatch, tmp_path):
+    """Each probe under a measured meter gets a ceiling: the most it may measure and still fit. The first,
+    before the run's growth is known, budget / (1 + margin); every later one that less the growth. A probe that
+    passes it stops (as `measure_probe` does), counts as over the budget, and the next smaller split stands in."""
+    from looptrain.planning import planner, rss_baseline_bytes
+
+    train_set, collator = dataset
+    monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    mib, budget = 2**20, 300 * 2**20
+    ceilings = []
+
+    def probe(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None):
+        rows, width = batch["input_ids"].shape
+        ceilings.append((rows, ceiling))
+        peak = (100 + 12 * rows) * mib  # 16 rows: 292 MiB, past every ceiling; 8 rows: 196 MiB
+        if ceiling is not None and peak > ceiling:
+            return {"stopped": True, "ceiling": ceiling, "measured_peak_bytes": ceiling + mib, "probe_seconds": 0.01,
+                    "tokens": rows * width, "batch_shape": [rows, width]}
+        return {"micro_step_seconds": 1e-3 * rows ** 0.5 * width, "optimizer_step_seconds": 0.0, "probe_seconds": 0.01,
+                "tokens": rows * width, "batch_shape": [rows, width], "measured_peak_bytes": peak}
+
+    monkeypatch.setattr(probes, "probe", probe)
+    lines = []
+    result = plan(make_tiny_bert(num_labels=2), train_set, collator, memory_budget=budget, effective_batch=16,
+                  rss_baseline=rss_baseline_bytes(), base=Settings(batch_size=2, accum_steps=8, group_by_length=True),
+                  echo=lines.append)
+    fitting = int(budget / (1 + planner.DEFAULT_MARGIN["cpu"]))
+    assert ceilings[0] == (2, fitting)  # the first probe: the growth is not known yet
+    assert result.growth_bytes > 0 and all(ceiling == fitting - result.growth_bytes for _, ceiling in ceilings[1:])
+    assert (16, fitting - result.growth_bytes) in ceilings and 8 in [rows for rows, _ in ceilings]
+    assert any("probe 16 x 1" in line and "stopped past" in line and "over the budget" in line for line in lines)
+    assert all(candidate.probe["batch_shape"][0] <= 8 and not candidate.probe.get("stopped")
+               for candidate in result.candidates)
+    assert result.winner.probe["batch_shape"] == [8, result.worst_width]

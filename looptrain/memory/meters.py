@@ -58,13 +58,14 @@ def proc_status_bytes(field: str) -> int:
 _PEAK_BEFORE_RESET = 0  # the highest VmHWM this process had when `reset_peak_rss` last cleared it
 
 
-def reset_peak_rss() -> None:
+def reset_peak_rss(forget: bool = False) -> None:
     """Sets the kernel's peak RSS mark (``VmHWM``) to the current RSS (Linux 4.0+; OSError elsewhere).
 
-    The mark it clears is kept: `peak_rss_bytes` still reports the process's whole peak.
+    The mark it clears is kept: `peak_rss_bytes` still reports the process's whole peak. With `forget` (a
+    benchmark's baseline, taken after the imports) it is not: the process's peak counts from now.
     """
     global _PEAK_BEFORE_RESET
-    _PEAK_BEFORE_RESET = max(_PEAK_BEFORE_RESET, proc_status_bytes("VmHWM"))
+    _PEAK_BEFORE_RESET = 0 if forget else max(_PEAK_BEFORE_RESET, proc_status_bytes("VmHWM"))
     with open("/proc/self/clear_refs", "w", encoding="utf-8") as clear_refs:
         clear_refs.write("5")
 

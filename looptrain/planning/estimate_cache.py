@@ -46,6 +46,7 @@ CODE_VERSION = 1
 KIND = "estimates"
 PROBES = "probes"
 _PROBE_KEYS = ("micro_step_seconds", "optimizer_step_seconds", "probe_seconds", "tokens", "batch_shape")
+_STOPPED_PROBE_KEYS = ("ceiling", "measured_peak_bytes", "probe_seconds", "tokens", "batch_shape")  # no timings
 _RESULT_KEYS = ("peak_memory_bytes", "memory_meter", "memory_breakdown", "phase_peak_bytes", "parameters",
                 "trainable_parameters", "notes")
 
@@ -247,7 +248,8 @@ def probe_key(model: str, strategy: Strategy, batch: dict, *, max_grad_norm: flo
 def read_probe(name: str) -> dict | None:
     """The probe stored under `name`, or None (absent, unreadable, incomplete, caching off)."""
     entry = cache.read_entry(PROBES, name)
-    if entry is None or not all(isinstance(entry.get(field), (int, float, list)) for field in _PROBE_KEYS):
+    required = _STOPPED_PROBE_KEYS if entry is not None and entry.get("stopped") else _PROBE_KEYS
+    if entry is None or not all(isinstance(entry.get(field), (int, float, list)) for field in required):
         return None
     return entry
 

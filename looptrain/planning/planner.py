@@ -414,14 +414,16 @@ def plan(
             if first is not None:
                 batch = collator([dataset[i] for i in order[:first.batch_size]])
                 started = time.perf_counter()
-                probed = probes.probe(model, first, batch, device, max_grad_norm, measured)
+                # A probe that reads more than a fitting one may stops there: the process stays within its budget.
+                ceiling = _ceiling(memory_budget, margin, 0) if measured is not None else None
+                probed = probes.probe(model, first, batch, device, max_grad_norm, measured, ceiling)
                 leans = meter == "rss" and make_lean is not None
                 if leans and probed.get("from_cache") and not _probe_fits(probed, search, first):
                     # Measured again, though cached: besides its verdict, this probe under glibc's own thresholds
                     # leaves freed chunks in the heap, which the run reuses once the thresholds are fixed. A rerun
                     # that read it from the cache trained 10% slower (docs/plan.md).
                     probed = probes.measure_probe(model, probes.as_run(first, measured), batch, device, max_grad_norm,
-                                                  measured)
+                                                  measured, ceiling)
                 first_charged = probed["probe_seconds"]  # as measured, or as recorded when read from the cache
                 if leans and not _probe_fits(probed, search, first):
                     malloc = make_lean()
@@ -429,14 +431,14 @@ def plan(
                         echo(f"  {first.batch_size} x {first.accum_steps} measured "
                              f"{format_bytes(probed['measured_peak_bytes'])}, over the budget with the run's growth, "
                              f"under the C allocator's own thresholds: {malloc}; measuring it again")
-                        probed = probes.probe(model, first, batch, device, max_grad_norm, measured)
+                        probed = probes.probe(model, first, batch, device, max_grad_norm, measured, ceiling)
                         first_charged += probed["probe_seconds"]
                 first_seconds = time.perf_counter() - started
                 reference = _costed(search, first, dataset, collator, lengths, device_type, seed,
                                     as_given=first == baseline)
                 _record_probe(reference, probed, search.flops)
-                total = probe_budget if probe_budget is not None else \
-                    probe_fraction * reference.seconds_per_epoch * epochs
+                total = probe_budget if probe_budget is not None else 0.0 if probed.get("stopped") else \
+                    probe_fraction * reference.seconds_per_epoch * epochs  # stopped: no time measured, the floor
                 # Both probes count when the first was measured again with the allocator fixed: planning's time is
                 # all of it, and the probes after the search are reserved at the second's (the allocator as it will
                 # be): the favourite's, and under a measured meter its stand-in's (`_smaller_split`).
@@ -460,7 +462,8 @@ def plan(
                 # tensors alone.
                 lightest = _lightest(base, effective_batch)
                 longest = max(range(len(lengths)), key=lambda index: lengths[index])
-                probed = probes.probe(model, lightest, collator([dataset[longest]]), device, max_grad_norm, measured)
+                probed = probes.probe(model, lightest, collator([dataset[longest]]), device, max_grad_norm, measured,
+                                      memory_budget)  # stopped at the budget: what it holds besides is at least that
                 search.overhead = max(0, probed["measured_peak_bytes"] - search.peak(lightest))
             raise PlanError(_nothing_fits_message(search, effective_batch, base, levers, collator, lengths,
                                                   device_type))
@@ -552,6 +555,13 @@ def _probe_fits(probed: dict, search: _Search, settings: Strategy) -> bool:
     """A probe's measured peak fits the search's budget, with the run's growth (from its estimate) and the margin."""
     peak = probed.get("measured_peak_bytes", 0)
     return _fits_measured(peak, _run_growth(peak, search.peak(settings)), search.margin, search.budget)
+
+
+def _ceiling(budget: int, margin: float, growth: int) -> int:
+    """The most a probe may measure and fit (`_fits_measured`), where `measure_probe` stops it: a probe that goes
+    past has already taken the process past what fits, and left unchecked it went on past the budget itself (worst
+    batch of 16 rows under glibc's own thresholds: 1.30 GiB measured against a budget of 1.17 GiB, docs/plan.md)."""
+    return int(budget / (1 + margin)) - growth
 
 
 def _run_growth(measured_peak: int, estimated_peak: int) -> int:
@@ -1246,16 +1256,20 @@ def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: 
     def run(candidate: Candidate) -> None:
         nonlocal charged
         if not candidate.probed:
+            ceiling = _ceiling(result.budget_bytes, result.margin, result.growth_bytes) if meter is not None else None
             _record_probe(candidate, probes.probe(model, candidate.settings, batch_of(candidate), device, max_grad_norm,
-                                                  meter), flops)
+                                                  meter, ceiling), flops)
             charged += candidate.probe["probe_seconds"]
         over = not fits(candidate)
         if over:
             rejected.append(candidate)
         settings, peak = candidate.settings, candidate.probe.get("measured_peak_bytes")
+        speed = f"stopped past {format_bytes(candidate.probe['ceiling'])}, the most that fits" \
+            if candidate.probe.get("stopped") else \
+            f"{result.num_samples / candidate.seconds_per_epoch:.1f} samples/s predicted"
         echo(f"  probe {settings.batch_size} x {settings.accum_steps}, {settings.precision}, {settings.optimizer}, "
              f"checkpointing {settings.checkpointing}{', fused step' if settings.optimizer_in_backward else ''}: "
-             f"{result.num_samples / candidate.seconds_per_epoch:.1f} samples/s predicted "
+             f"{speed} "
              + (f"(from the cache, measured in {candidate.probe['probe_seconds']:.1f} s"
                 if candidate.probe.get("from_cache") else f"({candidate.probe['probe_seconds']:.1f} s")
              + (f"; measured peak {format_bytes(peak)}{', over the budget' if candidate in rejected else ''}"
@@ -1270,8 +1284,8 @@ def _probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: 
         if candidate is not None:
             run(candidate)
     if budget is None:  # a share of the planned run (as the baseline's probe predicts it)
-        reference = baseline or result.candidates[0]
-        budget = probe_fraction * reference.seconds_per_epoch * epochs
+        reference = next((c for c in (baseline, *result.candidates) if c is not None and _timed(c)), None)
+        budget = probe_fraction * reference.seconds_per_epoch * epochs if reference is not None else 0.0
     budget = max(0.0, budget - result.charged_seconds - charged)  # planning's time: estimates and probes together
     charged = 0.0
     result.probe_budget_seconds = round(budget, 3)
@@ -1340,6 +1354,8 @@ def _record_probe(candidate: Candidate, probe: dict, flops: ModelFlops | None = 
     and its work at the probe's seconds per FLOP (`micro_batch_costs`), else (no small step timed, or no FLOPs
     counted) its padded tokens at the probe's seconds per token; and each optimizer step."""
     candidate.probe, candidate.probed = probe, True
+    if probe.get("stopped"):  # over its ceiling, so over the budget: no time measured, the prior's stands
+        return
     costs = micro_batch_costs(probe, flops) if candidate.flops else None
     work = costs[0] * candidate.micro_batches + costs[1] * candidate.flops if costs is not None \
         else probe["micro_step_seconds"] / probe["tokens"] * candidate.padded_tokens
@@ -1373,18 +1389,24 @@ def micro_batch_costs(probe: dict, flops: ModelFlops | None) -> tuple[float, flo
 def _scale_priors(candidates: list[Candidate]) -> None:
     """Unprobed candidates' predicted time: their prior times the median ratio of the probed ones alike
     (same precision and optimizer), or of every probed one."""
-    probed = [c for c in candidates if c.probed]
+    probed = [c for c in candidates if _timed(c)]
     if not probed:
         return
-    for candidate in (c for c in candidates if not c.probed):
+    for candidate in (c for c in candidates if not _timed(c)):
         alike = [c for c in probed if (c.settings.precision, c.settings.optimizer)
                  == (candidate.settings.precision, candidate.settings.optimizer)] or probed
         ratios = sorted(c.seconds_per_epoch / c.prior for c in alike)
         candidate.seconds_per_epoch = candidate.prior * ratios[len(ratios) // 2]
 
 
+def _timed(candidate: Candidate) -> bool:
+    """Whether a candidate's speed was measured: probed, and not stopped at its ceiling."""
+    return candidate.probed and not candidate.probe.get("stopped")
+
+
 def _predicted_probe_seconds(candidate: Candidate, probed: list[Candidate]) -> float:
     """A probe's time, scaled from the nearest probed candidate by micro-batch rows and recompute."""
+    probed = [c for c in probed if _timed(c)]
     if not probed:
         return 0.0
 

@@ -22,7 +22,7 @@ from looptrain.config import LoopConfig
 from looptrain.gradient_checkpointing import disable_gradient_checkpointing
 from looptrain.loop import Loop
 from looptrain.memory import allocator
-from looptrain.memory.meters import proc_status_bytes, reset_peak_rss
+from looptrain.memory.meters import current_rss_bytes, proc_status_bytes, reset_peak_rss
 from looptrain.optim import inner_optimizers
 from looptrain.planning import estimate_cache
 from looptrain.planning.errors import PlanError
@@ -36,6 +36,10 @@ PROBE_HELD_TOLERANCE = 32 * 1024**2
 # leaves the gradients (their size does not depend on the width) and pays the first-call costs, for a fraction of
 # a worst-width micro-batch. Compiled probes warm up at the worst width: that first micro-batch compiles the graph.
 PROBE_WARM_UP_WIDTH = 16
+# A probe with a ceiling reads its meter at most this often (before and after each module's forward, as each
+# gradient is accumulated, before the optimizer's step): the process outgrows the ceiling by what it allocates in
+# between (20-30 MiB on worked example 2, docs/plan.md), and the checks add 1-2% to the timed worst micro-batch.
+CEILING_CHECK_SECONDS = 0.001
 # The models being planned, described when `plan` starts (`estimate_cache.model_digest`): the probes' cache keys.
 MODEL_DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -59,9 +63,47 @@ class Meter:
             return int(torch.cuda.max_memory_reserved())
         return max(0, _status_bytes("VmHWM") - self.baseline)  # the process may have returned memory since the start
 
+    def current(self) -> int:
+        """What the meter reads now (the RSS above the baseline, or CUDA's reserved bytes)."""
+        if self.kind == "cuda_reserved":
+            return int(torch.cuda.memory_reserved())
+        return current_rss_bytes() - self.baseline
+
+
+class ProbeStopped(Exception):
+    """A probe's meter crossed its ceiling: the candidate does not fit, whatever the rest of its update holds."""
+
+
+class _Ceiling:
+    """Stops a probe once its meter reads above `limit`: checked (at most every `CEILING_CHECK_SECONDS`) before and
+    after every module's forward (a checkpointed block's recompute included), as each parameter's gradient is
+    accumulated, and before each optimizer step. Left to finish, a probe that does not fit can take the process past
+    the budget itself, where a container's limit or the OOM killer would end the run while it plans."""
+
+    def __init__(self, meter: Meter, limit: int):
+        self.meter, self.limit, self.tripped, self.last = meter, limit, False, 0.0
+
+    def check(self, *args) -> None:
+        now = time.perf_counter()
+        if self.tripped or now - self.last < CEILING_CHECK_SECONDS:
+            return
+        self.last = now
+        if self.meter.current() > self.limit:
+            self.tripped = True
+            raise ProbeStopped(f"the probe's meter crossed its ceiling of {self.limit} bytes")
+
+    def install(self, model: nn.Module, optimizers) -> list:
+        """The hooks that check; remove them after the probe."""
+        hooks = [nn.modules.module.register_module_forward_pre_hook(self.check),
+                 nn.modules.module.register_module_forward_hook(self.check)]
+        hooks += [parameter.register_post_accumulate_grad_hook(self.check)
+                  for parameter in model.parameters() if parameter.requires_grad]
+        hooks += [inner.register_step_pre_hook(self.check) for inner in optimizers]
+        return hooks
+
 
 def probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_grad_norm,
-          meter: Meter | None = None) -> dict:
+          meter: Meter | None = None, ceiling: int | None = None) -> dict:
     """`measure_probe`, or its result read from the on-disk cache when this CPU measured the same probe before.
 
     A probe on a CPU is cached (`estimate_cache.probe_key`: the model, the settings, the batch, the meter, the CPU
@@ -69,17 +111,18 @@ def probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_gr
     cached probe says ``"from_cache": True``. Under the RSS meter it is read only while the process holds at most
     `PROBE_HELD_TOLERANCE` more above the start than when the probe was measured, and its peak moves up by what the
     process holds more now (never down: a rerun that read its first probes from the cache holds less, as their
-    first-use memory was never touched).
+    first-use memory was never touched). A probe stopped at its `ceiling` is read only for a ceiling no higher: it
+    says the peak passes that ceiling, not where it ends.
     """
     settings = as_run(settings, meter)
     key = probe_key(model, settings, batch, device, max_grad_norm, meter)
     if key is None:
-        return measure_probe(model, settings, batch, device, max_grad_norm, meter)
+        return measure_probe(model, settings, batch, device, max_grad_norm, meter, ceiling)
     held = held_bytes(meter)
     cached = cached_probe(key, held)
-    if cached is not None:
+    if cached is not None and not (cached.get("stopped") and (ceiling is None or ceiling > cached["ceiling"])):
         return cached
-    result = measure_probe(model, settings, batch, device, max_grad_norm, meter)
+    result = measure_probe(model, settings, batch, device, max_grad_norm, meter, ceiling)
     estimate_cache.write_probe(key, {**result, "held_bytes": held})
     return result
 
@@ -131,7 +174,7 @@ def cached_probe(key: str | None, held: int) -> dict | None:
 
 
 def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_grad_norm,
-                  meter: Meter | None = None) -> dict:
+                  meter: Meter | None = None, ceiling: int | None = None) -> dict:
     """One update of the Loop on `batch` (two when it has one micro-batch), learning rate 0, timed.
 
     An accumulating split's update is one window of micro-batches, as in the estimator: from the second
@@ -145,6 +188,11 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
     window of one micro-batch (accumulation 1, the fused step) runs twice, the warm-up then `batch`, and times the
     second. Returns the seconds per micro-step and per optimizer step, the probe's own seconds, and with `meter` the
     peak it measured over the whole probe (warm-up included: the run pays its first-call costs too).
+
+    With `meter` and a `ceiling` (bytes by that meter), the probe stops as soon as the meter reads above it, from
+    the worst batch on (`_Ceiling`; the warm-up holds less): the result then says ``"stopped": True`` and holds the
+    ceiling and the peak measured when it stopped, but no timings. A planner passes the most a fitting probe may
+    measure, so that no probe takes the process past its budget.
     """
     micro_batches = min(settings.accum_steps, 2)
     warm_up = batch if settings.compile else warm_up_batch(batch, PROBE_WARM_UP_WIDTH)
@@ -164,15 +212,23 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
     optimizer = settings.build_optimizer(model, 0.0)
     loop = Loop(model, optimizer, [], config=config)
     marks: list[tuple[str, float]] = []  # ("loss" | "step" | "stepped", when)
-    compute_loss = loop.compute_loss
+    compute_loss, optimizers = loop.compute_loss, inner_optimizers(loop.optimizer)
+    guard = _Ceiling(meter, ceiling + stashed) if meter is not None and ceiling is not None else None
+    hooks, started_micro_batches = [], 0
 
     def timed_loss(micro_batch):
+        nonlocal started_micro_batches
         marks.append(("loss", time.perf_counter()))
+        started_micro_batches += 1
+        if guard is not None and started_micro_batches == sum(map(len, windows)):
+            # Armed for the worst batch and the step after it, where the update peaks (the warm-up holds less): its
+            # checks would add 5-8% to the small micro-batch's time, 1-2% to the worst batch's.
+            hooks.extend(guard.install(model, optimizers))
+            guard.check()  # the warm-up may have passed it already
         return compute_loss(micro_batch)
 
     loop.compute_loss = timed_loss
-    hooks = []
-    for inner in inner_optimizers(loop.optimizer):
+    for inner in optimizers:
         hooks.append(inner.register_step_pre_hook(lambda *args: marks.append(("step", time.perf_counter()))))
         hooks.append(inner.register_step_post_hook(lambda *args: marks.append(("stepped", time.perf_counter()))))
     try:
@@ -180,7 +236,9 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
             marks.clear()
             loop.run_update(window)
             ended = time.perf_counter()
-        peak = meter.peak() - stashed if meter is not None else None  # the fp32 tensors set aside: not the run's
+    except Exception:
+        if guard is None or not guard.tripped:  # autograd may re-raise a hook's exception as its own
+            raise
     finally:
         for hook in hooks:
             hook.remove()
@@ -191,6 +249,11 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
         del loop, optimizer
         _restore_stash(model, stash)
         gc.collect()
+    peak = meter.peak() - stashed if meter is not None else None  # the fp32 tensors set aside: not the run's
+    if guard is not None and guard.tripped:
+        return {"stopped": True, "ceiling": ceiling, "measured_peak_bytes": max(peak, ceiling + 1),
+                "probe_seconds": time.perf_counter() - started, "tokens": int(batch["input_ids"].numel()),
+                "batch_shape": list(batch["input_ids"].shape)}
     loss_marks = sorted(when for kind, when in marks if kind == "loss")  # the micro-batches' starts
     last_loss = loss_marks[-1]
     steps = [(kind, when) for kind, when in marks if kind in ("step", "stepped") and when > last_loss]
