@@ -166,6 +166,51 @@ def test_estimate_matches_the_peak_of_a_real_loop_fit(mix):
     assert estimated["memory_breakdown"]["params"] == measured["memory_breakdown"]["params"]
 
 
+def _tiny_config(name: str):
+    from transformers import BertConfig, GPT2Config, LlamaConfig, Qwen2Config
+
+    shape = {"vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "max_position_embeddings": 64}
+    if name == "bert":
+        return BertConfig(**shape, intermediate_size=37, num_labels=2)
+    if name == "gpt2":
+        return GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=2, n_positions=64, bos_token_id=0,
+                          eos_token_id=0)
+    return (Qwen2Config if name == "qwen2" else LlamaConfig)(**shape, num_key_value_heads=1, intermediate_size=40)
+
+
+# (model, mix): these in make test, every other with the slow tests. A causal LM has no head outside its
+# encoder, so "frozen encoder" leaves it nothing to train.
+PRIMING_FAST = {("bert", "fp16 GradScaler + clipping + accumulation 3"), ("qwen2", "adamw8bit fused step"),
+                ("gpt2", "bf16 weights + fp32 grads + accumulation 3"), ("qwen2", "lora"), ("bert", "foreach=False"),
+                ("llama", "bf16 + checkpointing + frozen first layer + adafactor")}
+PRIMING_CASES = sorted(PRIMING_FAST) + [
+    pytest.param(model, mix, marks=pytest.mark.slow) for model in ("bert", "qwen2", "gpt2", "llama")
+    for mix in [*MIXES, "lora", "qlora"]
+    if (model, mix) not in PRIMING_FAST and not (model != "bert" and mix == "frozen encoder")]
+
+
+@pytest.mark.parametrize("model, mix", PRIMING_CASES)
+def test_the_estimates_first_update_creates_the_state_without_the_models_forward(model, mix):
+    """`estimate`'s first update only creates the optimizer state, so its loss is `_priming_loss` (zero gradients
+    for every trainable parameter), not the model's: the estimate (peak, each phase's peak, the breakdown) is the
+    one the model's own first update gives, for fewer fake ops."""
+    from looptrain.planning.estimator import estimate_windows
+
+    options = dict({"lora": {"lora_rank": 4}, "qlora": {"lora_rank": 4, "qlora": True}}.get(mix) or MIXES[mix])
+    if options.get("optimizer") == "adamw8bit" or options.get("qlora"):
+        pytest.importorskip("bitsandbytes")
+    max_grad_norm = options.pop("max_grad_norm", 1.0)
+    strategy = planning.Settings(**{"batch_size": 2, **options})
+    window = [(2, 24)] * min(strategy.accum_steps, 2)
+    primed, full = (estimate_windows(_tiny_config(model), [window[:1], window], strategy, max_grad_norm=max_grad_norm,
+                                     padded=True, cache=False, _primes=primes) for primes in (True, False))
+    assert primed["peak_memory_bytes"] == full["peak_memory_bytes"]
+    assert primed["phase_peak_bytes"] == full["phase_peak_bytes"]
+    assert primed["memory_breakdown"] == full["memory_breakdown"]
+    assert primed["memory_breakdown"]["optimizer_state"] > 0 or strategy.optimizer == "sgd"
+
+
 def test_estimate_leaves_the_model_untouched():
     model = small_bert()
     before = {name: p.clone() for name, p in model.named_parameters()}
