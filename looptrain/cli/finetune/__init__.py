@@ -1,0 +1,101 @@
+"""Fine-tune a sequence classifier (or, with --task causal-lm, a decoder LM) with looptrain, every memory
+strategy one flag away.
+
+    python scripts/finetune.py --amp --accum 32                       # the embedded model and data
+    python scripts/finetune.py --model DIR --data train.csv --eval-data dev.csv --grad-checkpoint
+    python scripts/finetune.py --task causal-lm --model QWEN_DIR --data sft.jsonl --eval-data dev.jsonl
+    looptrain-finetune --amp --accum 32                               # the same, once installed
+
+Every flag is documented in docs/finetune.md. The memory/speed levers' flags are generated from
+`looptrain.Strategy`'s field metadata, the loop's run options (schedule, checkpoints) from `LoopConfig`,
+so their defaults and help come from one place.
+
+The package, by concern: `arguments` (the parser and the flags' checks), `inputs` (data, model, LoRA, the run's
+identity), `budget` (`--memory-budget`: the plan and what it needs), `run` (one run, start to final/) and `reports`
+(the end-of-run table). `main` and the names below are its public surface.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from looptrain.cli.finetune.arguments import (
+    DefaultOnceFormatter,
+    UsageError,
+    add_loading_arguments,
+    build_parser,
+    check_flags,
+    flag_names_for,
+    strategy_of,
+)
+from looptrain.cli.finetune.budget import plan_on_rank_zero, rss_at_start
+from looptrain.cli.finetune.inputs import (
+    EMBEDDED_DATA_PACKAGE,
+    EMBEDDED_MODEL_PACKAGE,
+    load_data,
+    load_model_config,
+    load_weights,
+    run_identity,
+)
+from looptrain.cli.finetune.reports import OutOfMemory, final_table
+from looptrain.cli.finetune.run import run
+
+__all__ = ["EMBEDDED_DATA_PACKAGE", "EMBEDDED_MODEL_PACKAGE", "DefaultOnceFormatter", "UsageError",
+           "add_loading_arguments", "build_parser", "final_table", "load_data", "load_model_config", "load_weights",
+           "main", "main_entry", "plan_on_rank_zero", "run", "run_identity", "strategy_of"]
+
+INTERRUPTED_EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}  # the shell's 128 + signal number
+
+
+def main(argv: list[str] | None = None, *, owns_process: bool = False) -> int:
+    """Runs the command line; returns the exit code (0 ok, 2 for a user error).
+
+    `owns_process`: the process is this run's alone (the console script's), so settings that outlive the run may
+    be changed: under a budget read as RSS, glibc's malloc thresholds where the planner needs them (`lean_allocator`).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args._argv = argv
+    args._owns_process = owns_process
+    args._resumed_plan = None  # a resumed planned run: the plan its run_config.json saved
+    args._rss_at_start = rss_at_start()
+    from looptrain import CheckpointError, ConfigError, DataError, EvaluationError, TrainingDiverged
+    from looptrain.ledger import LedgerError
+    from looptrain.planning import PlanError
+
+    user_errors = (UsageError, ConfigError, DataError, CheckpointError, TrainingDiverged, OutOfMemory, LedgerError,
+                   EvaluationError, PlanError)
+    try:
+        check_flags(args, parser)
+        summary = run(args)
+    except KeyboardInterrupt:  # a second Ctrl-C (or SIGTERM) during training, or one before it began
+        if args.debug:
+            raise
+        print(f"finetune.py: stopped at once: the window in progress was not saved. Checkpoints already in "
+              f"{args.output_dir} are intact; --resume auto continues from the last one", file=sys.stderr)
+        return INTERRUPTED_EXIT_CODES["SIGINT"]
+    except user_errors as error:
+        if args.debug:
+            raise
+        print(f"finetune.py: error: {error}{flag_names_for(str(error))}", file=sys.stderr)
+        return 2
+    if summary.get("interrupted"):
+        return INTERRUPTED_EXIT_CODES.get(summary["interrupted"], 1)
+    return 0
+
+
+def main_entry() -> None:
+    """The `looptrain-finetune` console script (and `scripts/finetune.py`): exits with main's code.
+
+    Under torchrun every rank leaves the process group together first (`distributed.shutdown`); `main` itself
+    leaves it joined, so one process may call it for several runs.
+    """
+    code = main(owns_process=True)
+    from looptrain import distributed
+
+    distributed.shutdown()
+    sys.exit(code)

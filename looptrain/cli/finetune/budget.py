@@ -1,0 +1,204 @@
+"""`--memory-budget` on the command line: the plan (made on rank 0), the C allocator it needs, `--plan-only`'s
+output, and the plan's settings applied to the run's arguments."""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import json
+import typing
+from pathlib import Path
+
+from looptrain.cli.finetune.arguments import UsageError, effective_batch, strategy_of
+
+# Under --memory-budget, --batch-size and --accum only define the effective batch: the planner chooses the split.
+PLANNED_SPLIT = ("batch_size", "accum_steps")
+
+# The planner's own flags: valued, and switches.
+PLAN_FLAGS_WITH_VALUE = ("--memory-budget", "--plan-time", "--effective-batch", "--budget-meter")
+PLAN_SWITCHES = ("--plan-only", "--json", "--amp")
+
+
+def planned_settings(args, config, model, train_set, collator, device, output_dir: Path, print):
+    """The plan's settings for --memory-budget: a resumed run keeps its saved plan, a new one plans."""
+    from looptrain import distributed, strategy
+    from looptrain.planning import Levers, plan
+
+    saved = output_dir / "run_config.json"
+    if config.resume == "auto" and saved.is_file():  # the ledger already matched this run's identity
+        saved_plan = json.loads(saved.read_text(encoding="utf-8")).get("plan") or {}
+        previous = saved_plan.get("settings")
+        if previous:
+            args._resumed_plan = saved_plan  # written again (run_config.json, summary.json): a later resume reads it
+            settings = strategy.Strategy(**previous)
+            print("--memory-budget: resuming with the run's saved plan: " + " ".join(settings.flags()))
+            follow_plan_allocator(args, saved_plan.get("malloc"), print)
+            return settings, None
+    given = {token.split("=")[0] for token in (args._argv or [])}
+    # Every lever whose flag was given is kept as given; --precision auto and --optim auto are the planner's to choose.
+    fixed = [spec.name for spec in strategy.levers(strategy.Strategy)
+             if spec.metadata["lever"]["flag"] in given and spec.name not in PLANNED_SPLIT]
+    fixed = [name for name in fixed if not (name in ("precision", "optimizer") and getattr(args, name) == "auto")]
+    base = strategy_of(args, precision="fp32" if args.amp or args.precision == "auto" else args.precision)
+    levers = Levers(precision=args.amp or args.precision == "auto", optimizer_family=args.optimizer == "auto")
+    baseline = without_planner(args, base, device)
+    print(f"--memory-budget {args.memory_budget}: planning effective batch {effective_batch(args)} "
+          f"(levers: split, checkpointing, fused step{', precision' if levers.precision else ''}"
+          f"{', optimizer family' if levers.optimizer_family else ''}; fixed: {', '.join(sorted(fixed)) or 'nothing'})")
+    meter = budget_meter(args, device, print)
+    place = distributed.current()
+    result = plan_on_rank_zero(place, lambda: plan(
+        model, train_set, collator, memory_budget=args.memory_budget_bytes, effective_batch=effective_batch(args),
+        base=base, baseline=baseline, levers=levers, fixed=fixed, device=str(device), epochs=args.epochs,
+        max_grad_norm=config.max_grad_norm, probe_budget=args.plan_time, seed=config.seed,
+        rss_baseline=args._rss_at_start, meter=meter, make_lean=lean_allocator(args),
+        token_micro_batches=place.world_size == 1, echo=print))  # ranks must run the same micro-batches
+    if not place.is_main:
+        follow_plan_allocator(args, result.malloc, print)
+    print(result.table())
+    print("winner: " + " ".join(result.winner.settings.flags()))
+    return result.winner.settings, result
+
+
+def plan_on_rank_zero(place, make_plan):
+    """`make_plan()` on rank 0, its result (a `Plan`, or the `PlanError` it raised) on every rank.
+
+    Ranks that each planned for themselves could pick different splits (each probe times the machine at another
+    moment), and DDP would then hang or train unequal windows; a rank whose plan failed alone would leave the
+    others waiting for it. Rank 0 plans `distributed.alone()`: the planner's estimates and probes build Loops, which
+    would otherwise wrap the model in DDP and wait for ranks that are not planning.
+    """
+    from looptrain import distributed
+    from looptrain.planning import PlanError
+
+    result: typing.Any = None
+    if place.is_main:
+        try:
+            with distributed.alone():  # the planner's Loops train on this rank alone: no DDP, no collectives
+                result = make_plan()
+        except PlanError as error:
+            if not place.is_distributed:
+                raise
+            result = error
+    if place.is_distributed:
+        result = distributed.all_gather_objects(result)[0]
+        if isinstance(result, PlanError):
+            raise result
+    return result
+
+
+def budget_meter(args, device, print) -> str:
+    """What --memory-budget counts: --budget-meter, with auto = the process's RSS on a CPU (the allocator's
+    reserved memory on CUDA); live tensors where RSS cannot be read (not Linux), said so."""
+    if device.type == "cuda":
+        if args.budget_meter == "rss":
+            raise UsageError("--budget-meter rss counts a CPU process's memory; on CUDA the budget is the "
+                             "allocator's reserved memory (--budget-meter auto) or live tensors (tensors)")
+        return "tensors" if args.budget_meter == "tensors" else "cuda_reserved"
+    if args.budget_meter == "tensors":
+        return "tensors"
+    if args._rss_at_start is None:
+        if args.budget_meter == "rss":
+            raise UsageError("--budget-meter rss reads the process's RSS from /proc (Linux): use "
+                             "--budget-meter tensors here")
+        print("--memory-budget: the process's RSS cannot be read here (not Linux): planning for live tensors")
+        return "tensors"
+    return "rss"
+
+
+def follow_plan_allocator(args, malloc: str | None, print) -> None:
+    """A plan made with glibc's thresholds fixed (`Plan.malloc`) holds its budget only with them: a process that
+    trains it without planning (a resumed run, the other ranks under torchrun) fixes them too where it owns the
+    process, and says how to otherwise."""
+    from looptrain.memory import allocator
+
+    if not malloc:
+        return
+    print("--memory-budget: " + (allocator.keep_rss_lean() if args._owns_process else
+          "the plan was made with glibc's malloc thresholds fixed, and this process keeps its allocator: run "
+          "scripts/finetune.py, or set " + " ".join(f"{name}={value}"
+                                                     for name, value in allocator.lean_environment().items())))
+
+
+def lean_allocator(args):
+    """The planner's `make_lean` in the command line's own process: glibc's malloc thresholds fixed
+    (`allocator.fix_thresholds`). None (never asked) in a process that runs `main` among other work: its allocator
+    is left alone, and the planner measures, and charges, what it holds."""
+    from looptrain.memory import allocator
+
+    return allocator.fix_thresholds if args._owns_process else None
+
+
+def without_planner(args, base, device):
+    """The configuration the run would train without --memory-budget: the flags as given (--amp as it resolves
+    here), split --batch-size x (effective batch / --batch-size); None when --batch-size does not divide it."""
+    from looptrain.precision import amp_precision
+
+    batch = effective_batch(args)
+    if batch % args.batch_size:
+        return None
+    precision = amp_precision(device)[0] if args.amp or args.precision == "auto" else base.precision
+    if base.weights == "bf16":
+        precision = "bf16"
+    return dataclasses.replace(base, precision=precision, batch_size=args.batch_size,
+                               accum_steps=batch // args.batch_size)
+
+
+def plan_only_output(args, result, print) -> dict:
+    """--plan-only: the plan (a table, or JSON) and the command line that trains with the winner."""
+    from looptrain.memory.allocator import lean_environment
+
+    command = ["python", "scripts/finetune.py", *without_plan_flags(args._argv), *result.winner.settings.flags()]
+    # Planned with glibc's thresholds fixed: the run keeps the budget only with them, so the command sets them.
+    environment = lean_environment() if result.malloc else {}
+    if args.json:
+        builtins.print(json.dumps({**result.to_dict(), "command": command, "environment": environment}, indent=2))
+    else:
+        print("train it with:\n  " + " ".join([f"{name}={value}" for name, value in environment.items()] + command))
+    return {"plan": result.to_dict(), "command": command, "environment": environment, "interrupted": None}
+
+
+def without_plan_flags(argv: list[str]) -> list[str]:
+    """The command line minus the planner's own flags and every lever's (the winner's `flags()` say them all)."""
+    from looptrain import strategy
+
+    with_value, switches = set(PLAN_FLAGS_WITH_VALUE), set(PLAN_SWITCHES)
+    for spec in strategy.levers(strategy.Strategy):
+        meta = spec.metadata["lever"]
+        (switches if meta["const"] is not None or isinstance(spec.default, bool) else with_value).add(meta["flag"])
+    kept, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+            continue
+        name = token.split("=")[0]
+        if name in with_value:
+            skip = "=" not in token
+            continue
+        if name not in switches:
+            kept.append(token)
+    return kept
+
+
+def apply_settings(args, settings) -> None:
+    """The plan's strategy as if its flags had been given."""
+    from looptrain import strategy
+
+    for spec in strategy.levers(type(settings)):
+        setattr(args, spec.name, getattr(settings, spec.name))
+    args.amp = False
+
+
+def rss_at_start() -> int | None:
+    """The process's RSS once torch, transformers and looptrain are imported: a --memory-budget of RSS
+    (with --no-track-memory) counts from here, so the weights count."""
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    import looptrain  # noqa: F401
+    from looptrain.planning import PlanError, rss_baseline_bytes
+
+    try:
+        return rss_baseline_bytes()
+    except PlanError:  # not Linux: budgets of live tensors still work
+        return None

@@ -1,0 +1,117 @@
+"""What a run reports: the end-of-run table (with the budget's note), and what would fit after an out-of-memory
+error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from looptrain.cli.finetune.arguments import strategy_of
+
+
+class OutOfMemory(Exception):
+    """Training ran out of memory and `--auto-batch` could not (or was not asked to) recover."""
+
+
+def what_would_fit(model_config, args, precision: str, device) -> str:
+    """Estimated peaks (looptrain.planning.estimate) of this run and of a few lighter flag sets."""
+    import torch
+
+    from looptrain import planning
+    from looptrain.precision import amp_precision
+
+    current = {"precision": precision}  # this run's levers are strategy_of(args), with its resolved precision
+    batch, accum = args.batch_size, args.accum_steps
+    candidates = [("these flags", batch, current)]
+    if batch > 1:
+        candidates.append((f"--batch-size {batch // 2} --accum {accum * 2} (or --auto-batch)", batch // 2,
+                           {**current, "accum_steps": accum * 2}))
+    if not args.gradient_checkpointing:
+        candidates.append(("+ --grad-checkpoint", batch, {**current, "gradient_checkpointing": True}))
+    if args.optimizer == "adamw":
+        candidates.append(("+ --optim adamw8bit", batch, {**current, "optimizer": "adamw8bit"}))
+    if precision == "fp32":
+        amp = amp_precision(device)[0]  # what --amp would train in here: fp32 on a CPU without native bf16
+        if amp != "fp32":
+            candidates.append(("+ --amp", batch, {**current, "precision": amp}))
+        else:
+            candidates.append(("+ --precision bf16 (emulated on this CPU: slower)", batch,
+                               {**current, "precision": "bf16"}))
+    if args.weights == "fp32":
+        candidates.append(("+ --weights bf16", batch, {**current, "precision": "bf16", "weights": "bf16"}))
+    budget = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    lines = [f"  estimated peak of live tensors at --max-length {args.max_length} (looptrain.planning.estimate"
+             + (f"; this GPU has {budget / 2**30:.1f} GiB)" if budget else ")") + ":"]
+    for label, micro_batch, options in candidates:
+        try:
+            peak = planning.estimate(model_config, micro_batch, args.max_length, strategy_of(args, **options),
+                                     num_labels=model_config.num_labels,
+                                     max_grad_norm=args.max_grad_norm)["peak_memory_bytes"]
+        except Exception as error:  # noqa: BLE001 (advice printed while reporting an OOM: must never mask it)
+            lines.append(f"    {label}: no estimate ({type(error).__name__}: {error})")
+            continue
+        verdict = "" if budget is None else ("  fits" if peak < 0.9 * budget else "  does not fit")
+        lines.append(f"    {label}: {peak / 2**20:.1f} MiB{verdict}")
+    return "\n".join(lines)
+
+
+def final_table(summary: dict, baseline: dict | None, output_dir: Path) -> str:
+    language_model = summary.get("task") == "causal-lm"
+    header = "| | model | |" if language_model else "| | model | majority class |"
+    lines = [f"\nlooptrain run in {output_dir}", header, "|---|---|---|"]
+    evaluation = summary.get("final_eval")
+    if evaluation:
+        for key, label in () if language_model else (("accuracy", "accuracy"), ("f1", "macro-F1")):
+            base = f"{baseline[key]:.4f}" if baseline else "-"
+            lines.append(f"| {label} | {evaluation[key]:.4f} | {base} |")
+        lines.append(f"| eval loss | {evaluation['loss']:.4f} | |")
+        if "perplexity" in evaluation:
+            lines.append(f"| eval perplexity | {evaluation['perplexity']:.4f} | |")
+    lines.append(f"| train time | {summary['train_runtime_s']:.1f} s | |")
+    lines.append(f"| samples/s | {summary['train_samples_per_s']:.2f} | |")
+    if summary.get("mfu") is not None:  # model FLOP/s over the peak measured on this device (docs/speed.md)
+        lines.append(f"| MFU | {summary['mfu']:.1%} ({summary['model_flops_per_s'] / 1e9:.2f} GFLOP/s of the "
+                     f"{summary['peak_flops_dtype']} matmul peak {summary['peak_flops_per_s'] / 1e9:.1f} GFLOP/s "
+                     f"on {summary['peak_flops_device']}) | |")
+    lines.append(f"| optimizer steps (skipped) | {summary['optimizer_steps']} ({summary['skipped_steps']}) | |")
+    peak = summary.get("peak_memory_bytes")
+    unfreeze = summary.get("unfreeze")
+    if peak is not None:
+        stage = f", last unfreezing stage ({unfreeze['stage']}/{unfreeze['stages']})" if unfreeze else ""
+        lines.append(f"| peak memory | {peak / 2**20:.1f} MiB ({summary['memory_meter']}{stage}) | |")
+    if summary.get("estimated_peak_bytes"):
+        error = (f"error {summary['estimate_error']:+.1%}" if summary.get("estimate_error") is not None else
+                 "live tensors; this run's meter is RSS, so no error: --budget-meter tensors measures them")
+        lines.append(f"| estimated peak (worst batch) | {summary['estimated_peak_bytes'] / 2**20:.1f} MiB "
+                     f"({error}) | |")
+    if summary.get("plan"):
+        lines.append(f"| memory budget | {summary['plan']['budget_bytes'] / 2**20:.1f} MiB "
+                     f"{summary['plan'].get('meter', '')} (plan: {summary['plan']['settings']['batch_size']} x "
+                     f"{summary['plan']['settings']['accum_steps']}) | |")
+    if summary.get("planning_seconds") is not None:
+        share = summary["planning_seconds"] / max(summary["planning_seconds"] + summary["train_runtime_s"], 1e-9)
+        lines.append(f"| planning | {summary['planning_seconds']:.1f} s (estimates "
+                     f"{summary['planning_estimate_seconds']:.1f} s, probes {summary['planning_probe_seconds']:.1f} s;"
+                     f" {share:.1%} of planning + training) | |")
+    rss, start = summary.get("peak_rss_bytes"), summary.get("rss_at_start_bytes")
+    if rss:
+        above = f"; {(rss - start) / 2**20:.1f} MiB above the {start / 2**20:.1f} MiB held at start" if start else ""
+        lines.append(f"| peak RSS | {rss / 2**20:.1f} MiB (process, OS{above}) | |")
+    lines.extend(_budget_note(summary.get("plan"), rss, start))
+    if summary.get("best_checkpoint"):
+        lines.append(f"| best checkpoint | {summary['best_checkpoint']} ({summary['best_metric']:.4f}) | |")
+    return "\n".join(lines)
+
+
+def _budget_note(plan: dict | None, rss: int | None, start: int | None) -> list[str]:
+    """A table row saying why the process's RSS above its start went over a planned run's budget."""
+    if not (plan and rss and start) or rss - start <= plan["budget_bytes"]:
+        return []
+    over = f"RSS above start {(rss - start) / 2**20:.1f} MiB > budget {plan['budget_bytes'] / 2**20:.1f} MiB"
+    if plan.get("meter") != "of live tensors":
+        why = ("the plan's probes measured one update at the worst batch; evaluation, checkpoint saving and the "
+               "allocator's growth over the run came on top (docs/plan.md)")
+    else:
+        why = ("the budget was of live tensors (the peak memory above); RSS also holds the libraries' buffers, the "
+               "data and allocator caches: plan with --budget-meter rss (the default) for a budget of RSS "
+               "(docs/plan.md)")
+    return [f"| note | {over}: {why} | |"]
