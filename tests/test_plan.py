@@ -601,6 +601,40 @@ def test_the_allocator_is_made_lean_only_when_the_first_probe_does_not_fit_with_
                    for note in result.notes)
 
 
+def test_a_first_probe_stopped_at_its_ceiling_makes_the_allocator_lean_and_is_measured_again(dataset, monkeypatch,
+                                                                                             tmp_path):
+    """The first probe's ceiling is budget / (1 + margin): under glibc's own thresholds the heap's holes take it past,
+    so it stops there (no timings), the allocator is made lean and the probe is measured again, whole; the plan's
+    time and its charge for what the process holds besides the tensors come from that second measure."""
+    from looptrain.memory import allocator
+    from looptrain.planning import planner, rss_baseline_bytes
+
+    train_set, collator = dataset
+    monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    held, budget = {"bytes": 600 * 2**20, "lean": False}, 300 * 2**20
+    measure, calls = rss_probe(held), []
+
+    def probe(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None):
+        result = measure(model, settings, batch, device, max_grad_norm, meter)
+        calls.append((ceiling, result["measured_peak_bytes"] > ceiling))
+        if result["measured_peak_bytes"] <= ceiling:
+            return result
+        return {"stopped": True, "ceiling": ceiling, "measured_peak_bytes": ceiling + 2**20, "probe_seconds": 0.01,
+                "tokens": result["tokens"], "batch_shape": result["batch_shape"]}
+
+    monkeypatch.setattr(probes, "probe", probe)
+    monkeypatch.setattr(allocator, "keeps_freed", lambda: not held["lean"])
+    result = plan(make_tiny_bert(num_labels=2), train_set, collator, memory_budget=budget,
+                  effective_batch=EFFECTIVE_BATCH, rss_baseline=rss_baseline_bytes(), probe_budget=0.0,
+                  make_lean=lambda: held.update(bytes=100 * 2**20, lean=True) or "thresholds fixed (a stand-in)")
+    fitting = int(budget / (1 + planner.DEFAULT_MARGIN["cpu"]))
+    assert calls[:2] == [(fitting, True), (fitting, False)]  # stopped under glibc's thresholds, whole once lean
+    assert result.malloc == "thresholds fixed (a stand-in)"
+    reference = next(c for c in result.candidates if c.baseline)
+    assert not reference.probe.get("stopped") and reference.seconds_per_epoch > 0
+    assert reference.probe["measured_peak_bytes"] == 100 * 2**20 + reference.settings.batch_size * 2**20
+
+
 @pytest.mark.parametrize("holes", [False, True])
 def test_a_rerun_measures_again_the_cached_first_probe_that_makes_the_allocator_lean(dataset, monkeypatch, tmp_path,
                                                                                     holes):
