@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| run | samples/s (all work) | vs Trainer | seconds | peak RSS - baseline MiB | x budget | planning s "
           "| MFU | plan |")
     print("|---|---|---|---|---|---|---|---|---|")
-    from looptrain.planning.planner import split_words  # the table's words for a plan, as the planner prints them
+    from looptrain.planning.plans import split_words  # the table's words for a plan, as the planner prints them
     from looptrain.strategy import Strategy
 
     for name, result in runs.items():

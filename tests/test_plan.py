@@ -452,7 +452,7 @@ def test_the_configuration_without_the_planner_is_kept_unless_another_is_measure
                                                                                          faster, kept, tmp_path):
     """The user's split is always a probed candidate; the plan replaces it only when another candidate's measured
     prediction is at least KEEP_BASELINE_WITHIN (5%) faster: 3% is within a probe's noise, 2x is not."""
-    from looptrain.planning import planner
+    from looptrain.planning import ranking
 
     _, collator = dataset
     rows = [{"text": "the good film was fun", "label": label} for label in ["pos", "neg"] * 32]  # one length
@@ -464,7 +464,7 @@ def test_the_configuration_without_the_planner_is_kept_unless_another_is_measure
     speeds = {size: (1.0 if size == 2 else faster) for size in (1, 2, 4, 8, 16)}
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))  # no real probe cached by another test
     monkeypatch.setattr(probes, "probe", fake_probe(speeds))
-    monkeypatch.setattr(planner, "PRIOR_OPTIMISM", 0.0)  # probe every candidate: the ranking is the measured one
+    monkeypatch.setattr(ranking, "PRIOR_OPTIMISM", 0.0)  # probe every candidate: the ranking is the measured one
     result = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH, base=user)
     baseline = [c for c in result.candidates if c.baseline]
     assert len(baseline) == 1 and baseline[0].settings == user and baseline[0].probed
@@ -494,7 +494,7 @@ def test_without_probe_time_only_the_baseline_and_the_favourite_are_probed(datas
     monkeypatch.setattr(probes, "probe", lambda *args, **kwargs: calls.append(args[1]) or probe(*args, **kwargs))
     # One estimate at a time: two workers would estimate the lightest split beside the baseline before planning's
     # time is known (free where there are two cores), which the first plan's search did not need.
-    monkeypatch.setattr(planner, "_estimate_workers", lambda: 1)
+    monkeypatch.setattr(planner, "estimate_workers", lambda: 1)
     result = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH,
                   base=Settings(batch_size=1, accum_steps=16), probe_budget=0.0)
     assert len(result.candidates) > 2
@@ -607,7 +607,7 @@ def test_a_first_probe_stopped_at_its_ceiling_makes_the_allocator_lean_and_is_me
     so it stops there (no timings), the allocator is made lean and the probe is measured again, whole; the plan's
     time and its charge for what the process holds besides the tensors come from that second measure."""
     from looptrain.memory import allocator
-    from looptrain.planning import planner, rss_baseline_bytes
+    from looptrain.planning import plans, rss_baseline_bytes
 
     train_set, collator = dataset
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
@@ -627,7 +627,7 @@ def test_a_first_probe_stopped_at_its_ceiling_makes_the_allocator_lean_and_is_me
     result = plan(make_tiny_bert(num_labels=2), train_set, collator, memory_budget=budget,
                   effective_batch=EFFECTIVE_BATCH, rss_baseline=rss_baseline_bytes(), probe_budget=0.0,
                   make_lean=lambda: held.update(bytes=100 * 2**20, lean=True) or "thresholds fixed (a stand-in)")
-    fitting = int(budget / (1 + planner.DEFAULT_MARGIN["cpu"]))
+    fitting = int(budget / (1 + plans.DEFAULT_MARGIN["cpu"]))
     assert calls[:2] == [(fitting, True), (fitting, False)]  # stopped under glibc's thresholds, whole once lean
     assert result.malloc == "thresholds fixed (a stand-in)"
     reference = next(c for c in result.candidates if c.baseline)
@@ -716,17 +716,17 @@ def test_the_fused_steps_bound_is_the_line_through_two_estimates_not_one_scaled(
     and the activations read off the line through the two largest unfused estimates (activations 10 + 2 MiB a row:
     74 MiB at 32 rows) do not fit. Scaling one estimate's activations by the rows (26 MiB at 8 rows, x 4) would
     overstate them by the line's intercept, and rule out a fused step that fits."""
-    from looptrain.planning import planner
+    from looptrain.planning import search as plan_search
 
     mib = 2**20
     for budget, ruled_out in ((240, False), (200, True)):  # the bound: 100 + 50 + 74 = 224 MiB
-        search = planner._Search(torch.nn.Linear(1, 1), 32, budget * mib, 0.0, 1.0, 2, lambda line: None)
+        search = plan_search.Search(torch.nn.Linear(1, 1), 32, budget * mib, 0.0, 1.0, 2, lambda line: None)
         for rows in (4, 8):
             split = Settings(batch_size=rows, accum_steps=32 // rows)
             search.results[search.key(split)] = {"memory_breakdown": {
                 "peak_phase": "backward", "params": 100 * mib, "optimizer_state": 50 * mib,
                 "activations_and_temps": (10 + 2 * rows) * mib}}
-        assert planner._cannot_fit_fused(search, Settings(batch_size=8, accum_steps=4), 32) == ruled_out
+        assert plan_search.cannot_fit_fused(search, Settings(batch_size=8, accum_steps=4), 32) == ruled_out
         assert [s.batch_size for s in search.extrapolated] == ([32] if ruled_out else [])
 
 
@@ -744,7 +744,7 @@ def test_with_no_planning_time_the_search_stops_short_and_the_baseline_trains(da
     result = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH, base=user,
                   probe_budget=0.0)
     # The baseline's own estimate (does it fit), and with two estimate workers the lightest split's beside it.
-    assert result.estimates == planner._estimate_workers() and result.cached_estimates == 0
+    assert result.estimates == planner.estimate_workers() and result.cached_estimates == 0
     assert [c.settings for c in result.candidates] == [user] and result.winner.baseline
     assert any("the search stopped short of" in note for note in result.notes)
 
@@ -752,13 +752,14 @@ def test_with_no_planning_time_the_search_stops_short_and_the_baseline_trains(da
 def one_second_estimates(dataset, monkeypatch):
     """The dataset, a tiny BERT and a budget between micro-batches 4 and 8, with every estimate costed at 1 s
     (`compute_seconds`: what planning's time charges) and probes faked: planning's decisions depend on no clock."""
-    from looptrain.planning import planner
+    from looptrain.planning import search as plan_search
 
     train_set, collator = dataset
     model = make_tiny_bert(num_labels=2)
     budget = budget_between(model, train_set, collator, 4, 8)
-    real = planner.estimate
-    monkeypatch.setattr(planner, "estimate", lambda *args, **kwargs: {**real(*args, **kwargs), "compute_seconds": 1.0})
+    real = plan_search.estimate
+    monkeypatch.setattr(plan_search, "estimate",
+                        lambda *args, **kwargs: {**real(*args, **kwargs), "compute_seconds": 1.0})
     monkeypatch.setattr(probes, "probe", fake_probe(dict.fromkeys((1, 2, 4, 8, 16), 1.0)))
     return train_set, collator, model, budget
 
@@ -771,7 +772,7 @@ def test_a_rerun_on_the_cache_takes_the_same_decisions_in_a_fraction_of_the_time
 
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     train_set, collator, model, budget = one_second_estimates(dataset, monkeypatch)
-    monkeypatch.setattr(planner, "_estimate_workers", lambda: 1)  # one at a time (side by side: the next test)
+    monkeypatch.setattr(planner, "estimate_workers", lambda: 1)  # one at a time (side by side: the next test)
     options = {"memory_budget": budget, "effective_batch": EFFECTIVE_BATCH, "probe_budget": 3.5}
     first = plan(model, train_set, collator, **options)
     # 1 s each, of 3.48 s: the third ends at 3 s; a fourth would end past it, so it is not started.
@@ -788,6 +789,7 @@ def test_estimates_side_by_side_find_the_same_plan_and_charge_a_round_as_its_lon
     step beside the step it takes when that one fits: the same candidates as one worker finds, its rounds charged
     as their longest estimate (here every estimate costs 1 s), so the same time searches as far."""
     from looptrain.planning import planner
+    from looptrain.planning import search as plan_search
 
     train_set, collator = dataset
     model = make_tiny_bert(num_labels=2)
@@ -799,13 +801,13 @@ def test_estimates_side_by_side_find_the_same_plan_and_charge_a_round_as_its_lon
                 "memory_breakdown": {"peak_phase": "backward", "params": 10 * 2**20, "optimizer_state": 0,
                                      "activations_and_temps": activations}}
 
-    monkeypatch.setattr(planner, "estimate", affine)
+    monkeypatch.setattr(plan_search, "estimate", affine)
     monkeypatch.setattr(probes, "probe", fake_probe(dict.fromkeys((1, 2, 4, 8, 16), 1.0)))
     budget = int(1.05 * 36 * 2**20)  # no checkpointing: 4 rows fit (26 MiB), 8 do not (42 MiB); every other: 8
     results = {}
     for workers in (1, 2):
         monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / f"cache-{workers}"))
-        monkeypatch.setattr(planner, "_estimate_workers", lambda workers=workers: workers)
+        monkeypatch.setattr(planner, "estimate_workers", lambda workers=workers: workers)
         results[workers] = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH,
                                 probe_budget=100.0, token_micro_batches=False)  # the splits as searched
     one, two = results[1], results[2]
@@ -818,10 +820,10 @@ def test_estimates_side_by_side_find_the_same_plan_and_charge_a_round_as_its_lon
 
 
 def test_a_round_side_by_side_is_charged_as_its_longest_and_a_failed_prefetch_is_not_kept():
-    """`_Search.prefetch` sends one estimate to each worker and reads every answer: the round counts as its longest
+    """`Search.prefetch` sends one estimate to each worker and reads every answer: the round counts as its longest
     estimate, and an estimate that failed beside another is not memoised, so the search meets its error when it
     asks for it, and not before."""
-    from looptrain.planning import planner
+    from looptrain.planning import search as plan_search
 
     class Worker:
         def submit(self, request):
@@ -833,7 +835,7 @@ def test_a_round_side_by_side_is_charged_as_its_longest_and_a_failed_prefetch_is
                 raise ValueError("no estimate at 16 rows")
             return {"peak_memory_bytes": settings.batch_size * 2**20, "compute_seconds": settings.batch_size / 4}
 
-    search = planner._Search(torch.nn.Linear(1, 1), 32, 2**30, 0.05, 1.0, 2, lambda line: None)
+    search = plan_search.Search(torch.nn.Linear(1, 1), 32, 2**30, 0.05, 1.0, 2, lambda line: None)
     search.workers = [Worker(), Worker()]
     two, four, sixteen = (Settings(batch_size=size, accum_steps=16 // size) for size in (2, 4, 16))
     search.prefetch([two, four])
@@ -848,17 +850,17 @@ def test_a_round_side_by_side_is_charged_as_its_longest_and_a_failed_prefetch_is
 def test_a_small_runs_estimates_leave_room_in_ten_seconds_for_both_probes():
     """Planning's time is 5% of the run, at least `MIN_PLANNING_SECONDS` (10 s), probes included: the estimates get
     what is left after the first probe and as much again for the favourite's, which follows the search."""
-    from looptrain.planning import planner
+    from looptrain.planning import plans
 
-    assert planner.MIN_PLANNING_SECONDS == 10.0
-    assert planner.estimate_seconds(2.2, 2.5, planner.MIN_PLANNING_SECONDS) == pytest.approx(5.0)  # a 44-s run
-    assert planner.estimate_seconds(200.0, 2.5, planner.MIN_PLANNING_SECONDS) == pytest.approx(195.0)  # a long run
-    assert planner.estimate_seconds(2.2, 6.0, planner.MIN_PLANNING_SECONDS) < 0  # probes alone fill it: no search
-    assert planner.estimate_seconds(0.0, 1.0, 0.0) == pytest.approx(-2.0)  # --plan-time 0: no floor
+    assert plans.MIN_PLANNING_SECONDS == 10.0
+    assert plans.estimate_seconds(2.2, 2.5, plans.MIN_PLANNING_SECONDS) == pytest.approx(5.0)  # a 44-s run
+    assert plans.estimate_seconds(200.0, 2.5, plans.MIN_PLANNING_SECONDS) == pytest.approx(195.0)  # a long run
+    assert plans.estimate_seconds(2.2, 6.0, plans.MIN_PLANNING_SECONDS) < 0  # probes alone fill it: no search
+    assert plans.estimate_seconds(0.0, 1.0, 0.0) == pytest.approx(-2.0)  # --plan-time 0: no floor
     # The first probe measured twice (the allocator fixed after the first): both count, the second is reserved again.
-    assert planner.estimate_seconds(2.2, 1.0, planner.MIN_PLANNING_SECONDS, spent=3.5) == pytest.approx(5.5)
+    assert plans.estimate_seconds(2.2, 1.0, plans.MIN_PLANNING_SECONDS, spent=3.5) == pytest.approx(5.5)
     # Under a measured meter, the stand-in's probe (a smaller split, when the favourite measures over) is reserved too.
-    assert planner.estimate_seconds(2.2, 1.0, planner.MIN_PLANNING_SECONDS, spent=3.5, reserved=2) == \
+    assert plans.estimate_seconds(2.2, 1.0, plans.MIN_PLANNING_SECONDS, spent=3.5, reserved=2) == \
         pytest.approx(4.5)
 
 
@@ -869,7 +871,7 @@ def test_a_probe_times_a_small_micro_batch_and_a_candidates_epoch_counts_each_mi
     and its optimizer steps, so the same tokens cut into twice the micro-batches are predicted slower by that cost.
     """
     from looptrain.flops import ModelFlops, count_model_flops
-    from looptrain.planning import planner
+    from looptrain.planning import plans, ranking
 
     model = make_tiny_bert(num_labels=2)
     rows, width = 2, 24  # wider than the warm-up's 16 columns, every one a real token
@@ -881,25 +883,25 @@ def test_a_probe_times_a_small_micro_batch_and_a_candidates_epoch_counts_each_mi
     assert 0 < accumulating["small_step_seconds"]
     whole = probes.measure_probe(model, Settings(batch_size=2, accum_steps=1), batch, "cpu", 1.0)
     assert "small_step_seconds" not in whole
-    assert planner.micro_batch_costs(whole, count_model_flops(model)) is None
+    assert ranking.micro_batch_costs(whole, count_model_flops(model)) is None
 
     flops = ModelFlops(dense=100.0, attention=1.0)  # 2 x 16 rows: 3,712 FLOPs; 2 x 256: 182,272
     probe = {"micro_step_seconds": 0.1 + 182_272e-6, "small_step_seconds": 0.1 + 3_712e-6,
              "small_batch_shape": [2, 16], "batch_shape": [2, 256], "tokens": 512, "optimizer_step_seconds": 0.5}
-    fixed, per_flop = planner.micro_batch_costs(probe, flops)
+    fixed, per_flop = ranking.micro_batch_costs(probe, flops)
     assert fixed == pytest.approx(0.1) and per_flop == pytest.approx(1e-6)
-    assert planner.micro_batch_costs({**probe, "small_step_seconds": 0.3}, flops) is None  # noise: slower than large
-    assert planner.micro_batch_costs({**probe, "small_step_seconds": 0.001}, flops) == \
+    assert ranking.micro_batch_costs({**probe, "small_step_seconds": 0.3}, flops) is None  # noise: slower than large
+    assert ranking.micro_batch_costs({**probe, "small_step_seconds": 0.001}, flops) == \
         (0.0, pytest.approx(probe["micro_step_seconds"] / 182_272))  # a negative fixed cost: all of it work
 
-    few, many = (planner.Candidate(Settings(), 0, padded_tokens=4096, micro_batches=count, flops=2e6, updates=8)
+    few, many = (plans.Candidate(Settings(), 0, padded_tokens=4096, micro_batches=count, flops=2e6, updates=8)
                  for count in (10, 20))
     for candidate in (few, many):
-        planner._record_probe(candidate, probe, flops)
+        ranking.record_probe(candidate, probe, flops)
     assert few.seconds_per_epoch == pytest.approx(0.1 * 10 + 2.0 + 0.5 * 8)
     assert many.seconds_per_epoch - few.seconds_per_epoch == pytest.approx(0.1 * 10)
-    tokens_only = planner.Candidate(Settings(), 0, padded_tokens=4096, micro_batches=10, updates=8)  # no FLOPs
-    planner._record_probe(tokens_only, probe, flops)
+    tokens_only = plans.Candidate(Settings(), 0, padded_tokens=4096, micro_batches=10, updates=8)  # no FLOPs
+    ranking.record_probe(tokens_only, probe, flops)
     assert tokens_only.seconds_per_epoch == pytest.approx(probe["micro_step_seconds"] / 512 * 4096 + 0.5 * 8)
 
 
@@ -931,7 +933,7 @@ def test_a_probes_warm_up_is_the_worst_batch_cut_to_columns_real_in_every_row():
 
 # ------------------------------------------------------------------------------ the search order, the probe cache
 class AffineSearch:
-    """A `_Search` stand-in: a peak affine in the micro-batch's rows, per checkpointing mode; records each estimate."""
+    """A `Search` stand-in: a peak affine in the micro-batch's rows, per checkpointing mode; records each estimate."""
 
     ROW = {(True, 1): 1, (True, 2): 2, (False, 1): 4}  # activations per row: every block, every other, none
 
@@ -974,12 +976,12 @@ def test_planning_hides_the_objects_it_found_from_the_collector_and_gives_them_b
     and unfreezes them when it returns; objects the caller had frozen stay frozen."""
     import gc
 
-    from looptrain.planning import planner
+    from looptrain.planning import search as plan_search
 
     train_set, collator = dataset
     model = make_tiny_bert(num_labels=2)
     seen = []
-    monkeypatch.setattr(planner, "estimate", row_estimates)
+    monkeypatch.setattr(plan_search, "estimate", row_estimates)
     probe = fake_probe(dict.fromkeys((1, 2, 4, 8, 16), 1.0))
     monkeypatch.setattr(probes, "probe", lambda *args, **kwargs: seen.append(gc.get_freeze_count())
                         or probe(*args, **kwargs))
@@ -1002,36 +1004,37 @@ def test_the_optimizers_libraries_are_imported_before_the_estimate_workers_fork(
     fork, each child finds it imported. Every optimizer the plan may try is imported; a missing library is left to
     the estimate, which says so."""
     from looptrain.planning import planner
+    from looptrain.planning import search as plan_search
 
     events = []
-    monkeypatch.setattr(planner, "estimate", row_estimates)
-    monkeypatch.setattr(planner, "import_optimizer", lambda name: events.append(name))
+    monkeypatch.setattr(plan_search, "estimate", row_estimates)
+    monkeypatch.setattr(plan_search, "import_optimizer", lambda name: events.append(name))
     real_worker = planner.EstimateWorker
     monkeypatch.setattr(planner, "EstimateWorker", lambda serve: events.append("fork") or real_worker(serve))
     train_set, collator = dataset
     plan(make_tiny_bert(num_labels=2), train_set, collator, memory_budget=2**30, effective_batch=EFFECTIVE_BATCH,
          base=Settings(batch_size=8, accum_steps=1, optimizer="adafactor"), probe=False)
-    assert events[0] == "adafactor" and events[1:] == ["fork"] * planner._estimate_workers()
+    assert events[0] == "adafactor" and events[1:] == ["fork"] * planner.estimate_workers()
 
     events.clear()
-    planner._import_optimizers(Settings(optimizer="adamw"), Levers(optimizer_family=True), ())
+    plan_search.import_optimizers(Settings(optimizer="adamw"), Levers(optimizer_family=True), ())
     assert events == ["adamw", "adamw8bit", "paged_adamw8bit"]
     events.clear()
-    planner._import_optimizers(Settings(optimizer="adamw"), Levers(optimizer_family=True), ("optimizer",))
+    plan_search.import_optimizers(Settings(optimizer="adamw"), Levers(optimizer_family=True), ("optimizer",))
     assert events == ["adamw"]
 
     def missing(name):
         raise ImportError("no bitsandbytes")
 
-    monkeypatch.setattr(planner, "import_optimizer", missing)
-    planner._import_optimizers(Settings(optimizer="adamw8bit"), Levers(), ())  # no error here
+    monkeypatch.setattr(plan_search, "import_optimizer", missing)
+    plan_search.import_optimizers(Settings(optimizer="adamw8bit"), Levers(), ())  # no error here
 
 
 def test_the_last_step_of_the_search_is_estimated_beside_the_split_below_the_best():
     """Each binary-search step is estimated beside the step it takes when that one fits; the last step, beside the
-    split below the best so far: the one `_smaller_split` probes in place of the favourite when the favourite's probe
+    split below the best so far: the one `smaller_split` probes in place of the favourite when the favourite's probe
     measures over the budget, so that its estimate is made before, in the round's spare worker."""
-    from looptrain.planning import planner
+    from looptrain.planning import search as plan_search
 
     class Rounds(AffineSearch):
         def __init__(self, budget: int):
@@ -1044,7 +1047,7 @@ def test_the_last_step_of_the_search_is_estimated_beside_the_split_below_the_bes
     template = Settings(batch_size=1, accum_steps=32, gradient_checkpointing=True, checkpoint_every=1)
     for budget, best, last in ((38, 8, [8, 2]), (37, 4, [8, 2]), (50, 16, [32, 8])):
         search = Rounds(budget)  # every block checkpointed: 20 + 10 + a row each
-        assert planner._largest_fitting(search, template, [1, 2, 4, 8, 16, 32], 32) == best
+        assert plan_search.largest_fitting(search, template, [1, 2, 4, 8, 16, 32], 32) == best
         assert search.rounds[0] == [4, 16] and search.rounds[-1] == last
 
 
@@ -1056,14 +1059,14 @@ def test_the_last_step_of_the_search_is_estimated_beside_the_split_below_the_bes
 ])
 def test_a_splits_peak_is_predicted_phase_by_phase_from_two_estimates_at_other_micro_batches(mix):
     """For fixed settings at one width, each phase's peak is affine in the micro-batch's rows: from the estimates at
-    2 and 4 rows, `_Search.predict` gives the estimator's own peak at 3 and 8 rows (interpolated and extrapolated),
+    2 and 4 rows, `Search.predict` gives the estimator's own peak at 3 and 8 rows (interpolated and extrapolated),
     checked against estimates made apart. One row of a padded worst batch is not padded: no prediction there, nor
     for other settings."""
     from looptrain import planning
-    from looptrain.planning import planner
+    from looptrain.planning import search as plan_search
 
     model = make_tiny_bert(num_labels=2, num_layers=3)
-    search = planner._Search(model, 24, 2**30, 0.05, 1.0, 2, lambda line: None)
+    search = plan_search.Search(model, 24, 2**30, 0.05, 1.0, 2, lambda line: None)
     search.padded = True
     split = lambda rows: Settings(batch_size=rows, accum_steps=4, **mix)  # noqa: E731
     assert search.predict(split(3)) is None  # nothing estimated yet
@@ -1101,28 +1104,29 @@ def test_the_search_decides_steps_by_prediction_and_estimates_the_split_a_predic
     a line through the peaks themselves would not. Under the tensors meter a split a prediction chose is estimated
     before it is returned, and when that estimate does not fit, the search goes on below it; under a measured meter
     (each candidate's probe measures it) the prediction stands, and so it does when planning's time is spent."""
-    from looptrain.planning import planner
+    from looptrain.planning import plans
+    from looptrain.planning import search as plan_search
 
     template = Settings(batch_size=1, accum_steps=128)
-    sizes = planner.divisors(128)
+    sizes = plans.divisors(128)
     for budget, measured, extra, best, estimated in (
             (78, False, None, 16, [8, 32, 16]),  # 16 predicted to fit (76 MiB), then estimated: it fits
             (78, True, None, 16, [8, 32]),  # measured meter: 16's probe will measure it
             (78, False, {16: 20}, 8, [8, 32, 16]),  # 16 estimated at 96 MiB: below it, 8 (44 MiB, estimated) fits
             (50, False, None, 8, [8, 32])):  # 16 predicted over the budget: 8 was estimated already
         stand_in, calls = phased_estimates(extra)
-        monkeypatch.setattr(planner, "estimate", stand_in)
-        search = planner._Search(torch.nn.Linear(1, 1), 32, int(budget * 2**20), 0.0, 1.0, 2, lambda line: None)
+        monkeypatch.setattr(plan_search, "estimate", stand_in)
+        search = plan_search.Search(torch.nn.Linear(1, 1), 32, int(budget * 2**20), 0.0, 1.0, 2, lambda line: None)
         search.measured = measured
-        assert planner._largest_fitting(search, template, sizes, 128) == best
+        assert plan_search.largest_fitting(search, template, sizes, 128) == best
         assert calls == estimated and search.key(template.__class__(batch_size=16, accum_steps=8)) in search.predicted
 
     # Planning's time spent before the chosen split could be estimated: the prediction stands, as its peak too.
     stand_in, calls = phased_estimates(seconds=1.0)
-    monkeypatch.setattr(planner, "estimate", stand_in)
-    search = planner._Search(torch.nn.Linear(1, 1), 32, 78 * 2**20, 0.0, 1.0, 2, lambda line: None)
+    monkeypatch.setattr(plan_search, "estimate", stand_in)
+    search = plan_search.Search(torch.nn.Linear(1, 1), 32, 78 * 2**20, 0.0, 1.0, 2, lambda line: None)
     search.limit = 2.5  # two estimates of 1 s: a third would end past it
-    assert planner._largest_fitting(search, template, sizes, 128) == 16 and calls == [8, 32]
+    assert plan_search.largest_fitting(search, template, sizes, 128) == 16 and calls == [8, 32]
     assert search.candidate_peak(Settings(batch_size=16, accum_steps=8)) == 76 * 2**20 and calls == [8, 32]
 
 
@@ -1132,11 +1136,11 @@ def test_the_search_finds_the_lightest_mode_first_and_never_estimates_a_split_mo
     fitted, and still finds its own largest split (memory grows as fewer blocks are checkpointed)."""
     import dataclasses
 
-    from looptrain.planning import planner
+    from looptrain.planning import search as plan_search
 
     search = AffineSearch(budget=38)  # every block: 8 rows (38), every other: 4 (38), none: 2 (38); fused: 16 rows
     base = Settings(batch_size=16, accum_steps=1)
-    chosen = planner._candidate_settings(search, 16, base, Levers(), set(), "cpu")
+    chosen = plan_search.candidate_settings(search, 16, base, Levers(), set(), "cpu")
     first = search.estimated[0]
     assert (first.gradient_checkpointing, first.checkpoint_every) == (True, 1)
     for settings in search.estimated:  # no mode is estimated above what a more checkpointed one fitted

@@ -231,7 +231,7 @@ def test_no_probe_runs_past_what_fits_its_ceiling_stops_it(dataset, monkeypatch,
     """Each probe under a measured meter gets a ceiling: the most it may measure and still fit. The first,
     before the run's growth is known, budget / (1 + margin); every later one that less the growth. A probe that
     passes it stops (as `measure_probe` does), counts as over the budget, and the next smaller split stands in."""
-    from looptrain.planning import planner, rss_baseline_bytes
+    from looptrain.planning import plans, rss_baseline_bytes
 
     train_set, collator = dataset
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
@@ -253,7 +253,7 @@ def test_no_probe_runs_past_what_fits_its_ceiling_stops_it(dataset, monkeypatch,
     result = plan(make_tiny_bert(num_labels=2), train_set, collator, memory_budget=budget, effective_batch=16,
                   rss_baseline=rss_baseline_bytes(), base=Settings(batch_size=2, accum_steps=8, group_by_length=True),
                   echo=lines.append)
-    fitting = int(budget / (1 + planner.DEFAULT_MARGIN["cpu"]))
+    fitting = int(budget / (1 + plans.DEFAULT_MARGIN["cpu"]))
     assert ceilings[0] == (2, fitting)  # the first probe: the growth is not known yet
     assert result.growth_bytes > 0 and all(ceiling == fitting - result.growth_bytes for _, ceiling in ceilings[1:])
     assert (16, fitting - result.growth_bytes) in ceilings and 8 in [rows for rows, _ in ceilings]

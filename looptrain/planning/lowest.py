@@ -15,7 +15,7 @@ from typing import Any
 
 from looptrain import strategy as strategies
 from looptrain.planning.errors import PlanError
-from looptrain.planning.planner import CHECKPOINT_MODES, _Search, _valid
+from looptrain.planning.search import CHECKPOINT_MODES, Search, valid_settings
 from looptrain.precision import cpu_has_native_bf16
 from looptrain.strategy import Strategy
 
@@ -92,7 +92,7 @@ def lowest(model_or_config: Any, batch_size: int, seq_len: int, base: Strategy |
         raise PlanError(f"the lowest full fine-tune freezes nothing: drop {', '.join(frozen)}")
     fixed = set(fixed)
     native_bf16 = cpu_has_native_bf16() if native_bf16 is None else native_bf16
-    search = _Search(model_or_config, seq_len, 0, 0.0, max_grad_norm, num_labels, echo)
+    search = Search(model_or_config, seq_len, 0, 0.0, max_grad_norm, num_labels, echo)
     numerics = [{"precision": "fp32", "weights": "fp32"}]
     if native_bf16:
         numerics += [{"precision": "bf16", "weights": "fp32"}, {"precision": "bf16", "weights": "bf16"}]
@@ -116,7 +116,7 @@ def lowest(model_or_config: Any, batch_size: int, seq_len: int, base: Strategy |
             if any(name in fixed and getattr(base, name) != value for name, value in choice.items()):
                 continue  # the user set it
             settings = dataclasses.replace(current, **choice)
-            if _valid(settings):
+            if valid_settings(settings):
                 options.append(settings)
         if current not in options:
             options.insert(0, current)

@@ -1,0 +1,297 @@
+"""How the candidates that fit are ranked: a prior (`prior_seconds`), then probes (`probe_candidates`): one real
+update each, its time read as a micro-batch's fixed cost and seconds per FLOP (`micro_batch_costs`) over the
+micro-batches of an epoch (`run_windows`), each probe stopped at the most that fits (`probe_ceiling`); the baseline
+kept unless another is measured `KEEP_BASELINE_WITHIN` faster."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import nn
+
+from looptrain.batches import token_pieces
+from looptrain.flops import ModelFlops
+from looptrain.planning import probes
+from looptrain.planning.errors import PlanError
+from looptrain.planning.estimator import bounding_windows, estimate_windows
+from looptrain.planning.plans import Candidate, Plan, format_bytes
+from looptrain.precision import cpu_has_native_bf16
+from looptrain.strategy import Strategy
+
+# The plan keeps the configuration the run would have trained without it unless another candidate's measured
+# prediction is at least this much faster: a probe is one update, and its prediction is a sample, not a constant.
+KEEP_BASELINE_WITHIN = 0.05
+
+# Under a measured meter, what a whole run adds to one probe's peak, as a share of the memory that probe measured
+# besides the tensors: later updates' other widths, the allocator's retained blocks, evaluation and checkpoint
+# saving. Measured: +39 MiB over a 160 MiB share (24%, a 3.3M-parameter BERT, tests/test_plan.py), +15 MiB over
+# 216 MiB (7%, the 36.6M-parameter BERT of scripts/bench_plan.py).
+RUN_GROWTH = 0.25
+
+# A candidate is probed only if, this much faster than the prior (scaled to the probes) predicts, it would win by
+# more than its probe costs: the prior orders candidates within about this factor.
+PRIOR_OPTIMISM = 0.75
+
+
+def probe_ceiling(budget: int, margin: float, growth: int) -> int:
+    """The most a probe may measure and fit (`fits_measured`), where `measure_probe` stops it: a probe that goes
+    past has already taken the process past what fits, and left unchecked it went on past the budget itself (worst
+    batch of 16 rows under glibc's own thresholds: 1.30 GiB measured against a budget of 1.17 GiB, docs/plan.md)."""
+    return int(budget / (1 + margin)) - growth
+
+
+def run_growth(measured_peak: int, estimated_peak: int) -> int:
+    """What a whole run may add to one probe's measured peak: `RUN_GROWTH` of what it measured besides the tensors."""
+    return int(RUN_GROWTH * max(0, measured_peak - estimated_peak))
+
+
+def fits_measured(peak: int, growth: int, margin: float, budget: int) -> bool:
+    """A probe's measured peak fits: with the run's growth and the margin, within the budget."""
+    return (peak + growth) * (1 + margin) <= budget
+
+
+def prior_seconds(candidate: Candidate, model: Any, device_type: str) -> float:
+    """A unitless prior time per epoch, to order probes: padded tokens, recompute, small-batch and precision cost."""
+    settings = candidate.settings
+    recompute = 0.0 if not settings.gradient_checkpointing else 0.35 / settings.checkpoint_every
+    precision_cost = 1.0
+    if settings.precision != "fp32":
+        native = device_type == "cuda" or (settings.precision == "bf16" and cpu_has_native_bf16())
+        precision_cost = 0.7 if native else 8.0
+    parameters = (sum(parameter.numel() for parameter in model.parameters() if parameter.requires_grad)
+                  if isinstance(model, nn.Module) else 1e8)  # the optimizer steps the trainable ones (LoRA: adapters)
+    optimizer_cost = {"adamw": 1.0, "sgd": 0.3, "adafactor": 2.0}.get(settings.optimizer, 5.0) * parameters / 3e5
+    if settings.weights == "bf16":
+        optimizer_cost *= 2.0  # each tensor upcast, stepped alone, and rounded back with random bits
+    per_token = (1 + recompute) * (1 + 0.5 / settings.batch_size) * precision_cost
+    return candidate.padded_tokens * per_token + candidate.updates * optimizer_cost
+
+
+def probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: list[int], device: str, epochs: int,
+                      max_grad_norm, probe_budget: float | None, probe_fraction: float, meter: probes.Meter | None,
+                      echo, smaller: Callable[[Candidate], Candidate | None] = lambda candidate: None,
+                      flops: ModelFlops | None = None) -> None:
+    """Probes candidates within the probe budget and ranks them by the measured speed.
+
+    The baseline (the configuration without the planner) and the prior's favourite are always probed. The
+    others follow in the order of their prior scaled to the probes, each only if its predicted probe time fits
+    what is left of the budget and, `PRIOR_OPTIMISM` faster than predicted, it would beat the best measured
+    candidate by more than its probe costs (planning included: a probe that cannot pay for itself is not
+    run). Under a measured meter (`meter`) a candidate fits only when its probe's measured peak (with the
+    margin) does: the others are dropped, and probing goes on, budget or not, until one candidate fits.
+    Unprobed candidates rank after the probed ones; the baseline stays first unless another is predicted at
+    least `KEEP_BASELINE_WITHIN` faster. A candidate whose probe measures over the budget is replaced by the next
+    smaller split of its settings (`smaller`), probed at once, budget or not (it stands in for the one probed).
+    The budget counts each probe at its seconds as measured, a cached one at its recorded seconds
+    (`Plan.charged_seconds`), so that a rerun on the cache takes the same decisions.
+    """
+    started, spent = time.perf_counter(), result.probe_seconds  # the first probe, made before the search
+    budget, rejected, skipped, hopeless = probe_budget, [], 0, 0
+    charged = 0.0  # the probes below as the budget counts them: each at its (measured or recorded) seconds
+
+    def fits(candidate: Candidate) -> bool:
+        peak = candidate.probe.get("measured_peak_bytes")
+        return peak is None or fits_measured(peak, result.growth_bytes, result.margin, result.budget_bytes)
+
+    batches: dict[int, dict] = {}  # by micro-batch size: the cache check and the probe collate it once
+
+    def batch_of(candidate: Candidate) -> dict:
+        size = candidate.settings.batch_size
+        if size not in batches:
+            batches[size] = collator([dataset[i] for i in order[:size]])
+        return batches[size]
+
+    def run(candidate: Candidate) -> None:
+        nonlocal charged
+        if not candidate.probed:
+            ceiling = probe_ceiling(result.budget_bytes, result.margin, result.growth_bytes) \
+                if meter is not None else None
+            record_probe(candidate, probes.probe(model, candidate.settings, batch_of(candidate), device, max_grad_norm,
+                                                  meter, ceiling), flops)
+            charged += candidate.probe["probe_seconds"]
+        over = not fits(candidate)
+        if over:
+            rejected.append(candidate)
+        settings, peak = candidate.settings, candidate.probe.get("measured_peak_bytes")
+        speed = f"stopped past {format_bytes(candidate.probe['ceiling'])}, the most that fits" \
+            if candidate.probe.get("stopped") else \
+            f"{result.num_samples / candidate.seconds_per_epoch:.1f} samples/s predicted"
+        echo(f"  probe {settings.batch_size} x {settings.accum_steps}, {settings.precision}, {settings.optimizer}, "
+             f"checkpointing {settings.checkpointing}{', fused step' if settings.optimizer_in_backward else ''}: "
+             f"{speed} "
+             + (f"(from the cache, measured in {candidate.probe['probe_seconds']:.1f} s"
+                if candidate.probe.get("from_cache") else f"({candidate.probe['probe_seconds']:.1f} s")
+             + (f"; measured peak {format_bytes(peak)}{', over the budget' if candidate in rejected else ''}"
+                if peak is not None else "") + ")")
+        replacement = smaller(candidate) if over else None
+        if replacement is not None:
+            result.candidates.append(replacement)
+            run(replacement)
+
+    baseline = next((c for c in result.candidates if c.baseline), None)
+    for candidate in [baseline] + [result.candidates[0]] * (result.candidates[0] is not baseline):
+        if candidate is not None:
+            run(candidate)
+    if budget is None:  # a share of the planned run (as the baseline's probe predicts it)
+        reference = next((c for c in (baseline, *result.candidates) if c is not None and timed(c)), None)
+        budget = probe_fraction * reference.seconds_per_epoch * epochs if reference is not None else 0.0
+    budget = max(0.0, budget - result.charged_seconds - charged)  # planning's time: estimates and probes together
+    charged = 0.0
+    result.probe_budget_seconds = round(budget, 3)
+    while True:
+        probed = [c for c in result.candidates if c.probed]
+        scale_priors(result.candidates)
+        waiting = sorted((c for c in result.candidates if not c.probed), key=lambda c: c.seconds_per_epoch)
+        if not waiting:
+            break
+        candidate = waiting[0]
+        fitting = [c for c in probed if c not in rejected]
+        best = min((c.seconds_per_epoch for c in fitting), default=math.inf)
+        cost = predicted_probe_seconds(candidate, probed)  # cached or not: a rerun decides as the first run did
+        if fitting and charged + cost > budget:
+            skipped += len(waiting)
+            break
+        if fitting and (best - PRIOR_OPTIMISM * candidate.seconds_per_epoch) * epochs <= cost:
+            hopeless += len(waiting)  # the rest are predicted slower still
+            break
+        run(candidate)
+    result.probe_seconds = spent + time.perf_counter() - started
+    if skipped:
+        result.notes.append(f"{skipped} candidate(s) not probed: their probes would not fit the probe budget "
+                            f"({budget:.0f} s); their speed is the prior scaled to the probes")
+    if hopeless:
+        result.notes.append(f"{hopeless} candidate(s) not probed: even {1 / PRIOR_OPTIMISM:.2f}x faster than "
+                            "predicted, none would win by more than its probe costs")
+    if meter is not None:
+        unmeasured = [c for c in result.candidates if not c.probed]
+        result.candidates = [c for c in result.candidates if c.probed and c not in rejected]
+        if rejected or unmeasured:
+            result.notes.append(f"budget {result.meter}: {len(rejected)} probed candidate(s) measured over it and "
+                                f"{len(unmeasured)} not measured were left out")
+        if not result.candidates:
+            raise PlanError(f"no candidate fits {format_bytes(result.budget_bytes)} {result.meter}: the probes "
+                            "measured " + ", ".join(format_bytes(c.probe['measured_peak_bytes']) for c in rejected)
+                            + "; raise the budget, or let the planner use --amp / --optim auto")
+    scale_priors(result.candidates)
+    result.candidates.sort(key=lambda c: (not c.probed or c in rejected, c.seconds_per_epoch))
+    baseline = next((c for c in result.candidates if c.baseline and c.probed and c not in rejected), None)
+    if baseline is not None and result.candidates[0] is not baseline \
+            and result.candidates[0].seconds_per_epoch > (1 - KEEP_BASELINE_WITHIN) * baseline.seconds_per_epoch:
+        result.candidates.remove(baseline)
+        result.candidates.insert(0, baseline)
+        result.notes.append(f"kept the {result.baseline_words}: no candidate is predicted at least "
+                            f"{KEEP_BASELINE_WITHIN:.0%} faster")
+
+
+def record_probe(candidate: Candidate, probe: dict, flops: ModelFlops | None = None) -> None:
+    """A probe's measurements on its candidate, and the epoch's time they predict: each micro-batch's fixed cost
+    and its work at the probe's seconds per FLOP (`micro_batch_costs`), else (no small step timed, or no FLOPs
+    counted) its padded tokens at the probe's seconds per token; and each optimizer step."""
+    candidate.probe, candidate.probed = probe, True
+    if probe.get("stopped"):  # over its ceiling, so over the budget: no time measured, the prior's stands
+        return
+    costs = micro_batch_costs(probe, flops) if candidate.flops else None
+    work = costs[0] * candidate.micro_batches + costs[1] * candidate.flops if costs is not None \
+        else probe["micro_step_seconds"] / probe["tokens"] * candidate.padded_tokens
+    candidate.seconds_per_epoch = (work + probe["optimizer_step_seconds"] * candidate.updates
+                                   + probe.get("compile_seconds", 0.0))  # torch.compile: paid once, counted once
+
+
+def micro_batch_costs(probe: dict, flops: ModelFlops | None) -> tuple[float, float] | None:
+    """A probe's seconds per micro-batch whatever its size, and per model FLOP of its work: the line through its two
+    timed micro-batches (the warm-up's second run and the worst batch), their work in model FLOPs
+    (`ModelFlops.per_batch`: padded tokens, attention growing with the width). None without a small step timed or
+    FLOPs counted.
+
+    A micro-batch's fixed cost (Python, dispatch, hooks: the same for 1 row or 8) is why cutting a batch into more
+    micro-batches costs more than its tokens say; and attention makes a token of the worst width dearer than one of
+    a typical batch.
+    """
+    small, shape = probe.get("small_step_seconds"), probe.get("small_batch_shape")
+    if small is None or shape is None or flops is None:
+        return None
+    small_work, large_work = flops.per_batch(*shape), flops.per_batch(*probe["batch_shape"])
+    if large_work <= small_work or probe["micro_step_seconds"] <= small:
+        return None
+    per_flop = (probe["micro_step_seconds"] - small) / (large_work - small_work)
+    fixed = small - per_flop * small_work
+    if fixed < 0:  # noise: all of it work
+        return 0.0, probe["micro_step_seconds"] / large_work
+    return fixed, per_flop
+
+
+def scale_priors(candidates: list[Candidate]) -> None:
+    """Unprobed candidates' predicted time: their prior times the median ratio of the probed ones alike
+    (same precision and optimizer), or of every probed one."""
+    probed = [c for c in candidates if timed(c)]
+    if not probed:
+        return
+    for candidate in (c for c in candidates if not timed(c)):
+        alike = [c for c in probed if (c.settings.precision, c.settings.optimizer)
+                 == (candidate.settings.precision, candidate.settings.optimizer)] or probed
+        ratios = sorted(c.seconds_per_epoch / c.prior for c in alike)
+        candidate.seconds_per_epoch = candidate.prior * ratios[len(ratios) // 2]
+
+
+def timed(candidate: Candidate) -> bool:
+    """Whether a candidate's speed was measured: probed, and not stopped at its ceiling."""
+    return candidate.probed and not candidate.probe.get("stopped")
+
+
+def predicted_probe_seconds(candidate: Candidate, probed: list[Candidate]) -> float:
+    """A probe's time, scaled from the nearest probed candidate by micro-batch rows and recompute."""
+    probed = [c for c in probed if timed(c)]
+    if not probed:
+        return 0.0
+
+    def recompute(settings: Strategy) -> float:
+        return 1 + (0.35 / settings.checkpoint_every if settings.gradient_checkpointing else 0.0)
+    reference = min(probed, key=lambda c: abs(c.settings.batch_size - candidate.settings.batch_size))
+    scale = candidate.settings.batch_size / reference.settings.batch_size * recompute(candidate.settings) \
+        / recompute(reference.settings)
+    return reference.probe["probe_seconds"] * scale
+
+
+def run_windows(sampler: Any, lengths: Sequence[int], collator: Any, accum_steps: int, epochs: int = 1,
+                max_steps: int = 0, micro_batch_tokens: int = 0) -> list[list[tuple[int, int]]]:
+    """The micro-batch shapes ``(rows, padded width)`` of every window a run trains on, in order.
+
+    Read from the sampler's own epochs (`epoch_batches(epoch)`: no batch is built, no resume offset is
+    consumed), cut into windows as the Loop cuts them (the last one of an epoch may be shorter; with
+    `micro_batch_tokens`, each batch into its pieces, `looptrain.batches.token_pieces`), and stopped after
+    `max_steps` windows when that is set.
+    """
+    def width(batch_lengths: Sequence[int]) -> int:
+        return int(collator.batch_width(batch_lengths))
+
+    def micro_batches(batch: Sequence[int]) -> list[tuple[int, int]]:
+        batch_lengths = [lengths[index] for index in batch]
+        pieces = (token_pieces(batch_lengths, micro_batch_tokens, lambda length: width([length]))
+                  if micro_batch_tokens else [range(len(batch))])
+        return [(len(piece), width([batch_lengths[row] for row in piece])) for piece in pieces]
+
+    windows: list[list[tuple[int, int]]] = []
+    for epoch in range(epochs):
+        batches = sampler.epoch_batches(epoch)
+        windows.extend([shape for batch in batches[start:start + accum_steps] for shape in micro_batches(batch)]
+                       for start in range(0, len(batches), accum_steps))
+        if 0 < max_steps <= len(windows):
+            return windows[:max_steps]
+    return windows
+
+
+def run_batches_estimate(model: Any, settings: Strategy, windows: Sequence[Sequence[tuple[int, int]]], *,
+                         fresh: bool = True, max_grad_norm=1.0, num_labels: int = 2, padded: bool = True) -> int:
+    """`estimate_windows` of `settings` over the batches a run will see (`run_windows`), where it sees them.
+
+    The run's peak, not the dataset's worst case: a length-grouped sampler gives its longest batch first,
+    before any optimizer state exists, so pricing that batch beside the state (as the planner does, to be
+    safe under a budget) describes a moment the run never has. `bounding_windows` keeps the few windows
+    that decide it. A causal LM's micro-batches of more than one row are priced padded (`padded`, as
+    `estimate` says): dynamic padding pads nearly every one of them.
+    """
+    return estimate_windows(model, bounding_windows(windows, fresh=fresh), settings, num_labels=num_labels,
+                            max_grad_norm=max_grad_norm, padded=padded)["peak_memory_bytes"]

@@ -1,0 +1,142 @@
+"""What the planner says besides its ranking: what would fit when nothing does (`nothing_fits_message`: the lightest
+split plus one task or numerics change, LoRA and QLoRA included), and how much a LoRA plan saves over the full
+fine-tune with the same settings (`lora_comparison`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from looptrain.planning.plans import Levers, Plan, format_bytes, lora_words
+from looptrain.planning.search import FULL_FINE_TUNE, Search, full_fine_tune_model, lightest_split
+from looptrain.precision import amp_precision, resolve_device
+from looptrain.strategy import Strategy
+
+# LoRA: the rank suggested when nothing fits, and the share of the full fine-tune's peak below which a LoRA
+# plan's saving is called small (activations dominate: a small model, or long sequences).
+LORA_SUGGESTED_RANK = 16
+LORA_SMALL_SAVING = 0.2
+LORA_LEVERS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "qlora")
+
+
+def nothing_fits_message(search: Search, effective_batch: int, base: Strategy, levers: Levers, collator, lengths,
+                          device_type: str) -> str:
+    """What would fit, with its estimate: the lightest exact settings plus one task or numerics change."""
+    lightest = lightest_split(base, effective_batch)
+    lines = [f"nothing fits {format_bytes(search.budget)} (with a {search.margin:.0%} margin) at the worst batch "
+             f"({search.width} tokens wide), even micro-batch 1 x {effective_batch} with gradient checkpointing: "
+             f"estimated {format_bytes(search.peak(lightest))}"
+             + (f" + {format_bytes(search.overhead)} of the process's RSS measured besides tensors"
+                if search.overhead else "")
+             + "."]
+    suggestions = []
+    if not levers.optimizer_family and base.optimizer == "adamw":
+        suggestions.append(("--optim auto (8-bit AdamW)", dataclasses.replace(lightest, optimizer="adamw8bit"), None))
+    fast = amp_precision(resolve_device(device_type))[0]
+    if not levers.precision and base.precision == "fp32":
+        suggestions.append(("--amp", dataclasses.replace(lightest, precision=fast), None))
+    if base.weights == "fp32" and fast == "bf16":
+        suggestions.append(("--weights bf16", dataclasses.replace(lightest, precision="bf16", weights="bf16"), None))
+    if not base.lora_rank:  # freezing and LoRA do not mix (LoRA freezes the whole base)
+        blocks = block_count(search.model)
+        for count in sorted({blocks // 2, blocks - 1} - {0}) if blocks else []:
+            suggestions.append((f"--freeze-layers {count}",
+                                dataclasses.replace(lightest, freeze_layers=count, freeze_encoder=False), None))
+        suggestions.append(("--freeze-encoder",
+                            dataclasses.replace(lightest, freeze_encoder=True, freeze_layers=0,
+                                                freeze_embeddings=False), None))
+    adapters = lora_suggestions(search, base, lightest)
+    if search.width > 16:
+        suggestions.append((f"--max-length {search.width // 2}", lightest, search.width // 2))
+    fitting, lora_over = [], []
+    for label, settings, seq_len, model in [(*suggestion, None) for suggestion in suggestions] + adapters:
+        try:
+            peak = search.peak(settings, seq_len, model)
+        except Exception as error:  # LoRA: any estimate that cannot run here (QLoRA without 4 bits)
+            if isinstance(error, (ValueError, TypeError)) or model is not None or settings.lora_rank:
+                continue  # an invalid mix
+            raise
+        if (peak + search.overhead) * (1 + search.margin) <= search.budget:
+            fitting.append(f"fits with {label} (est. {format_bytes(peak)})")
+        elif (label, settings, seq_len, model) in adapters:
+            lora_over.append(f"{label} (est. {format_bytes(peak)})")
+    lines.append("; ".join(fitting) + "." if fitting else "None of --amp, --optim auto, freezing, LoRA or a halved "
+                 "--max-length fits either: raise the budget.")
+    if lora_over:
+        lines.append(f"Not enough: {', '.join(lora_over)}.")
+    return " ".join(lines)
+
+
+def lora_suggestions(search: Search, base: Strategy, lightest: Strategy) -> list[tuple]:
+    """LoRA's suggestions when nothing fits: (label, settings, None, model to estimate or None).
+
+    Without LoRA: LoRA and QLoRA of rank `LORA_SUGGESTED_RANK` (freezing dropped: LoRA freezes the base).
+    With LoRA but not QLoRA: ``--qlora``, estimated on the unwrapped base (a wrapped model is not quantized again).
+    """
+    if base.qlora:
+        return []
+    if base.lora_rank:
+        if full_fine_tune_model(search.model) is None:
+            return []
+        return [("--qlora", dataclasses.replace(lightest, qlora=True), None, FULL_FINE_TUNE)]
+    frozen = [name for name in ("freeze_embeddings", "freeze_layers", "freeze_encoder")
+              if getattr(lightest, name) != Strategy.__dataclass_fields__[name].default]
+    lora = dataclasses.replace(lightest, lora_rank=LORA_SUGGESTED_RANK,
+                               **{name: Strategy.__dataclass_fields__[name].default for name in frozen})
+    dropped = f" (without --{', --'.join(name.replace('_', '-') for name in frozen)})" if frozen else ""
+    return [(f"--lora {LORA_SUGGESTED_RANK}{dropped}", lora, None, None),
+            (f"--lora {LORA_SUGGESTED_RANK} --qlora{dropped}", dataclasses.replace(lora, qlora=True), None, None)]
+
+
+def lora_comparison(search: Search, result: Plan) -> dict | None:
+    """The LoRA winner against the full fine-tune with the same settings, at the worst batch: one more estimate.
+
+    Sets `result.lora` (both estimates, the saving, whether the full fine-tune fits the budget too) and adds a
+    note; when LoRA saves less than `LORA_SMALL_SAVING` of the full fine-tune's peak (activations dominate: a
+    small model, long sequences), the note says so. An estimate that cannot run adds a note and nothing else.
+    """
+    winner = result.winner
+    settings = dataclasses.replace(winner.settings, **{name: Strategy.__dataclass_fields__[name].default
+                                                       for name in LORA_LEVERS})
+    flags = " ".join(settings.flags())
+    started, count = search.seconds, search.count
+    try:
+        if full_fine_tune_model(search.model) is None:
+            raise ValueError("a 4-bit model without a transformers config")
+        full = search.peak(settings, model=FULL_FINE_TUNE)
+    except Exception as error:  # noqa: BLE001  a report: never a reason to fail the plan
+        result.notes.append(f"no comparison of {lora_words(winner.settings)} with a full fine-tune "
+                            f"({type(error).__name__}: {error})")
+        return None
+    finally:
+        result.estimates += search.count - count
+        result.estimate_seconds += search.seconds - started
+    saving = full - winner.estimated_peak_bytes
+    share = saving / full if full else 0.0
+    fits = (full + search.overhead) * (1 + search.margin) <= search.budget
+    result.lora = {"settings": dataclasses.asdict(winner.settings), "estimated_peak_bytes": winner.estimated_peak_bytes,
+                   "full_fine_tune_flags": settings.flags(), "full_fine_tune_peak_bytes": full,
+                   "saving_bytes": saving, "saving_share": round(share, 4), "full_fine_tune_fits": fits,
+                   "small_saving": share < LORA_SMALL_SAVING}
+    words = lora_words(winner.settings)
+    if saving <= 0:
+        amount = f"{words} saves nothing"
+    else:
+        amount = f"{words} saves {'only ' if share < LORA_SMALL_SAVING else ''}{format_bytes(saving)} ({share:.0%})"
+    text = (f"{amount} over the full fine-tune with the same settings ({flags}: est. {format_bytes(full)}, "
+            f"{words} est. {format_bytes(winner.estimated_peak_bytes)}) at this length ({search.width} tokens)")
+    if share < LORA_SMALL_SAVING:
+        text += (": the activations dominate the peak, and LoRA trims only the weights' gradients and optimizer "
+                 "state; " + ("the full fine-tune fits the budget too (drop --lora to train every weight)" if fits
+                              else "still, with these settings only LoRA fits the budget"))
+    result.notes.append(text)
+    return result.lora
+
+
+def block_count(model: Any) -> int:
+    from looptrain.freeze import find_transformer_blocks
+
+    try:
+        return len(find_transformer_blocks(model))
+    except (ValueError, TypeError):
+        return 0
