@@ -38,7 +38,7 @@ PROBE_HELD_TOLERANCE = 32 * 1024**2
 PROBE_WARM_UP_WIDTH = 16
 # A probe with a ceiling reads its meter at most this often (before and after each module's forward, as each
 # gradient is accumulated, before the optimizer's step): the process outgrows the ceiling by what it allocates in
-# between (20-30 MiB on worked example 2, docs/plan.md), and the checks add 1-2% to the timed worst micro-batch.
+# between (20-70 MiB on worked example 2, docs/plan.md), and the checks add 1-2% to the timed worst micro-batch.
 CEILING_CHECK_SECONDS = 0.001
 # The models being planned, described when `plan` starts (`estimate_cache.model_digest`): the probes' cache keys.
 MODEL_DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
