@@ -261,3 +261,4 @@ def test_no_probe_runs_past_what_fits_its_ceiling_stops_it(dataset, monkeypatch,
     assert all(candidate.probe["batch_shape"][0] <= 8 and not candidate.probe.get("stopped")
                for candidate in result.candidates)
     assert result.winner.probe["batch_shape"] == [8, result.worst_width]
+

@@ -173,7 +173,8 @@ def probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: l
                                 f"{len(unmeasured)} not measured were left out")
         if not result.candidates:
             raise PlanError(f"no candidate fits {format_bytes(result.budget_bytes)} {result.meter}: the probes "
-                            "measured " + ", ".join(format_bytes(c.probe['measured_peak_bytes']) for c in rejected)
+                            "measured " + ", ".join(("over " if c.probe.get("stopped") else "")
+                                                    + format_bytes(c.probe['measured_peak_bytes']) for c in rejected)
                             + "; raise the budget, or let the planner use --amp / --optim auto")
     scale_priors(result.candidates)
     result.candidates.sort(key=lambda c: (not c.probed or c in rejected, c.seconds_per_epoch))
