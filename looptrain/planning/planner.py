@@ -36,6 +36,9 @@ the estimator, and drives both:
    `KEEP_BASELINE_WITHIN` faster.
 
 Everything measured and decided is in the returned `Plan` (`table()`, `to_dict()`).
+
+This module holds `plan` itself, the order of its work; the parts live beside it: `plans` (what a plan is made of),
+`search` (what fits), `ranking` (the probes and what is fastest) and `suggestions` (when nothing fits; LoRA's saving).
 """
 
 from __future__ import annotations
