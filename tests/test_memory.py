@@ -195,7 +195,7 @@ def test_the_estimates_first_update_creates_the_state_without_the_models_forward
     """`estimate`'s first update only creates the optimizer state, so its loss is `_priming_loss` (zero gradients
     for every trainable parameter), not the model's: the estimate (peak, each phase's peak, the breakdown) is the
     one the model's own first update gives, for fewer fake ops."""
-    from looptrain.planning.estimator import estimate_windows
+    from looptrain.planning.estimator import _cached_estimate
 
     options = dict({"lora": {"lora_rank": 4}, "qlora": {"lora_rank": 4, "qlora": True}}.get(mix) or MIXES[mix])
     if options.get("optimizer") == "adamw8bit" or options.get("qlora"):
@@ -203,8 +203,9 @@ def test_the_estimates_first_update_creates_the_state_without_the_models_forward
     max_grad_norm = options.pop("max_grad_norm", 1.0)
     strategy = planning.Settings(**{"batch_size": 2, **options})
     window = [(2, 24)] * min(strategy.accum_steps, 2)
-    primed, full = (estimate_windows(_tiny_config(model), [window[:1], window], strategy, max_grad_norm=max_grad_norm,
-                                     padded=True, cache=False, _primes=primes) for primes in (True, False))
+    primed, full = (_cached_estimate(_tiny_config(model), [window[:1], window], strategy, num_labels=2,
+                                     max_grad_norm=max_grad_norm, padded=True, cache=False, primes=primes)
+                    for primes in (True, False))
     assert primed["peak_memory_bytes"] == full["peak_memory_bytes"]
     assert primed["phase_peak_bytes"] == full["phase_peak_bytes"]
     assert primed["memory_breakdown"] == full["memory_breakdown"]

@@ -375,8 +375,8 @@ def estimate(
     # The first update creates the optimizer state: one micro-batch does that, and its peak is below the second
     # update's (the same tensors, without the state), so a second micro-batch there would only cost time; and its
     # loss need not be the model's (`_priming_loss`).
-    return estimate_windows(model_or_config, [window[:1], window], strategy, num_labels=num_labels,
-                            max_grad_norm=max_grad_norm, padded=padded, cache=cache, _primes=True)
+    return _cached_estimate(model_or_config, [window[:1], window], strategy, num_labels=num_labels,
+                            max_grad_norm=max_grad_norm, padded=padded, cache=cache, primes=True)
 
 
 def estimate_windows(
@@ -388,7 +388,6 @@ def estimate_windows(
     max_grad_norm: float | None = 1.0,
     padded: bool = False,
     cache: bool = True,
-    _primes: bool = False,
     **levers: Any,
 ) -> dict[str, Any]:
     """`estimate` over given accumulation windows: the Loop's update driven once per window, in order.
@@ -406,7 +405,15 @@ def estimate_windows(
     """
     if not windows or not all(windows):
         raise ValueError("estimate_windows needs at least one window, and every window at least one (rows, width)")
-    strategy = as_strategy(strategy, levers)
+    return _cached_estimate(model_or_config, windows, as_strategy(strategy, levers), num_labels=num_labels,
+                            max_grad_norm=max_grad_norm, padded=padded, cache=cache, primes=False)
+
+
+def _cached_estimate(model_or_config: Any, windows: Sequence[Sequence[tuple[int, int]]], strategy: Strategy, *,
+                     num_labels: int, max_grad_norm: float | None, padded: bool, cache: bool,
+                     primes: bool) -> dict[str, Any]:
+    """`estimate_windows`, read from the on-disk cache or computed and written there. `primes`: the first window
+    only creates the optimizer state (`estimate`'s), so its loss is `_priming_loss`."""
     if strategy.micro_batch_tokens:  # the micro-batches the Loop would cut, priced as they are
         windows, strategy = token_windows(windows, strategy), dataclasses.replace(strategy, micro_batch_tokens=0)
     strategy = dataclasses.replace(strategy, trim_heap=False)  # the C heap's pages hold no tensor: nothing to price
@@ -416,13 +423,13 @@ def estimate_windows(
     key = estimate_cache.key(
         model_or_config, windows, strategy, num_labels=num_labels, max_grad_norm=max_grad_norm, padded=padded,
         named_config=_named_config(model_or_config, num_labels) if isinstance(model_or_config, str) else None,
-        primes=_primes,
+        primes=primes,
     ) if cache else None
     result = estimate_cache.read(key) if key is not None else None
     if result is None and cache == "only":
         raise LookupError("no cached estimate of these settings (cache='only' computes nothing)")
     if result is None:
-        result = _estimate_windows(model_or_config, windows, strategy, num_labels, max_grad_norm, padded, _primes)
+        result = _estimate_windows(model_or_config, windows, strategy, num_labels, max_grad_norm, padded, primes)
         result["compute_seconds"] = round(time.perf_counter() - started, 3)  # kept: what a cached read stands for
         if key is not None:
             estimate_cache.write(key, result)

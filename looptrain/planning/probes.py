@@ -157,7 +157,7 @@ def held_bytes(meter: Meter | None) -> int:
     if meter is None or meter.kind != "rss":
         return 0
     gc.collect()
-    return max(0, _status_bytes("VmRSS") - meter.baseline)
+    return max(0, meter.current())
 
 
 def cached_probe(key: str | None, held: int) -> dict | None:
@@ -214,13 +214,13 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
     marks: list[tuple[str, float]] = []  # ("loss" | "step" | "stepped", when)
     compute_loss, optimizers = loop.compute_loss, inner_optimizers(loop.optimizer)
     guard = _Ceiling(meter, ceiling + stashed) if meter is not None and ceiling is not None else None
-    hooks, started_micro_batches = [], 0
+    hooks, started_micro_batches, worst = [], 0, sum(map(len, windows))  # the worst batch: the last micro-batch
 
     def timed_loss(micro_batch):
         nonlocal started_micro_batches
         marks.append(("loss", time.perf_counter()))
         started_micro_batches += 1
-        if guard is not None and started_micro_batches == sum(map(len, windows)):
+        if guard is not None and started_micro_batches == worst:
             # Armed for the worst batch and the step after it, where the update peaks (the warm-up holds less): its
             # checks would add 5-8% to the small micro-batch's time, 1-2% to the worst batch's.
             hooks.extend(guard.install(model, optimizers))
@@ -250,10 +250,10 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
         _restore_stash(model, stash)
         gc.collect()
     peak = meter.peak() - stashed if meter is not None else None  # the fp32 tensors set aside: not the run's
-    if guard is not None and guard.tripped:
-        return {"stopped": True, "ceiling": ceiling, "measured_peak_bytes": max(peak, ceiling + 1),
-                "probe_seconds": time.perf_counter() - started, "tokens": int(batch["input_ids"].numel()),
+    measured = {"probe_seconds": time.perf_counter() - started, "tokens": int(batch["input_ids"].numel()),
                 "batch_shape": list(batch["input_ids"].shape)}
+    if guard is not None and guard.tripped:
+        return {"stopped": True, "ceiling": ceiling, "measured_peak_bytes": max(peak, ceiling + 1), **measured}
     loss_marks = sorted(when for kind, when in marks if kind == "loss")  # the micro-batches' starts
     last_loss = loss_marks[-1]
     steps = [(kind, when) for kind, when in marks if kind in ("step", "stepped") and when > last_loss]
@@ -264,9 +264,7 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
         optimizer_seconds = sum(when if kind == "stepped" else -when for kind, when in steps)
     if settings.compile and len(loss_marks) >= 2:  # the first micro-batch compiled the graph: what the run pays too
         compile_seconds = loss_marks[-1] - loss_marks[0] - micro_step
-    result = {"micro_step_seconds": micro_step, "optimizer_step_seconds": max(optimizer_seconds, 0.0),
-              "probe_seconds": time.perf_counter() - started, "tokens": int(batch["input_ids"].numel()),
-              "batch_shape": list(batch["input_ids"].shape)}
+    result = {"micro_step_seconds": micro_step, "optimizer_step_seconds": max(optimizer_seconds, 0.0), **measured}
     if peak is not None:
         result["measured_peak_bytes"] = peak
     if settings.compile and len(loss_marks) >= 2:
