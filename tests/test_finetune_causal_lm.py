@@ -334,7 +334,7 @@ def test_memory_budget_plans_a_causal_lm(llama_dir, tmp_path):
     argv = ["--task", "causal-lm", "--model", str(llama_dir), "--data", str(data),
             "--output-dir", str(tmp_path / "out"), "--max-length", "32", "--lr", "3e-3", "--no-progress-bar",
             "--max-steps", "2", "--batch-size", "4", "--eval-every", "no", "--memory-budget", "1GiB",
-            "--plan-time", "0", "--budget-meter", "tensors"]
+            "--plan-time", "0", "--budget-meter", "tensors", "--device", "cpu"]  # the CPU's tracker, asserted below
     assert finetune.main(argv) == 0
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     settings = summary["plan"]["settings"]

@@ -14,10 +14,11 @@ from looptrain.optim import (
     OptimizerInBackward,
     build_optimizer,
     build_parameter_groups,
+    inner_optimizers,
     optimizer_state_bytes,
 )
 
-from conftest import SmallMLP, make_tiny_bert, random_token_batches
+from conftest import SmallMLP, make_tiny_bert, quiet_config, random_token_batches
 
 
 class EmbedMLP(nn.Module):
@@ -117,6 +118,48 @@ def test_8bit_embeddings_without_override_are_8bit():
     optimizer = build_optimizer(model, "adamw8bit", lr=1e-3, embedding_bits=8)
     _train(model, optimizer, _data(1))
     assert optimizer.state[model.embed.weight]["state1"].dtype == torch.uint8
+
+
+def test_two_8bit_optimizers_in_one_process_keep_their_own_embedding_overrides():
+    """bitsandbytes resolves overrides by (group, parameter) position in its process-global manager: the first
+    optimizer's 32-bit embedding would make whatever sits at that position in a later one 32-bit."""
+    first = EmbedMLP()
+    first_optimizer = build_optimizer(first, "adamw8bit", lr=1e-3)
+    _train(first, first_optimizer, _data(1))
+    second = EmbedMLP()
+    second_optimizer = build_optimizer(second, "adamw8bit", lr=1e-3, embedding_bits=8)
+    _train(second, second_optimizer, _data(1))
+    assert first_optimizer.state[first.embed.weight]["state1"].dtype == torch.float32
+    assert second_optimizer.state[second.embed.weight]["state1"].dtype == torch.uint8
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["step", "fused step"])
+@pytest.mark.parametrize("name", ["adamw", "adamw8bit"])
+def test_a_loop_that_is_dropped_frees_its_weights_and_optimizer_state(name, fused):
+    """Measured on a GPU: every fused run of a ladder left its weights and states allocated after its Loop was gone
+    (the parameters' hooks held the wrapper), and every 8-bit one its embeddings (bitsandbytes' global manager)."""
+    import gc
+    import weakref
+
+    from looptrain import Loop
+
+    class EmbedLoop(Loop):
+        def compute_loss(self, batch):
+            return self.model(**batch), len(batch["labels"])
+
+    model = EmbedMLP()
+    optimizer = build_optimizer(model, name, lr=1e-3)
+    batches = [{"ids": ids, "labels": labels} for ids, labels in _data(2)]
+    loop = EmbedLoop(model, optimizer, batches, config=quiet_config(optimizer_in_backward=fused))
+    loop.fit()
+    tensors = [*model.parameters(), *(value for optimizer in inner_optimizers(loop.optimizer)
+                                       for state in optimizer.state.values() for value in state.values()
+                                       if isinstance(value, torch.Tensor))]
+    assert len(tensors) > 3 * len(list(model.parameters()))  # two moments (and a step) per parameter, to be freed
+    references = [weakref.ref(tensor) for tensor in tensors]
+    del loop, model, optimizer, batches, tensors
+    gc.collect()
+    assert [reference for reference in references if reference() is not None] == []
 
 
 def test_8bit_state_on_bert_embeddings_is_32bit():

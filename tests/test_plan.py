@@ -174,8 +174,9 @@ def cli(model_dir, train_csv, output_dir, *extra):
 
 
 def test_a_planned_run_reports_its_plan_and_its_estimate_error(model_dir, train_csv, tmp_path, capsys):
+    # On the CPU: a CUDA run's peak also holds cuBLAS's workspace (64 MiB on an H200), which no estimate prices.
     assert cli(model_dir, train_csv, tmp_path, "--memory-budget", "2MiB", "--effective-batch", "16",
-               "--grad-checkpoint", "--budget-meter", "tensors") == 0
+               "--grad-checkpoint", "--budget-meter", "tensors", "--device", "cpu") == 0
     out = capsys.readouterr().out
     assert "| 1 (winner" in out and re.search(r"estimated peak \(worst batch\) \| [0-9.]+ MiB \(error [+-]", out)
     assert "plan for a budget of 2.0 MiB of live tensors" in out
@@ -302,7 +303,7 @@ def test_the_end_of_run_table_computes_no_estimate_error_against_the_rss_rise():
 
 
 def test_every_run_reports_its_estimate_error(model_dir, train_csv, tmp_path):
-    assert cli(model_dir, train_csv, tmp_path, "--batch-size", "8") == 0
+    assert cli(model_dir, train_csv, tmp_path, "--batch-size", "8", "--device", "cpu") == 0  # the CPU's tracker
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["plan"] is None and summary["estimated_peak_bytes"] > 0
     assert summary["memory_meter"] == "cpu_tensor_tracker" and abs(summary["estimate_error"]) <= 0.10
@@ -987,7 +988,7 @@ def test_planning_hides_the_objects_it_found_from_the_collector_and_gives_them_b
                         or probe(*args, **kwargs))
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     options = {"memory_budget": 2**30, "effective_batch": EFFECTIVE_BATCH, "probe_budget": 0.0}
-    assert gc.get_freeze_count() == 0
+    gc.unfreeze()  # from an unfrozen collector (a plugin or library of the test process may have frozen some)
     plan(model, train_set, collator, **options)
     assert seen and min(seen) > 0 and gc.get_freeze_count() == 0
 

@@ -210,7 +210,8 @@ def test_cli_unfreeze_schedule_and_layer_lr_decay(model_dir, train_csv, tmp_path
     assert summary["config"]["unfreeze_every"] == 2 and summary["unfreeze"]["stages"] == 4
     out = capsys.readouterr().out
     assert re.search(r"unfreeze: stage 4/4 from step 6: embeddings trains", out), out
-    assert re.search(r"\| peak memory \| [\d.]+ MiB \(cpu_rss_delta, last unfreezing stage \(4/4\)\)", out), out
+    meter = r"(cpu_rss_delta|cuda_max_memory_allocated)"  # the CLI's default device: cuda where there is one
+    assert re.search(rf"\| peak memory \| [\d.]+ MiB \({meter}, last unfreezing stage \(4/4\)\)", out), out
     config = json.loads((tmp_path / "run_config.json").read_text())
     assert config["arguments"]["layer_lr_decay"] == 0.8
 

@@ -9,13 +9,17 @@ import pytest
 
 from looptrain.memory.meters import proc_status_bytes, reset_peak_rss
 from looptrain.planning import estimate
+from looptrain.planning import worker as workers
 from looptrain.planning.worker import EstimateWorker
 
 from conftest import make_tiny_bert
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="forks (POSIX)")
+# Where an accelerator is visible the worker never forks (autograd's device threads): those tests have no child.
+forks = pytest.mark.skipif(not hasattr(os, "fork") or workers.accelerator_visible(),
+                           reason="forks a child: POSIX, and no accelerator visible")
 
 
+@forks
 def test_an_estimate_in_the_child_equals_one_in_this_process():
     model = make_tiny_bert(num_labels=2)
     here = estimate(model, 4, 16, accum_steps=2, cache=False)
@@ -27,6 +31,7 @@ def test_an_estimate_in_the_child_equals_one_in_this_process():
     assert there["memory_breakdown"] == here["memory_breakdown"]
 
 
+@forks
 def test_what_the_child_allocates_is_not_this_process_s_rss():
     reset_peak_rss()
     before = proc_status_bytes("VmHWM")
@@ -40,6 +45,7 @@ def test_what_the_child_allocates_is_not_this_process_s_rss():
     assert proc_status_bytes("VmHWM") - before < 50 * 2**20
 
 
+@forks
 def test_an_error_in_the_child_is_raised_here_with_its_type_and_words():
     def fail(request):
         raise ValueError(f"no estimate for {request}")
@@ -48,6 +54,7 @@ def test_an_error_in_the_child_is_raised_here_with_its_type_and_words():
         worker(7)
 
 
+@forks
 def test_a_child_that_hangs_is_killed_and_the_request_runs_here(monkeypatch):
     parent = os.getpid()
 
@@ -69,6 +76,20 @@ def test_in_process_when_asked(monkeypatch):
         assert worker.pid is None and worker(None) == os.getpid()
 
 
+def test_in_process_where_an_accelerator_is_visible(monkeypatch):
+    """With a GPU visible, a child forked after the process's first backward fails its own backward (autograd's
+    device threads): the worker answers here, and the estimate is the same."""
+    model = make_tiny_bert(num_labels=2)
+    here = estimate(model, 4, 16, accum_steps=2, cache=False)
+    monkeypatch.setattr(workers, "accelerator_visible", lambda: True)
+    with EstimateWorker(lambda request: (os.getpid(), estimate(model, *request, accum_steps=2, cache=False))) as worker:
+        assert worker.pid is None
+        pid, there = worker((4, 16))
+    assert pid == os.getpid()
+    assert there["peak_memory_bytes"] == here["peak_memory_bytes"]
+
+
+@forks
 def test_two_workers_answer_side_by_side_and_close_in_any_order(monkeypatch, tmp_path):
     """The planner estimates two splits at once on two workers: each child answers its own request while the other
     works (each waits to see the other start), and the first worker closes while the second still runs (the second

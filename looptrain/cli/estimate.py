@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="search the levers that keep the task and the math (numerics, optimizer, checkpointing, "
                              "the fused step, ...) for the full fine-tune with the lowest estimate; the levers you "
                              "pass are kept")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="the device the run trains on, whose kernels are priced: cuda prices torch's foreach "
+                             "optimizer step and the fused attention kernels (the estimate itself runs on the CPU)")
     parser.add_argument("--cpu-kind", choices=("this", "native-bf16", "no-bf16"), default="this",
                         help="with --lowest: plan bf16 for this CPU (bf16 tried where it is native), or for a CPU "
                              "with / without native bf16")
@@ -111,7 +114,7 @@ def _lowest(arguments: argparse.Namespace, config: Any, argv: Sequence[str]) -> 
     echo = (lambda line: print(line, file=sys.stderr)) if arguments.json else print
     result = lowest(config, arguments.batch_size, arguments.seq_len, strategies.from_arguments(arguments),
                     fixed=given_levers(argv), native_bf16=native, max_grad_norm=arguments.max_grad_norm,
-                    num_labels=arguments.num_labels, echo=echo)
+                    num_labels=arguments.num_labels, echo=echo, device=arguments.device)
     output = {**result.to_dict(), "seq_len": arguments.seq_len, "cpu": cpu_description(),
               "cpu_kind": arguments.cpu_kind}
     if arguments.json:
@@ -146,12 +149,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows = []
             for label, options in ladder(arguments.batch_size, arguments.seq_len):
                 options = {"batch_size": arguments.batch_size, "seq_len": arguments.seq_len,
-                           "num_labels": arguments.num_labels, **options}
+                           "num_labels": arguments.num_labels, "device": arguments.device, **options}
                 rows.append((label, estimate(copy.deepcopy(config), **options)))
         else:
             strategy = strategies.from_arguments(arguments, cls=strategies.Strategy)
             rows = [("as given", estimate(config, arguments.batch_size, arguments.seq_len, strategy,
-                                          num_labels=arguments.num_labels, max_grad_norm=arguments.max_grad_norm))]
+                                          num_labels=arguments.num_labels, max_grad_norm=arguments.max_grad_norm,
+                                          device=arguments.device))]
     except (ValueError, PlanError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -25,6 +25,7 @@ from looptrain.optim.factory import (
     build_parameter_groups,
     optimizer_name_of,
     optimizer_options_problem,
+    private_override_manager,
     register_embedding_state_bits,
 )
 from looptrain.optim.in_backward import CLIP_MODES, OptimizerInBackward
@@ -51,6 +52,7 @@ __all__ = [
     "optimizer_name_of",
     "optimizer_options_problem",
     "optimizer_state_bytes",
+    "private_override_manager",
     "register_embedding_state_bits",
     "wrap_for_config",
 ]

@@ -124,28 +124,30 @@ def build_parameter_groups(
     return [group for group in groups if group["params"]]
 
 
-def register_embedding_state_bits(model: nn.Module, bits: int = 32) -> int:
+def register_embedding_state_bits(model: nn.Module, bits: int = 32, manager: Any = None) -> int:
     """Give every trainable ``nn.Embedding`` weight, and an untied LM head, `bits`-bit optimizer state in bitsandbytes.
 
     A causal LM's output embedding (``get_output_embeddings()``, an ``nn.Linear``) holds the same kind of
     rows as the input embedding, one per token, most of them rarely updated: it is registered too when it is
     not tied to the input embedding (a tied one is the embedding's own weight, registered already).
 
-    The one place where looptrain touches bitsandbytes' process-global ``GlobalOptimManager``.
-    Overrides are keyed on the parameter object, so they also apply to optimizers built later
-    over the same parameters (`OptimizerInBackward`'s per-parameter ones). Registering the same
-    module twice is a no-op.
+    By default the overrides go to bitsandbytes' process-global ``GlobalOptimManager``, where they apply to every
+    bitsandbytes optimizer built later over the same parameters, and the manager holds the modules for the rest of
+    the process. `build_optimizer` passes a manager of the optimizer's own instead (`private_override_manager`).
+    Registering the same module twice is a no-op.
 
     Args:
         model: The model.
         bits: 32 (the bitsandbytes recommendation for NLP embeddings) or 8.
+        manager: the ``GlobalOptimManager`` instance to register in (None: the process-global one).
 
     Returns:
         The number of modules registered (embeddings, and an untied LM head).
     """
-    from bitsandbytes.optim import GlobalOptimManager
+    if manager is None:
+        from bitsandbytes.optim import GlobalOptimManager
 
-    manager = GlobalOptimManager.get_instance()
+        manager = GlobalOptimManager.get_instance()
     registered = {(id(module), attribute) for module, attribute, _ in manager.module_weight_config_triple}
     count = 0
     modules = [module for module in model.modules() if isinstance(module, nn.Embedding)]
@@ -245,9 +247,22 @@ def build_optimizer(
         return Adafactor(groups, lr=lr, **options)
 
     bitsandbytes = _import_bitsandbytes()
-    if embedding_bits != 8:
-        register_embedding_state_bits(model, embedding_bits)
     optimizer_class = bitsandbytes.optim.PagedAdamW8bit if name == "paged_adamw8bit" else bitsandbytes.optim.AdamW8bit
-    return optimizer_class(groups, lr=lr, betas=betas, eps=eps, **kwargs)
+    optimizer = optimizer_class(groups, lr=lr, betas=betas, eps=eps, **kwargs)
+    # The optimizer's own override manager: bitsandbytes' process-global one would hold this model's embeddings for
+    # the rest of the process, and resolves overrides by (group, parameter) position, which another optimizer in the
+    # same process (a planner's probes, a sweep) would then read as its own.
+    optimizer.mng = private_override_manager(optimizer.mng)
+    if embedding_bits != 8:
+        register_embedding_state_bits(model, embedding_bits, optimizer.mng)
+    return optimizer
+
+
+def private_override_manager(manager: Any) -> Any:
+    """A new, empty bitsandbytes ``GlobalOptimManager`` of `manager`'s class, private to the optimizer it is given to
+    (``optimizer.mng``): its overrides apply to that optimizer alone and go with it."""
+    private = type(manager).__new__(type(manager))
+    private.initialize()
+    return private
 
 

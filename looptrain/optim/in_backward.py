@@ -7,6 +7,7 @@ exists at once. Clipping is kept (per parameter, or by the previous step's globa
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -20,6 +21,18 @@ CLIP_MODES = ("per_parameter", "previous_global")
 
 # Same epsilon as torch.nn.utils.clip_grad_norm_, so per-parameter clipping matches it exactly.
 _CLIP_EPSILON = 1e-6
+
+
+def _weak_hook(method: Any) -> Any:
+    """A post-accumulate-grad hook that calls the bound `method` while its object lives, and does nothing after."""
+    reference = weakref.WeakMethod(method)
+
+    def hook(parameter: nn.Parameter) -> None:
+        bound = reference()
+        if bound is not None:
+            bound(parameter)
+
+    return hook
 
 
 class OptimizerInBackward(PerParameterOptimizer):
@@ -62,6 +75,11 @@ class OptimizerInBackward(PerParameterOptimizer):
         bf16_weights: Step bf16 parameters in fp32 and round the result back into bf16.
         stochastic_rounding: With `bf16_weights`: False rounds to nearest (the control that stalls).
 
+    The hooks hold the wrapper weakly (a parameter's hooks are not seen by Python's cycle collector, so a strong
+    reference would keep the wrapper, its states and the model alive for the rest of the process): keep a reference
+    for as long as it trains, as the Loop does. Once the wrapper is gone, or after `remove`, backward leaves
+    gradients in ``.grad`` and nothing steps.
+
     Raises:
         ValueError: Unknown `clip`, non-positive `max_grad_norm`, an optimizer that already has
             state, a trainable parameter in no group, or no trainable parameter.
@@ -94,7 +112,7 @@ class OptimizerInBackward(PerParameterOptimizer):
 
     def _adopt(self, parameter: nn.Parameter) -> None:
         super()._adopt(parameter)
-        self._handles.append(parameter.register_post_accumulate_grad_hook(self._step_parameter))
+        self._handles.append(parameter.register_post_accumulate_grad_hook(_weak_hook(self._step_parameter)))
 
     def _steps_in_fp32(self, parameter: nn.Parameter) -> bool:
         return self.bf16_weights and parameter.dtype == torch.bfloat16

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from looptrain.optim.factory import private_override_manager
+
 
 def clone_for_parameter(optimizer: torch.optim.Optimizer, group: dict[str, Any], parameter: nn.Parameter):
     """A new optimizer of `optimizer`'s class over `parameter` alone, with `group`'s hyperparameters."""
@@ -34,8 +36,8 @@ def clone_for_parameter(optimizer: torch.optim.Optimizer, group: dict[str, Any],
             f"{optimizer_class.__name__} cannot be rebuilt from a param group ({error}): one optimizer per "
             "parameter needs constructor arguments stored in its param groups."
         ) from error
-    if hasattr(clone, "mng"):
-        clone.mng = _private_override_manager(clone.mng, parameter)
+    if hasattr(clone, "mng"):  # the overrides are the original's (its own manager, `build_optimizer`'s)
+        clone.mng = _private_override_manager(getattr(optimizer, "mng", clone.mng), parameter)
     if hasattr(optimizer, "name2qmap"):
         # Share bitsandbytes' quantisation maps instead of one copy per parameter.
         clone.name2qmap = optimizer.name2qmap
@@ -50,8 +52,7 @@ def _private_override_manager(shared_manager: Any, parameter: nn.Parameter) -> A
     with the shared manager, the first embedding's 32-bit override would apply to every parameter
     stepped after it. The private manager holds only this parameter's override.
     """
-    private = type(shared_manager).__new__(type(shared_manager))
-    private.initialize()
+    private = private_override_manager(shared_manager)
     config: dict[str, Any] = {}
     for module, attribute, override in shared_manager.module_weight_config_triple:
         if getattr(module, attribute) is parameter:

@@ -162,11 +162,12 @@ def _strategy_description(strategy: Strategy, *, batch_fields: bool = False) -> 
 
 def key(model_or_config: Any, windows: Sequence[Sequence[tuple[int, int]]], strategy: Strategy, *,
         num_labels: int, max_grad_norm: float | None, padded: bool, named_config: Any = None,
-        primes: bool = False) -> str | None:
+        primes: bool = False, device: str = "cpu") -> str | None:
     """The cache key of one `estimate_windows` call (a hex digest), or None when it is not to be cached.
 
     `named_config`: for a preset name or a path, the config it names (read by the estimator); without it a name
-    is not cached. `primes`: the first window only creates the optimizer state (`estimate`'s).
+    is not cached. `primes`: the first window only creates the optimizer state (`estimate`'s). `device`: the device
+    type whose kernels the estimate prices ("cpu", "cuda").
     """
     model = _model_description(model_or_config, named_config)
     if model is None:
@@ -179,6 +180,7 @@ def key(model_or_config: Any, windows: Sequence[Sequence[tuple[int, int]]], stra
         "max_grad_norm": max_grad_norm,
         "padded": padded,
         "primes": primes,
+        "device": device,
         "versions": _versions(),
         # Asked at each call (tests pin them): precision "auto" resolves by them.
         "cpu": [torch.backends.cpu.get_cpu_capability(), precision.cpu_has_native_bf16(),

@@ -39,7 +39,7 @@ from looptrain import strategy as strategies
 from looptrain.batches import model_shifts_labels, token_pieces
 from looptrain.config import LoopConfig
 from looptrain.loop import Loop
-from looptrain.optim import OptimizerInBackward
+from looptrain.optim import FOREACH_OPTIMIZERS, OptimizerInBackward
 from looptrain.planning import estimate_cache
 from looptrain.precision import Precision
 from looptrain.strategy import Strategy
@@ -111,14 +111,13 @@ def load_config(path: str, num_labels: int = 2):
 
 
 def _fake_model(model_or_config: Any, num_labels: int, fake_mode) -> nn.Module:
-    """A copy of the model whose parameters and buffers are fake tensors (no real memory)."""
+    """A copy of the model whose parameters and buffers are fake CPU tensors (no real memory)."""
     if isinstance(model_or_config, nn.Module):
         memo: dict[int, Any] = {}
         for parameter in model_or_config.parameters():
-            memo[id(parameter)] = nn.Parameter(fake_mode.from_tensor(parameter.detach()),
-                                               requires_grad=parameter.requires_grad)
+            memo[id(parameter)] = nn.Parameter(_cpu_fake(parameter, fake_mode), requires_grad=parameter.requires_grad)
         for buffer in model_or_config.buffers():
-            memo[id(buffer)] = fake_mode.from_tensor(buffer)
+            memo[id(buffer)] = _cpu_fake(buffer, fake_mode)
         return copy.deepcopy(model_or_config, memo)
     config = model_or_config
     if isinstance(config, str):
@@ -149,10 +148,21 @@ def _fake_tensors(model: nn.Module, fake_mode) -> None:
                 if tensor is None or is_fake(tensor):
                     continue
                 if id(tensor) not in replaced:
-                    fake = fake_mode.from_tensor(tensor.detach())
+                    fake = _cpu_fake(tensor, fake_mode)
                     replaced[id(tensor)] = nn.Parameter(fake, requires_grad=tensor.requires_grad) if as_parameter \
                         else fake
                 table[name] = replaced[id(tensor)]
+
+
+def _cpu_fake(tensor: torch.Tensor, fake_mode) -> torch.Tensor:
+    """A fake CPU tensor of `tensor`'s shape, strides and dtype. The estimate always runs on the CPU (a CUDA run's
+    kernels are priced there, `estimate(device=)`): a model on a GPU (or on the meta device) is copied as CPU fakes,
+    which the estimate's CPU Loop then keeps where they are."""
+    tensor = tensor.detach()
+    if tensor.device.type == "cpu":
+        return fake_mode.from_tensor(tensor)
+    with fake_mode:
+        return torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype, device="cpu")
 
 
 def _vocab_size(model: nn.Module) -> int:
@@ -245,6 +255,78 @@ def _whole_rows():
         masking_utils.find_packed_sequence_indices = original
 
 
+def _device_type(device: Any) -> str:
+    """"cpu" or "cuda" (of "cuda:1", a torch.device, ...): the kernels an estimate prices."""
+    device_type = torch.device(device).type
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"estimate: device={device!r} is not priced; use 'cpu' or 'cuda'")
+    return device_type
+
+
+@contextlib.contextmanager
+def _cuda_kernels():
+    """Attention and autocast as a CUDA GPU runs them, on the estimate's fake CPU tensors.
+
+    On the CPU a masked or dropped-out attention runs the math path, which keeps the attention probabilities (and
+    their dropout) for backward: a [rows, heads, seq, seq] tensor or three per layer. On CUDA (sm80 and later)
+    torch picks a fused kernel: flash attention for fp16 / bf16 without a mask (grouped-query heads as they are),
+    else the memory-efficient kernel (any dtype, an additive mask). Both keep only their output and its log-sum-exp.
+    The fused kernels' own aten ops run here on fake tensors (their meta kernels), so what autograd saves is what
+    the GPU's autograd saves. CUDA's autocast runs the ops of `CUDA_AUTOCAST_FP32` in fp32 where the CPU's runs
+    them in their input's dtype: under the estimate's (CPU) autocast they are run as CUDA's would run them.
+    """
+    functional = torch.nn.functional
+
+    def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        flash = attn_mask is None and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256
+        if flash:
+            return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
+                                                                      scale=scale)[0]
+        if key.shape[-3] != query.shape[-3]:  # the memory-efficient kernel takes every head's keys
+            repeats = query.shape[-3] // key.shape[-3]
+            key, value = key.repeat_interleave(repeats, dim=-3), value.repeat_interleave(repeats, dim=-3)
+        if attn_mask is not None:
+            if attn_mask.dtype == torch.bool:  # as torch converts it: an additive mask of the query's dtype
+                attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype).masked_fill(~attn_mask, float("-inf"))
+            attn_mask = attn_mask.expand(*query.shape[:-1], key.shape[-2])
+        needs_grad = query.requires_grad or key.requires_grad or value.requires_grad
+        return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, needs_grad,
+                                                                      dropout_p, is_causal, scale=scale)[0]
+
+    replaced = {"scaled_dot_product_attention": attention}
+    for name in CUDA_AUTOCAST_FP32:
+        replaced[name] = _fp32_under_autocast(getattr(functional, name))
+    originals = {name: getattr(functional, name) for name in replaced}
+    for name, function in replaced.items():
+        setattr(functional, name, function)
+    try:
+        yield
+    finally:
+        for name, function in originals.items():
+            setattr(functional, name, function)
+
+
+# torch.nn.functional's ops that CUDA's autocast runs in fp32 and the CPU's runs in the input's dtype (the op lists of
+# torch's autocast docs; the losses are fp32 on both). Under CUDA's bf16 autocast a bf16 model's LayerNorm reads and
+# writes fp32: its input is saved for backward in fp32, and the residual stream after it is fp32.
+CUDA_AUTOCAST_FP32 = ("layer_norm", "group_norm", "softmax", "log_softmax")
+
+
+def _fp32_under_autocast(function: Any) -> Any:
+    """`function` as CUDA's autocast runs an op of its fp32 list: floating-point inputs cast to fp32, run in fp32."""
+    def run(*args, **kwargs):
+        if not torch.is_autocast_enabled("cpu"):  # the estimate's Loop autocasts on its own device, the CPU
+            return function(*args, **kwargs)
+
+        def fp32(value):
+            return value.float() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+        with torch.autocast("cpu", enabled=False):
+            return function(*map(fp32, args), **{name: fp32(value) for name, value in kwargs.items()})
+
+    return run
+
+
 def _price_4bit_storage(tracker: Any, model: nn.Module) -> None:
     """QLoRA: the 4-bit weights' quantization states count as parameters, and the forward's dequantized weight is
     seen.
@@ -285,17 +367,18 @@ def as_strategy(strategy: Strategy | None, levers: dict) -> Strategy:
     return dataclasses.replace(base, **levers) if levers else base
 
 
-def _strategy_loop(model: nn.Module, strategy: Strategy, max_grad_norm: float | None) -> Loop:
-    """The Loop of one strategy over `model`: its model levers applied, its optimizer built, its LoopConfig.
+def _strategy_loop(model: nn.Module, strategy: Strategy, max_grad_norm: float | None, device: str = "cpu") -> Loop:
+    """The Loop of one strategy over `model` on `device`: its model levers applied, its optimizer built, its
+    LoopConfig.
 
     An invalid mix raises `ConfigError` (a ValueError) naming the fields. A compiled strategy runs eagerly
     (`as_run_eagerly`).
     """
     strategy = as_run_eagerly(strategy)
-    config = LoopConfig.from_strategy(strategy, max_grad_norm=max_grad_norm, device="cpu", eval_every="no",
+    config = LoopConfig.from_strategy(strategy, max_grad_norm=max_grad_norm, device=device, eval_every="no",
                                       progress_bar=False, track_memory=True, log_every=10**9)
     strategy.prepare_model(model)
-    model = strategy.wrap_model(model)
+    model = strategy.wrap_model(model, device)
     return Loop(model, strategy.build_optimizer(model, 1e-5), [], config=config)
 
 
@@ -322,6 +405,7 @@ def estimate(
     max_grad_norm: float | None = 1.0,
     padded: bool = False,
     cache: bool = True,
+    device: str = "cpu",
     **levers: Any,
 ) -> dict[str, Any]:
     """Estimate the peak memory of a training step on fake tensors, by driving the Loop's own update.
@@ -351,6 +435,12 @@ def estimate(
         **levers: strategy fields to replace, by name (``precision="bf16"``, ``optimizer="adafactor"``,
             ``gradient_checkpointing=True``, ``freeze_layers=2``, ``weights="bf16"``, ...): the same as
             passing ``dataclasses.replace(strategy, **levers)``.
+        device: the device the run trains on, whose kernels are priced: "cpu", or "cuda" (or "cuda:N"), where
+            torch's AdamW and SGD step every tensor at once by default (``foreach``: the step's temporaries for
+            all parameters together) and attention runs the fused kernels (flash, or memory-efficient with a
+            mask), which keep the output and its log-sum-exp for backward instead of the attention
+            probabilities, and autocast runs LayerNorm and softmax in fp32 (`_cuda_kernels`). The estimate
+            itself always runs on the CPU, on fake tensors.
         cache: read the result from the on-disk cache of estimates when an identical estimate was made before,
             and store it there otherwise (`looptrain.planning.estimate_cache`; ``LOOPTRAIN_CACHE_DIR=off`` turns
             it off everywhere). False: always estimate, store nothing. ``"only"``: read the cache and raise
@@ -376,7 +466,7 @@ def estimate(
     # update's (the same tensors, without the state), so a second micro-batch there would only cost time; and its
     # loss need not be the model's (`_priming_loss`).
     return _cached_estimate(model_or_config, [window[:1], window], strategy, num_labels=num_labels,
-                            max_grad_norm=max_grad_norm, padded=padded, cache=cache, primes=True)
+                            max_grad_norm=max_grad_norm, padded=padded, cache=cache, primes=True, device=device)
 
 
 def estimate_windows(
@@ -388,6 +478,7 @@ def estimate_windows(
     max_grad_norm: float | None = 1.0,
     padded: bool = False,
     cache: bool = True,
+    device: str = "cpu",
     **levers: Any,
 ) -> dict[str, Any]:
     """`estimate` over given accumulation windows: the Loop's update driven once per window, in order.
@@ -397,7 +488,7 @@ def estimate_windows(
         windows: each window's micro-batch shapes ``(rows, width)``, driven from a fresh start (no
             gradients, no optimizer state: the first update creates it), e.g. `bounding_windows` of
             the shapes a run's sampler gives.
-        strategy, num_labels, max_grad_norm, padded, cache, **levers: as in `estimate` (`padded`: the
+        strategy, num_labels, max_grad_norm, padded, cache, device, **levers: as in `estimate` (`padded`: the
             micro-batches of more than one row).
 
     Returns:
@@ -406,14 +497,17 @@ def estimate_windows(
     if not windows or not all(windows):
         raise ValueError("estimate_windows needs at least one window, and every window at least one (rows, width)")
     return _cached_estimate(model_or_config, windows, as_strategy(strategy, levers), num_labels=num_labels,
-                            max_grad_norm=max_grad_norm, padded=padded, cache=cache, primes=False)
+                            max_grad_norm=max_grad_norm, padded=padded, cache=cache, primes=False, device=device)
 
 
 def _cached_estimate(model_or_config: Any, windows: Sequence[Sequence[tuple[int, int]]], strategy: Strategy, *,
                      num_labels: int, max_grad_norm: float | None, padded: bool, cache: bool,
-                     primes: bool) -> dict[str, Any]:
+                     primes: bool, device: str = "cpu") -> dict[str, Any]:
     """`estimate_windows`, read from the on-disk cache or computed and written there. `primes`: the first window
     only creates the optimizer state (`estimate`'s), so its loss is `_priming_loss`."""
+    device_type = _device_type(device)
+    if device_type == "cuda" and strategy.foreach is None and strategy.optimizer in FOREACH_OPTIMIZERS:
+        strategy = dataclasses.replace(strategy, foreach=True)  # torch's default where every parameter is on CUDA
     if strategy.micro_batch_tokens:  # the micro-batches the Loop would cut, priced as they are
         windows, strategy = token_windows(windows, strategy), dataclasses.replace(strategy, micro_batch_tokens=0)
     strategy = dataclasses.replace(strategy, trim_heap=False)  # the C heap's pages hold no tensor: nothing to price
@@ -423,13 +517,14 @@ def _cached_estimate(model_or_config: Any, windows: Sequence[Sequence[tuple[int,
     key = estimate_cache.key(
         model_or_config, windows, strategy, num_labels=num_labels, max_grad_norm=max_grad_norm, padded=padded,
         named_config=_named_config(model_or_config, num_labels) if isinstance(model_or_config, str) else None,
-        primes=primes,
+        primes=primes, device=device_type,
     ) if cache else None
     result = estimate_cache.read(key) if key is not None else None
     if result is None and cache == "only":
         raise LookupError("no cached estimate of these settings (cache='only' computes nothing)")
     if result is None:
-        result = _estimate_windows(model_or_config, windows, strategy, num_labels, max_grad_norm, padded, primes)
+        result = _estimate_windows(model_or_config, windows, strategy, num_labels, max_grad_norm, padded, primes,
+                                   device_type)
         result["compute_seconds"] = round(time.perf_counter() - started, 3)  # kept: what a cached read stands for
         if key is not None:
             estimate_cache.write(key, result)
@@ -450,11 +545,12 @@ def token_windows(windows: Sequence[Sequence[tuple[int, int]]], strategy: Strate
 
 def _estimate_windows(model_or_config: Any, windows: Sequence[Sequence[tuple[int, int]]], strategy: Strategy,
                       num_labels: int, max_grad_norm: float | None, padded: bool,
-                      primes: bool = False) -> dict[str, Any]:
+                      primes: bool = False, device_type: str = "cpu") -> dict[str, Any]:
     """`estimate_windows`'s work, without the cache: the Loop's update driven on fake tensors under the tracker.
 
     `primes`: the first window only creates what the later ones start from (the optimizer state), so its loss is
-    `_priming_loss` instead of the model's (`estimate`'s first update)."""
+    `_priming_loss` instead of the model's (`estimate`'s first update). `device_type` "cuda": attention and autocast
+    priced as CUDA runs them (`_cuda_kernels`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     rng_states = state.capture_rng_state()
@@ -482,7 +578,8 @@ def _estimate_windows(model_or_config: Any, windows: Sequence[Sequence[tuple[int
                                                                       padded=padded and rows > 1)
             loop.meter.start(loop.model, loop.optimizer)
             _price_4bit_storage(loop.meter.tracker, model)
-            with _whole_rows():
+            kernels = _cuda_kernels() if device_type == "cuda" else contextlib.nullcontext()
+            with _whole_rows(), kernels:
                 try:
                     for index, window in enumerate(windows):
                         if primes and index == 0:
@@ -556,19 +653,22 @@ def _widest(shapes: set) -> list[tuple[int, int]]:
 
 
 def measure(model: nn.Module, batch_size: int, seq_len: int, strategy: Strategy | None = None, *,
-            num_labels: int = 2, max_grad_norm: float | None = 1.0, **levers: Any) -> dict[str, Any]:
-    """Runs the same strategy for real, through `Loop.fit`, and returns its summary (tracker meter).
+            num_labels: int = 2, max_grad_norm: float | None = 1.0, device: str = "cpu",
+            **levers: Any) -> dict[str, Any]:
+    """Runs the same strategy for real, through `Loop.fit`, and returns its summary.
 
-    Two optimizer updates over random token batches (every row `seq_len` long), with the CPU
-    tensor tracker on: the measured side of the estimator's accuracy check. ``model`` is modified
-    (frozen, checkpointed, trained); pass a fresh one. The arguments are those of `estimate`.
+    Two optimizer updates over random token batches (every row `seq_len` long), with the tensor tracker on:
+    the measured side of the estimator's accuracy check. On the CPU the summary's meter is the tracker's; on
+    ``device="cuda"`` it is the caching allocator's ``max_memory_allocated`` (the tracker gives the breakdown).
+    ``model`` is modified (frozen, checkpointed, trained, moved to `device`); pass a fresh one. The other
+    arguments are those of `estimate`.
     """
     strategy = as_strategy(strategy, levers)
     generator = torch.Generator().manual_seed(0)
     token_labels = model_shifts_labels(model)
     batches = [random_batch(batch_size, seq_len, _vocab_size(model), num_labels, generator, token_labels=token_labels)
                for _ in range(2 * strategy.accum_steps)]
-    loop = _strategy_loop(model, strategy, max_grad_norm)
+    loop = _strategy_loop(model, strategy, max_grad_norm, device)
     loop.train_loader = batches
     return loop.fit()
 

@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from looptrain import strategy as strategies
 from looptrain.planning.errors import PlanError
 from looptrain.planning.search import CHECKPOINT_MODES, Search, valid_settings
@@ -60,7 +62,7 @@ class Lowest:
 
 def lowest(model_or_config: Any, batch_size: int, seq_len: int, base: Strategy | None = None, *,
            fixed: Sequence[str] = (), native_bf16: bool | None = None, max_grad_norm: float | None = 1.0,
-           num_labels: int = 2, echo: Callable[[str], None] = lambda line: None) -> Lowest:
+           num_labels: int = 2, echo: Callable[[str], None] = lambda line: None, device: str = "cpu") -> Lowest:
     """The full fine-tune with the lowest estimated peak at ``batch_size x seq_len``: levers that keep the task.
 
     A coordinate search over the levers that keep the task and the math, one lever at a time, each kept at
@@ -80,7 +82,7 @@ def lowest(model_or_config: Any, batch_size: int, seq_len: int, base: Strategy |
         base: the starting strategy (default `Strategy(batch_size=batch_size)`); its freezing levers must be off.
         fixed: names of fields the user set: kept as `base` has them.
         native_bf16: plan for a CPU with (True) or without (False) native bf16; None: this CPU.
-        max_grad_norm, num_labels: as in `estimate`.
+        max_grad_norm, num_labels, device: as in `estimate` (``device="cuda"``: bf16 is native there).
         echo: prints one line per estimate.
 
     Raises:
@@ -91,8 +93,11 @@ def lowest(model_or_config: Any, batch_size: int, seq_len: int, base: Strategy |
     if frozen:
         raise PlanError(f"the lowest full fine-tune freezes nothing: drop {', '.join(frozen)}")
     fixed = set(fixed)
-    native_bf16 = cpu_has_native_bf16() if native_bf16 is None else native_bf16
+    on_cuda = torch.device(device).type == "cuda"
+    if native_bf16 is None:
+        native_bf16 = on_cuda or cpu_has_native_bf16()
     search = Search(model_or_config, seq_len, 0, 0.0, max_grad_norm, num_labels, echo)
+    search.device_type = "cuda" if on_cuda else "cpu"
     numerics = [{"precision": "fp32", "weights": "fp32"}]
     if native_bf16:
         numerics += [{"precision": "bf16", "weights": "fp32"}, {"precision": "bf16", "weights": "bf16"}]

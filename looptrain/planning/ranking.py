@@ -285,14 +285,15 @@ def run_windows(sampler: Any, lengths: Sequence[int], collator: Any, accum_steps
 
 
 def run_batches_estimate(model: Any, settings: Strategy, windows: Sequence[Sequence[tuple[int, int]]], *,
-                         fresh: bool = True, max_grad_norm=1.0, num_labels: int = 2, padded: bool = True) -> int:
+                         fresh: bool = True, max_grad_norm=1.0, num_labels: int = 2, padded: bool = True,
+                         device: str = "cpu") -> int:
     """`estimate_windows` of `settings` over the batches a run will see (`run_windows`), where it sees them.
 
     The run's peak, not the dataset's worst case: a length-grouped sampler gives its longest batch first,
     before any optimizer state exists, so pricing that batch beside the state (as the planner does, to be
     safe under a budget) describes a moment the run never has. `bounding_windows` keeps the few windows
     that decide it. A causal LM's micro-batches of more than one row are priced padded (`padded`, as
-    `estimate` says): dynamic padding pads nearly every one of them.
+    `estimate` says): dynamic padding pads nearly every one of them. `device`: the run's (`estimate`'s).
     """
     return estimate_windows(model, bounding_windows(windows, fresh=fresh), settings, num_labels=num_labels,
-                            max_grad_norm=max_grad_norm, padded=padded)["peak_memory_bytes"]
+                            max_grad_norm=max_grad_norm, padded=padded, device=device)["peak_memory_bytes"]

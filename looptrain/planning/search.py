@@ -144,6 +144,7 @@ class Search:
         self.growth = 0  # a measured meter: kept free for what the run adds to a probe's peak (`RUN_GROWTH`)
         self.padded = False  # the worst batch of more than one row holds shorter, padded rows (see `estimate`)
         self.full_model: Any = None  # `FULL_FINE_TUNE`'s model, made once where the estimates run
+        self.device_type = "cpu"  # whose kernels the estimates price (`estimate(device=)`): the run's device
         self.workers: list[EstimateWorker] = []  # run the estimates in child processes (`plan` starts them)
         self.by_tokens = False  # candidates other than your flags train as `by_tokens` cuts them (`costed`)
         # A measured meter: every candidate's memory is confirmed by its probe, so a split's predicted peak
@@ -261,7 +262,7 @@ class Search:
             model = self.full_model
         return estimate(self.model if model is None else model, settings.batch_size, seq_len, settings,
                         num_labels=self.num_labels, max_grad_norm=self.max_grad_norm, padded=self.padded,
-                        cache="only" if cached_only else True)
+                        cache="only" if cached_only else True, device=self.device_type)
 
     def predict(self, settings: Strategy) -> int | None:
         """The estimate of `settings` (memoised), else their peak predicted from two estimates of the same settings at

@@ -10,7 +10,11 @@ is closed (or when this process ends: it reads end-of-file). The child's own mem
 exists while this process holds only the weights, before training allocates anything.
 
 Requests run in this process instead where `os.fork` does not exist, under torch.distributed (a process with
-a process group's threads is not safe to fork), or with ``LOOPTRAIN_ESTIMATE_IN_PROCESS=1``. A child that does
+a process group's threads is not safe to fork), where an accelerator (CUDA, MPS, ...) is visible, or with
+``LOOPTRAIN_ESTIMATE_IN_PROCESS=1``. With a GPU visible, the first backward of the process (even one on the CPU)
+starts autograd's device threads, and a child forked after it fails its first backward ("Unable to handle autograd's
+threading in combination with fork-based multiprocessing"); the caches an estimate leaves are host memory, which a
+GPU run's budget (the allocator's reserved bytes) does not count. A child that does
 not answer within ``LOOPTRAIN_ESTIMATE_TIMEOUT`` seconds (default 600) is killed and the request runs here.
 """
 
@@ -132,7 +136,20 @@ def _can_fork() -> bool:
         return False
     import torch.distributed
 
-    return not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return False
+    return not accelerator_visible()
+
+
+def accelerator_visible() -> bool:
+    """Whether torch sees an accelerator (CUDA, MPS, XPU, ...): then autograd's device threads, started by the
+    process's first backward, make a forked child's backward fail."""
+    import torch
+
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    if accelerator is not None:
+        return bool(accelerator.is_available())
+    return bool(torch.cuda.is_available())
 
 
 def _serve_forever(serve: Callable[[Any], Any], requests, answers) -> None:

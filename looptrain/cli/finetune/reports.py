@@ -44,8 +44,8 @@ def what_would_fit(model_config, args, precision: str, device) -> str:
     for label, micro_batch, options in candidates:
         try:
             peak = planning.estimate(model_config, micro_batch, args.max_length, strategy_of(args, **options),
-                                     num_labels=model_config.num_labels,
-                                     max_grad_norm=args.max_grad_norm)["peak_memory_bytes"]
+                                     num_labels=model_config.num_labels, max_grad_norm=args.max_grad_norm,
+                                     device=device.type)["peak_memory_bytes"]
         except Exception as error:  # noqa: BLE001 (advice printed while reporting an OOM: must never mask it)
             lines.append(f"    {label}: no estimate ({type(error).__name__}: {error})")
             continue

@@ -273,6 +273,7 @@ def run_estimate(args, config, model, train_set, collator, train_loader, plan_re
     it gives them (every run reports its own error; a planned run reports its plan's worst-batch estimate)."""
     from looptrain.planning import run_batches_estimate, run_windows
     from looptrain.planning.worker import EstimateWorker
+    from looptrain.precision import resolve_device
 
     if plan_result is not None:
         return plan_result.winner.estimated_peak_bytes
@@ -285,9 +286,10 @@ def run_estimate(args, config, model, train_set, collator, train_loader, plan_re
                               micro_batch_tokens=config.micro_batch_tokens)
         # A resumed run may start anywhere, with its optimizer state restored: no window is priced without it.
         # In a child process (EstimateWorker): what estimating costs stays out of the training's RSS.
+        device = resolve_device(config.device).type
         with EstimateWorker(lambda _: run_batches_estimate(
                 model, settings, windows, fresh=config.resume is None, max_grad_norm=config.max_grad_norm,
-                num_labels=model.config.num_labels)) as worker:
+                num_labels=model.config.num_labels, device=device)) as worker:
             return worker(None)
     except Exception as error:  # noqa: BLE001  an estimate is a report, never a reason to stop a run
         print(f"notice: no memory estimate for this run ({type(error).__name__}: {error})")
