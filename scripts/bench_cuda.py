@@ -34,10 +34,12 @@ import argparse
 import contextlib
 import gc
 import json
+import random
 import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,6 +60,7 @@ DECODER_CASES = [
     ("qwen2.5-1.5b", "lowest full fine-tune", LOWEST_FULL),
 ]
 DECODER_SEQ_LEN = 2048
+PLAN_BUDGET = "4GiB"  # the planner's section: bert-large at seq 128, effective batch 32, as the seeds' promise
 # The Trainer rungs: the ladder's label -> TrainingArguments of the same strategy.
 TRAINER_RUNGS = {
     "baseline: bs 32, fp32, AdamW": {"per_device_train_batch_size": 32, "optim": "adamw_torch"},
@@ -255,6 +258,66 @@ def measure_trainer(label: str, arguments: dict[str, Any], device: str, updates:
     return result
 
 
+def plan_inputs(directory: Path, shape: str, samples: int, seed: int = 0) -> tuple[str, str]:
+    """A model directory (the preset shape, random weights, a word-level tokenizer) and a train.csv of `samples`
+    synthetic rows whose lengths have a long tail (median about 40 tokens, a few at `SEQ_LEN`)."""
+    import csv
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast
+
+    from looptrain.planning.estimator import preset_config
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    words = [f"w{index}" for index in range(2000)]
+    vocab = {token: index for index, token in enumerate(specials + words)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]",
+                                        cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
+                                        model_max_length=SEQ_LEN)
+    torch.manual_seed(seed)
+    model_dir = directory / "model"
+    AutoModelForSequenceClassification.from_config(preset_config(shape)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    generator = random.Random(seed)
+    data = directory / "train.csv"
+    with open(data, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["text", "label"])
+        for _ in range(samples):
+            length = min(SEQ_LEN - 2, max(1, int(generator.lognormvariate(3.7, 0.6))))
+            writer.writerow([" ".join(generator.choice(words) for _ in range(length)), generator.choice("ab")])
+    return str(model_dir), str(data)
+
+
+def measure_plan(device: str, budget: str, steps: int, shape: str = "bert-large", samples: int = 512) -> dict:
+    """The planner's choice at `budget`, as a user gets it: `looptrain-finetune --memory-budget` on `shape` (seq
+    `SEQ_LEN`, effective batch 32, `steps` updates of the winner), its plan and the run's peaks from summary.json."""
+    from looptrain.cli import finetune
+
+    with tempfile.TemporaryDirectory() as directory:
+        model_dir, data = plan_inputs(Path(directory), shape, samples)
+        output_dir = Path(directory) / "run"
+        code = finetune.main(["--model", model_dir, "--data", data, "--output-dir", str(output_dir), "--max-length",
+                              str(SEQ_LEN), "--memory-budget", budget, "--effective-batch", str(EFFECTIVE_BATCH),
+                              "--max-steps", str(steps), "--eval-split", "0", "--device", device,
+                              "--no-progress-bar", "--log-every", "1000"])
+        if code != 0:
+            raise RuntimeError(f"looptrain-finetune exited {code}")
+        summary = json.loads((output_dir / "summary.json").read_text())
+    from looptrain.strategy import Strategy
+
+    plan = summary["plan"]
+    return {"budget": budget, "flags": Strategy(**plan["settings"]).flags(), "meter": plan["meter"],
+            "estimated_peak_bytes": summary["estimated_peak_bytes"], "peak_bytes": summary["peak_memory_bytes"],
+            "memory_meter": summary["memory_meter"], "max_reserved_bytes": summary.get("reserved_bytes"),
+            "planning_seconds": summary["planning_seconds"], "train_seconds": summary["train_runtime_s"],
+            "samples_per_second": summary["train_samples_per_s"], "candidates": len(plan["candidates"])}
+
+
 def environment() -> dict[str, Any]:
     import transformers
 
@@ -296,6 +359,18 @@ def measure_all(estimates_path: str, out: str, device: str, updates: int, sectio
             release(device)
         row["wall_seconds"] = round(time.perf_counter() - started, 2)
         print(summary_line(row), flush=True)
+        record(row)
+    if "plan" in sections:
+        row = {"section": "plan", "shape": "bert-large", "label": f"the planner at {PLAN_BUDGET}",
+               "library": "looptrain-finetune"}
+        started = time.perf_counter()
+        try:
+            row["measured"] = measure_plan(device, PLAN_BUDGET, steps=4)
+        except Exception as error:  # noqa: BLE001 - as above
+            row["error"] = f"{type(error).__name__}: {error}"
+        release(device)
+        row["wall_seconds"] = round(time.perf_counter() - started, 2)
+        print(f"[plan] {json.dumps(row.get('measured') or row.get('error'))}", flush=True)
         record(row)
     if "trainer" in sections:
         for label, arguments in TRAINER_RUNGS.items():
@@ -364,7 +439,19 @@ def table(paths: list[str], estimates_path: str | None = None) -> None:
         reserved = measured.get("max_reserved_bytes", 0) - measured.get("allocated_before_bytes", 0)
         print(f"| {row['shape']} | {row['label']} | {shape} | {peak / GIB:.3f} | " + " | ".join(cells)
               + f" | {reserved / GIB:.3f} | {measured['seconds_per_sample'] * 1000:.2f} |")
-    trainer = {row["label"]: row for row in report["rows"] if row["library"] != "looptrain"}
+    for row in report["rows"]:
+        if row["section"] == "plan":
+            measured = row.get("measured")
+            if not measured:
+                print(f"\n{row['label']}: {row.get('error')}")
+                continue
+            gib = {name: (measured[name] or 0) / GIB
+                   for name in ("estimated_peak_bytes", "peak_bytes", "max_reserved_bytes")}
+            print(f"\n{row['label']} ({measured['meter']}): {' '.join(measured['flags'] or [])}; estimated "
+                  f"{gib['estimated_peak_bytes']:.3f} GiB, peak {measured['memory_meter']} {gib['peak_bytes']:.3f} "
+                  f"GiB, reserved {gib['max_reserved_bytes']:.3f} GiB; planning {measured['planning_seconds']} s, "
+                  f"{measured['samples_per_second']} samples/s")
+    trainer = {row["label"]: row for row in report["rows"] if row["library"] == "transformers.Trainer"}
     if not trainer:
         return
     ours = {row["label"]: row for row in rows if row["shape"] == "bert-large"}
@@ -388,8 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     measuring.add_argument("--out", default="cuda_measured.json")
     measuring.add_argument("--device", default="cuda")
     measuring.add_argument("--updates", type=int, default=2, help="timed updates after the warm-up one")
-    measuring.add_argument("--sections", default="ladder,decoder,trainer",
-                           help="comma-separated: ladder, decoder, trainer")
+    measuring.add_argument("--sections", default="ladder,decoder,trainer,plan",
+                           help="comma-separated: ladder, decoder, trainer, plan (the planner at a 4-GiB budget)")
     measuring.add_argument("--shapes", default="", help="comma-separated presets to keep (default: all)")
     tabling = commands.add_parser("table", help="print the markdown tables of measure reports")
     tabling.add_argument("reports", nargs="+")
