@@ -16,6 +16,8 @@ The cases:
 - the Qwen2.5-0.5B shape at 1 x 2048: the lowest full fine-tune (`--lowest`'s flags), LoRA and QLoRA r16;
   the Qwen2.5-1.5B shape's lowest full fine-tune at 1 x 2048 (estimated at 3.77 GiB).
 Each case is estimated twice: with ``device="cuda"`` (CUDA's kernels priced) and with the CPU's kernels.
+The ``plan`` section runs ``looptrain-finetune --memory-budget 4GiB`` on bert-large (seq 128, effective batch 32,
+synthetic long-tailed data, a few updates) and reports the plan and the run's peaks.
 
 Each looptrain case builds its model on the GPU, applies the strategy with looptrain's public pieces
 (`Strategy.prepare_model`, `wrap_model`, `build_optimizer`, `LoopConfig.from_strategy`) and runs a warm-up update
