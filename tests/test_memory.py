@@ -360,3 +360,16 @@ def test_a_cuda_estimate_runs_layer_norm_and_softmax_in_fp32_under_bf16_autocast
         assert norm(hidden).dtype == torch.bfloat16  # given back
     with _cuda_kernels():
         assert norm(hidden).dtype == torch.bfloat16  # without autocast nothing is cast
+
+
+def test_command_line_prices_a_cuda_run_with_device_cuda(capsys, tmp_path):
+    import json
+
+    config = tmp_path / "config.json"
+    _bert_config().to_json_file(config)
+    assert estimate_main(["--config", str(config), "--batch-size", "8", "--seq-len", "64", "--device", "cuda",
+                          "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    expected = planning.estimate(_bert_config(), 8, 64, device="cuda", cache=False)["peak_memory_bytes"]
+    assert printed["peak_memory_bytes"] == expected
+    assert expected != planning.estimate(_bert_config(), 8, 64, cache=False)["peak_memory_bytes"]

@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "pass are kept")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="the device the run trains on, whose kernels are priced: cuda prices torch's foreach "
-                             "optimizer step and the fused attention kernels (the estimate itself runs on the CPU)")
+                             "optimizer step, the fused attention kernels and autocast's fp32 ops as CUDA runs them "
+                             "(the estimate itself runs on the CPU; with --lowest, bf16 is tried)")
     parser.add_argument("--cpu-kind", choices=("this", "native-bf16", "no-bf16"), default="this",
                         help="with --lowest: plan bf16 for this CPU (bf16 tried where it is native), or for a CPU "
                              "with / without native bf16")
