@@ -118,3 +118,26 @@ def test_a_dropped_fused_8bit_loop_gives_its_gpu_memory_back():
     gc.collect()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() - before < 2**20, torch.cuda.memory_allocated() - before
+
+
+def test_a_planned_cuda_run_keeps_its_budget_of_reserved_memory(model_dir, tmp_path):
+    """`--memory-budget` on CUDA: the budget is the caching allocator's reserved memory, the estimates are made in
+    this process (autograd's device threads forbid the fork) and price CUDA's kernels, and the run holds it. On an
+    H200 the first planned CUDA runs failed in their estimates (the fork, then fakes copied on cuda:0)."""
+    import json
+
+    from looptrain.cli import finetune
+
+    from conftest import write_csv
+
+    budget = 512 * 2**20  # cuBLAS's workspace alone reserves 64 MiB on an H200
+    data = write_csv(tmp_path / "train.csv", 64)
+    assert finetune.main(["--model", str(model_dir), "--data", str(data), "--output-dir", str(tmp_path / "run"),
+                          "--max-length", "32", "--memory-budget", "512MiB", "--effective-batch", "16",
+                          "--device", "cuda", "--no-progress-bar", "--log-every", "1000"]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    plan = summary["plan"]
+    assert plan["meter"] == "of CUDA reserved memory" and plan["device"].startswith("cuda")
+    assert plan["settings"]["batch_size"] * plan["settings"]["accum_steps"] == 16
+    assert summary["memory_meter"] == "cuda_max_memory_allocated"
+    assert summary["reserved_bytes"] <= budget
