@@ -270,8 +270,9 @@ def plan_inputs(directory: Path, shape: str, samples: int, seed: int = 0) -> tup
 
     from looptrain.planning.estimator import preset_config
 
+    config = preset_config(shape)
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    words = [f"w{index}" for index in range(2000)]
+    words = [f"w{index}" for index in range(min(2000, config.vocab_size - len(specials)))]  # ids within the vocab
     vocab = {token: index for index, token in enumerate(specials + words)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -282,7 +283,7 @@ def plan_inputs(directory: Path, shape: str, samples: int, seed: int = 0) -> tup
                                         model_max_length=SEQ_LEN)
     torch.manual_seed(seed)
     model_dir = directory / "model"
-    AutoModelForSequenceClassification.from_config(preset_config(shape)).save_pretrained(model_dir)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     generator = random.Random(seed)
     data = directory / "train.csv"
@@ -344,49 +345,33 @@ def measure_all(estimates_path: str, out: str, device: str, updates: int, sectio
     report: dict[str, Any] = {"environment": environment(), "device": device, "updates": updates,
                               "cublas_workspace_bytes": warm_cublas(device), "rows": []}
 
-    def record(row: dict[str, Any]) -> None:
+    def run(row: dict[str, Any], work, line=None) -> None:
+        """Measures one row (`work()`), or records its error and goes on; prints it and writes the report."""
+        started = time.perf_counter()
+        try:
+            row["measured"] = work()
+        except Exception as error:  # noqa: BLE001 - a benchmark records a failing case and goes on to the next
+            row["error"] = f"{type(error).__name__}: {error}"
+        release(device)  # what a failed case left, and what a case that does not release its own memory holds
+        row["wall_seconds"] = round(time.perf_counter() - started, 2)
+        print((line or summary_line)(row), flush=True)
         report["rows"].append(row)
-        with open(out, "w") as handle:
+        with open(out, "w") as handle:  # after every row: a stopped run keeps what it measured
             json.dump(report, handle, indent=1)
 
     for case in cases():
-        if case["section"] not in sections or (shapes and case["shape"] not in shapes):
-            continue
-        row = {**case, "library": "looptrain", "estimate": estimates.get(key(case))}
-        started = time.perf_counter()
-        try:
-            row["measured"] = measure_looptrain(case, device, updates)
-        except Exception as error:  # noqa: BLE001 - a benchmark records a failing case and goes on to the next
-            row["error"] = f"{type(error).__name__}: {error}"
-            release(device)
-        row["wall_seconds"] = round(time.perf_counter() - started, 2)
-        print(summary_line(row), flush=True)
-        record(row)
+        if case["section"] in sections and not (shapes and case["shape"] not in shapes):
+            run({**case, "library": "looptrain", "estimate": estimates.get(key(case))},
+                lambda case=case: measure_looptrain(case, device, updates))
     if "plan" in sections:
-        row = {"section": "plan", "shape": "bert-large", "label": f"the planner at {PLAN_BUDGET}",
-               "library": "looptrain-finetune"}
-        started = time.perf_counter()
-        try:
-            row["measured"] = measure_plan(device, PLAN_BUDGET, steps=4)
-        except Exception as error:  # noqa: BLE001 - as above
-            row["error"] = f"{type(error).__name__}: {error}"
-        release(device)
-        row["wall_seconds"] = round(time.perf_counter() - started, 2)
-        print(f"[plan] {json.dumps(row.get('measured') or row.get('error'))}", flush=True)
-        record(row)
+        run({"section": "plan", "shape": "bert-large", "label": f"the planner at {PLAN_BUDGET}",
+             "library": "looptrain-finetune"}, lambda: measure_plan(device, PLAN_BUDGET, steps=4),
+            lambda row: f"[plan] {json.dumps(row.get('measured') or row.get('error'))}")
     if "trainer" in sections:
         for label, arguments in TRAINER_RUNGS.items():
-            row = {"section": "trainer", "shape": "bert-large", "label": label, "library": "transformers.Trainer",
-                   "arguments": arguments}
-            started = time.perf_counter()
-            try:
-                row["measured"] = measure_trainer(label, arguments, device, updates)
-            except Exception as error:  # noqa: BLE001 - as above
-                row["error"] = f"{type(error).__name__}: {error}"
-                release(device)
-            row["wall_seconds"] = round(time.perf_counter() - started, 2)
-            print(summary_line(row), flush=True)
-            record(row)
+            run({"section": "trainer", "shape": "bert-large", "label": label, "library": "transformers.Trainer",
+                 "arguments": arguments}, lambda label=label, arguments=arguments: measure_trainer(
+                     label, arguments, device, updates))
 
 
 def summary_line(row: dict[str, Any]) -> str:

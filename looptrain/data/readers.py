@@ -515,18 +515,16 @@ def _offline(datasets: Any) -> Iterator[None]:
 
     datasets and huggingface_hub read the variables once, when imported; their settings are switched for the call.
     """
+    from unittest import mock
+
     import huggingface_hub.constants
 
     settings = [(module, name) for module in (datasets.config, huggingface_hub.constants)
                 for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if hasattr(module, name)]
-    saved = [getattr(module, name) for module, name in settings]
-    try:
+    with contextlib.ExitStack() as stack:  # each setting put back as it was, however the block ends
         for module, name in settings:
-            setattr(module, name, True)
+            stack.enter_context(mock.patch.object(module, name, True))
         yield
-    finally:
-        for (module, name), value in zip(settings, saved):
-            setattr(module, name, value)
 
 
 def _choose_split(datasets: Any, loaded: Any, where: str, split: str | None, spec: str) -> Any:

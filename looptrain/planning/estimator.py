@@ -248,11 +248,20 @@ def _whole_rows():
         result = original(position_ids)
         return None if result is not None and is_fake(position_ids) else result
 
-    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
-    try:
+    with _replaced(masking_utils, find_packed_sequence_indices=find_packed_sequence_indices):
         yield
-    finally:
-        masking_utils.find_packed_sequence_indices = original
+
+
+@contextlib.contextmanager
+def _replaced(owner: Any, **attributes: Any):
+    """`owner`'s attributes replaced by `attributes` for the block, the originals put back after it
+    (`unittest.mock.patch.object`, one per attribute)."""
+    from unittest import mock  # imported here: estimating is the only user, and it imports asyncio
+
+    with contextlib.ExitStack() as stack:
+        for name, value in attributes.items():
+            stack.enter_context(mock.patch.object(owner, name, value))
+        yield
 
 
 def _device_type(device: Any) -> str:
@@ -293,17 +302,9 @@ def _cuda_kernels():
         return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, needs_grad,
                                                                       dropout_p, is_causal, scale=scale)[0]
 
-    replaced = {"scaled_dot_product_attention": attention}
-    for name in CUDA_AUTOCAST_FP32:
-        replaced[name] = _fp32_under_autocast(getattr(functional, name))
-    originals = {name: getattr(functional, name) for name in replaced}
-    for name, function in replaced.items():
-        setattr(functional, name, function)
-    try:
+    fp32_ops = {name: _fp32_under_autocast(getattr(functional, name)) for name in CUDA_AUTOCAST_FP32}
+    with _replaced(functional, scaled_dot_product_attention=attention, **fp32_ops):
         yield
-    finally:
-        for name, function in originals.items():
-            setattr(functional, name, function)
 
 
 # torch.nn.functional's ops that CUDA's autocast runs in fp32 and the CPU's runs in the input's dtype (the op lists of

@@ -96,8 +96,7 @@ def lowest(model_or_config: Any, batch_size: int, seq_len: int, base: Strategy |
     on_cuda = torch.device(device).type == "cuda"
     if native_bf16 is None:
         native_bf16 = on_cuda or cpu_has_native_bf16()
-    search = Search(model_or_config, seq_len, 0, 0.0, max_grad_norm, num_labels, echo)
-    search.device_type = "cuda" if on_cuda else "cpu"
+    search = Search(model_or_config, seq_len, 0, 0.0, max_grad_norm, num_labels, echo, "cuda" if on_cuda else "cpu")
     numerics = [{"precision": "fp32", "weights": "fp32"}]
     if native_bf16:
         numerics += [{"precision": "bf16", "weights": "fp32"}, {"precision": "bf16", "weights": "bf16"}]

@@ -192,8 +192,7 @@ def plan(
     lengths = list(dataset.lengths)
     worst_width = worst_batch_width(lengths, collator, base.padding)
     num_labels = getattr(model, "num_labels", None) or getattr(getattr(model, "config", None), "num_labels", None) or 2
-    search = Search(model, worst_width, memory_budget, margin, max_grad_norm, num_labels, echo)
-    search.device_type = device_type
+    search = Search(model, worst_width, memory_budget, margin, max_grad_norm, num_labels, echo, device_type)
     malloc: str | None = None
     search.padded = min(lengths) < worst_width  # a batch of more than one row holding the longest sample is padded
     search.by_tokens = token_micro_batches

@@ -124,9 +124,11 @@ def worst_batch_width(lengths: Sequence[int], collator: Any, padding: str) -> in
 class Search:
     """Estimates at the worst batch, memoised; `fits` compares them with the budget less the margin."""
 
-    def __init__(self, model, width: int, budget: int, margin: float, max_grad_norm, num_labels: int, echo):
+    def __init__(self, model, width: int, budget: int, margin: float, max_grad_norm, num_labels: int, echo,
+                 device_type: str = "cpu"):
         self.model, self.width, self.budget, self.margin = model, width, budget, margin
         self.max_grad_norm, self.num_labels, self.echo = max_grad_norm, num_labels, echo
+        self.device_type = device_type  # whose kernels the estimates price (`estimate(device=)`): the run's device
         self.cache: dict = {}
         self.results: dict = {}  # the whole estimate (breakdown, phase), by the same key
         self.count = 0
@@ -144,7 +146,6 @@ class Search:
         self.growth = 0  # a measured meter: kept free for what the run adds to a probe's peak (`RUN_GROWTH`)
         self.padded = False  # the worst batch of more than one row holds shorter, padded rows (see `estimate`)
         self.full_model: Any = None  # `FULL_FINE_TUNE`'s model, made once where the estimates run
-        self.device_type = "cpu"  # whose kernels the estimates price (`estimate(device=)`): the run's device
         self.workers: list[EstimateWorker] = []  # run the estimates in child processes (`plan` starts them)
         self.by_tokens = False  # candidates other than your flags train as `by_tokens` cuts them (`costed`)
         # A measured meter: every candidate's memory is confirmed by its probe, so a split's predicted peak
