@@ -36,10 +36,12 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -174,6 +176,35 @@ def warm_cublas(device: str) -> int:
     return allocated(device) - before
 
 
+def workspace_steps(out: str) -> None:
+    """What cuBLAS's workspace costs, step by step: the allocator's bytes after each first use of a matmul path (the
+    forward on this thread, the backward on autograd's device thread, bf16 autocast, a second Python thread), so the
+    estimate can price it. Written to `out` as JSON."""
+    device = "cuda"
+    steps: dict[str, int] = {"start": allocated(device)}
+    weight = torch.randn(64, 64, device=device, requires_grad=True)
+    steps["weight"] = allocated(device)
+    product = weight @ weight
+    steps["forward fp32"] = allocated(device)
+    product.sum().backward()
+    del product
+    steps["backward fp32"] = allocated(device)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        product = weight @ weight
+    steps["forward bf16 autocast"] = allocated(device)
+    product.float().sum().backward()
+    del product
+    steps["backward bf16 autocast"] = allocated(device)
+    thread = threading.Thread(target=lambda: (weight.detach() @ weight.detach()).sum().item())
+    thread.start()
+    thread.join()
+    steps["forward on a second thread"] = allocated(device)
+    report = {"steps": steps, "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+              "capability": list(torch.cuda.get_device_capability()), **environment()}
+    Path(out).write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+
+
 def synchronize(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -296,9 +327,12 @@ def plan_inputs(directory: Path, shape: str, samples: int, seed: int = 0) -> tup
     return str(model_dir), str(data)
 
 
-def measure_plan(device: str, budget: str, steps: int, shape: str = "bert-large", samples: int = 512) -> dict:
+def measure_plan(device: str, budget: str, steps: int, shape: str = "bert-large", samples: int = 512,
+                 optimizer: str = "adafactor") -> dict:
     """The planner's choice at `budget`, as a user gets it: `looptrain-finetune --memory-budget` on `shape` (seq
-    `SEQ_LEN`, effective batch 32, `steps` updates of the winner), its plan and the run's peaks from summary.json."""
+    `SEQ_LEN`, effective batch 32, `optimizer`, `steps` updates of the winner), its plan and the run's peaks from
+    summary.json. Adafactor, as Trainer's lowest rung and the 4-GB promise use it: fp32 AdamW's weights, gradients
+    and moments alone are 5 GiB for bert-large."""
     from looptrain.cli import finetune
 
     with tempfile.TemporaryDirectory() as directory:
@@ -306,7 +340,7 @@ def measure_plan(device: str, budget: str, steps: int, shape: str = "bert-large"
         output_dir = Path(directory) / "run"
         code = finetune.main(["--model", model_dir, "--data", data, "--output-dir", str(output_dir), "--max-length",
                               str(SEQ_LEN), "--memory-budget", budget, "--effective-batch", str(EFFECTIVE_BATCH),
-                              "--max-steps", str(steps), "--eval-split", "0", "--device", device,
+                              "--max-steps", str(steps), "--eval-split", "0", "--device", device, "--optim", optimizer,
                               "--no-progress-bar", "--log-every", "1000"])
         if code != 0:
             raise RuntimeError(f"looptrain-finetune exited {code}")
@@ -314,7 +348,8 @@ def measure_plan(device: str, budget: str, steps: int, shape: str = "bert-large"
     from looptrain.strategy import Strategy
 
     plan = summary["plan"]
-    return {"budget": budget, "flags": Strategy(**plan["settings"]).flags(), "meter": plan["meter"],
+    return {"budget": budget, "optimizer": optimizer, "flags": Strategy(**plan["settings"]).flags(),
+            "meter": plan["meter"],
             "estimated_peak_bytes": summary["estimated_peak_bytes"], "peak_bytes": summary["peak_memory_bytes"],
             "memory_meter": summary["memory_meter"], "max_reserved_bytes": summary.get("reserved_bytes"),
             "planning_seconds": summary["planning_seconds"], "train_seconds": summary["train_runtime_s"],
@@ -374,6 +409,12 @@ def measure_all(estimates_path: str, out: str, device: str, updates: int, sectio
                      label, arguments, device, updates))
 
 
+def tensors(estimate: dict[str, Any]) -> int:
+    """An estimate's peak less cuBLAS's workspaces, which every case finds allocated (`warm_cublas`) and its measured
+    peak leaves out."""
+    return estimate.get("peak_memory_bytes", 0) - estimate.get("cublas_workspace_bytes", 0)
+
+
 def summary_line(row: dict[str, Any]) -> str:
     name = f"[{row['library']}] {row['shape']} | {row['label']}"
     if "error" in row:
@@ -382,8 +423,8 @@ def summary_line(row: dict[str, Any]) -> str:
     line = f"{name}: peak {measured.get('peak_bytes', 0) / GIB:.3f} GiB"
     for device, estimate in (row.get("estimate") or {}).items():
         if measured.get("peak_bytes"):
-            error = estimate["peak_memory_bytes"] / measured["peak_bytes"] - 1
-            line += f", {device} estimate {estimate['peak_memory_bytes'] / GIB:.3f} GiB ({error:+.1%})"
+            error = tensors(estimate) / measured["peak_bytes"] - 1
+            line += f", {device} estimate {tensors(estimate) / GIB:.3f} GiB ({error:+.1%})"
     return line + f", {measured['seconds_per_sample'] * 1000:.2f} ms/sample ({row['wall_seconds']} s)"
 
 
@@ -406,7 +447,7 @@ def table(paths: list[str], estimates_path: str | None = None) -> None:
     print(f"{facts.get('gpu', 'CPU')}; torch {facts['torch']} (CUDA {facts['cuda']}), transformers "
           f"{facts['transformers']}, bitsandbytes {facts.get('bitsandbytes')}, peft {facts.get('peft')}; "
           f"{report['updates']} timed updates after a warm-up\n")
-    print(f"cuBLAS workspace, allocated before every case and not counted in its peak: "
+    print(f"cuBLAS workspace, allocated before every case and counted neither in its peak nor in its estimate: "
           f"{report.get('cublas_workspace_bytes', 0) / MIB:.0f} MiB\n")
     rows = [row for row in report["rows"] if row["library"] == "looptrain"]
     print("| shape | strategy | micro-batch | peak allocated GiB | estimate (CUDA kernels) GiB | error | "
@@ -421,7 +462,7 @@ def table(paths: list[str], estimates_path: str | None = None) -> None:
         peak = measured.get("peak_bytes", 0)
         cells = []
         for device in ("cuda", "cpu"):
-            estimated = estimates.get(device, {}).get("peak_memory_bytes", 0)
+            estimated = tensors(estimates.get(device, {}))
             cells += [f"{estimated / GIB:.3f}", f"{estimated / peak - 1:+.1%}" if estimated and peak else ""]
         reserved = measured.get("max_reserved_bytes", 0) - measured.get("allocated_before_bytes", 0)
         print(f"| {row['shape']} | {row['label']} | {shape} | {peak / GIB:.3f} | " + " | ".join(cells)
@@ -465,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     measuring.add_argument("--sections", default="ladder,decoder,trainer,plan",
                            help="comma-separated: ladder, decoder, trainer, plan (the planner at a 4-GiB budget)")
     measuring.add_argument("--shapes", default="", help="comma-separated presets to keep (default: all)")
+    working = commands.add_parser("workspace", help="cuBLAS's workspace, step by step (a CUDA machine)")
+    working.add_argument("--out", default="cuda_workspace.json")
     tabling = commands.add_parser("table", help="print the markdown tables of measure reports")
     tabling.add_argument("reports", nargs="+")
     tabling.add_argument("--estimates", help="take the estimates from this `estimate` file instead of the reports'")
@@ -476,6 +519,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("measure needs a CUDA device (or --device cpu to try the script on a small machine)")
         measure_all(arguments.estimates, arguments.out, arguments.device, arguments.updates,
                     arguments.sections.split(","), [shape for shape in arguments.shapes.split(",") if shape])
+    elif arguments.command == "workspace":
+        workspace_steps(arguments.out)
     else:
         table(arguments.reports, arguments.estimates)
     return 0

@@ -305,7 +305,8 @@ def test_a_cuda_estimate_keeps_no_attention_probabilities():
     probabilities = layers * rows * heads * seq * seq * 4
     on_cpu = planning.estimate(config, rows, seq, cache=False)
     on_cuda = planning.estimate(config, rows, seq, cache=False, device="cuda")
-    assert on_cpu["peak_memory_bytes"] - on_cuda["peak_memory_bytes"] >= 2 * probabilities
+    tensors = on_cuda["peak_memory_bytes"] - on_cuda["cublas_workspace_bytes"]
+    assert on_cpu["peak_memory_bytes"] - tensors >= 2 * probabilities
     assert torch.nn.functional.scaled_dot_product_attention is original  # given back
 
 
@@ -319,10 +320,46 @@ def test_a_cuda_estimate_prices_adamws_foreach_step():
     on_cuda = planning.estimate(config, 1, 8, cache=False, device="cuda")
     parameter_bytes = on_cpu["parameters"] * 4
     assert on_cuda["memory_breakdown"]["peak_phase"] == "optimizer"
-    assert on_cuda["peak_memory_bytes"] - on_cpu["peak_memory_bytes"] >= parameter_bytes // 2
+    tensors = on_cuda["peak_memory_bytes"] - on_cuda["cublas_workspace_bytes"]
+    assert tensors - on_cpu["peak_memory_bytes"] >= parameter_bytes // 2
     # A strategy that says foreach=False is priced as it says, on either device.
-    assert (planning.estimate(config, 1, 8, cache=False, device="cuda", foreach=False)["peak_memory_bytes"]
+    unfused = planning.estimate(config, 1, 8, cache=False, device="cuda", foreach=False)
+    assert (unfused["peak_memory_bytes"] - unfused["cublas_workspace_bytes"]
             == planning.estimate(config, 1, 8, cache=False, foreach=False)["peak_memory_bytes"])
+
+
+def test_a_cuda_estimate_prices_cublas_workspaces(monkeypatch):
+    """cuBLAS gives each thread that runs a matmul a workspace, allocated through the caching allocator and kept: on
+    an H200 32 MiB at the first forward and 32 MiB more at the first backward (autograd's device thread), where a tiny
+    model's tensors were under 1 MiB and the estimate was 99% low. Torch sizes it by ``CUBLAS_WORKSPACE_CONFIG``
+    (``:KiB:count`` pairs) or by the GPU's generation."""
+    from looptrain.planning.estimator import CUBLAS_HANDLES, cublas_workspace_bytes
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for capability, expected in [((9, 0), 32 * 2**20), ((12, 0), 32 * 2**20), ((8, 0), 8 * 2**20 + 128 * 2**10),
+                                 ((7, 5), 8 * 2**20 + 128 * 2**10)]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda capability=capability: capability)
+        assert cublas_workspace_bytes() == expected, capability
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")  # the documented deterministic setting
+    assert cublas_workspace_bytes() == (4096 * 2 + 16 * 8) * 1024
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    assert cublas_workspace_bytes() == 128 * 1024
+
+    config = _bert_config()
+    on_cpu = planning.estimate(config, 2, 16, cache=False)
+    with_config = planning.estimate(config, 2, 16, device="cuda")  # the cache holds the tensors alone
+    assert with_config["cublas_workspace_bytes"] == CUBLAS_HANDLES * 128 * 1024 == 2 * 128 * 1024
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    on_cuda = planning.estimate(config, 2, 16, device="cuda")
+    assert on_cuda["cublas_workspace_bytes"] == 2 * 8 * 2**20 + 2 * 128 * 2**10  # capability 7.5, from above
+    assert on_cuda["peak_memory_bytes"] - with_config["peak_memory_bytes"] == 2 * 8 * 2**20
+    assert on_cpu.get("cublas_workspace_bytes") is None
+    for result in (on_cuda, with_config):
+        breakdown = result["memory_breakdown"]
+        assert breakdown["activations_and_temps"] == (result["peak_memory_bytes"] - breakdown["params"]
+                                                      - breakdown["grads"] - breakdown["optimizer_state"])
+        assert max(result["phase_peak_bytes"].values()) == result["peak_memory_bytes"]
 
 
 def test_an_estimate_for_another_device_type_is_refused_by_name():

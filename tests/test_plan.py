@@ -139,6 +139,41 @@ def test_when_nothing_fits_the_error_says_what_would(dataset):
         plan(model, train_set, collator, memory_budget=150_000, effective_batch=EFFECTIVE_BATCH, probe=False)
 
 
+def test_what_would_fit_is_priced_with_the_step_fused_into_backward(dataset):
+    """A suggestion is priced as the search would try it: at micro-batch 1, and where that does not fit, with the step
+    fused into backward at the whole batch (no gradients held). On an H200, bert-large at 4 GiB was told that nothing
+    fits, 8-bit AdamW included (3.66 GiB at 1 x 32), where 8-bit AdamW fused into backward holds about 2.3 GiB."""
+    from looptrain import planning
+
+    train_set, collator = dataset
+    model = make_tiny_bert(num_labels=2, num_layers=3, hidden_size=512, intermediate_size=2048)  # weights dominate
+    width = collator.batch_width([max(train_set.lengths)])
+    lightest = Settings(batch_size=1, accum_steps=EFFECTIVE_BATCH, gradient_checkpointing=True, checkpoint_every=1)
+    fused = dataclasses.replace(lightest, batch_size=EFFECTIVE_BATCH, accum_steps=1, optimizer_in_backward=True)
+
+    def peak(settings: Settings, **levers) -> int:
+        return planning.estimate(model, settings.batch_size, width, settings, **levers)["peak_memory_bytes"]
+
+    eight_bit, eight_bit_fused = peak(lightest, optimizer="adamw8bit"), peak(fused, optimizer="adamw8bit")
+    assert eight_bit_fused < 0.85 * min(eight_bit, peak(fused), peak(lightest))  # the case the test is about
+    margin = 0.05
+    budget = int((1 + margin) * (eight_bit_fused + min(eight_bit, peak(fused))) / 2)
+    with pytest.raises(PlanError) as error:
+        plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH, margin=margin,
+             probe=False)
+    message = str(error.value)
+    assert f"estimated {peak(lightest) / 2**20:.1f} MiB ({peak(fused) / 2**20:.1f} MiB with the step fused into " \
+        f"backward at {EFFECTIVE_BATCH} x 1)" in message, message
+    assert (f"fits with --optim auto (8-bit AdamW) (est. {eight_bit_fused / 2**20:.1f} MiB with the step fused into "
+            f"backward at {EFFECTIVE_BATCH} x 1)") in message, message
+    # Where the user fixed the fused step (off), 8-bit AdamW at micro-batch 1 is what is priced, and it does not fit.
+    with pytest.raises(PlanError) as error:
+        plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH, margin=margin,
+             probe=False, fixed=("optimizer_in_backward",))
+    message = str(error.value)
+    assert "fits with --optim auto" not in message and "with the step fused into backward" not in message, message
+
+
 @pytest.mark.slow
 def test_the_probe_is_bounded(dataset, cpu_kind):
     train_set, collator = dataset
@@ -221,7 +256,7 @@ def test_a_resumed_planned_run_keeps_its_saved_plan_and_the_allocator_it_was_pla
 
     argv = ["--model", str(model_dir), "--data", str(train_csv), "--output-dir", str(tmp_path), "--max-length", "32",
             "--no-progress-bar", "--log-every", "1000", "--memory-budget", "2MiB", "--effective-batch", "16",
-            "--budget-meter", "tensors", "--max-steps", "3"]
+            "--budget-meter", "tensors", "--max-steps", "3", "--device", "cpu"]  # a GPU holds cuBLAS's 64 MiB
     with monkeypatch.context() as patched:
         patched.setattr(Loop, "on_step_end", interrupt)
         assert finetune.main(argv) == 130
@@ -315,7 +350,7 @@ def test_plan_script_prints_json_and_the_command_line_and_writes_nothing(model_d
     output_dir = tmp_path / "never-written"
     assert plan_script.main(["--model", str(model_dir), "--data", str(train_csv), "--output-dir", str(output_dir),
                              "--max-length", "32", "--memory-budget", "1MiB", "--effective-batch", "16", "--json",
-                             "--budget-meter", "tensors"]) == 0
+                             "--budget-meter", "tensors", "--device", "cpu"]) == 0  # a GPU holds cuBLAS's 64 MiB
     captured = capsys.readouterr()
     printed = json.loads(captured.out)  # stdout is the JSON alone; the planner's progress and table go to stderr
     assert "winner:" in captured.err

@@ -26,6 +26,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -307,6 +308,41 @@ def _cuda_kernels():
         yield
 
 
+# The threads that run a training step's matmuls, each with its own cuBLAS handle and workspace: the one that runs the
+# forward (and evaluation, and the optimizer), and autograd's device thread, which runs every backward. Measured on an
+# H200 (torch 2.11, CUDA 13): 32 MiB allocated at the first forward matmul, 32 MiB more at the first backward, nothing
+# more for bf16 autocast (cuBLASLt shares the handle's workspace) or later steps (docs/memory.md).
+CUBLAS_HANDLES = 2
+
+
+def cublas_workspace_bytes() -> int:
+    """The workspace torch gives each cuBLAS handle, allocated through the caching allocator at the handle's first
+    matmul and kept for the process: ``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE:COUNT`` pairs in KiB, summed) where it
+    is set, else torch's default: 32 MiB on compute capability 9.x-12.x (Hopper, Blackwell), 8 MiB + 128 KiB before.
+    Without a visible GPU the 32 MiB of current GPUs is assumed (a budget errs on the high side)."""
+    pairs = re.findall(r":([0-9]+):([0-9]+)", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""))
+    if pairs:
+        return sum(int(size) * int(count) for size, count in pairs) * 1024
+    major = torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else 9
+    return 4096 * 8 * 1024 if 9 <= major <= 12 else (4096 * 2 + 16 * 8) * 1024
+
+
+def _with_cublas_workspaces(result: dict[str, Any]) -> dict[str, Any]:
+    """A CUDA estimate's result with cuBLAS's workspaces (`CUBLAS_HANDLES` of `cublas_workspace_bytes`) added to its
+    peak, its phases' peaks and its activations and temporaries: the caching allocator counts them, and they exist
+    from a run's first update on. Added after the cache, which holds the tensors alone (the size depends on this
+    machine's GPU and environment)."""
+    workspaces = CUBLAS_HANDLES * cublas_workspace_bytes()
+    breakdown = dict(result["memory_breakdown"])
+    breakdown["activations_and_temps"] = breakdown.get("activations_and_temps", 0) + workspaces
+    phases = {phase: peak + workspaces for phase, peak in (result["phase_peak_bytes"] or {}).items()}
+    return {**result, "peak_memory_bytes": result["peak_memory_bytes"] + workspaces, "memory_breakdown": breakdown,
+            "phase_peak_bytes": phases,
+            "cublas_workspace_bytes": workspaces,
+            "notes": [*result.get("notes", []), f"includes cuBLAS's workspaces: {CUBLAS_HANDLES} x "
+                      f"{cublas_workspace_bytes() / 2**20:g} MiB (the forward's thread and autograd's)"]}
+
+
 # torch.nn.functional's ops that CUDA's autocast runs in fp32 and the CPU's runs in the input's dtype (the op lists of
 # torch's autocast docs; the losses are fp32 on both). Under CUDA's bf16 autocast a bf16 model's LayerNorm reads and
 # writes fp32: its input is saved for backward in fp32, and the residual stream after it is fp32.
@@ -440,8 +476,9 @@ def estimate(
             torch's AdamW and SGD step every tensor at once by default (``foreach``: the step's temporaries for
             all parameters together) and attention runs the fused kernels (flash, or memory-efficient with a
             mask), which keep the output and its log-sum-exp for backward instead of the attention
-            probabilities, and autocast runs LayerNorm and softmax in fp32 (`_cuda_kernels`). The estimate
-            itself always runs on the CPU, on fake tensors.
+            probabilities, and autocast runs LayerNorm and softmax in fp32 (`_cuda_kernels`); cuBLAS's
+            workspaces are added (`cublas_workspace_bytes`, one per matmul thread). The estimate itself always
+            runs on the CPU, on fake tensors.
         cache: read the result from the on-disk cache of estimates when an identical estimate was made before,
             and store it there otherwise (`looptrain.planning.estimate_cache`; ``LOOPTRAIN_CACHE_DIR=off`` turns
             it off everywhere). False: always estimate, store nothing. ``"only"``: read the cache and raise
@@ -452,7 +489,7 @@ def estimate(
         (params, grads, optimizer_state, activations_and_temps, peak_phase), ``phase_peak_bytes``,
         ``parameters``, ``trainable_parameters``, ``notes``, ``estimate_seconds`` (this call's),
         ``compute_seconds`` (what computing it took, when it was computed) and ``from_cache`` (whether the result
-        was read from the cache).
+        was read from the cache); on CUDA ``cublas_workspace_bytes``, included in the peak.
 
     Raises:
         ValueError: an invalid mix (`looptrain.ConfigError` names the fields), an unknown preset.
@@ -532,6 +569,8 @@ def _cached_estimate(model_or_config: Any, windows: Sequence[Sequence[tuple[int,
         result["from_cache"] = False
     else:
         result["from_cache"] = True
+    if device_type == "cuda":
+        result = _with_cublas_workspaces(result)
     result["estimate_seconds"] = round(time.perf_counter() - started, 3)
     return result
 

@@ -279,7 +279,7 @@ def plan(
                                       memory_budget)  # stopped at the budget: what it holds besides is at least that
                 search.overhead = max(0, probed["measured_peak_bytes"] - search.peak(lightest))
             raise PlanError(nothing_fits_message(search, effective_batch, base, levers, collator, lengths,
-                                                  device_type))
+                                                  device_type, frozenset(fixed)))
         result = Plan(memory_budget, margin, effective_batch, worst_width, device, candidates, search.count,
                       search.seconds, 0.0, probe_budget, len(lengths), meter=METERS[meter])
         result.cached_estimates = search.cached

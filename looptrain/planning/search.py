@@ -327,6 +327,10 @@ class Search:
             peak = self.peak(settings)
         elif key not in self.cache:
             self.predicted.add(key)
+        return self.within(peak)
+
+    def within(self, peak: int) -> bool:
+        """Whether an estimated `peak` fits the budget less the margin, with what the process holds besides tensors."""
         return (peak + self.overhead) * (1 + self.margin) <= self.budget
 
 
@@ -497,7 +501,7 @@ def cannot_fit_fused(search: Search, failed: Strategy, effective_batch: int) -> 
     slope = (second["activations_and_temps"] - first["activations_and_temps"]) / (high - low)
     bound = second["params"] + second["optimizer_state"] + second["activations_and_temps"] \
         + slope * (effective_batch - high)
-    if (bound + search.overhead) * (1 + search.margin) <= search.budget:
+    if search.within(bound):
         return False
     search.extrapolated.append(dataclasses.replace(failed, batch_size=effective_batch, accum_steps=1,
                                                    optimizer_in_backward=True))

@@ -8,7 +8,7 @@ import dataclasses
 from typing import Any
 
 from looptrain.planning.plans import Levers, Plan, format_bytes, lora_words
-from looptrain.planning.search import FULL_FINE_TUNE, Search, full_fine_tune_model, lightest_split
+from looptrain.planning.search import FULL_FINE_TUNE, Search, full_fine_tune_model, lightest_split, valid_settings
 from looptrain.precision import amp_precision, resolve_device
 from looptrain.strategy import Strategy
 
@@ -20,14 +20,19 @@ LORA_LEVERS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "qlora
 
 
 def nothing_fits_message(search: Search, effective_batch: int, base: Strategy, levers: Levers, collator, lengths,
-                          device_type: str) -> str:
-    """What would fit, with its estimate: the lightest exact settings plus one task or numerics change."""
+                          device_type: str, fixed: frozenset = frozenset()) -> str:
+    """What would fit, with its estimate: the lightest exact settings plus one task or numerics change, each priced
+    at the lighter of micro-batch 1 and the step fused into backward (`lightest_peak`), as the search would try
+    them."""
+    fusable = "optimizer_in_backward" not in fixed and "batch_size" not in fixed
     lightest = lightest_split(base, effective_batch)
+    peak, fused = lightest_peak(search, lightest, effective_batch, fusable)
+    meter = "of CUDA reserved memory" if device_type == "cuda" else "of the process's RSS"
     lines = [f"nothing fits {format_bytes(search.budget)} (with a {search.margin:.0%} margin) at the worst batch "
              f"({search.width} tokens wide), even micro-batch 1 x {effective_batch} with gradient checkpointing: "
              f"estimated {format_bytes(search.peak(lightest))}"
-             + (f" + {format_bytes(search.overhead)} of the process's RSS measured besides tensors"
-                if search.overhead else "")
+             + (f" ({format_bytes(peak)} with the step fused into backward at {effective_batch} x 1)" if fused else "")
+             + (f" + {format_bytes(search.overhead)} {meter} measured besides tensors" if search.overhead else "")
              + "."]
     suggestions = []
     if not levers.optimizer_family and base.optimizer == "adamw":
@@ -51,13 +56,14 @@ def nothing_fits_message(search: Search, effective_batch: int, base: Strategy, l
     fitting, lora_over = [], []
     for label, settings, seq_len, model in [(*suggestion, None) for suggestion in suggestions] + adapters:
         try:
-            peak = search.peak(settings, seq_len, model)
+            peak, fused = lightest_peak(search, settings, effective_batch, fusable, seq_len, model)
         except Exception as error:  # LoRA: any estimate that cannot run here (QLoRA without 4 bits)
             if isinstance(error, (ValueError, TypeError)) or model is not None or settings.lora_rank:
                 continue  # an invalid mix
             raise
-        if (peak + search.overhead) * (1 + search.margin) <= search.budget:
-            fitting.append(f"fits with {label} (est. {format_bytes(peak)})")
+        if search.within(peak):
+            fitting.append(f"fits with {label} (est. {format_bytes(peak)}"
+                           + (f" with the step fused into backward at {effective_batch} x 1)" if fused else ")"))
         elif (label, settings, seq_len, model) in adapters:
             lora_over.append(f"{label} (est. {format_bytes(peak)})")
     lines.append("; ".join(fitting) + "." if fitting else "None of --amp, --optim auto, freezing, LoRA or a halved "
@@ -65,6 +71,25 @@ def nothing_fits_message(search: Search, effective_batch: int, base: Strategy, l
     if lora_over:
         lines.append(f"Not enough: {', '.join(lora_over)}.")
     return " ".join(lines)
+
+
+def lightest_peak(search: Search, settings: Strategy, effective_batch: int, fusable: bool, seq_len: int | None = None,
+                  model: str | None = None) -> tuple[int, bool]:
+    """The estimate of `settings` (a micro-batch-1 split), or where that does not fit the budget and the fused step is
+    free (`fusable`), the lighter of it and the step fused into backward at the whole batch, which holds no
+    gradients but every row's activations: (peak, whether the fused step's). An invalid fused mix (a clipping mode
+    the fused step refuses) or one whose estimate cannot run here is left out."""
+    peak = search.peak(settings, seq_len, model)
+    if search.within(peak) or not fusable:
+        return peak, False
+    fused = dataclasses.replace(settings, batch_size=effective_batch, accum_steps=1, optimizer_in_backward=True)
+    if not valid_settings(fused):
+        return peak, False
+    try:
+        fused_peak = search.peak(fused, seq_len, model)
+    except (ValueError, TypeError):
+        return peak, False
+    return (fused_peak, True) if fused_peak < peak else (peak, False)
 
 
 def lora_suggestions(search: Search, base: Strategy, lightest: Strategy) -> list[tuple]:
@@ -113,7 +138,7 @@ def lora_comparison(search: Search, result: Plan) -> dict | None:
         result.estimate_seconds += search.seconds - started
     saving = full - winner.estimated_peak_bytes
     share = saving / full if full else 0.0
-    fits = (full + search.overhead) * (1 + search.margin) <= search.budget
+    fits = search.within(full)
     result.lora = {"settings": dataclasses.asdict(winner.settings), "estimated_peak_bytes": winner.estimated_peak_bytes,
                    "full_fine_tune_flags": settings.flags(), "full_fine_tune_peak_bytes": full,
                    "saving_bytes": saving, "saving_share": round(share, 4), "full_fine_tune_fits": fits,

@@ -117,9 +117,11 @@ def train(args, config, place, model_path: str, print) -> dict:
             return plan_only_output(args, plan_result, print)
         apply_settings(args, settings)
         config = dataclasses.replace(config, **settings.loop_fields())
-        if plan_result is not None and plan_result.meter != "of live tensors" and config.track_memory:
-            # The budget is read by the OS (or CUDA's allocator), and the plan's speeds were probed without the
-            # tensor tracker, whose Python hook on every op slows small micro-batches (1 x 32: +45% measured).
+        if plan_result is not None and plan_result.meter != "of live tensors" and config.track_memory \
+                and device.type == "cpu":
+            # The budget is read by the OS, and the plan's speeds were probed without the tensor tracker, whose
+            # Python hook on every op slows small micro-batches (1 x 32: +45% measured). (On CUDA the allocator
+            # meters the run either way.)
             config = dataclasses.replace(config, track_memory=False)
             print("--memory-budget: the run's meter is the budget's (process RSS); the tensor tracker is off "
                   "(--budget-meter tensors keeps it, with its breakdown)")
