@@ -146,7 +146,7 @@ def test_what_would_fit_is_priced_with_the_step_fused_into_backward(dataset):
     from looptrain import planning
 
     train_set, collator = dataset
-    model = make_tiny_bert(num_labels=2, num_layers=3, hidden_size=512, intermediate_size=2048)  # weights dominate
+    model = make_tiny_bert(num_labels=2, num_layers=2, hidden_size=512, intermediate_size=2048)  # weights dominate
     width = collator.batch_width([max(train_set.lengths)])
     lightest = Settings(batch_size=1, accum_steps=EFFECTIVE_BATCH, gradient_checkpointing=True, checkpoint_every=1)
     fused = dataclasses.replace(lightest, batch_size=EFFECTIVE_BATCH, accum_steps=1, optimizer_in_backward=True)
@@ -154,15 +154,16 @@ def test_what_would_fit_is_priced_with_the_step_fused_into_backward(dataset):
     def peak(settings: Settings, **levers) -> int:
         return planning.estimate(model, settings.batch_size, width, settings, **levers)["peak_memory_bytes"]
 
+    adamw, adamw_fused = peak(lightest), peak(fused)
     eight_bit, eight_bit_fused = peak(lightest, optimizer="adamw8bit"), peak(fused, optimizer="adamw8bit")
-    assert eight_bit_fused < 0.85 * min(eight_bit, peak(fused), peak(lightest))  # the case the test is about
+    assert eight_bit_fused < 0.85 * min(eight_bit, adamw, adamw_fused), (eight_bit_fused, eight_bit, adamw_fused)
     margin = 0.05
-    budget = int((1 + margin) * (eight_bit_fused + min(eight_bit, peak(fused))) / 2)
+    budget = int((1 + margin) * (eight_bit_fused + min(eight_bit, adamw_fused)) / 2)
     with pytest.raises(PlanError) as error:
         plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH, margin=margin,
              probe=False)
     message = str(error.value)
-    assert f"estimated {peak(lightest) / 2**20:.1f} MiB ({peak(fused) / 2**20:.1f} MiB with the step fused into " \
+    assert f"estimated {adamw / 2**20:.1f} MiB ({adamw_fused / 2**20:.1f} MiB with the step fused into " \
         f"backward at {EFFECTIVE_BATCH} x 1)" in message, message
     assert (f"fits with --optim auto (8-bit AdamW) (est. {eight_bit_fused / 2**20:.1f} MiB with the step fused into "
             f"backward at {EFFECTIVE_BATCH} x 1)") in message, message

@@ -199,6 +199,13 @@ class Search:
         if len(wanted) > 1:
             self._estimate(list(wanted.values())[:len(self.workers)], demanded=False)
 
+    def prefetch_all(self, settings_list: Sequence[Strategy]) -> None:
+        """`prefetch` of all of `settings_list` not memoised yet, a round (one per worker) at a time."""
+        wanted = list({self._request(s, None, None)[-1]: s for s in settings_list
+                       if self._request(s, None, None)[-1] not in self.cache}.values())
+        for start in range(0, len(wanted), max(1, len(self.workers))):
+            self.prefetch(wanted[start:start + len(self.workers)])
+
     def _request(self, settings: Strategy, seq_len: int | None, model: str | None) -> tuple:
         seq_len = seq_len or self.width
         settings = self.priced(settings)

@@ -26,14 +26,6 @@ def nothing_fits_message(search: Search, effective_batch: int, base: Strategy, l
     them."""
     fusable = "optimizer_in_backward" not in fixed and "batch_size" not in fixed
     lightest = lightest_split(base, effective_batch)
-    peak, fused = lightest_peak(search, lightest, effective_batch, fusable)
-    meter = "of CUDA reserved memory" if device_type == "cuda" else "of the process's RSS"
-    lines = [f"nothing fits {format_bytes(search.budget)} (with a {search.margin:.0%} margin) at the worst batch "
-             f"({search.width} tokens wide), even micro-batch 1 x {effective_batch} with gradient checkpointing: "
-             f"estimated {format_bytes(search.peak(lightest))}"
-             + (f" ({format_bytes(peak)} with the step fused into backward at {effective_batch} x 1)" if fused else "")
-             + (f" + {format_bytes(search.overhead)} {meter} measured besides tensors" if search.overhead else "")
-             + "."]
     suggestions = []
     if not levers.optimizer_family and base.optimizer == "adamw":
         suggestions.append(("--optim auto (8-bit AdamW)", dataclasses.replace(lightest, optimizer="adamw8bit"), None))
@@ -53,8 +45,24 @@ def nothing_fits_message(search: Search, effective_batch: int, base: Strategy, l
     adapters = lora_suggestions(search, base, lightest)
     if search.width > 16:
         suggestions.append((f"--max-length {search.width // 2}", lightest, search.width // 2))
+    entries = [(*suggestion, None) for suggestion in suggestions] + adapters
+    # Side by side where there are workers: each suggestion at micro-batch 1, then the fused step of those over.
+    plain = [lightest] + [settings for _, settings, seq_len, model in entries if seq_len is None and model is None]
+    search.prefetch_all(plain)
+    if fusable:
+        search.prefetch_all([fused_split(settings, effective_batch) for settings in plain
+                             if search.key(settings) in search.cache and not search.within(search.peak(settings))
+                             and valid_settings(fused_split(settings, effective_batch))])
+    peak, fused = lightest_peak(search, lightest, effective_batch, fusable)
+    meter = "of CUDA reserved memory" if device_type == "cuda" else "of the process's RSS"
+    lines = [f"nothing fits {format_bytes(search.budget)} (with a {search.margin:.0%} margin) at the worst batch "
+             f"({search.width} tokens wide), even micro-batch 1 x {effective_batch} with gradient checkpointing: "
+             f"estimated {format_bytes(search.peak(lightest))}"
+             + (f" ({format_bytes(peak)} with the step fused into backward at {effective_batch} x 1)" if fused else "")
+             + (f" + {format_bytes(search.overhead)} {meter} measured besides tensors" if search.overhead else "")
+             + "."]
     fitting, lora_over = [], []
-    for label, settings, seq_len, model in [(*suggestion, None) for suggestion in suggestions] + adapters:
+    for label, settings, seq_len, model in entries:
         try:
             peak, fused = lightest_peak(search, settings, effective_batch, fusable, seq_len, model)
         except Exception as error:  # LoRA: any estimate that cannot run here (QLoRA without 4 bits)
@@ -82,7 +90,7 @@ def lightest_peak(search: Search, settings: Strategy, effective_batch: int, fusa
     peak = search.peak(settings, seq_len, model)
     if search.within(peak) or not fusable:
         return peak, False
-    fused = dataclasses.replace(settings, batch_size=effective_batch, accum_steps=1, optimizer_in_backward=True)
+    fused = fused_split(settings, effective_batch)
     if not valid_settings(fused):
         return peak, False
     try:
@@ -90,6 +98,11 @@ def lightest_peak(search: Search, settings: Strategy, effective_batch: int, fusa
     except (ValueError, TypeError):
         return peak, False
     return (fused_peak, True) if fused_peak < peak else (peak, False)
+
+
+def fused_split(settings: Strategy, effective_batch: int) -> Strategy:
+    """`settings` with the step fused into backward: the whole batch in one micro-batch."""
+    return dataclasses.replace(settings, batch_size=effective_batch, accum_steps=1, optimizer_in_backward=True)
 
 
 def lora_suggestions(search: Search, base: Strategy, lightest: Strategy) -> list[tuple]:
