@@ -8,7 +8,7 @@ dynamic threshold, fixed thresholds of 128 KiB (what `--memory-budget` sets), 1 
 PyTorch's transparent huge pages for blocks of 2 MiB and more (`THP_MEM_ALLOC_ENABLE=1`). Prints the training time,
 the process's peak RSS above its start and its minor page faults.
 
-    PYTHONPATH=. python scripts/bench_malloc.py [--avx2] [--samples 256]
+    PYTHONPATH=. python scripts/bench_malloc.py [--avx2] [--samples 256] [--plan 4x8|tokens512]
 
 Benchmarks never run in the test suite.
 """
@@ -26,19 +26,36 @@ from pathlib import Path
 
 from bench_plan import AVX2_ENVIRONMENT, MALLOC_ENVIRONMENT, MAX_LENGTH, MIB, ROOT, prepare, worker_cpu
 
-SETTINGS = {
-    "glibc default (dynamic threshold)": {},
-    "128 KiB (--memory-budget's)": MALLOC_ENVIRONMENT,
-    "128 KiB + THP_MEM_ALLOC_ENABLE=1": {**MALLOC_ENVIRONMENT, "THP_MEM_ALLOC_ENABLE": "1"},
-    "1 MiB": {"MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_TRIM_THRESHOLD_": "131072"},
-    "4 MiB": {"MALLOC_MMAP_THRESHOLD_": "4194304", "MALLOC_TRIM_THRESHOLD_": "131072"},
+ONE_MIB = {"MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_TRIM_THRESHOLD_": "131072"}
+SETTINGS = {  # name: (environment, extra finetune.py flags)
+    "glibc default (dynamic threshold)": ({}, []),
+    "128 KiB (--memory-budget's)": (MALLOC_ENVIRONMENT, []),
+    "128 KiB + THP_MEM_ALLOC_ENABLE=1": ({**MALLOC_ENVIRONMENT, "THP_MEM_ALLOC_ENABLE": "1"}, []),
+    "1 MiB": (ONE_MIB, []),
+    "4 MiB": ({"MALLOC_MMAP_THRESHOLD_": "4194304", "MALLOC_TRIM_THRESHOLD_": "131072"}, []),
 }
-PLAN = ["--batch-size", "4", "--accum", "8", "--grad-checkpoint", "--optim", "adafactor", "--group-by-length"]
+# --plan tokens512: the plan --memory-budget picks there since token micro-batches, and the settings it chooses
+# between (the heap trimmed before each micro-batch where blocks stay in it).
+TOKEN_SETTINGS = {
+    "128 KiB (--memory-budget's last step)": (MALLOC_ENVIRONMENT, []),
+    "glibc default + --trim-heap": ({}, ["--trim-heap"]),
+    "1 MiB": (ONE_MIB, []),
+    "1 MiB + --trim-heap (--memory-budget's first step)": (ONE_MIB, ["--trim-heap"]),
+    "512 KiB + --trim-heap": ({"MALLOC_MMAP_THRESHOLD_": "524288", "MALLOC_TRIM_THRESHOLD_": "131072"},
+                              ["--trim-heap"]),
+    "4 MiB + --trim-heap": ({"MALLOC_MMAP_THRESHOLD_": "4194304", "MALLOC_TRIM_THRESHOLD_": "131072"},
+                            ["--trim-heap"]),
+}
+PLANS = {
+    "4x8": ["--batch-size", "4", "--accum", "8", "--grad-checkpoint", "--optim", "adafactor", "--group-by-length"],
+    "tokens512": ["--batch-size", "32", "--micro-batch-tokens", "512", "--grad-checkpoint", "--optim", "adafactor",
+                  "--group-by-length"],
+}
 
 
-def run(prepared: dict, environment: dict, output_dir: Path) -> dict:
+def run(prepared: dict, environment: dict, output_dir: Path, plan: list[str]) -> dict:
     command = [sys.executable, str(ROOT / "scripts" / "finetune.py"), "--model", prepared["model_dir"], "--data",
-               prepared["data"], "--output-dir", str(output_dir), "--max-length", str(MAX_LENGTH), *PLAN,
+               prepared["data"], "--output-dir", str(output_dir), "--max-length", str(MAX_LENGTH), *plan,
                "--lr", "5e-5", "--weight-decay", "0", "--warmup-ratio", "0", "--eval-split", "0",
                "--no-progress-bar", "--log-every", "1000", "--no-track-memory"]
     clean = {key: value for key, value in os.environ.items() if not key.startswith("MALLOC_")}
@@ -57,16 +74,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--avx2", action="store_true", help="as an AVX2 CPU (ONEDNN_MAX_CPU_ISA=AVX2 ...)")
+    parser.add_argument("--plan", choices=sorted(PLANS), default="4x8",
+                        help="4x8: the fixed plan of docs/memory.md's first table; tokens512: 32 x 1 in <= 512-token "
+                             "micro-batches, with the settings --memory-budget chooses between")
     arguments = parser.parse_args()
     cpu_environment = AVX2_ENVIRONMENT if arguments.avx2 else {}
     with tempfile.TemporaryDirectory() as directory:
         prepared = prepare(Path(directory), arguments.samples, 0)
         print(f"machine: {worker_cpu(cpu_environment)}; load average at start {os.getloadavg()}")
-        print("| malloc thresholds | training s | vs default | peak RSS above start MiB | minor page faults |")
+        print("| malloc thresholds | training s | vs the first row | peak RSS above start MiB | minor page faults |")
         print("|---|---|---|---|---|")
         default = None
-        for index, (name, environment) in enumerate(SETTINGS.items()):
-            result = run(prepared, {**cpu_environment, **environment}, Path(directory) / f"run{index}")
+        settings = TOKEN_SETTINGS if arguments.plan == "tokens512" else SETTINGS
+        for index, (name, (environment, flags)) in enumerate(settings.items()):
+            result = run(prepared, {**cpu_environment, **environment}, Path(directory) / f"run{index}",
+                         PLANS[arguments.plan] + flags)
             default = default or result["train_seconds"]
             print(f"| {name} | {result['train_seconds']:.1f} | {result['train_seconds'] / default:.2f}x | "
                   f"{result['rss_above_start'] / MIB:.1f} | {result['minor_faults'] / 1e6:.2f} M |", flush=True)

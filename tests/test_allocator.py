@@ -94,9 +94,10 @@ def test_the_allocators_state_is_described_for_the_probe_cache(monkeypatch):
     assert allocator.lean_environment() == {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 
 
-def test_fix_thresholds_says_what_it_did_only_when_it_changed_something(monkeypatch):
-    """The planner's `make_lean`: a sentence when the thresholds were fixed now, None when nothing changed (then
-    the planner does not measure its first probe again)."""
+def test_fix_thresholds_goes_one_step_leaner_a_call_and_says_what_it_did_only_when_it_changed_something(monkeypatch):
+    """The planner's `make_lean`: each call one step leaner, 1 MiB (large blocks mmapped, the heap trimmed by the
+    run) then 128 KiB; a sentence when the thresholds changed now, None when nothing changed (then the planner does
+    not measure its first probe again)."""
     calls = []
 
     class Libc:
@@ -112,9 +113,17 @@ def test_fix_thresholds_says_what_it_did_only_when_it_changed_something(monkeypa
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(allocator, "_applied", None)
     monkeypatch.setattr(allocator, "_glibc", lambda: Libc())
+    assert allocator.fix_thresholds().startswith("glibc malloc's mmap threshold fixed at 1024 KiB and its trim "
+                                                 "threshold at 128 KiB")
+    assert calls == [(-3, 1048576), (-1, 131072), ("trim", 0)]  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, malloc_trim
+    assert allocator.fixed_threshold() == 1048576
+    assert allocator.keeps_freed()  # blocks under 1 MiB stay in the heap: the run trims it
+    assert allocator.lean_environment(1048576) == {"MALLOC_MMAP_THRESHOLD_": "1048576",
+                                                   "MALLOC_TRIM_THRESHOLD_": "131072"}
     assert allocator.fix_thresholds().startswith("glibc malloc's mmap and trim thresholds fixed at 128 KiB")
-    assert calls == [(-3, 131072), (-1, 131072), ("trim", 0)]  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, malloc_trim
-    assert allocator.fix_thresholds() is None and len(calls) == 3  # fixed already: nothing changes
+    assert calls[3:] == [(-3, 131072), (-1, 131072), ("trim", 0)]
+    assert allocator.fixed_threshold() == 131072 and not allocator.keeps_freed()
+    assert allocator.fix_thresholds() is None and len(calls) == 6  # as lean as it goes: nothing changes
     monkeypatch.setattr(allocator, "_applied", None)
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    assert allocator.fix_thresholds() is None and len(calls) == 3  # the user's threshold stands
+    assert allocator.fix_thresholds() is None and len(calls) == 6  # the user's threshold stands

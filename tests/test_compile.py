@@ -127,6 +127,7 @@ def assert_equal_to_eager(make_model, batches, tolerance, lora: int = 0, **field
     return compiled
 
 
+@pytest.mark.slow  # over 4 s: make test stays under 5 minutes on 2 cores; .ci/run runs it
 def test_compiled_updates_equal_eager_ones_and_six_widths_compile_at_most_twice(counting_backend):
     torch._dynamo.reset()  # counts this test's compilations only
     assert_equal_to_eager(one_layer_bert, BERT_BATCHES, 1e-5, accum_steps=2)

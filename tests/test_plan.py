@@ -109,6 +109,7 @@ def test_the_winner_measured_by_the_tracker_stays_within_the_budget(dataset):
     assert abs(summary["peak_memory_bytes"] - estimated) <= 0.1 * estimated
 
 
+@pytest.mark.slow  # over 4 s: make test stays under 5 minutes on 2 cores; .ci/run runs it
 def test_one_very_long_sample_is_planned_for(dataset, tmp_path):
     train_set, collator = dataset
     model = make_tiny_bert(num_labels=2)
@@ -139,6 +140,7 @@ def test_when_nothing_fits_the_error_says_what_would(dataset):
         plan(model, train_set, collator, memory_budget=150_000, effective_batch=EFFECTIVE_BATCH, probe=False)
 
 
+@pytest.mark.slow  # over 4 s: make test stays under 5 minutes on 2 cores; .ci/run runs it
 def test_what_would_fit_is_priced_with_the_step_fused_into_backward(dataset):
     """A suggestion is priced as the search would try it: at micro-batch 1, and where that does not fit, with the step
     fused into backward at the whole batch (no gradients held). On an H200, bert-large at 4 GiB was told that nothing
@@ -264,9 +266,12 @@ def test_a_resumed_planned_run_keeps_its_saved_plan_and_the_allocator_it_was_pla
     first = json.loads((tmp_path / "run_config.json").read_text())
     assert first["plan"]["malloc"] is None  # a budget of tensors: the allocator is never asked
     first["plan"]["malloc"] = "fixed (as a console script's plan would say)"
+    first["plan"]["malloc_threshold_bytes"] = allocator.MODERATE_THRESHOLD_BYTES  # the planner's middle step
     (tmp_path / "run_config.json").write_text(json.dumps(first))
     capsys.readouterr()
-    monkeypatch.setattr(allocator, "keep_rss_lean", lambda: "thresholds fixed again (stand-in)")
+    applied = []
+    monkeypatch.setattr(allocator, "keep_rss_lean",
+                        lambda threshold: applied.append(threshold) or "thresholds fixed again (stand-in)")
     assert finetune.main([*argv, "--resume", "auto"], owns_process=owns_process) == 0
     out = capsys.readouterr().out
     assert "--memory-budget: resuming with the run's saved plan: " in out and "plan for a budget" not in out
@@ -276,8 +281,9 @@ def test_a_resumed_planned_run_keeps_its_saved_plan_and_the_allocator_it_was_pla
     assert json.loads((tmp_path / "run_config.json").read_text())["plan"] == first["plan"] == summary["plan"]
     said = ("--memory-budget: thresholds fixed again (stand-in)" if owns_process else
             "--memory-budget: the plan was made with glibc's malloc thresholds fixed, and this process keeps its "
-            "allocator: run scripts/finetune.py, or set MALLOC_MMAP_THRESHOLD_=131072 MALLOC_TRIM_THRESHOLD_=131072")
+            "allocator: run scripts/finetune.py, or set MALLOC_MMAP_THRESHOLD_=1048576 MALLOC_TRIM_THRESHOLD_=131072")
     assert said in out
+    assert applied == ([allocator.MODERATE_THRESHOLD_BYTES] if owns_process else [])
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -636,6 +642,45 @@ def test_the_allocator_is_made_lean_only_when_the_first_probe_does_not_fit_with_
                          r"own thresholds: thresholds fixed \(a stand-in\); measuring it again", said[0]), said
         assert any(note.startswith("the first probe did not fit under the C allocator's own thresholds")
                    for note in result.notes)
+
+
+@pytest.mark.parametrize("middle_fits", [True, False])
+def test_the_allocator_is_made_only_as_lean_as_the_first_probe_needs(dataset, monkeypatch, tmp_path, middle_fits):
+    """`make_lean` goes one step leaner a call (`allocator.fix_thresholds`: 1 MiB with the heap trimmed, which trains
+    nearly as fast as glibc's own thresholds, then 128 KiB): the planner stops asking once the first probe fits, and
+    the run trims the heap where the step leaves blocks in it."""
+    from looptrain.memory import allocator
+    from looptrain.planning import rss_baseline_bytes
+
+    train_set, collator = dataset
+    monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    held = {"bytes": 600 * 2**20, "lean": False}
+    monkeypatch.setattr(probes, "probe", rss_probe(held))
+    monkeypatch.setattr(allocator, "keeps_freed", lambda: not held["lean"])
+    steps = [(150 if middle_fits else 280, False, "1 MiB (a stand-in)"), (100, True, "128 KiB (a stand-in)")]
+    asked = []
+
+    def make_lean():
+        asked.append(held["bytes"] // 2**20)
+        if len(asked) > len(steps):
+            return None
+        megabytes, lean, said = steps[len(asked) - 1]
+        held.update(bytes=megabytes * 2**20, lean=lean)
+        return said
+
+    lines = []
+    result = plan(make_tiny_bert(num_labels=2), train_set, collator, memory_budget=300 * 2**20,
+                  effective_batch=EFFECTIVE_BATCH, rss_baseline=rss_baseline_bytes(), probe_budget=0.0,
+                  make_lean=make_lean, echo=lines.append)
+    assert asked == ([600] if middle_fits else [600, 280])
+    assert result.malloc == ("1 MiB (a stand-in)" if middle_fits else "128 KiB (a stand-in)")
+    assert [c.settings.trim_heap for c in result.candidates] == [middle_fits] * len(result.candidates)
+    said = [line for line in lines if "measuring it again" in line]
+    assert len(said) == len(asked)
+    assert "under the C allocator's own thresholds: 1 MiB (a stand-in)" in said[0]
+    if not middle_fits:
+        assert "measured 0.29 GiB, over the budget with the run's growth, under the C allocator's thresholds so far: " \
+            "128 KiB (a stand-in); measuring it again" in said[1], said
 
 
 def test_a_first_probe_stopped_at_its_ceiling_makes_the_allocator_lean_and_is_measured_again(dataset, monkeypatch,

@@ -10,7 +10,9 @@ Hugging Face Trainer, run with them fixed, kept. `keep_rss_lean` fixes them in t
 
 The price is time: every freed block above the threshold goes back to the OS and the next one is faulted in anew
 (a third more training time, measured in docs/memory.md), so the planner asks for it only where the process's
-first probe, under glibc's own thresholds, does not fit the budget (`plan(make_lean=...)`).
+first probe, under glibc's own thresholds, does not fit the budget (`plan(make_lean=...)`), and then one step at a
+time (`fix_thresholds`, `LEAN_STEPS`): 1 MiB first, where only a step's large blocks are mmapped and the run trims
+the heap (a fifth of the time instead of a third), and 128 KiB only where that does not fit either.
 
 Between the two, `release_freed` (the Loop's ``trim_heap`` lever: ``malloc_trim`` before every micro-batch) keeps
 glibc's thresholds and gives the heap's freed pages back between micro-batches: RSS then holds what one micro-batch
@@ -28,6 +30,12 @@ import platform
 import sys
 
 LEAN_THRESHOLD_BYTES = 128 * 1024  # glibc's own starting mmap threshold, kept fixed instead of raised
+# Between glibc's dynamic thresholds and the lean 128 KiB: blocks of 1 MiB or more mmapped (a training step's large
+# activations), smaller ones served from the heap, which the run trims before each micro-batch. On worked example 2's
+# plan (docs/memory.md) 27.6 s and 646 MiB, against 34.2 s and 598 MiB at 128 KiB and 26.1 s and 671 MiB with
+# glibc's own thresholds and the heap trimmed.
+MODERATE_THRESHOLD_BYTES = 1024 * 1024
+LEAN_STEPS = (MODERATE_THRESHOLD_BYTES, LEAN_THRESHOLD_BYTES)  # `fix_thresholds`'s steps, the fastest first
 USER_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 USER_TUNABLES = ("glibc.malloc.mmap_threshold", "glibc.malloc.trim_threshold")
 _M_TRIM_THRESHOLD = -1  # <malloc.h>
@@ -57,8 +65,19 @@ def user_malloc_settings(environment: dict | None = None) -> list[str]:
 
 
 def lean_environment(threshold: int = LEAN_THRESHOLD_BYTES) -> dict[str, str]:
-    """The environment variables that give a new process the thresholds `keep_rss_lean` fixes."""
-    return {name: str(threshold) for name in USER_VARIABLES}
+    """The environment variables that give a new process the thresholds `keep_rss_lean(threshold)` fixes."""
+    mmap, trim = _thresholds(threshold)
+    return {"MALLOC_MMAP_THRESHOLD_": str(mmap), "MALLOC_TRIM_THRESHOLD_": str(trim)}
+
+
+def _thresholds(threshold: int) -> tuple[int, int]:
+    """The (mmap, trim) thresholds of a fixed `threshold`: the heap's free top is returned above 128 KiB at most."""
+    return threshold, min(threshold, LEAN_THRESHOLD_BYTES)
+
+
+def fixed_threshold() -> int | None:
+    """The mmap threshold looptrain fixed in this process (`keep_rss_lean`, `fix_thresholds`), or None."""
+    return _applied
 
 
 def is_lean() -> bool:
@@ -87,7 +106,6 @@ def keep_rss_lean(threshold: int = LEAN_THRESHOLD_BYTES) -> str:
     the allocator as it is where the user set a threshold (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``
     or ``GLIBC_TUNABLES``) and where the C library is not glibc; calling it again changes nothing.
     """
-    global _applied
     if threshold < 1:
         raise ValueError(f"the malloc threshold must be positive, got {threshold}")
     if _applied is not None:
@@ -98,12 +116,23 @@ def keep_rss_lean(threshold: int = LEAN_THRESHOLD_BYTES) -> str:
     libc = _glibc()
     if libc is None:
         return "the C library is not glibc: its allocator is left as it is, and RSS may keep freed memory"
-    if not (libc.mallopt(_M_MMAP_THRESHOLD, threshold) and libc.mallopt(_M_TRIM_THRESHOLD, threshold)):
+    return _fix(libc, threshold)
+
+
+def _fix(libc: ctypes.CDLL, threshold: int) -> str:
+    """Fixes the thresholds of `threshold` (`_thresholds`), returns what the heap holds free, and says so."""
+    global _applied
+    mmap, trim = _thresholds(threshold)
+    if not (libc.mallopt(_M_MMAP_THRESHOLD, mmap) and libc.mallopt(_M_TRIM_THRESHOLD, trim)):
         return "glibc refused the malloc thresholds (mallopt): the allocator is left as it is"
     libc.malloc_trim(0)
     _applied = threshold
-    return (f"glibc malloc's mmap and trim thresholds fixed at {threshold // 1024} KiB, so that RSS follows the "
-            "live tensors (slower: freed blocks go back to the OS; MALLOC_MMAP_THRESHOLD_ set by you is kept)")
+    if mmap == trim:
+        return (f"glibc malloc's mmap and trim thresholds fixed at {mmap // 1024} KiB, so that RSS follows the "
+                "live tensors (slower: freed blocks go back to the OS; MALLOC_MMAP_THRESHOLD_ set by you is kept)")
+    return (f"glibc malloc's mmap threshold fixed at {mmap // 1024} KiB and its trim threshold at {trim // 1024} KiB: "
+            "large blocks go back to the OS when freed, smaller ones stay in the heap, which the run trims before "
+            "each micro-batch (MALLOC_MMAP_THRESHOLD_ set by you is kept)")
 
 
 def release_freed() -> bool:
@@ -117,15 +146,23 @@ def release_freed() -> bool:
 
 
 def keeps_freed() -> bool:
-    """Whether freed heap blocks stay resident across a run here: glibc with its own dynamic thresholds (neither
-    fixed by `keep_rss_lean` nor set by the user). A short probe then measures a fresh heap, and a long run holds
-    more than it, unless the heap is trimmed before each micro-batch (`release_freed`, the Loop's ``trim_heap``)."""
-    return not is_lean() and not user_malloc_settings() and _glibc() is not None
+    """Whether freed heap blocks stay resident across a run here: glibc with its own dynamic thresholds, or with an
+    mmap threshold looptrain fixed above 128 KiB (`MODERATE_THRESHOLD_BYTES`), and none the user set. A short probe
+    then measures a fresh heap, and a long run holds more than it, unless the heap is trimmed before each
+    micro-batch (`release_freed`, the Loop's ``trim_heap``)."""
+    return ((_applied is None or _applied > LEAN_THRESHOLD_BYTES) and not user_malloc_settings()
+            and _glibc() is not None)
 
 
 def fix_thresholds() -> str | None:
-    """`keep_rss_lean` as the planner's `make_lean` (`plan(make_lean=fix_thresholds)`): what it did, or None when it
-    changed nothing (fixed earlier, thresholds the user set, not glibc)."""
-    before = is_lean()
-    said = keep_rss_lean()
-    return said if is_lean() and not before else None
+    """The planner's `make_lean` (`plan(make_lean=fix_thresholds)`): one step leaner each call along `LEAN_STEPS`
+    (glibc's own thresholds, then 1 MiB with the heap trimmed, then 128 KiB), and what it did; None when it changed
+    nothing (128 KiB already, thresholds the user set, not glibc)."""
+    libc = _glibc()
+    if libc is None or user_malloc_settings():
+        return None
+    leaner = next((step for step in LEAN_STEPS if _applied is None or step < _applied), None)
+    if leaner is None:
+        return None
+    said = _fix(libc, leaner)
+    return said if _applied == leaner else None

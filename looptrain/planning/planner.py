@@ -52,6 +52,7 @@ from torch import nn
 
 from looptrain.flops import count_model_flops
 from looptrain.lora import is_lora_model
+from looptrain.memory import allocator
 from looptrain.planning import estimate_cache, probes
 from looptrain.planning.errors import PlanError
 from looptrain.planning.plans import (
@@ -150,12 +151,15 @@ def plan(
             caching allocator's reserved bytes. Under a measured meter ("rss", "cuda_reserved") a candidate
             is eligible only when its probe's measured peak, with the margin, fits. Default: "rss" when
             `rss_baseline` is given, else "tensors".
-        make_lean: under `meter="rss"`: called once if the first probe, made with the C allocator as the process
-            has it, measures over the budget (with the run's growth and the margin). It may fix the allocator's
-            thresholds so that RSS follows the tensors (the command line passes `allocator.fix_thresholds`) and
-            returns what it did, or None when it changed nothing; the first probe is then measured again, and the
-            plan says so (`Plan.malloc`). glibc's own thresholds keep freed blocks resident but train about a third
-            faster (docs/memory.md), so they are left alone wherever the first probe fits with them.
+        make_lean: under `meter="rss"`: called if the first probe, made with the C allocator as the process
+            has it, measures over the budget (with the run's growth and the margin). It may make the allocator's
+            thresholds one step leaner, so that RSS follows the tensors more closely (the command line passes
+            `allocator.fix_thresholds`: 1 MiB, then 128 KiB), and returns what it did, or None when it changed
+            nothing; the first probe is then measured again, and asked again while it does not fit (at most
+            `len(allocator.LEAN_STEPS)` times). The plan says what was done (`Plan.malloc`,
+            `Plan.malloc_threshold_bytes`). glibc's own thresholds keep freed blocks resident but train about a
+            third faster than 128 KiB, and 1 MiB nearly as fast as them (docs/memory.md), so the allocator is left
+            as lean as the first probe needs and no leaner.
         token_micro_batches: train every candidate but your own flags (a `baseline` given and fitting: it trains as
             given; the safe default is the planner's own and is cut too) as `by_tokens` realises it: its window as one
             batch, cut into micro-batches of at most (its micro-batch x the worst width) padded tokens
@@ -238,14 +242,21 @@ def plan(
                     probed = probes.measure_probe(model, probes.as_run(first, measured), batch, device, max_grad_norm,
                                                   measured, ceiling)
                 first_charged = probed["probe_seconds"]  # as measured, or as recorded when read from the cache
-                if leans and not probe_fits(probed, search, first):
-                    malloc = make_lean()
-                    if malloc is not None:
-                        echo(f"  {first.batch_size} x {first.accum_steps} measured "
-                             f"{format_bytes(probed['measured_peak_bytes'])}, over the budget with the run's growth, "
-                             f"under the C allocator's own thresholds: {malloc}; measuring it again")
-                        probed = probes.probe(model, first, batch, device, max_grad_norm, measured, ceiling)
-                        first_charged += probed["probe_seconds"]
+                # One step leaner at a time (`allocator.LEAN_STEPS`: a middle threshold first, which trains nearly as
+                # fast as glibc's own), until the first probe fits or the allocator has nothing leaner.
+                for _ in allocator.LEAN_STEPS if leans else ():
+                    if probe_fits(probed, search, first):
+                        break
+                    said = make_lean()
+                    if said is None:
+                        break
+                    echo(f"  {first.batch_size} x {first.accum_steps} measured "
+                         f"{format_bytes(probed['measured_peak_bytes'])}, over the budget with the run's growth, "
+                         f"under the C allocator's {'own thresholds' if malloc is None else 'thresholds so far'}: "
+                         f"{said}; measuring it again")
+                    malloc = said
+                    probed = probes.probe(model, first, batch, device, max_grad_norm, measured, ceiling)
+                    first_charged += probed["probe_seconds"]
                 first_seconds = time.perf_counter() - started
                 reference = costed(search, first, dataset, collator, lengths, device_type, seed,
                                     as_given=first == baseline)
@@ -285,6 +296,7 @@ def plan(
         result.cached_estimates = search.cached
         result.growth_bytes = search.growth
         result.malloc = malloc
+        result.malloc_threshold_bytes = allocator.fixed_threshold() if malloc is not None else None
         if malloc is not None:
             result.notes.append(f"the first probe did not fit under the C allocator's own thresholds, which keep "
                                 f"freed blocks resident: {malloc}")

@@ -111,6 +111,7 @@ class Plan:
     extrapolated: list = field(default_factory=list)  # fused candidates ruled out without an estimate
     growth_bytes: int = 0  # under a measured meter: kept free above each probe's peak for the run's growth
     malloc: str | None = None  # what `plan(make_lean=...)` did to the C allocator before the search; None: nothing
+    malloc_threshold_bytes: int | None = None  # the mmap threshold it left fixed (`allocator.fixed_threshold`)
     # Planning's time as its budget counts it: each estimate and probe at what it cost when computed, a cached one at
     # its recorded cost, so that a rerun reading them from the cache takes the same decisions in less time.
     charged_seconds: float = 0.0
@@ -173,6 +174,7 @@ class Plan:
             "estimated_peak_bytes": self.winner.estimated_peak_bytes,
             "estimates": self.estimates, "cached_estimates": self.cached_estimates, "predictions": self.predictions,
             "growth_bytes": self.growth_bytes, "malloc": self.malloc,
+            "malloc_threshold_bytes": self.malloc_threshold_bytes,
             "planning_seconds": round(self.planning_seconds, 3),
             "estimate_seconds": round(self.estimate_seconds, 3),
             "probe_seconds": round(self.probe_seconds, 3), "probe_budget_seconds": self.probe_budget_seconds,

@@ -32,7 +32,7 @@ def planned_settings(args, config, model, train_set, collator, device, output_di
             args._resumed_plan = saved_plan  # written again (run_config.json, summary.json): a later resume reads it
             settings = strategy.Strategy(**previous)
             print("--memory-budget: resuming with the run's saved plan: " + " ".join(settings.flags()))
-            follow_plan_allocator(args, saved_plan.get("malloc"), print)
+            follow_plan_allocator(args, saved_plan.get("malloc"), print, saved_plan.get("malloc_threshold_bytes"))
             return settings, None
     given = {token.split("=")[0] for token in (args._argv or [])}
     # Every lever whose flag was given is kept as given; --precision auto and --optim auto are the planner's to choose.
@@ -54,7 +54,7 @@ def planned_settings(args, config, model, train_set, collator, device, output_di
         rss_baseline=args._rss_at_start, meter=meter, make_lean=lean_allocator(args),
         token_micro_batches=place.world_size == 1, echo=print))  # ranks must run the same micro-batches
     if not place.is_main:
-        follow_plan_allocator(args, result.malloc, print)
+        follow_plan_allocator(args, result.malloc, print, result.malloc_threshold_bytes)
     print(result.table())
     print("winner: " + " ".join(result.winner.settings.flags()))
     return result.winner.settings, result
@@ -106,18 +106,19 @@ def budget_meter(args, device, print) -> str:
     return "rss"
 
 
-def follow_plan_allocator(args, malloc: str | None, print) -> None:
-    """A plan made with glibc's thresholds fixed (`Plan.malloc`) holds its budget only with them: a process that
-    trains it without planning (a resumed run, the other ranks under torchrun) fixes them too where it owns the
-    process, and says how to otherwise."""
+def follow_plan_allocator(args, malloc: str | None, print, threshold: int | None = None) -> None:
+    """A plan made with glibc's thresholds fixed (`Plan.malloc`, at `Plan.malloc_threshold_bytes`; a plan saved
+    before that field: 128 KiB) holds its budget only with them: a process that trains it without planning (a resumed
+    run, the other ranks under torchrun) fixes them too where it owns the process, and says how to otherwise."""
     from looptrain.memory import allocator
 
     if not malloc:
         return
-    print("--memory-budget: " + (allocator.keep_rss_lean() if args._owns_process else
+    threshold = threshold or allocator.LEAN_THRESHOLD_BYTES
+    print("--memory-budget: " + (allocator.keep_rss_lean(threshold) if args._owns_process else
           "the plan was made with glibc's malloc thresholds fixed, and this process keeps its allocator: run "
           "scripts/finetune.py, or set " + " ".join(f"{name}={value}"
-                                                     for name, value in allocator.lean_environment().items())))
+                                                     for name, value in allocator.lean_environment(threshold).items())))
 
 
 def lean_allocator(args):
@@ -146,11 +147,11 @@ def without_planner(args, base, device):
 
 def plan_only_output(args, result, print) -> dict:
     """--plan-only: the plan (a table, or JSON) and the command line that trains with the winner."""
-    from looptrain.memory.allocator import lean_environment
+    from looptrain.memory.allocator import LEAN_THRESHOLD_BYTES, lean_environment
 
     command = ["python", "scripts/finetune.py", *without_plan_flags(args._argv), *result.winner.settings.flags()]
     # Planned with glibc's thresholds fixed: the run keeps the budget only with them, so the command sets them.
-    environment = lean_environment() if result.malloc else {}
+    environment = lean_environment(result.malloc_threshold_bytes or LEAN_THRESHOLD_BYTES) if result.malloc else {}
     if args.json:
         builtins.print(json.dumps({**result.to_dict(), "command": command, "environment": environment}, indent=2))
     else:
