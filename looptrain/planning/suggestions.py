@@ -51,7 +51,7 @@ def nothing_fits_message(search: Search, effective_batch: int, base: Strategy, l
     search.prefetch_all(plain)
     if fusable:
         search.prefetch_all([fused_split(settings, effective_batch) for settings in plain
-                             if search.key(settings) in search.cache and not search.within(search.peak(settings))
+                             if search.key(settings) in search.cache and may_fit_fused(search, settings)
                              and valid_settings(fused_split(settings, effective_batch))])
     peak, fused = lightest_peak(search, lightest, effective_batch, fusable)
     meter = "of CUDA reserved memory" if device_type == "cuda" else "of the process's RSS"
@@ -88,7 +88,7 @@ def lightest_peak(search: Search, settings: Strategy, effective_batch: int, fusa
     gradients but every row's activations: (peak, whether the fused step's). An invalid fused mix (a clipping mode
     the fused step refuses) or one whose estimate cannot run here is left out."""
     peak = search.peak(settings, seq_len, model)
-    if search.within(peak) or not fusable:
+    if not fusable or not may_fit_fused(search, settings, seq_len, model):
         return peak, False
     fused = fused_split(settings, effective_batch)
     if not valid_settings(fused):
@@ -98,6 +98,15 @@ def lightest_peak(search: Search, settings: Strategy, effective_batch: int, fusa
     except (ValueError, TypeError):
         return peak, False
     return (fused_peak, True) if fused_peak < peak else (peak, False)
+
+
+def may_fit_fused(search: Search, settings: Strategy, seq_len: int | None = None, model: str | None = None) -> bool:
+    """Whether the step fused into backward might fit where `settings` (estimated) do not: they do not fit, and the
+    weights and optimizer state of their estimate, which the fused step holds too, do."""
+    if search.within(search.peak(settings, seq_len, model)):
+        return False
+    breakdown = search.results.get(search.key(settings, seq_len, model), {}).get("memory_breakdown", {})
+    return search.within(breakdown.get("params", 0) + breakdown.get("optimizer_state", 0))
 
 
 def fused_split(settings: Strategy, effective_batch: int) -> Strategy:
