@@ -213,6 +213,7 @@ def test_a_bad_input_exits_2_with_a_message_that_names_the_fix(files, tmp_path, 
         assert snapshot(files[run]) == files_before, run
 
 
+@pytest.mark.slow  # over 4 s: make test stays under 5 minutes on 2 cores; .ci/run runs it
 def test_a_full_disk_at_a_checkpoint_names_the_space_needed_and_leaves_no_partial_checkpoint(files, tmp_path):
     """A real write failure, in a child process: a file-size limit (RLIMIT_FSIZE) makes torch.save fail exactly as
     a full disk does ("[enforce fail at inline_container.cc] unexpected pos"), once the weights are written."""
