@@ -81,15 +81,16 @@ def test_the_allocators_state_is_described_for_the_probe_cache(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(allocator, "_applied", None)
     monkeypatch.setattr(allocator, "_glibc", lambda: object())
-    assert allocator.describe() == "glibc: dynamic thresholds" and not allocator.is_lean()
-    assert allocator.keeps_freed()  # only here does a run hold more than a probe of a fresh heap measured
+    assert allocator.describe() == "glibc: dynamic thresholds" and allocator.fixed_threshold() is None
+    assert allocator.keeps_freed()  # here (and at 1 MiB) a run holds more than a probe of a fresh heap measured
     monkeypatch.setattr(allocator, "_glibc", lambda: None)
     assert allocator.describe() == "not glibc" and not allocator.keeps_freed()
     monkeypatch.setattr(allocator, "_glibc", lambda: object())
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
     assert allocator.describe() == "as set: MALLOC_TRIM_THRESHOLD_=131072" and not allocator.keeps_freed()
     monkeypatch.setattr(allocator, "_applied", 131072)
-    assert allocator.describe() == "glibc: thresholds fixed at 131072 bytes by looptrain" and allocator.is_lean()
+    assert allocator.describe() == "glibc: thresholds fixed at 131072 bytes by looptrain" \
+        and allocator.fixed_threshold() == 131072
     assert not allocator.keeps_freed()
     assert allocator.lean_environment() == {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 

@@ -80,11 +80,6 @@ def fixed_threshold() -> int | None:
     return _applied
 
 
-def is_lean() -> bool:
-    """Whether `keep_rss_lean` fixed the thresholds in this process."""
-    return _applied is not None
-
-
 def describe() -> str:
     """The allocator's state in a line (it decides what a probe's RSS measures, so probe caches key on it)."""
     if _applied is not None:
@@ -120,7 +115,8 @@ def keep_rss_lean(threshold: int = LEAN_THRESHOLD_BYTES) -> str:
 
 
 def _fix(libc: ctypes.CDLL, threshold: int) -> str:
-    """Fixes the thresholds of `threshold` (`_thresholds`), returns what the heap holds free, and says so."""
+    """Fixes the thresholds of `threshold` (`_thresholds`), gives the heap's free pages back to the OS, and says
+    what it did."""
     global _applied
     mmap, trim = _thresholds(threshold)
     if not (libc.mallopt(_M_MMAP_THRESHOLD, mmap) and libc.mallopt(_M_TRIM_THRESHOLD, trim)):

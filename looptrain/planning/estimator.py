@@ -332,7 +332,8 @@ def _with_cublas_workspaces(result: dict[str, Any]) -> dict[str, Any]:
     peak, its phases' peaks and its activations and temporaries: the caching allocator counts them, and they exist
     from a run's first update on. Added after the cache, which holds the tensors alone (the size depends on this
     machine's GPU and environment)."""
-    workspaces = CUBLAS_HANDLES * cublas_workspace_bytes()
+    each = cublas_workspace_bytes()
+    workspaces = CUBLAS_HANDLES * each
     breakdown = dict(result["memory_breakdown"])
     breakdown["activations_and_temps"] = breakdown.get("activations_and_temps", 0) + workspaces
     phases = {phase: peak + workspaces for phase, peak in (result["phase_peak_bytes"] or {}).items()}
@@ -340,7 +341,7 @@ def _with_cublas_workspaces(result: dict[str, Any]) -> dict[str, Any]:
             "phase_peak_bytes": phases,
             "cublas_workspace_bytes": workspaces,
             "notes": [*result.get("notes", []), f"includes cuBLAS's workspaces: {CUBLAS_HANDLES} x "
-                      f"{cublas_workspace_bytes() / 2**20:g} MiB (the forward's thread and autograd's)"]}
+                      f"{each / 2**20:g} MiB (the forward's thread and autograd's)"]}
 
 
 # torch.nn.functional's ops that CUDA's autocast runs in fp32 and the CPU's runs in the input's dtype (the op lists of

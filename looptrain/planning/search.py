@@ -201,10 +201,14 @@ class Search:
 
     def prefetch_all(self, settings_list: Sequence[Strategy]) -> None:
         """`prefetch` of all of `settings_list` not memoised yet, a round (one per worker) at a time."""
-        wanted = list({self._request(s, None, None)[-1]: s for s in settings_list
-                       if self._request(s, None, None)[-1] not in self.cache}.values())
-        for start in range(0, len(wanted), max(1, len(self.workers))):
-            self.prefetch(wanted[start:start + len(self.workers)])
+        wanted: dict[tuple, Strategy] = {}
+        for settings in settings_list:
+            key = self.key(settings)
+            if key not in self.cache:
+                wanted.setdefault(key, settings)
+        pending = list(wanted.values())
+        for start in range(0, len(pending), max(1, len(self.workers))):
+            self.prefetch(pending[start:start + len(self.workers)])
 
     def _request(self, settings: Strategy, seq_len: int | None, model: str | None) -> tuple:
         seq_len = seq_len or self.width
