@@ -176,7 +176,7 @@ def run_worker(spec: dict) -> dict:
                             env=environment, cwd=ROOT, timeout=7200)
     if result.returncode != 0:
         raise RuntimeError(f"worker {spec['framework']} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    sys.stderr.write(result.stdout[-6000:])
+    sys.stderr.write(result.stdout[-60000:])
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 

@@ -489,7 +489,7 @@ def test_bf16_weights_are_a_numerics_lever_and_probes_leave_the_fp32_weights_alo
 # ------------------------------------------------------------------------------------------ never loses
 def fake_probe(speeds: dict):
     """A `probes.probe` stand-in: the micro-step seconds per token of each micro-batch size, no optimizer time."""
-    def probe(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None):
+    def probe(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None, step_bytes=0):
         tokens = int(batch["input_ids"].numel())
         return {"micro_step_seconds": speeds[settings.batch_size] * tokens, "optimizer_step_seconds": 0.0,
                 "probe_seconds": 0.01, "tokens": tokens, "batch_shape": list(batch["input_ids"].shape)}
@@ -601,7 +601,7 @@ def test_a_planned_run_keeps_its_budget_of_process_rss_with_evaluation_and_check
 def rss_probe(held: dict):
     """A `probes.probe` stand-in under the RSS meter: one unit of time per token, and a measured peak of `held["bytes"]`
     (what the process holds, its allocator's holes included) plus 1 MiB per row."""
-    def probe(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None):
+    def probe(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None, step_bytes=0):
         rows, width = batch["input_ids"].shape
         return {"micro_step_seconds": 1e-3 * rows * width, "optimizer_step_seconds": 0.0, "probe_seconds": 0.01,
                 "tokens": rows * width, "batch_shape": [rows, width],
@@ -703,7 +703,7 @@ def test_a_first_probe_stopped_at_its_ceiling_makes_the_allocator_lean_and_is_me
     held, budget = {"bytes": 600 * 2**20, "lean": False}, 300 * 2**20
     measure, calls = rss_probe(held), []
 
-    def probe(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None):
+    def probe(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None, step_bytes=0):
         result = measure(model, settings, batch, device, max_grad_norm, meter)
         calls.append((ceiling, result["measured_peak_bytes"] > ceiling))
         if result["measured_peak_bytes"] <= ceiling:
@@ -739,7 +739,7 @@ def test_a_rerun_measures_again_the_cached_first_probe_that_makes_the_allocator_
     measure = rss_probe(held)
     monkeypatch.setattr(probes, "probe", lambda *args, **kwargs: {**measure(*args, **kwargs), "from_cache": True})
     measured = []
-    monkeypatch.setattr(probes, "measure_probe", lambda model, settings, *rest: measured.append(
+    monkeypatch.setattr(probes, "measure_probe", lambda model, settings, *rest, **options: measured.append(
         (settings, held["lean"])) or measure(model, settings, *rest))
     monkeypatch.setattr(allocator, "keeps_freed", lambda: not held["lean"])
 
@@ -1287,7 +1287,8 @@ def test_a_probe_of_process_rss_trims_the_heap_where_glibc_keeps_freed_blocks(mo
 
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", "off")
     measured = []
-    monkeypatch.setattr(probes, "measure_probe", lambda model, settings, *rest: measured.append(settings) or {})
+    monkeypatch.setattr(probes, "measure_probe",
+                        lambda model, settings, *rest, **options: measured.append(settings) or {})
     settings = Settings(batch_size=2, accum_steps=8)
     rss = probes.Meter("rss", probes.rss_baseline_bytes())
     for keeps, meter, trims in ((True, rss, True), (False, rss, False), (True, None, False)):
@@ -1318,6 +1319,51 @@ def test_a_probe_stops_at_its_ceiling_and_leaves_the_model_as_it_was():
     assert all(parameter.grad is None for parameter in model.parameters())
 
 
+def test_a_probe_stops_before_an_optimizer_step_that_would_cross_its_ceiling():
+    """Nothing inside an optimizer step can stop a probe: Adafactor's first step took worked example 2's process
+    110 MiB past what it held before it, and past the budget (docs/plan.md). Before the step the probe reads its meter
+    with the step's bytes (from the estimate) and stops there when they would cross the ceiling; the step never
+    runs. The same probe with room for its step runs it."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    model = make_tiny_bert(num_labels=2)
+    ids = torch.randint(5, 20, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.zeros(2, dtype=torch.long)}
+    settings, gib = Settings(batch_size=2, accum_steps=2), 2**30
+    steps = []
+    handle = register_optimizer_step_post_hook(lambda *args: steps.append(1))
+    try:
+        meter = probes.Meter("rss", probes.rss_baseline_bytes())
+        stopped = probes.measure_probe(model, settings, batch, "cpu", 1.0, meter, 8 * gib, step_bytes=16 * gib)
+        assert steps == []
+        whole = probes.measure_probe(model, settings, batch, "cpu", 1.0, meter, 8 * gib, step_bytes=2**20)
+    finally:
+        handle.remove()
+    assert stopped["stopped"] is True and stopped["before_step_bytes"] == 16 * gib
+    assert "micro_step_seconds" not in stopped and stopped["measured_peak_bytes"] == 8 * gib + 1
+    assert "stopped" not in whole and whole["micro_step_seconds"] > 0 and steps == [1]
+    assert all(parameter.grad is None for parameter in model.parameters())
+
+
+def test_the_optimizer_steps_bytes_come_from_the_estimate():
+    """`Search.step_bytes`: the estimate's optimizer phase less the weights and gradients, so at least the state the
+    first step creates: AdamW's two fp32 moments per parameter, Adafactor's factored rows and columns far less. The
+    same at every micro-batch (read from the nearest estimate), and nothing for the step fused into backward."""
+    from looptrain.planning.search import Search
+
+    model = make_tiny_bert(num_labels=2)
+    weights = sum(parameter.numel() * 4 for parameter in model.parameters())
+    search = Search(model, 32, 2**30, 0.05, 1.0, 2, lambda line: None)
+    adamw = Settings(batch_size=2, accum_steps=4)
+    adafactor = dataclasses.replace(adamw, optimizer="adafactor")
+    search.peak(adamw), search.peak(adafactor)
+    assert 2 * weights <= search.step_bytes(adamw) < 4 * weights
+    assert search.step_bytes(adafactor) < search.step_bytes(adamw) - weights
+    assert search.step_bytes(dataclasses.replace(adamw, batch_size=4, accum_steps=2)) == search.step_bytes(adamw)
+    assert search.step_bytes(dataclasses.replace(adamw, optimizer_in_backward=True)) == 0
+    assert search.step_bytes(Settings(batch_size=2, accum_steps=4, optimizer="sgd")) == 0  # not estimated
+
+
 def test_a_stopped_probe_is_read_from_the_cache_only_for_a_ceiling_no_higher(monkeypatch, tmp_path):
     """A probe stopped at its ceiling says its peak passes that ceiling, not where it ends: a plan with a lower
     ceiling reads it from the cache, one with a higher ceiling measures it again."""
@@ -1327,7 +1373,7 @@ def test_a_stopped_probe_is_read_from_the_cache_only_for_a_ceiling_no_higher(mon
     mib = 2**20
     measured = []
 
-    def measure(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None):
+    def measure(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None, step_bytes=0):
         measured.append(ceiling)
         if ceiling is None:
             return {"micro_step_seconds": 0.1, "optimizer_step_seconds": 0.0, "probe_seconds": 0.5, "tokens": 4,

@@ -209,7 +209,7 @@ def test_a_split_whose_probe_measures_over_the_budget_is_replaced_by_the_next_sm
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     probed_rows = []
 
-    def probe(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None):
+    def probe(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None, step_bytes=0):
         rows, width = batch["input_ids"].shape
         probed_rows.append(rows)
         # Per token, more rows are faster (sublinear), so the largest split that fits wins.
@@ -238,7 +238,7 @@ def test_no_probe_runs_past_what_fits_its_ceiling_stops_it(dataset, monkeypatch,
     mib, budget = 2**20, 300 * 2**20
     ceilings = []
 
-    def probe(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None):
+    def probe(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None, step_bytes=0):
         rows, width = batch["input_ids"].shape
         ceilings.append((rows, ceiling))
         peak = (100 + 12 * rows) * mib  # 16 rows: 292 MiB, past every ceiling; 8 rows: 196 MiB

@@ -233,14 +233,15 @@ def plan(
                 started = time.perf_counter()
                 # A probe that reads more than a fitting one may stops there: the process stays within its budget.
                 ceiling = probe_ceiling(memory_budget, margin, 0) if measured is not None else None
-                probed = probes.probe(model, first, batch, device, max_grad_norm, measured, ceiling)
+                step_bytes = search.step_bytes(first)  # the step itself cannot be stopped: it is checked before
+                probed = probes.probe(model, first, batch, device, max_grad_norm, measured, ceiling, step_bytes)
                 leans = meter == "rss" and make_lean is not None
                 if leans and probed.get("from_cache") and not probe_fits(probed, search, first):
                     # Measured again, though cached: besides its verdict, this probe under glibc's own thresholds
                     # leaves freed chunks in the heap, which the run reuses once the thresholds are fixed. A rerun
                     # that read it from the cache trained 10% slower (docs/plan.md).
                     probed = probes.measure_probe(model, probes.as_run(first, measured), batch, device, max_grad_norm,
-                                                  measured, ceiling)
+                                                  measured, ceiling, step_bytes)
                 first_charged = probed["probe_seconds"]  # as measured, or as recorded when read from the cache
                 # One step leaner at a time (`allocator.LEAN_STEPS`: a middle threshold first, which trains nearly as
                 # fast as glibc's own), until the first probe fits or the allocator has nothing leaner.
@@ -255,7 +256,7 @@ def plan(
                          f"under the C allocator's {'own thresholds' if malloc is None else 'thresholds so far'}: "
                          f"{said}; measuring it again")
                     malloc = said
-                    probed = probes.probe(model, first, batch, device, max_grad_norm, measured, ceiling)
+                    probed = probes.probe(model, first, batch, device, max_grad_norm, measured, ceiling, step_bytes)
                     first_charged += probed["probe_seconds"]
                 first_seconds = time.perf_counter() - started
                 reference = costed(search, first, dataset, collator, lengths, device_type, seed,
@@ -287,7 +288,8 @@ def plan(
                 lightest = lightest_split(base, effective_batch)
                 longest = max(range(len(lengths)), key=lambda index: lengths[index])
                 probed = probes.probe(model, lightest, collator([dataset[longest]]), device, max_grad_norm, measured,
-                                      memory_budget)  # stopped at the budget: what it holds besides is at least that
+                                      memory_budget, search.step_bytes(lightest))  # stopped at the budget: what it
+                # holds besides is at least that
                 search.overhead = max(0, probed["measured_peak_bytes"] - search.peak(lightest))
             raise PlanError(nothing_fits_message(search, effective_batch, base, levers, collator, lengths,
                                                   device_type, frozenset(fixed)))

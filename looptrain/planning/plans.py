@@ -88,6 +88,9 @@ class Candidate:
     # to `settings` once the probes, which measure the split, are done. Its padded tokens are `padded_tokens`.
     trained: Strategy | None = None
     predicted: bool = False  # `estimated_peak_bytes` predicted from two estimates of its settings (`Search.predict`)
+    # What its optimizer step allocates beyond what is alive before it (`Search.step_bytes`): a probe with a ceiling
+    # stops before a step that would take it past, as nothing inside the step can stop it.
+    step_bytes: int = 0
 
 
 @dataclass

@@ -77,20 +77,34 @@ class ProbeStopped(Exception):
 class _Ceiling:
     """Stops a probe once its meter reads above `limit`: checked (at most every `CEILING_CHECK_SECONDS`) before and
     after every module's forward (a checkpointed block's recompute included), as each parameter's gradient is
-    accumulated, and before each optimizer step. Left to finish, a probe that does not fit can take the process past
-    the budget itself, where a container's limit or the OOM killer would end the run while it plans."""
+    accumulated, and before each optimizer step, where the meter must leave room for `step_bytes` (what the step
+    allocates, from the estimate: nothing inside the step can stop it). Left to finish, a probe that does not fit can
+    take the process past the budget itself, where a container's limit or the OOM killer would end the run while it
+    plans."""
 
-    def __init__(self, meter: Meter, limit: int):
-        self.meter, self.limit, self.tripped, self.last = meter, limit, False, 0.0
+    def __init__(self, meter: Meter, limit: int, step_bytes: int = 0):
+        self.meter, self.limit, self.step_bytes, self.tripped, self.last = meter, limit, step_bytes, False, 0.0
+        self.before_step = False  # tripped by `check_step`: the step would have crossed the limit
 
     def check(self, *args) -> None:
         now = time.perf_counter()
         if self.tripped or now - self.last < CEILING_CHECK_SECONDS:
             return
         self.last = now
-        if self.meter.current() > self.limit:
+        self._stop_past(0)
+
+    def check_step(self, *args) -> None:
+        """Before an optimizer step, always read: the meter with the room the step takes (`step_bytes`)."""
+        if not self.tripped:
+            self.before_step = True
+            self._stop_past(self.step_bytes)
+            self.before_step = False
+
+    def _stop_past(self, room: int) -> None:
+        if self.meter.current() + room > self.limit:
             self.tripped = True
-            raise ProbeStopped(f"the probe's meter crossed its ceiling of {self.limit} bytes")
+            raise ProbeStopped(f"the probe's meter crossed its ceiling of {self.limit} bytes"
+                               + (f" with the {room} bytes the optimizer step takes" if room else ""))
 
     def install(self, model: nn.Module, optimizers) -> list:
         """The hooks that check; remove them after the probe."""
@@ -98,12 +112,12 @@ class _Ceiling:
                  nn.modules.module.register_module_forward_hook(self.check)]
         hooks += [parameter.register_post_accumulate_grad_hook(self.check)
                   for parameter in model.parameters() if parameter.requires_grad]
-        hooks += [inner.register_step_pre_hook(self.check) for inner in optimizers]
+        hooks += [inner.register_step_pre_hook(self.check_step) for inner in optimizers]
         return hooks
 
 
 def probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_grad_norm,
-          meter: Meter | None = None, ceiling: int | None = None) -> dict:
+          meter: Meter | None = None, ceiling: int | None = None, step_bytes: int = 0) -> dict:
     """`measure_probe`, or its result read from the on-disk cache when this CPU measured the same probe before.
 
     A probe on a CPU is cached (`estimate_cache.probe_key`: the model, the settings, the batch, the meter, the CPU
@@ -117,12 +131,12 @@ def probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_gr
     settings = as_run(settings, meter)
     key = probe_key(model, settings, batch, device, max_grad_norm, meter)
     if key is None:
-        return measure_probe(model, settings, batch, device, max_grad_norm, meter, ceiling)
+        return measure_probe(model, settings, batch, device, max_grad_norm, meter, ceiling, step_bytes=step_bytes)
     held = held_bytes(meter)
     cached = cached_probe(key, held)
     if cached is not None and not (cached.get("stopped") and (ceiling is None or ceiling > cached["ceiling"])):
         return cached
-    result = measure_probe(model, settings, batch, device, max_grad_norm, meter, ceiling)
+    result = measure_probe(model, settings, batch, device, max_grad_norm, meter, ceiling, step_bytes=step_bytes)
     estimate_cache.write_probe(key, {**result, "held_bytes": held})
     return result
 
@@ -174,7 +188,7 @@ def cached_probe(key: str | None, held: int) -> dict | None:
 
 
 def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_grad_norm,
-                  meter: Meter | None = None, ceiling: int | None = None) -> dict:
+                  meter: Meter | None = None, ceiling: int | None = None, step_bytes: int = 0) -> dict:
     """One update of the Loop on `batch` (two when it has one micro-batch), learning rate 0, timed.
 
     An accumulating split's update is one window of micro-batches, as in the estimator: from the second
@@ -191,8 +205,10 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
 
     With `meter` and a `ceiling` (bytes by that meter), the probe stops as soon as the meter reads above it, from
     the worst batch on (`_Ceiling`; the warm-up holds less): the result then says ``"stopped": True`` and holds the
-    ceiling and the peak measured when it stopped, but no timings. A planner passes the most a fitting probe may
-    measure, so that no probe takes the process past its budget.
+    ceiling and the peak measured when it stopped (past it, or with ``"before_step_bytes"`` before an optimizer step
+    that would have taken it past), but no timings. A planner passes the most a fitting probe may
+    measure, so that no probe takes the process past its budget, and `step_bytes`, what the optimizer step
+    allocates (`Search.step_bytes`): the probe stops before a step that would cross the ceiling.
     """
     micro_batches = min(settings.accum_steps, 2)
     warm_up = batch if settings.compile else warm_up_batch(batch, PROBE_WARM_UP_WIDTH)
@@ -213,7 +229,7 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
     loop = Loop(model, optimizer, [], config=config)
     marks: list[tuple[str, float]] = []  # ("loss" | "step" | "stepped", when)
     compute_loss, optimizers = loop.compute_loss, inner_optimizers(loop.optimizer)
-    guard = _Ceiling(meter, ceiling + stashed) if meter is not None and ceiling is not None else None
+    guard = _Ceiling(meter, ceiling + stashed, step_bytes) if meter is not None and ceiling is not None else None
     hooks, started_micro_batches, worst = [], 0, sum(map(len, windows))  # the worst batch: the last micro-batch
 
     def timed_loss(micro_batch):
@@ -253,7 +269,8 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
     measured = {"probe_seconds": time.perf_counter() - started, "tokens": int(batch["input_ids"].numel()),
                 "batch_shape": list(batch["input_ids"].shape)}
     if guard is not None and guard.tripped:
-        return {"stopped": True, "ceiling": ceiling, "measured_peak_bytes": max(peak, ceiling + 1), **measured}
+        return {"stopped": True, "ceiling": ceiling, "measured_peak_bytes": max(peak, ceiling + 1),
+                **({"before_step_bytes": step_bytes} if guard.before_step else {}), **measured}
     loss_marks = sorted(when for kind, when in marks if kind == "loss")  # the micro-batches' starts
     last_loss = loss_marks[-1]
     steps = [(kind, when) for kind, when in marks if kind in ("step", "stepped") and when > last_loss]

@@ -110,15 +110,19 @@ def probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: l
             ceiling = probe_ceiling(result.budget_bytes, result.margin, result.growth_bytes) \
                 if meter is not None else None
             record_probe(candidate, probes.probe(model, candidate.settings, batch_of(candidate), device, max_grad_norm,
-                                                  meter, ceiling), flops)
+                                                  meter, ceiling, candidate.step_bytes), flops)
             charged += candidate.probe["probe_seconds"]
         over = not fits(candidate)
         if over:
             rejected.append(candidate)
         settings, peak = candidate.settings, candidate.probe.get("measured_peak_bytes")
-        speed = f"stopped past {format_bytes(candidate.probe['ceiling'])}, the most that fits" \
-            if candidate.probe.get("stopped") else \
-            f"{result.num_samples / candidate.seconds_per_epoch:.1f} samples/s predicted"
+        if not candidate.probe.get("stopped"):
+            speed = f"{result.num_samples / candidate.seconds_per_epoch:.1f} samples/s predicted"
+        elif "before_step_bytes" in candidate.probe:
+            speed = (f"stopped before its optimizer step (+{format_bytes(candidate.probe['before_step_bytes'])}) would "
+                     f"pass {format_bytes(candidate.probe['ceiling'])}, the most that fits")
+        else:
+            speed = f"stopped past {format_bytes(candidate.probe['ceiling'])}, the most that fits"
         echo(f"  probe {settings.batch_size} x {settings.accum_steps}, {settings.precision}, {settings.optimizer}, "
              f"checkpointing {settings.checkpointing}{', fused step' if settings.optimizer_in_backward else ''}: "
              f"{speed} "

@@ -79,7 +79,7 @@ def costed(search: Search, settings: Strategy, dataset, collator, lengths, devic
     of its batches as `by_tokens` cuts them (`as_given`: the user's own flags, trained as they are)."""
     from looptrain import data as data_module
 
-    candidate = Candidate(settings, search.candidate_peak(settings))
+    candidate = Candidate(settings, search.candidate_peak(settings), step_bytes=search.step_bytes(settings))
     candidate.predicted = search.key(settings) not in search.cache
     # The user's own flags train as given; the safe default is the planner's, and is cut like the rest.
     trained = by_tokens(settings, search.width) if search.by_tokens and not as_given else settings
@@ -312,6 +312,24 @@ class Search:
         key, smallest = self.key(settings), 2 if self.padded else 1
         return sorted(((other[0], result) for other, result in self.results.items()
                        if other[1:] == key[1:] and other[0] >= smallest), key=lambda point: point[0])
+
+    def step_bytes(self, settings: Strategy) -> int:
+        """What the optimizer step of `settings` allocates beyond the weights and gradients alive before it: its
+        estimate's optimizer phase less them (the optimizer state it creates and the step's temporaries; the same at
+        every micro-batch, so any estimate of the same settings tells), or 0 without one or with the fused step.
+
+        Inside a step nothing can stop a probe (`probes._Ceiling`): on worked example 2, Adafactor's first step took
+        the process 110 MiB above what it held before it, past the budget, where its estimate says 83 MiB.
+        """
+        if settings.optimizer_in_backward:
+            return 0
+        key = self.key(settings)
+        result = self.results.get(key) or next((result for _, result in self.family_estimates(settings)), None)
+        if result is None or "optimizer" not in (result.get("phase_peak_bytes") or {}):
+            return 0
+        parts = result["memory_breakdown"]
+        alive = parts["params"] + parts["grads"] + result.get("cublas_workspace_bytes", 0)
+        return max(0, result["phase_peak_bytes"]["optimizer"] - alive)
 
     def known(self, settings: Strategy) -> bool:
         """Whether `fits` can answer for `settings` without an estimate."""
