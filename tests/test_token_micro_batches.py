@@ -228,9 +228,10 @@ def test_a_split_whose_probe_measures_over_the_budget_is_replaced_by_the_next_sm
 
 
 def test_no_probe_runs_past_what_fits_its_ceiling_stops_it(dataset, monkeypatch, tmp_path):
-    """Each probe under a measured meter gets a ceiling: the most it may measure and still fit. The first,
-    before the run's growth is known, budget / (1 + margin); every later one that less the growth. A probe that
-    passes it stops (as `measure_probe` does), counts as over the budget, and the next smaller split stands in."""
+    """Each probe under a measured meter gets a ceiling: the most it may measure and still fit. The first, whose
+    growth is a quarter of what its own measure holds besides its estimate: (budget / (1 + margin) + estimate / 4)
+    / 1.25; every later one budget / (1 + margin) less the growth. A probe that passes it stops (as `measure_probe`
+    does), counts as over the budget, and the next smaller split stands in."""
     from looptrain.planning import plans, rss_baseline_bytes
 
     train_set, collator = dataset
@@ -254,7 +255,9 @@ def test_no_probe_runs_past_what_fits_its_ceiling_stops_it(dataset, monkeypatch,
                   rss_baseline=rss_baseline_bytes(), base=Settings(batch_size=2, accum_steps=8, group_by_length=True),
                   echo=lines.append)
     fitting = int(budget / (1 + plans.DEFAULT_MARGIN["cpu"]))
-    assert ceilings[0] == (2, fitting)  # the first probe: the growth is not known yet
+    first = next(candidate for candidate in result.candidates if candidate.baseline)
+    within = budget / (1 + plans.DEFAULT_MARGIN["cpu"])
+    assert ceilings[0] == (2, int((within + first.estimated_peak_bytes / 4) / 1.25))  # its growth from its measure
     assert result.growth_bytes > 0 and all(ceiling == fitting - result.growth_bytes for _, ceiling in ceilings[1:])
     assert (16, fitting - result.growth_bytes) in ceilings and 8 in [rows for rows, _ in ceilings]
     assert any("probe 16 x 1" in line and "stopped past" in line and "over the budget" in line for line in lines)

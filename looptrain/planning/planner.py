@@ -66,7 +66,7 @@ from looptrain.planning.plans import (
     format_bytes,
     lora_words,
 )
-from looptrain.planning.ranking import probe_candidates, probe_ceiling, record_probe, run_growth
+from looptrain.planning.ranking import first_probe_ceiling, probe_candidates, record_probe, run_growth
 from looptrain.planning.search import (
     Search,
     costed,
@@ -232,7 +232,10 @@ def plan(
                 batch = collator([dataset[i] for i in order[:first.batch_size]])
                 started = time.perf_counter()
                 # A probe that reads more than a fitting one may stops there: the process stays within its budget.
-                ceiling = probe_ceiling(memory_budget, margin, 0) if measured is not None else None
+                # The most it may measure and still fit, its growth included: past it, it stops (before the optimizer
+                # step, when the step would take it past).
+                ceiling = first_probe_ceiling(memory_budget, margin, search.peak(first)) \
+                    if measured is not None else None
                 step_bytes = search.step_bytes(first)  # the step itself cannot be stopped: it is checked before
                 probed = probes.probe(model, first, batch, device, max_grad_norm, measured, ceiling, step_bytes)
                 leans = meter == "rss" and make_lean is not None

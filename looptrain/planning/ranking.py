@@ -43,6 +43,17 @@ def probe_ceiling(budget: int, margin: float, growth: int) -> int:
     return int(budget / (1 + margin)) - growth
 
 
+def first_probe_ceiling(budget: int, margin: float, estimated_peak: int) -> int:
+    """`probe_ceiling` of the first probe, whose growth is not known before it is measured: it is `RUN_GROWTH` of
+    what the probe measures above its estimate (`run_growth`), so the most it may measure and fit (`fits_measured`)
+    solves ``(peak + RUN_GROWTH * (peak - estimated_peak)) * (1 + margin) <= budget``; ``budget / (1 + margin)``
+    where the estimate alone is past that."""
+    within = budget / (1 + margin)
+    if estimated_peak > within:
+        return int(within)
+    return int((within + RUN_GROWTH * estimated_peak) / (1 + RUN_GROWTH))
+
+
 def run_growth(measured_peak: int, estimated_peak: int) -> int:
     """What a whole run may add to one probe's measured peak: `RUN_GROWTH` of what it measured besides the tensors."""
     return int(RUN_GROWTH * max(0, measured_peak - estimated_peak))
