@@ -1350,6 +1350,27 @@ def test_a_probe_stops_before_an_optimizer_step_that_would_cross_its_ceiling():
     assert all(parameter.grad is None for parameter in model.parameters())
 
 
+def test_a_probe_stopped_at_its_ceiling_never_fits_whatever_the_rounding():
+    """A stopped probe records its peak as one byte past its ceiling, and the growth a measure implies is rounded
+    down to a byte: on worked example 2 (a budget of 697.2 MiB) that byte let a first probe stopped before its step
+    count as fitting, and the plan, with no time for it, failed. A stopped probe never fits; the most that fits
+    (its ceiling) does."""
+    from looptrain.planning.ranking import first_probe_ceiling
+    from looptrain.planning.search import Search, probe_fits
+
+    settings, estimate = Settings(batch_size=1, accum_steps=32), 379_772_616
+    rounded = []
+    for budget in range(731_045_888, 731_045_888 + 64):
+        search = Search(None, 256, budget, 0.05, 1.0, 2, lambda line: None)
+        search.cache[search.key(settings)] = estimate
+        ceiling = first_probe_ceiling(budget, 0.05, estimate)
+        assert probe_fits({"measured_peak_bytes": ceiling}, search, settings)
+        assert not probe_fits({"stopped": True, "ceiling": ceiling, "measured_peak_bytes": ceiling + 1}, search,
+                              settings)
+        rounded.append(probe_fits({"measured_peak_bytes": ceiling + 1}, search, settings))
+    assert any(rounded)  # the byte the rounding lets through, which a stopped probe must not be
+
+
 def test_a_probe_of_process_rss_starts_and_ends_with_the_heap_trimmed(monkeypatch):
     """Under the RSS meter a probe gives the C heap's free pages back before it measures and after it: a probe's
     freed blocks stayed resident through the next probe and through the run (68 MiB after worked example 2's plan,

@@ -105,6 +105,8 @@ def probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: l
 
     def fits(candidate: Candidate) -> bool:
         peak = candidate.probe.get("measured_peak_bytes")
+        if candidate.probe.get("stopped"):
+            return False  # stopped at its ceiling: past the most that fits, whatever a byte's rounding says
         return peak is None or fits_measured(peak, result.growth_bytes, result.margin, result.budget_bytes)
 
     batches: dict[int, dict] = {}  # by micro-batch size: the cache check and the probe collate it once

@@ -36,7 +36,10 @@ class SearchTimeSpent(Exception):
 
 
 def probe_fits(probed: dict, search: Search, settings: Strategy) -> bool:
-    """A probe's measured peak fits the search's budget, with the run's growth (from its estimate) and the margin."""
+    """A probe's measured peak fits the search's budget, with the run's growth (from its estimate) and the margin; a
+    probe stopped at its ceiling never does (its recorded peak, one byte past the ceiling, could round within)."""
+    if probed.get("stopped"):
+        return False
     peak = probed.get("measured_peak_bytes", 0)
     return fits_measured(peak, run_growth(peak, search.peak(settings)), search.margin, search.budget)
 
