@@ -290,9 +290,9 @@ def plan(
                 # tensors alone.
                 lightest = lightest_split(base, effective_batch)
                 longest = max(range(len(lengths)), key=lambda index: lengths[index])
+                # Stopped at the budget (before a step that would pass it, too): what it holds besides is at least that.
                 probed = probes.probe(model, lightest, collator([dataset[longest]]), device, max_grad_norm, measured,
-                                      memory_budget, search.step_bytes(lightest))  # stopped at the budget: what it
-                # holds besides is at least that
+                                      memory_budget, search.step_bytes(lightest))
                 search.overhead = max(0, probed["measured_peak_bytes"] - search.peak(lightest))
             raise PlanError(nothing_fits_message(search, effective_batch, base, levers, collator, lengths,
                                                   device_type, frozenset(fixed)))

@@ -102,8 +102,11 @@ class _Ceiling:
         self._stop_past(0)
 
     def check_step(self, *args) -> None:
-        """Before an optimizer step, always read: the meter with the room the step takes (`step_bytes`)."""
-        if not self.tripped:
+        """Before an optimizer step: the meter with the room the step takes (`step_bytes`), read every time when it
+        takes any (else as `check`: the fused step's per-parameter steps run inside backward)."""
+        if not self.step_bytes:
+            self.check()
+        elif not self.tripped:
             self.before_step = True
             self._stop_past(self.step_bytes)
             self.before_step = False
