@@ -160,9 +160,10 @@ def worker_looptrain(spec: dict) -> dict:
         started = time.perf_counter()
         code = finetune.main(argv, owns_process=True)  # as scripts/finetune.py runs it: the process is the run's
         seconds = time.perf_counter() - started
+        if code != 0:  # nothing fits, say: a result of the benchmark (a miss), reported in its table
+            return {"failed": f"finetune.py exited {code} (see its output above)", "seconds": seconds,
+                    "peak_rss_delta": peak_rss_bytes() - baseline}
         summary = json.loads((Path(output_dir) / "summary.json").read_text())
-    if code != 0:
-        raise RuntimeError(f"finetune.py exited {code}")
     return {"seconds": seconds, "samples": spec["samples"], "samples_per_s": spec["samples"] / seconds,
             "peak_rss_delta": peak_rss_bytes() - baseline, "plan": summary["plan"],
             "estimated_peak_bytes": summary["estimated_peak_bytes"], "train_seconds": summary["train_runtime_s"],
@@ -225,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
             for run in ("cold", "rerun")[:1 + arguments.rerun]:
                 result = run_worker({**spec, "framework": "looptrain", "budget": int(arguments.budget_mib * MIB),
                                      "cache": cache})
+                if "failed" in result:
+                    print(f"{run}: {result['failed']} after {result['seconds']:.1f} s")
+                    continue
                 print(f"{run}:", json.dumps({key: value for key, value in result.items() if key != "plan"}, indent=2))
                 print(json.dumps(result["plan"]["candidates"], indent=1)[:4000])
                 print(f"{run}: {result['seconds']:.1f} s, planning {result['planning_seconds']:.1f} s, training "
@@ -252,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     from looptrain.strategy import Strategy
 
     for name, result in runs.items():
+        if "failed" in result:
+            print(f"| {name} | - | - | {result['seconds']:.1f} | {result['peak_rss_delta'] / MIB:.1f} | "
+                  f"{result['peak_rss_delta'] / budget:.2f} | - | - | {result['failed']} |")
+            continue
         plan = result.get("plan")
         chosen = "-"
         if plan:
