@@ -26,13 +26,15 @@ from pathlib import Path
 
 from bench_plan import AVX2_ENVIRONMENT, MALLOC_ENVIRONMENT, MAX_LENGTH, MIB, ROOT, prepare, worker_cpu
 
-ONE_MIB = {"MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_TRIM_THRESHOLD_": "131072"}
+from looptrain.memory.allocator import lean_environment  # a threshold's MALLOC_* variables (trim at 128 KiB at most)
+
+ONE_MIB = lean_environment(2**20)
 SETTINGS = {  # name: (environment, extra finetune.py flags)
     "glibc default (dynamic threshold)": ({}, []),
     "128 KiB (--memory-budget's)": (MALLOC_ENVIRONMENT, []),
     "128 KiB + THP_MEM_ALLOC_ENABLE=1": ({**MALLOC_ENVIRONMENT, "THP_MEM_ALLOC_ENABLE": "1"}, []),
     "1 MiB": (ONE_MIB, []),
-    "4 MiB": ({"MALLOC_MMAP_THRESHOLD_": "4194304", "MALLOC_TRIM_THRESHOLD_": "131072"}, []),
+    "4 MiB": (lean_environment(4 * 2**20), []),
 }
 # --plan tokens512: the plan --memory-budget picks there since token micro-batches, and the settings it chooses
 # between (the heap trimmed before each micro-batch where blocks stay in it).
@@ -41,10 +43,8 @@ TOKEN_SETTINGS = {
     "glibc default + --trim-heap": ({}, ["--trim-heap"]),
     "1 MiB": (ONE_MIB, []),
     "1 MiB + --trim-heap (--memory-budget's first step)": (ONE_MIB, ["--trim-heap"]),
-    "512 KiB + --trim-heap": ({"MALLOC_MMAP_THRESHOLD_": "524288", "MALLOC_TRIM_THRESHOLD_": "131072"},
-                              ["--trim-heap"]),
-    "4 MiB + --trim-heap": ({"MALLOC_MMAP_THRESHOLD_": "4194304", "MALLOC_TRIM_THRESHOLD_": "131072"},
-                            ["--trim-heap"]),
+    "512 KiB + --trim-heap": (lean_environment(512 * 1024), ["--trim-heap"]),
+    "4 MiB + --trim-heap": (lean_environment(4 * 2**20), ["--trim-heap"]),
 }
 PLANS = {
     "4x8": ["--batch-size", "4", "--accum", "8", "--grad-checkpoint", "--optim", "adafactor", "--group-by-length"],

@@ -64,9 +64,10 @@ def user_malloc_settings(environment: dict | None = None) -> list[str]:
     return given + [name for name in USER_TUNABLES if name + "=" in tunables]
 
 
-def lean_environment(threshold: int = LEAN_THRESHOLD_BYTES) -> dict[str, str]:
-    """The environment variables that give a new process the thresholds `keep_rss_lean(threshold)` fixes."""
-    mmap, trim = _thresholds(threshold)
+def lean_environment(threshold: int | None = None) -> dict[str, str]:
+    """The environment variables that give a new process the thresholds `keep_rss_lean(threshold)` fixes (None: the
+    lean 128 KiB, as for a plan saved before `Plan.malloc_threshold_bytes` existed)."""
+    mmap, trim = _thresholds(LEAN_THRESHOLD_BYTES if threshold is None else threshold)
     return {"MALLOC_MMAP_THRESHOLD_": str(mmap), "MALLOC_TRIM_THRESHOLD_": str(trim)}
 
 
@@ -92,8 +93,9 @@ def describe() -> str:
     return "glibc: dynamic thresholds" if _glibc() is not None else "not glibc"
 
 
-def keep_rss_lean(threshold: int = LEAN_THRESHOLD_BYTES) -> str:
-    """Fixes glibc's mmap and trim thresholds at `threshold` bytes and returns what was done, in a sentence.
+def keep_rss_lean(threshold: int | None = None) -> str:
+    """Fixes glibc's mmap and trim thresholds at `threshold` bytes (None: the lean `LEAN_THRESHOLD_BYTES`) and returns
+    what was done, in a sentence.
 
     Blocks of `threshold` bytes or more are then mmapped and unmapped when freed, and the heap's free top is returned
     above it, so the process's RSS rises and falls with its tensors. What the heap holds free now is returned at
@@ -101,6 +103,7 @@ def keep_rss_lean(threshold: int = LEAN_THRESHOLD_BYTES) -> str:
     the allocator as it is where the user set a threshold (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``
     or ``GLIBC_TUNABLES``) and where the C library is not glibc; calling it again changes nothing.
     """
+    threshold = LEAN_THRESHOLD_BYTES if threshold is None else threshold
     if threshold < 1:
         raise ValueError(f"the malloc threshold must be positive, got {threshold}")
     if _applied is not None:

@@ -92,7 +92,7 @@ class _Ceiling:
 
     def __init__(self, meter: Meter, limit: int, step_bytes: int = 0):
         self.meter, self.limit, self.step_bytes, self.tripped, self.last = meter, limit, step_bytes, False, 0.0
-        self.before_step = False  # tripped by `check_step`: the step would have crossed the limit
+        self.before_step = False  # tripped by `check_step`: the step would have taken the meter past
 
     def check(self, *args) -> None:
         now = time.perf_counter()
@@ -107,13 +107,11 @@ class _Ceiling:
         if not self.step_bytes:
             self.check()
         elif not self.tripped:
-            self.before_step = True
             self._stop_past(self.step_bytes)
-            self.before_step = False
 
     def _stop_past(self, room: int) -> None:
         if self.meter.current() + room > self.limit:
-            self.tripped = True
+            self.tripped, self.before_step = True, room > 0
             raise ProbeStopped(f"the probe's meter crossed its ceiling of {self.limit} bytes"
                                + (f" with the {room} bytes the optimizer step takes" if room else ""))
 

@@ -64,6 +64,16 @@ def fits_measured(peak: int, growth: int, margin: float, budget: int) -> bool:
     return (peak + growth) * (1 + margin) <= budget
 
 
+def probe_within(probe: dict, growth: int, margin: float, budget: int) -> bool:
+    """A probe's verdict: its measured peak fits (`fits_measured`); one stopped at its ceiling never does (its
+    recorded peak, one byte past the ceiling, could round within), one that measured nothing (the tensors meter)
+    always does."""
+    if probe.get("stopped"):
+        return False
+    peak = probe.get("measured_peak_bytes")
+    return peak is None or fits_measured(peak, growth, margin, budget)
+
+
 def prior_seconds(candidate: Candidate, model: Any, device_type: str) -> float:
     """A unitless prior time per epoch, to order probes: padded tokens, recompute, small-batch and precision cost."""
     settings = candidate.settings
@@ -104,10 +114,7 @@ def probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: l
     charged = 0.0  # the probes below as the budget counts them: each at its (measured or recorded) seconds
 
     def fits(candidate: Candidate) -> bool:
-        peak = candidate.probe.get("measured_peak_bytes")
-        if candidate.probe.get("stopped"):
-            return False  # stopped at its ceiling: past the most that fits, whatever a byte's rounding says
-        return peak is None or fits_measured(peak, result.growth_bytes, result.margin, result.budget_bytes)
+        return probe_within(candidate.probe, result.growth_bytes, result.margin, result.budget_bytes)
 
     batches: dict[int, dict] = {}  # by micro-batch size: the cache check and the probe collate it once
 

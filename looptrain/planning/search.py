@@ -21,7 +21,7 @@ from looptrain.lora import is_4bit_layer, is_lora_model
 from looptrain.optim.factory import import_optimizer
 from looptrain.planning.estimator import estimate
 from looptrain.planning.plans import Candidate, Levers, divisors, format_bytes, lora_words
-from looptrain.planning.ranking import fits_measured, prior_seconds, run_growth, run_windows
+from looptrain.planning.ranking import prior_seconds, probe_within, run_growth, run_windows
 from looptrain.planning.worker import EstimateWorker
 from looptrain.precision import amp_precision, resolve_device
 from looptrain.strategy import Strategy
@@ -36,12 +36,10 @@ class SearchTimeSpent(Exception):
 
 
 def probe_fits(probed: dict, search: Search, settings: Strategy) -> bool:
-    """A probe's measured peak fits the search's budget, with the run's growth (from its estimate) and the margin; a
-    probe stopped at its ceiling never does (its recorded peak, one byte past the ceiling, could round within)."""
-    if probed.get("stopped"):
-        return False
-    peak = probed.get("measured_peak_bytes", 0)
-    return fits_measured(peak, run_growth(peak, search.peak(settings)), search.margin, search.budget)
+    """A probe's measured peak fits the search's budget, with the run's growth (from its estimate) and the margin
+    (`probe_within`)."""
+    growth = run_growth(probed.get("measured_peak_bytes", 0), search.peak(settings))
+    return probe_within(probed, growth, search.margin, search.budget)
 
 
 def costed_candidates(search: Search, dataset, collator, lengths, effective_batch: int, base: Strategy,

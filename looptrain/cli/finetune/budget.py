@@ -114,7 +114,6 @@ def follow_plan_allocator(args, malloc: str | None, print, threshold: int | None
 
     if not malloc:
         return
-    threshold = threshold or allocator.LEAN_THRESHOLD_BYTES
     print("--memory-budget: " + (allocator.keep_rss_lean(threshold) if args._owns_process else
           "the plan was made with glibc's malloc thresholds fixed, and this process keeps its allocator: run "
           "scripts/finetune.py, or set " + " ".join(f"{name}={value}"
@@ -147,11 +146,11 @@ def without_planner(args, base, device):
 
 def plan_only_output(args, result, print) -> dict:
     """--plan-only: the plan (a table, or JSON) and the command line that trains with the winner."""
-    from looptrain.memory.allocator import LEAN_THRESHOLD_BYTES, lean_environment
+    from looptrain.memory.allocator import lean_environment
 
     command = ["python", "scripts/finetune.py", *without_plan_flags(args._argv), *result.winner.settings.flags()]
     # Planned with glibc's thresholds fixed: the run keeps the budget only with them, so the command sets them.
-    environment = lean_environment(result.malloc_threshold_bytes or LEAN_THRESHOLD_BYTES) if result.malloc else {}
+    environment = lean_environment(result.malloc_threshold_bytes) if result.malloc else {}
     if args.json:
         builtins.print(json.dumps({**result.to_dict(), "command": command, "environment": environment}, indent=2))
     else:
