@@ -489,7 +489,7 @@ def test_bf16_weights_are_a_numerics_lever_and_probes_leave_the_fp32_weights_alo
 # ------------------------------------------------------------------------------------------ never loses
 def fake_probe(speeds: dict):
     """A `probes.probe` stand-in: the micro-step seconds per token of each micro-batch size, no optimizer time."""
-    def probe(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None, step_bytes=0):
+    def probe(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None, step_bytes=0, typical=None):
         tokens = int(batch["input_ids"].numel())
         return {"micro_step_seconds": speeds[settings.batch_size] * tokens, "optimizer_step_seconds": 0.0,
                 "probe_seconds": 0.01, "tokens": tokens, "batch_shape": list(batch["input_ids"].shape)}
@@ -601,7 +601,7 @@ def test_a_planned_run_keeps_its_budget_of_process_rss_with_evaluation_and_check
 def rss_probe(held: dict):
     """A `probes.probe` stand-in under the RSS meter: one unit of time per token, and a measured peak of `held["bytes"]`
     (what the process holds, its allocator's holes included) plus 1 MiB per row."""
-    def probe(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None, step_bytes=0):
+    def probe(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None, step_bytes=0, typical=None):
         rows, width = batch["input_ids"].shape
         return {"micro_step_seconds": 1e-3 * rows * width, "optimizer_step_seconds": 0.0, "probe_seconds": 0.01,
                 "tokens": rows * width, "batch_shape": [rows, width],
@@ -705,7 +705,7 @@ def test_a_first_probe_stopped_at_its_ceiling_makes_the_allocator_lean_and_is_me
     held, budget = {"bytes": 600 * 2**20, "lean": False}, 300 * 2**20
     measure, calls = rss_probe(held), []
 
-    def probe(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None, step_bytes=0):
+    def probe(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None, step_bytes=0, typical=None):
         result = measure(model, settings, batch, device, max_grad_norm, meter)
         calls.append((ceiling, result["measured_peak_bytes"] > ceiling))
         if result["measured_peak_bytes"] <= ceiling:
@@ -997,6 +997,70 @@ def test_a_probe_times_a_small_micro_batch_and_a_candidates_epoch_counts_each_mi
     tokens_only = plans.Candidate(Settings(), 0, padded_tokens=4096, micro_batches=10, updates=8)  # no FLOPs
     ranking.record_probe(tokens_only, probe, flops)
     assert tokens_only.seconds_per_epoch == pytest.approx(probe["micro_step_seconds"] / 512 * 4096 + 0.5 * 8)
+
+
+def test_a_probe_times_a_typical_micro_batch_after_the_worst_and_prices_the_run_from_it(monkeypatch):
+    """The worst batch's longest rows cost more per FLOP than a run's typical micro-batches (docs/plan.md: 11.5
+    against 6.5-7 s per TFLOP), so a probe given a `typical` micro-batch times it after the worst batch, and the line
+    of costs goes through it and the small step, not through the worst batch. A probe stopped at its ceiling by the
+    worst batch never runs it."""
+    from looptrain.flops import ModelFlops
+    from looptrain.planning import plans, ranking
+
+    seen = []
+    real_compute_loss = Loop.compute_loss
+    monkeypatch.setattr(Loop, "compute_loss", lambda self, batch: seen.append(list(batch["input_ids"].shape))
+                        or real_compute_loss(self, batch))
+    model = make_tiny_bert(num_labels=2)
+    ids = torch.randint(5, model.config.vocab_size, (3, 24), generator=torch.Generator().manual_seed(0))
+    worst = {"input_ids": ids[:2], "attention_mask": torch.ones(2, 24, dtype=torch.long),
+             "labels": torch.tensor([0, 1])}
+    typical = probes.warm_up_batch({"input_ids": ids, "attention_mask": torch.ones(3, 24, dtype=torch.long),
+                                    "labels": torch.tensor([0, 1, 0])}, 20)
+    settings = Settings(batch_size=2, accum_steps=8)
+    timed = probes.measure_probe(model, settings, worst, "cpu", 1.0, typical=typical)
+    assert seen == [[2, 16], [2, 16], [2, 24], [3, 20]]  # warm-up twice, the worst, then the typical
+    assert timed["typical_batch_shape"] == [3, 20] and timed["typical_step_seconds"] > 0
+    assert timed["batch_shape"] == [2, 24] and timed["micro_step_seconds"] > 0 and timed["small_step_seconds"] > 0
+
+    class Past:  # a meter that reads past any ceiling: the probe stops at the worst batch's first check
+        kind = "rss"
+
+        def settle(self):
+            pass
+
+        def reset(self):
+            pass
+
+        def peak(self):
+            return 2**40
+
+        def current(self):
+            return 2**40
+    seen.clear()
+    stopped = probes.measure_probe(model, settings, worst, "cpu", 1.0, Past(), 2**30, typical=typical)
+    assert stopped["stopped"] is True and seen == [[2, 16], [2, 16]]  # stopped as the worst batch started
+    assert all(parameter.grad is None for parameter in model.parameters())
+
+    flops = ModelFlops(dense=100.0, attention=1.0)  # 2 x 16: 3,712 FLOPs; 4 x 64: 41,984; 2 x 256: 182,272
+    probe = {"small_step_seconds": 0.1 + 3_712e-6, "small_batch_shape": [2, 16],
+             "typical_step_seconds": 0.1 + 41_984e-6, "typical_batch_shape": [4, 64],
+             "micro_step_seconds": 0.1 + 1.5 * 182_272e-6, "batch_shape": [2, 256], "tokens": 512,
+             "optimizer_step_seconds": 0.5}
+    assert ranking.micro_batch_costs(probe, flops) == (pytest.approx(0.1), pytest.approx(1e-6))
+    without = {key: value for key, value in probe.items() if not key.startswith("typical")}
+    assert ranking.micro_batch_costs(without, flops)[1] == pytest.approx((1.5 * 182_272 - 3_712) / (182_272 - 3_712)
+                                                                         * 1e-6)  # the worst batch's dearer FLOPs
+
+    # A split of the same kernels reuses that line, with its own optimizer steps: its probe times no typical batch.
+    assert ranking.same_kernels(Settings(batch_size=2, accum_steps=16),
+                                Settings(batch_size=32, accum_steps=1, micro_batch_tokens=512))
+    assert not ranking.same_kernels(Settings(batch_size=2, accum_steps=16),
+                                    Settings(batch_size=2, accum_steps=16, gradient_checkpointing=True))
+    other = plans.Candidate(Settings(batch_size=4, accum_steps=8), 0, padded_tokens=4096, micro_batches=10,
+                            flops=2e6, updates=8)
+    ranking.record_probe(other, {**without, "optimizer_step_seconds": 0.25}, flops, line_from=probe)
+    assert other.seconds_per_epoch == pytest.approx(0.1 * 10 + 2.0 + 0.25 * 8)
 
 
 def test_a_probes_warm_up_is_the_worst_batch_cut_to_columns_real_in_every_row():
@@ -1422,7 +1486,7 @@ def test_a_stopped_probe_is_read_from_the_cache_only_for_a_ceiling_no_higher(mon
     mib = 2**20
     measured = []
 
-    def measure(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None, step_bytes=0):
+    def measure(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None, step_bytes=0, typical=None):
         measured.append(ceiling)
         if ceiling is None:
             return {"micro_step_seconds": 0.1, "optimizer_step_seconds": 0.0, "probe_seconds": 0.5, "tokens": 4,
@@ -1459,3 +1523,22 @@ def test_a_cached_probe_of_process_rss_is_read_only_while_the_process_holds_abou
     assert probes.cached_probe("k", 100 * mib + probes.PROBE_HELD_TOLERANCE + 1) is None
     assert probes.cached_probe("k", 0)["measured_peak_bytes"] == 300 * mib  # holding less: the peak stays
     assert probes.cached_probe("missing", 100 * mib) is None
+
+
+def test_a_probes_cache_key_names_its_typical_micro_batch():
+    """A probe that timed a typical micro-batch is another probe than one that did not, or timed another shape: its
+    cache key says which (a rerun then reads what it would have measured)."""
+    from looptrain.planning import estimate_cache
+
+    ids = torch.ones(2, 24, dtype=torch.long)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+    def key(typical):
+        return estimate_cache.probe_key("model", Settings(batch_size=2, accum_steps=8), batch, max_grad_norm=1.0,
+                                        meter="rss", warm_up_width=16, allocator="glibc", typical=typical)
+
+    def typical(rows, width):
+        return {"input_ids": torch.ones(rows, width, dtype=torch.long),
+                "attention_mask": torch.ones(rows, width, dtype=torch.long)}
+    assert key(None) != key(typical(3, 20)) != key(typical(3, 21))
+    assert key(typical(3, 20)) == key(typical(3, 20)) and key(None) == key(None)

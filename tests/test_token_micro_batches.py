@@ -209,7 +209,7 @@ def test_a_split_whose_probe_measures_over_the_budget_is_replaced_by_the_next_sm
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     probed_rows = []
 
-    def probe(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None, step_bytes=0):
+    def probe(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None, step_bytes=0, typical=None):
         rows, width = batch["input_ids"].shape
         probed_rows.append(rows)
         # Per token, more rows are faster (sublinear), so the largest split that fits wins.
@@ -239,7 +239,7 @@ def test_no_probe_runs_past_what_fits_its_ceiling_stops_it(dataset, monkeypatch,
     mib, budget = 2**20, 300 * 2**20
     ceilings = []
 
-    def probe(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None, step_bytes=0):
+    def probe(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None, step_bytes=0, typical=None):
         rows, width = batch["input_ids"].shape
         ceilings.append((rows, ceiling))
         peak = (100 + 12 * rows) * mib  # 16 rows: 292 MiB, past every ceiling; 8 rows: 196 MiB
@@ -265,3 +265,52 @@ def test_no_probe_runs_past_what_fits_its_ceiling_stops_it(dataset, monkeypatch,
                for candidate in result.candidates)
     assert result.winner.probe["batch_shape"] == [8, result.worst_width]
 
+
+
+def test_the_first_probe_of_each_kernel_setting_times_the_runs_median_micro_batch(dataset, monkeypatch, tmp_path):
+    """Each candidate knows its epoch's micro-batch of median work (`typical_shape`); the first probe of settings that
+    run the same kernels is handed a real batch of that shape to time (cut from the longest samples, every token
+    real), and the other splits of those settings reuse its line of costs, probed for their memory and steps alone."""
+    from looptrain import data
+    from looptrain.flops import count_model_flops
+    from looptrain.planning import ranking
+
+    train_set, collator = dataset
+    monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(ranking, "PRIOR_OPTIMISM", 0.0)  # probe every candidate
+    handed = []
+
+    def probe(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None, step_bytes=0, typical=None):
+        rows, width = batch["input_ids"].shape
+        handed.append((settings, typical))
+        timed = {"micro_step_seconds": 1e-3 * rows * width, "optimizer_step_seconds": 0.0, "probe_seconds": 0.01,
+                 "tokens": rows * width, "batch_shape": [rows, width], "small_step_seconds": 1e-3 * rows * 16,
+                 "small_batch_shape": [rows, 16]}
+        if typical is not None:
+            assert bool(typical["attention_mask"].all())
+            shape = list(typical["input_ids"].shape)
+            timed |= {"typical_step_seconds": 1e-3 * shape[0] * shape[1], "typical_batch_shape": shape}
+        return timed
+
+    monkeypatch.setattr(probes, "probe", probe)
+    model = make_tiny_bert(num_labels=2)
+    result = plan(model, train_set, collator, memory_budget=2**30, effective_batch=16,
+                  base=Settings(batch_size=2, accum_steps=8, group_by_length=True), probe_budget=60.0)
+    assert len(handed) >= 2 and all(candidate.probed for candidate in result.candidates)
+    first_settings, first_typical = handed[0]
+    first = next(c for c in result.candidates if ranking.same_kernels(c.settings, first_settings) and c.baseline)
+    flops = count_model_flops(model)
+    shapes = [shape for window in run_windows(data.make_train_loader(
+        train_set, first.settings.batch_size, collator, grouping="length", seed=42).batch_sampler,
+        list(train_set.lengths), collator, first.settings.accum_steps,
+        micro_batch_tokens=first.settings.micro_batch_tokens) for shape in window]
+    median = sorted(shapes, key=lambda shape: (flops.per_batch(*shape), shape))[len(shapes) // 2]
+    assert first.typical_shape == median and list(first_typical["input_ids"].shape) == list(median)
+    # One typical batch per kernel setting, its first accumulating probe's (a probe of one micro-batch times only it).
+    reused = 0
+    for index, (settings, typical) in enumerate(handed):
+        earlier = [other for other, given in handed[:index] if given is not None]
+        reused += any(ranking.same_kernels(settings, other) for other in earlier)
+        assert (typical is None) == (settings.accum_steps == 1
+                                     or any(ranking.same_kernels(settings, other) for other in earlier))
+    assert reused  # a split priced by the line of an earlier probe of the same kernels

@@ -219,26 +219,27 @@ def model_digest(model: nn.Module) -> str:
 
 
 def probe_key(model: str, strategy: Strategy, batch: dict, *, max_grad_norm: float | None, meter: str,
-              warm_up_width: int, allocator: str) -> str:
+              warm_up_width: int, allocator: str, typical: dict | None = None) -> str:
     """The cache key of one planner probe on this CPU: `strategy`'s update of the model on `batch`, under `meter`.
 
     `model` is the model's `model_digest`, taken when planning starts: a probe changes what a description reads
     (transformers turns the config's ``use_cache`` off under checkpointing), and a rerun starts from a fresh model.
     The batch is described by each tensor's shape and, with an attention mask, each row's length (the probe's
-    batch is the run's worst: its longest samples), and the probe's warm-up by its width. The CPU's name and the
+    batch is the run's worst: its longest samples), the probe's warm-up by its width, and its `typical` micro-batch
+    by its tensors' shapes (cut from the same longest samples, so their shapes say it all). The CPU's name and the
     number of threads join the CPU's capability, since a probe measures speed; the C allocator's state
     (`looptrain.memory.allocator.describe`) joins them, since it moves both the RSS a probe measures and its time.
     """
-    shapes = {name: list(value.shape) for name, value in sorted(batch.items()) if isinstance(value, torch.Tensor)}
     mask = batch.get("attention_mask")
     description = {
         "model": model,
         "strategy": _strategy_description(strategy, batch_fields=True),
-        "batch": shapes,
+        "batch": _shapes(batch),
         "rows": mask.sum(dim=-1).tolist() if isinstance(mask, torch.Tensor) else None,
         "max_grad_norm": max_grad_norm,
         "meter": meter,
         "warm_up_width": warm_up_width,
+        "typical": _shapes(typical) if typical is not None else None,
         "allocator": allocator,
         "versions": _versions(),
         "cpu": [precision.cpu_description(), torch.backends.cpu.get_cpu_capability(),
@@ -261,3 +262,7 @@ def read_probe(name: str) -> dict | None:
 def write_probe(name: str, result: dict) -> None:
     """Stores a probe's measurements under `name` (nothing when caching is off or the directory is not writable)."""
     cache.write_entry(PROBES, name, result)
+
+
+def _shapes(batch: dict) -> dict:
+    return {name: list(value.shape) for name, value in sorted(batch.items()) if isinstance(value, torch.Tensor)}

@@ -66,7 +66,13 @@ from looptrain.planning.plans import (
     format_bytes,
     lora_words,
 )
-from looptrain.planning.ranking import first_probe_ceiling, probe_candidates, record_probe, run_growth
+from looptrain.planning.ranking import (
+    first_probe_ceiling,
+    probe_candidates,
+    record_probe,
+    run_growth,
+    typical_batch,
+)
 from looptrain.planning.search import (
     Search,
     costed,
@@ -230,6 +236,9 @@ def plan(
             first = next((s for s in firsts if search.fits(s)), None)
             if first is not None:
                 batch = collator([dataset[i] for i in order[:first.batch_size]])
+                reference = costed(search, first, dataset, collator, lengths, device_type, seed,
+                                   as_given=first == baseline)
+                typical = typical_batch(reference, dataset, collator, order)
                 started = time.perf_counter()
                 # A probe that reads more than a fitting one may stops there: the process stays within its budget.
                 # The most it may measure and still fit, its growth included: past it, it stops (before the optimizer
@@ -237,14 +246,15 @@ def plan(
                 ceiling = first_probe_ceiling(memory_budget, margin, search.peak(first)) \
                     if measured is not None else None
                 step_bytes = search.step_bytes(first)  # the step itself cannot be stopped: it is checked before
-                probed = probes.probe(model, first, batch, device, max_grad_norm, measured, ceiling, step_bytes)
+                probed = probes.probe(model, first, batch, device, max_grad_norm, measured, ceiling, step_bytes,
+                                      typical=typical)
                 leans = meter == "rss" and make_lean is not None
                 if leans and probed.get("from_cache") and not probe_fits(probed, search, first):
                     # Measured again, though cached: besides its verdict, this probe under glibc's own thresholds
                     # leaves freed chunks in the heap, which the run reuses once the thresholds are fixed. A rerun
                     # that read it from the cache trained 10% slower (docs/plan.md).
                     probed = probes.measure_probe(model, probes.as_run(first, measured), batch, device, max_grad_norm,
-                                                  measured, ceiling, step_bytes)
+                                                  measured, ceiling, step_bytes, typical=typical)
                 first_charged = probed["probe_seconds"]  # as measured, or as recorded when read from the cache
                 # One step leaner at a time (`allocator.LEAN_STEPS`: a middle threshold first, which trains nearly as
                 # fast as glibc's own), until the first probe fits or the allocator has nothing leaner.
@@ -259,11 +269,10 @@ def plan(
                          f"under the C allocator's {'own thresholds' if malloc is None else 'thresholds so far'}: "
                          f"{said}; measuring it again")
                     malloc = said
-                    probed = probes.probe(model, first, batch, device, max_grad_norm, measured, ceiling, step_bytes)
+                    probed = probes.probe(model, first, batch, device, max_grad_norm, measured, ceiling, step_bytes,
+                                          typical=typical)
                     first_charged += probed["probe_seconds"]
                 first_seconds = time.perf_counter() - started
-                reference = costed(search, first, dataset, collator, lengths, device_type, seed,
-                                    as_given=first == baseline)
                 record_probe(reference, probed, search.flops)
                 total = probe_budget if probe_budget is not None else 0.0 if probed.get("stopped") else \
                     probe_fraction * reference.seconds_per_epoch * epochs  # stopped: no time measured, the floor

@@ -115,18 +115,21 @@ class _Ceiling:
             raise ProbeStopped(f"the probe's meter crossed its ceiling of {self.limit} bytes"
                                + (f" with the {room} bytes the optimizer step takes" if room else ""))
 
-    def install(self, model: nn.Module, optimizers) -> list:
-        """The hooks that check; remove them after the probe."""
+    def watch(self, model: nn.Module) -> list:
+        """The hooks that check while a micro-batch runs; remove them after it."""
         hooks = [nn.modules.module.register_module_forward_pre_hook(self.check),
                  nn.modules.module.register_module_forward_hook(self.check)]
-        hooks += [parameter.register_post_accumulate_grad_hook(self.check)
-                  for parameter in model.parameters() if parameter.requires_grad]
-        hooks += [inner.register_step_pre_hook(self.check_step) for inner in optimizers]
-        return hooks
+        return hooks + [parameter.register_post_accumulate_grad_hook(self.check)
+                        for parameter in model.parameters() if parameter.requires_grad]
+
+    def before_steps(self, optimizers) -> list:
+        """The hooks that check before each optimizer step; remove them after the probe."""
+        return [inner.register_step_pre_hook(self.check_step) for inner in optimizers]
 
 
 def probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_grad_norm,
-          meter: Meter | None = None, ceiling: int | None = None, step_bytes: int = 0) -> dict:
+          meter: Meter | None = None, ceiling: int | None = None, step_bytes: int = 0,
+          typical: dict | None = None) -> dict:
     """`measure_probe`, or its result read from the on-disk cache when this CPU measured the same probe before.
 
     A probe on a CPU is cached (`estimate_cache.probe_key`: the model, the settings, the batch, the meter, the CPU
@@ -138,14 +141,14 @@ def probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_gr
     says the peak passes that ceiling, not where it ends.
     """
     settings = as_run(settings, meter)
-    key = probe_key(model, settings, batch, device, max_grad_norm, meter)
+    key = probe_key(model, settings, batch, device, max_grad_norm, meter, typical=typical)
     if key is None:
-        return measure_probe(model, settings, batch, device, max_grad_norm, meter, ceiling, step_bytes=step_bytes)
+        return measure_probe(model, settings, batch, device, max_grad_norm, meter, ceiling, step_bytes, typical=typical)
     held = held_bytes(meter)
     cached = cached_probe(key, held)
     if cached is not None and not (cached.get("stopped") and (ceiling is None or ceiling > cached["ceiling"])):
         return cached
-    result = measure_probe(model, settings, batch, device, max_grad_norm, meter, ceiling, step_bytes=step_bytes)
+    result = measure_probe(model, settings, batch, device, max_grad_norm, meter, ceiling, step_bytes, typical=typical)
     estimate_cache.write_probe(key, {**result, "held_bytes": held})
     return result
 
@@ -163,7 +166,7 @@ def as_run(settings: Strategy, meter: Meter | None) -> Strategy:
 
 
 def probe_key(model: nn.Module, settings: Strategy, batch: dict, device: str, max_grad_norm,
-              meter: Meter | None) -> str | None:
+              meter: Meter | None, typical: dict | None = None) -> str | None:
     """The probe's cache key, or None when it is not cached (CUDA, a compiled model, a meter other than RSS, a
     model `plan` did not describe when it started)."""
     digest = MODEL_DIGESTS.get(model)
@@ -172,7 +175,8 @@ def probe_key(model: nn.Module, settings: Strategy, batch: dict, device: str, ma
         return None
     return estimate_cache.probe_key(digest, settings, batch, max_grad_norm=max_grad_norm,
                                     meter=meter.kind if meter is not None else "tensors",
-                                    warm_up_width=PROBE_WARM_UP_WIDTH, allocator=allocator.describe())
+                                    warm_up_width=PROBE_WARM_UP_WIDTH, allocator=allocator.describe(),
+                                    typical=typical)
 
 
 def held_bytes(meter: Meter | None) -> int:
@@ -197,15 +201,19 @@ def cached_probe(key: str | None, held: int) -> dict | None:
 
 
 def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_grad_norm,
-                  meter: Meter | None = None, ceiling: int | None = None, step_bytes: int = 0) -> dict:
+                  meter: Meter | None = None, ceiling: int | None = None, step_bytes: int = 0,
+                  typical: dict | None = None) -> dict:
     """One update of the Loop on `batch` (two when it has one micro-batch), learning rate 0, timed.
 
     An accumulating split's update is one window of micro-batches, as in the estimator: from the second
     micro-batch on, the gradients of the first are held beside the activations, which is where an
     accumulating run peaks. The first micro-batch is the warm-up (first-call costs, the gradients to hold):
     `batch` cut to `PROBE_WARM_UP_WIDTH` columns (`warm_up_batch`), since the gradients' size does not depend on
-    the width. It runs again, warm, and is timed (`small_step_seconds`, `small_batch_shape`): beside the timed
-    `batch`, it tells what a micro-batch costs whatever its size from what its work costs. Then `batch`, timed from
+    the width. It runs again, warm, and is timed (`small_step_seconds`, `small_batch_shape`): beside a larger timed
+    micro-batch, it tells what a micro-batch costs whatever its size from what its work costs. `typical`, a
+    micro-batch of the run's median work, runs next and is timed (`typical_step_seconds`, `typical_batch_shape`):
+    the larger one the run is priced from, as the worst batch's time per FLOP is no run's (its longest rows cost
+    a fifth to a third more per FLOP than the run's typical micro-batches, docs/plan.md). Then `batch`, timed from
     its `compute_loss` to the optimizer step (the new width's kernel selection included, as a run of dynamic widths
     pays it), and the step itself is timed by the optimizer's hooks (its first step: state creation included). A
     window of one micro-batch (accumulation 1, the fused step) runs twice, the warm-up then `batch`, and times the
@@ -222,9 +230,14 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
     micro_batches = min(settings.accum_steps, 2)
     warm_up = batch if settings.compile else warm_up_batch(batch, PROBE_WARM_UP_WIDTH)
     # A window of micro-batches runs the warm-up twice: the second time, warm, it is timed too (`small_step_seconds`),
-    # so that the planner tells a micro-batch's fixed cost from its work (`micro_batch_costs`).
-    windows = [[warm_up, warm_up, batch] if warm_up is not batch else [warm_up, batch]] if micro_batches == 2 \
-        else [[warm_up], [batch]]
+    # so that the planner tells a micro-batch's fixed cost from its work (`micro_batch_costs`). The typical
+    # micro-batch runs after the worst batch: the worst meets the heap as a probe without one did, and a probe stopped
+    # at its ceiling by the worst batch does not pay for the typical one.
+    typical = typical if typical is not None and micro_batches == 2 and warm_up is not batch \
+        and _shape(typical) not in (_shape(warm_up), _shape(batch)) else None
+    windows = [[warm_up, warm_up, batch, *([typical] if typical is not None else [])] if warm_up is not batch
+               else [warm_up, batch]] if micro_batches == 2 else [[warm_up], [batch]]
+    worst = len(windows[-1]) - (typical is not None)  # the worst batch's place in the last window, from 1
     config = LoopConfig(**settings.loop_fields() | {"accum_steps": len(windows[0])}, max_grad_norm=max_grad_norm,
                         device=device, track_memory=False, progress_bar=False, eval_every="no", log_every=10**9)
     # bf16 weights: the Loop casts the model in place; its fp32 tensors are set aside and put back after.
@@ -239,17 +252,22 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
     marks: list[tuple[str, float]] = []  # ("loss" | "step" | "stepped", when)
     compute_loss, optimizers = loop.compute_loss, inner_optimizers(loop.optimizer)
     guard = _Ceiling(meter, ceiling + stashed, step_bytes) if meter is not None and ceiling is not None else None
-    hooks, started_micro_batches, worst = [], 0, sum(map(len, windows))  # the worst batch: the last micro-batch
+    hooks, watching, started_micro_batches = [], [], 0
 
     def timed_loss(micro_batch):
         nonlocal started_micro_batches
         marks.append(("loss", time.perf_counter()))
         started_micro_batches += 1
-        if guard is not None and started_micro_batches == worst:
+        if guard is not None and started_micro_batches == sum(map(len, windows[:-1])) + worst:
             # Armed for the worst batch and the step after it, where the update peaks (the warm-up holds less): its
             # checks would add 5-8% to the small micro-batch's time, 1-2% to the worst batch's.
-            hooks.extend(guard.install(model, optimizers))
+            watching.extend(guard.watch(model))
+            hooks.extend(guard.before_steps(optimizers))
             guard.check()  # the warm-up may have passed it already
+        elif watching:  # the typical micro-batch, after the worst: smaller, untimed by the checks
+            for hook in watching:
+                hook.remove()
+            watching.clear()
         return compute_loss(micro_batch)
 
     loop.compute_loss = timed_loss
@@ -265,7 +283,7 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
         if guard is None or not guard.tripped:  # autograd may re-raise a hook's exception as its own
             raise
     finally:
-        for hook in hooks:
+        for hook in hooks + watching:
             hook.remove()
         if hasattr(loop.optimizer, "remove"):  # the wrappers' hooks (fused step, fp32 accumulation)
             loop.optimizer.remove()
@@ -279,29 +297,35 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
             gc.collect()
     peak = meter.peak() - stashed if meter is not None else None  # the fp32 tensors set aside: not the run's
     measured = {"probe_seconds": time.perf_counter() - started, "tokens": int(batch["input_ids"].numel()),
-                "batch_shape": list(batch["input_ids"].shape)}
+                "batch_shape": _shape(batch)}
     if guard is not None and guard.tripped:
         return {"stopped": True, "ceiling": ceiling, "measured_peak_bytes": max(peak, ceiling + 1),
                 **({"before_step_bytes": step_bytes} if guard.before_step else {}), **measured}
-    loss_marks = sorted(when for kind, when in marks if kind == "loss")  # the micro-batches' starts
-    last_loss = loss_marks[-1]
-    steps = [(kind, when) for kind, when in marks if kind in ("step", "stepped") and when > last_loss]
+    loss_marks = sorted(when for kind, when in marks if kind == "loss")  # the last window's micro-batches' starts
+    steps = [(kind, when) for kind, when in marks if kind in ("step", "stepped") and when > loss_marks[-1]]
     if settings.optimizer_in_backward or not steps:  # the fused steps run inside backward: per-token time
-        micro_step, optimizer_seconds = ended - last_loss, 0.0
+        stepping, optimizer_seconds = ended, 0.0
     else:
-        micro_step = min(when for _, when in steps) - last_loss
+        stepping = min(when for _, when in steps)
         optimizer_seconds = sum(when if kind == "stepped" else -when for kind, when in steps)
-    if settings.compile and len(loss_marks) >= 2:  # the first micro-batch compiled the graph: what the run pays too
-        compile_seconds = loss_marks[-1] - loss_marks[0] - micro_step
+    ends = [*loss_marks[1:], stepping]  # each micro-batch's end: the next one's start, the last one's the step
+    micro_step = ends[worst - 1] - loss_marks[worst - 1]
     result = {"micro_step_seconds": micro_step, "optimizer_step_seconds": max(optimizer_seconds, 0.0), **measured}
     if peak is not None:
         result["measured_peak_bytes"] = peak
-    if settings.compile and len(loss_marks) >= 2:
-        result["compile_seconds"] = max(compile_seconds, 0.0)
-    if len(loss_marks) == 3:  # the warm-up's second run, from its loss to the timed micro-batch's
-        result["small_step_seconds"] = loss_marks[2] - loss_marks[1]
-        result["small_batch_shape"] = list(warm_up["input_ids"].shape)
+    if settings.compile and worst >= 2:  # the first micro-batch compiled the graph: what the run pays too
+        result["compile_seconds"] = max(loss_marks[worst - 1] - loss_marks[0] - micro_step, 0.0)
+    if worst >= 3:  # the warm-up's second run
+        result["small_step_seconds"] = ends[1] - loss_marks[1]
+        result["small_batch_shape"] = _shape(warm_up)
+    if typical is not None:
+        result["typical_step_seconds"] = ends[worst] - loss_marks[worst]
+        result["typical_batch_shape"] = _shape(typical)
     return result
+
+
+def _shape(batch: dict) -> list[int]:
+    return list(batch["input_ids"].shape)
 
 
 def warm_up_batch(batch: dict, width: int) -> dict:

@@ -5,6 +5,7 @@ kept unless another is measured `KEEP_BASELINE_WITHIN` faster."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -129,8 +130,14 @@ def probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: l
         if not candidate.probed:
             ceiling = probe_ceiling(result.budget_bytes, result.margin, result.growth_bytes) \
                 if meter is not None else None
+            # Settings that run the same kernels share one line of costs: the first probe of them times a typical
+            # micro-batch, the others reuse its line (`record_probe`) and are probed for their memory and steps.
+            alike = next((other for other in result.candidates if "typical_step_seconds" in other.probe
+                          and same_kernels(other.settings, candidate.settings)), None)
+            typical = typical_batch(candidate, dataset, collator, order) if alike is None else None
             record_probe(candidate, probes.probe(model, candidate.settings, batch_of(candidate), device, max_grad_norm,
-                                                  meter, ceiling, candidate.step_bytes), flops)
+                                                  meter, ceiling, candidate.step_bytes, typical=typical), flops,
+                         alike.probe if alike is not None else None)
             charged += candidate.probe["probe_seconds"]
         over = not fits(candidate)
         if over:
@@ -211,14 +218,40 @@ def probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: l
                             f"{KEEP_BASELINE_WITHIN:.0%} faster")
 
 
-def record_probe(candidate: Candidate, probe: dict, flops: ModelFlops | None = None) -> None:
+def typical_batch(candidate: Candidate, dataset, collator, order: list[int]) -> dict | None:
+    """A micro-batch of `candidate.typical_shape` for its probe to time: its rows of the longest samples (`order`),
+    cut to its width in real tokens (`probes.warm_up_batch`); None without a shape, for a probe of one micro-batch
+    (no accumulation: it times only the worst batch), or where those rows are too short to cut (the probe then
+    prices the run by its worst batch)."""
+    if candidate.typical_shape is None or candidate.settings.accum_steps == 1:
+        return None
+    rows, width = candidate.typical_shape
+    batch = probes.warm_up_batch(collator([dataset[index] for index in order[:rows]]), width)
+    return batch if list(batch["input_ids"].shape) == [rows, width] else None
+
+
+def same_kernels(one: Strategy, other: Strategy) -> bool:
+    """Whether two settings differ only in their split (micro-batch, accumulation, token cut): their micro-batches
+    then run the same kernels, and one line of costs prices both (`micro_batch_costs`)."""
+    def kernels(settings: Strategy) -> Strategy:
+        return dataclasses.replace(settings, batch_size=1, accum_steps=1, micro_batch_tokens=0)
+    return kernels(one) == kernels(other)
+
+
+def record_probe(candidate: Candidate, probe: dict, flops: ModelFlops | None = None,
+                 line_from: dict | None = None) -> None:
     """A probe's measurements on its candidate, and the epoch's time they predict: each micro-batch's fixed cost
-    and its work at the probe's seconds per FLOP (`micro_batch_costs`), else (no small step timed, or no FLOPs
-    counted) its padded tokens at the probe's seconds per token; and each optimizer step."""
+    and its work at the probe's seconds per FLOP (`micro_batch_costs`: of `line_from`, a probe of settings with the
+    same kernels that timed a typical micro-batch, when given), else (no small step timed, or no FLOPs counted) its
+    padded tokens at the probe's seconds per token; and each optimizer step, as this probe timed it.
+
+    One line for settings that differ only in their split: on the benchmark of docs/plan.md the line fitted to one
+    run's micro-batches priced the other cut's within 3% (both ways), where each probe's own worst batch moved its
+    prediction by a fifth."""
     candidate.probe, candidate.probed = probe, True
     if probe.get("stopped"):  # over its ceiling, so over the budget: no time measured, the prior's stands
         return
-    costs = micro_batch_costs(probe, flops) if candidate.flops else None
+    costs = micro_batch_costs(line_from if line_from is not None else probe, flops) if candidate.flops else None
     work = costs[0] * candidate.micro_batches + costs[1] * candidate.flops if costs is not None \
         else probe["micro_step_seconds"] / probe["tokens"] * candidate.padded_tokens
     candidate.seconds_per_epoch = (work + probe["optimizer_step_seconds"] * candidate.updates
@@ -226,25 +259,29 @@ def record_probe(candidate: Candidate, probe: dict, flops: ModelFlops | None = N
 
 
 def micro_batch_costs(probe: dict, flops: ModelFlops | None) -> tuple[float, float] | None:
-    """A probe's seconds per micro-batch whatever its size, and per model FLOP of its work: the line through its two
-    timed micro-batches (the warm-up's second run and the worst batch), their work in model FLOPs
-    (`ModelFlops.per_batch`: padded tokens, attention growing with the width). None without a small step timed or
-    FLOPs counted.
+    """A probe's seconds per micro-batch whatever its size, and per model FLOP of its work: the line through two of
+    its timed micro-batches, the warm-up's second run and the typical one (else the worst batch), their work in model
+    FLOPs (`ModelFlops.per_batch`: padded tokens, attention growing with the width). None without a small step timed
+    or FLOPs counted.
 
-    A micro-batch's fixed cost (Python, dispatch, hooks: the same for 1 row or 8) is why cutting a batch into more
-    micro-batches costs more than its tokens say; and attention makes a token of the worst width dearer than one of
-    a typical batch.
+    A micro-batch's fixed cost (reading every weight matrix three times, accumulating every gradient, Python and
+    dispatch: the same for 1 row or 8) is why cutting a batch into more micro-batches costs more than its tokens
+    say. The typical micro-batch rather than the worst: the worst batch's longest rows cost more per FLOP than the
+    run's other micro-batches (11.5 against 6.5-7 s per TFLOP on the benchmark's BERT), and the line through it
+    overpriced every micro-batch's work by half, the more so the larger the cut (docs/plan.md).
     """
     small, shape = probe.get("small_step_seconds"), probe.get("small_batch_shape")
     if small is None or shape is None or flops is None:
         return None
-    small_work, large_work = flops.per_batch(*shape), flops.per_batch(*probe["batch_shape"])
-    if large_work <= small_work or probe["micro_step_seconds"] <= small:
+    large, large_shape = (probe["typical_step_seconds"], probe["typical_batch_shape"]) \
+        if "typical_step_seconds" in probe else (probe["micro_step_seconds"], probe["batch_shape"])
+    small_work, large_work = flops.per_batch(*shape), flops.per_batch(*large_shape)
+    if large_work <= small_work or large <= small:
         return None
-    per_flop = (probe["micro_step_seconds"] - small) / (large_work - small_work)
+    per_flop = (large - small) / (large_work - small_work)
     fixed = small - per_flop * small_work
     if fixed < 0:  # noise: all of it work
-        return 0.0, probe["micro_step_seconds"] / large_work
+        return 0.0, large / large_work
     return fixed, per_flop
 
 

@@ -92,8 +92,11 @@ def costed(search: Search, settings: Strategy, dataset, collator, lengths, devic
     shapes = [shape for window in windows for shape in window]
     candidate.padded_tokens = sum(rows * width for rows, width in shapes)
     candidate.micro_batches = len(shapes)
+    work = search.flops.per_batch if search.flops is not None else lambda rows, width: float(rows * width)
     if search.flops is not None:
-        candidate.flops = sum(search.flops.per_batch(rows, width) for rows, width in shapes)
+        candidate.flops = sum(work(rows, width) for rows, width in shapes)
+    if shapes:
+        candidate.typical_shape = tuple(sorted(shapes, key=lambda shape: (work(*shape), shape))[len(shapes) // 2])
     candidate.updates = len(windows)
     candidate.prior = prior_seconds(candidate, search.model, device_type)
     return candidate
