@@ -1042,6 +1042,15 @@ def test_a_probe_times_a_typical_micro_batch_after_the_worst_and_prices_the_run_
     assert stopped["stopped"] is True and seen == [[2, 16], [2, 16]]  # stopped as the worst batch started
     assert all(parameter.grad is None for parameter in model.parameters())
 
+    class Below(Past):  # within the ceiling, but not with the optimizer step's bytes on top
+        def current(self):
+            return 2**30 - 2**20
+    seen.clear()
+    stopped = probes.measure_probe(model, settings, worst, "cpu", 1.0, Below(), 2**30, step_bytes=2**21,
+                                   typical=typical)
+    assert stopped["stopped"] is True and stopped["before_step_bytes"] == 2**21
+    assert seen == [[2, 16], [2, 16], [2, 24]]  # the step would not fit: stopped before the typical micro-batch
+
     flops = ModelFlops(dense=100.0, attention=1.0)  # 2 x 16: 3,712 FLOPs; 4 x 64: 41,984; 2 x 256: 182,272
     probe = {"small_step_seconds": 0.1 + 3_712e-6, "small_batch_shape": [2, 16],
              "typical_step_seconds": 0.1 + 41_984e-6, "typical_batch_shape": [4, 64],

@@ -211,9 +211,10 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
     `batch` cut to `PROBE_WARM_UP_WIDTH` columns (`warm_up_batch`), since the gradients' size does not depend on
     the width. It runs again, warm, and is timed (`small_step_seconds`, `small_batch_shape`): beside a larger timed
     micro-batch, it tells what a micro-batch costs whatever its size from what its work costs. `typical`, a
-    micro-batch of the run's median work, runs next and is timed (`typical_step_seconds`, `typical_batch_shape`):
+    micro-batch of the run's median work, is timed too (`typical_step_seconds`, `typical_batch_shape`):
     the larger one the run is priced from, as the worst batch's time per FLOP is no run's (its longest rows cost
-    a fifth to a third more per FLOP than the run's typical micro-batches, docs/plan.md). Then `batch`, timed from
+    a fifth to a third more per FLOP than the run's typical micro-batches, docs/plan.md). It runs after `batch`, and
+    not at all when the probe stops at `batch` or its optimizer step would pass the ceiling. `batch` is timed from
     its `compute_loss` to the optimizer step (the new width's kernel selection included, as a run of dynamic widths
     pays it), and the step itself is timed by the optimizer's hooks (its first step: state creation included). A
     window of one micro-batch (accumulation 1, the fused step) runs twice, the warm-up then `batch`, and times the
@@ -268,6 +269,9 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
             for hook in watching:
                 hook.remove()
             watching.clear()
+            # The worst batch's gradients are what the step meets: a probe whose step would pass its ceiling stops
+            # now, without paying for the typical micro-batch (its step is checked again before it runs).
+            guard.check_step()
         return compute_loss(micro_batch)
 
     loop.compute_loss = timed_loss
