@@ -29,10 +29,11 @@ the estimator, and drives both:
    the safe default: micro-batch 1, every block checkpointed) is always a candidate and probed first; the prior's
    favourite next, then others while their probes fit the probe budget (5% of the run by default, less the
    estimates' time) and could pay for themselves. A probe is one update of the real Loop (`Loop.run_update`)
-   on a real batch of the worst shape, learning rate 0, its second micro-batch timed. The measured time per
-   padded token and per optimizer step, times the padded tokens and the updates of an epoch under that
-   candidate's batching, predict the epoch's time; candidates left unprobed keep a prior, FLOP-style prediction
-   and rank after the probed ones. The baseline is replaced only by a candidate predicted at least
+   on a real batch of the worst shape, learning rate 0, with a small micro-batch and one of the run's typical
+   work timed beside it: a micro-batch's fixed cost and its seconds per FLOP (`ranking.micro_batch_costs`, one line
+   for the splits of the same settings), and the optimizer step's seconds, over the micro-batches and updates of
+   an epoch under that candidate's batching, predict the epoch's time; candidates left unprobed keep a prior,
+   FLOP-style prediction and rank after the probed ones. The baseline is replaced only by a candidate predicted at least
    `KEEP_BASELINE_WITHIN` faster.
 
 Everything measured and decided is in the returned `Plan` (`table()`, `to_dict()`).

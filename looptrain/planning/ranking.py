@@ -246,8 +246,8 @@ def record_probe(candidate: Candidate, probe: dict, flops: ModelFlops | None = N
     padded tokens at the probe's seconds per token; and each optimizer step, as this probe timed it.
 
     One line for settings that differ only in their split: on the benchmark of docs/plan.md the line fitted to one
-    run's micro-batches priced the other cut's within 3% (both ways), where each probe's own worst batch moved its
-    prediction by a fifth."""
+    run's micro-batches priced the other cut's within 3% (both ways), where the lines through each probe's worst
+    batch had overpriced them by 25% and 39%."""
     candidate.probe, candidate.probed = probe, True
     if probe.get("stopped"):  # over its ceiling, so over the budget: no time measured, the prior's stands
         return
