@@ -1023,6 +1023,14 @@ def test_a_probe_times_a_typical_micro_batch_after_the_worst_and_prices_the_run_
     assert timed["typical_batch_shape"] == [3, 20] and timed["typical_step_seconds"] > 0
     assert timed["batch_shape"] == [2, 24] and timed["micro_step_seconds"] > 0 and timed["small_step_seconds"] > 0
 
+    # One micro-batch an update (no accumulation, the fused step): the typical one is an update of its own, second.
+    for one in (Settings(batch_size=2, accum_steps=1), Settings(batch_size=2, accum_steps=1, optimizer="sgd",
+                                                                 optimizer_in_backward=True)):
+        seen.clear()
+        alone = probes.measure_probe(model, one, worst, "cpu", 1.0, typical=typical)
+        assert seen == [[2, 16], [3, 20], [2, 24]] and alone["typical_step_seconds"] > 0
+        assert alone["typical_batch_shape"] == [3, 20] and "small_step_seconds" not in alone
+
     class Past:  # a meter that reads past any ceiling: the probe stops at the worst batch's first check
         kind = "rss"
 
@@ -1070,6 +1078,12 @@ def test_a_probe_times_a_typical_micro_batch_after_the_worst_and_prices_the_run_
                             flops=2e6, updates=8)
     ranking.record_probe(other, {**without, "optimizer_step_seconds": 0.25}, flops, line_from=probe)
     assert other.seconds_per_epoch == pytest.approx(0.1 * 10 + 2.0 + 0.25 * 8)
+    # Without a line (one micro-batch an update), the typical micro-batch's seconds per padded token price the epoch.
+    alone = {key: value for key, value in probe.items() if not key.startswith("small")}
+    whole = plans.Candidate(Settings(batch_size=8, accum_steps=1), 0, padded_tokens=4096, micro_batches=8,
+                            flops=2e6, updates=8)
+    ranking.record_probe(whole, alone, flops)
+    assert whole.seconds_per_epoch == pytest.approx((0.1 + 41_984e-6) / 256 * 4096 + 0.5 * 8)
 
 
 def test_a_probes_warm_up_is_the_worst_batch_cut_to_columns_real_in_every_row():

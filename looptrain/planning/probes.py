@@ -213,13 +213,15 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
     micro-batch, it tells what a micro-batch costs whatever its size from what its work costs. `typical`, a
     micro-batch of the run's median work, is timed too (`typical_step_seconds`, `typical_batch_shape`):
     the larger one the run is priced from, as the worst batch's time per FLOP is no run's (its longest rows cost
-    a fifth to a third more per FLOP than the run's typical micro-batches, docs/plan.md). It runs after `batch`, and
-    not at all when the probe stops at `batch` or its optimizer step would pass the ceiling. `batch` is timed from
+    a fifth to a third more per FLOP than the run's typical micro-batches, docs/plan.md). In a window of
+    micro-batches it runs after `batch`, and not at all when the probe stops at `batch` or its optimizer step would
+    pass the ceiling. `batch` is timed from
     its `compute_loss` to the optimizer step (the new width's kernel selection included, as a run of dynamic widths
     pays it), and the step itself is timed by the optimizer's hooks (its first step: state creation included). A
     window of one micro-batch (accumulation 1, the fused step) runs twice, the warm-up then `batch`, and times the
-    second. Returns the seconds per micro-step and per optimizer step, the probe's own seconds, and with `meter` the
-    peak it measured over the whole probe (warm-up included: the run pays its first-call costs too).
+    second; with `typical`, three times, the typical micro-batch timed as the second update. Returns the seconds per
+    micro-step and per optimizer step, the probe's own seconds, and with `meter` the peak it measured over the whole
+    probe (warm-up included: the run pays its first-call costs too).
 
     With `meter` and a `ceiling` (bytes by that meter), the probe stops as soon as the meter reads above it, from
     the worst batch on (`_Ceiling`; the warm-up holds less): the result then says ``"stopped": True`` and holds the
@@ -234,11 +236,16 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
     # so that the planner tells a micro-batch's fixed cost from its work (`micro_batch_costs`). The typical
     # micro-batch runs after the worst batch: the worst meets the heap as a probe without one did, and a probe stopped
     # at its ceiling by the worst batch does not pay for the typical one.
-    typical = typical if typical is not None and micro_batches == 2 and warm_up is not batch \
+    # A window of one micro-batch (no accumulation, the fused step) times the typical one as an update of its own,
+    # between the warm-up and `batch`: every micro-batch is then an update.
+    typical = typical if typical is not None and warm_up is not batch \
         and _shape(typical) not in (_shape(warm_up), _shape(batch)) else None
-    windows = [[warm_up, warm_up, batch, *([typical] if typical is not None else [])] if warm_up is not batch
-               else [warm_up, batch]] if micro_batches == 2 else [[warm_up], [batch]]
-    worst = len(windows[-1]) - (typical is not None)  # the worst batch's place in the last window, from 1
+    if micro_batches == 1:
+        windows = [[warm_up], *([[typical]] if typical is not None else []), [batch]]
+    else:
+        windows = [[warm_up, warm_up, batch, *([typical] if typical is not None else [])] if warm_up is not batch
+                   else [warm_up, batch]]
+    worst = len(windows[-1]) - (typical is not None and micro_batches == 2)  # its place in the last window, from 1
     config = LoopConfig(**settings.loop_fields() | {"accum_steps": len(windows[0])}, max_grad_norm=max_grad_norm,
                         device=device, track_memory=False, progress_bar=False, eval_every="no", log_every=10**9)
     # bf16 weights: the Loop casts the model in place; its fp32 tensors are set aside and put back after.
@@ -280,6 +287,14 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
         hooks.append(inner.register_step_post_hook(lambda *args: marks.append(("stepped", time.perf_counter()))))
     try:
         for window in windows:
+            if window[0] is typical and micro_batches == 1:  # timed to its optimizer step (the fused step: its end)
+                marks.clear()
+                loop.run_update(window)
+                done = time.perf_counter()
+                loss = min(when for kind, when in marks if kind == "loss")
+                steps = [when for kind, when in marks if kind == "step" and when > loss]
+                typical_seconds = (done if settings.optimizer_in_backward or not steps else min(steps)) - loss
+                continue
             marks.clear()
             loop.run_update(window)
             ended = time.perf_counter()
@@ -323,7 +338,7 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
         result["small_step_seconds"] = ends[1] - loss_marks[1]
         result["small_batch_shape"] = _shape(warm_up)
     if typical is not None:
-        result["typical_step_seconds"] = ends[worst] - loss_marks[worst]
+        result["typical_step_seconds"] = ends[worst] - loss_marks[worst] if micro_batches == 2 else typical_seconds
         result["typical_batch_shape"] = _shape(typical)
     return result
 

@@ -132,7 +132,7 @@ def probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: l
                 if meter is not None else None
             # Settings that run the same kernels share one line of costs: the first probe of them times a typical
             # micro-batch, the others reuse its line (`record_probe`) and are probed for their memory and steps.
-            alike = next((other for other in result.candidates if "typical_step_seconds" in other.probe
+            alike = next((other for other in result.candidates if has_line(other.probe)
                           and same_kernels(other.settings, candidate.settings)), None)
             typical = typical_batch(candidate, dataset, collator, order) if alike is None else None
             record_probe(candidate, probes.probe(model, candidate.settings, batch_of(candidate), device, max_grad_norm,
@@ -220,14 +220,18 @@ def probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: l
 
 def typical_batch(candidate: Candidate, dataset, collator, order: list[int]) -> dict | None:
     """A micro-batch of `candidate.typical_shape` for its probe to time: its rows of the longest samples (`order`),
-    cut to its width in real tokens (`probes.warm_up_batch`); None without a shape, for a probe of one micro-batch
-    (no accumulation: it times only the worst batch), or where those rows are too short to cut (the probe then
-    prices the run by its worst batch)."""
-    if candidate.typical_shape is None or candidate.settings.accum_steps == 1:
+    cut to its width in real tokens (`probes.warm_up_batch`); None without a shape, or where those rows are too short
+    to cut (the probe then prices the run by its worst batch)."""
+    if candidate.typical_shape is None:
         return None
     rows, width = candidate.typical_shape
     batch = probes.warm_up_batch(collator([dataset[index] for index in order[:rows]]), width)
     return batch if list(batch["input_ids"].shape) == [rows, width] else None
+
+
+def has_line(probe: dict) -> bool:
+    """Whether a probe timed the two micro-batches a line of costs goes through: the small one and a typical one."""
+    return "small_step_seconds" in probe and "typical_step_seconds" in probe
 
 
 def same_kernels(one: Strategy, other: Strategy) -> bool:
@@ -243,7 +247,8 @@ def record_probe(candidate: Candidate, probe: dict, flops: ModelFlops | None = N
     """A probe's measurements on its candidate, and the epoch's time they predict: each micro-batch's fixed cost
     and its work at the probe's seconds per FLOP (`micro_batch_costs`: of `line_from`, a probe of settings with the
     same kernels that timed a typical micro-batch, when given), else (no small step timed, or no FLOPs counted) its
-    padded tokens at the probe's seconds per token; and each optimizer step, as this probe timed it.
+    padded tokens at the seconds per token of the probe's typical micro-batch (else of its worst batch); and each
+    optimizer step, as this probe timed it.
 
     One line for settings that differ only in their split: on the benchmark of docs/plan.md the line fitted to one
     run's micro-batches priced the other cut's within 3% (both ways), where the lines through each probe's worst
@@ -252,8 +257,12 @@ def record_probe(candidate: Candidate, probe: dict, flops: ModelFlops | None = N
     if probe.get("stopped"):  # over its ceiling, so over the budget: no time measured, the prior's stands
         return
     costs = micro_batch_costs(line_from if line_from is not None else probe, flops) if candidate.flops else None
-    work = costs[0] * candidate.micro_batches + costs[1] * candidate.flops if costs is not None \
-        else probe["micro_step_seconds"] / probe["tokens"] * candidate.padded_tokens
+    if costs is not None:
+        work = costs[0] * candidate.micro_batches + costs[1] * candidate.flops
+    elif "typical_step_seconds" in probe:  # one micro-batch an update: the typical one's seconds per padded token
+        work = probe["typical_step_seconds"] / math.prod(probe["typical_batch_shape"]) * candidate.padded_tokens
+    else:
+        work = probe["micro_step_seconds"] / probe["tokens"] * candidate.padded_tokens
     candidate.seconds_per_epoch = (work + probe["optimizer_step_seconds"] * candidate.updates
                                    + probe.get("compile_seconds", 0.0))  # torch.compile: paid once, counted once
 
