@@ -1078,12 +1078,17 @@ def test_a_probe_times_a_typical_micro_batch_after_the_worst_and_prices_the_run_
                             flops=2e6, updates=8)
     ranking.record_probe(other, {**without, "optimizer_step_seconds": 0.25}, flops, line_from=probe)
     assert other.seconds_per_epoch == pytest.approx(0.1 * 10 + 2.0 + 0.25 * 8)
-    # Without a line (one micro-batch an update), the typical micro-batch's seconds per padded token price the epoch.
+    # Without a line (one micro-batch an update), the typical micro-batch's seconds per FLOP price the epoch (per
+    # padded token without FLOPs counted).
     alone = {key: value for key, value in probe.items() if not key.startswith("small")}
     whole = plans.Candidate(Settings(batch_size=8, accum_steps=1), 0, padded_tokens=4096, micro_batches=8,
                             flops=2e6, updates=8)
     ranking.record_probe(whole, alone, flops)
-    assert whole.seconds_per_epoch == pytest.approx((0.1 + 41_984e-6) / 256 * 4096 + 0.5 * 8)
+    assert whole.seconds_per_epoch == pytest.approx((0.1 + 41_984e-6) / 41_984 * 2e6 + 0.5 * 8)
+    uncounted = plans.Candidate(Settings(batch_size=8, accum_steps=1), 0, padded_tokens=4096, micro_batches=8,
+                                updates=8)
+    ranking.record_probe(uncounted, alone, flops)
+    assert uncounted.seconds_per_epoch == pytest.approx((0.1 + 41_984e-6) / 256 * 4096 + 0.5 * 8)
 
 
 def test_a_probes_warm_up_is_the_worst_batch_cut_to_columns_real_in_every_row():

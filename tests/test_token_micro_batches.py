@@ -267,8 +267,8 @@ def test_no_probe_runs_past_what_fits_its_ceiling_stops_it(dataset, monkeypatch,
 
 
 
-def test_the_first_probe_of_each_kernel_setting_times_the_runs_median_micro_batch(dataset, monkeypatch, tmp_path):
-    """Each candidate knows its epoch's micro-batch of median work (`typical_shape`); the first probe of settings that
+def test_the_first_probe_of_each_kernel_setting_times_the_runs_mean_micro_batch(dataset, monkeypatch, tmp_path):
+    """Each candidate knows its epoch's micro-batch of mean work (`typical_shape`); the first probe of settings that
     run the same kernels is handed a real batch of that shape to time (cut from the longest samples, every token
     real), and the other splits of those settings reuse its line of costs, probed for their memory and steps alone."""
     from looptrain import data
@@ -305,8 +305,9 @@ def test_the_first_probe_of_each_kernel_setting_times_the_runs_median_micro_batc
         train_set, first.settings.batch_size, collator, grouping="length", seed=42).batch_sampler,
         list(train_set.lengths), collator, first.settings.accum_steps,
         micro_batch_tokens=first.settings.micro_batch_tokens) for shape in window]
-    median = sorted(shapes, key=lambda shape: (flops.per_batch(*shape), shape))[len(shapes) // 2]
-    assert first.typical_shape == median and list(first_typical["input_ids"].shape) == list(median)
+    mean = sum(flops.per_batch(*shape) for shape in shapes) / len(shapes)
+    typical = min(shapes, key=lambda shape: (abs(flops.per_batch(*shape) - mean), shape))
+    assert first.typical_shape == typical and list(first_typical["input_ids"].shape) == list(typical)
     # A typical batch for every probe but those of settings whose line an earlier probe drew (small and typical
     # micro-batches timed: a window of micro-batches; a probe of one micro-batch an update times the typical alone).
     reused = 0

@@ -77,7 +77,7 @@ class Candidate:
     estimated_peak_bytes: int
     padded_tokens: int = 0  # an epoch's padded tokens under these settings' batching
     micro_batches: int = 0  # an epoch's micro-batches under these settings' batching
-    # The epoch's micro-batch of median work, (rows, padded width): its probe times one, which the run's micro-batches
+    # The epoch's micro-batch of mean work, (rows, padded width): its probe times one, which the run's micro-batches
     # are priced from (`ranking.micro_batch_costs`); None when not known (the probe then prices by its worst batch).
     typical_shape: tuple[int, int] | None = None
     flops: float = 0.0  # an epoch's model FLOPs over its padded micro-batches (`looptrain.flops`; 0: not counted)

@@ -211,7 +211,7 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
     `batch` cut to `PROBE_WARM_UP_WIDTH` columns (`warm_up_batch`), since the gradients' size does not depend on
     the width. It runs again, warm, and is timed (`small_step_seconds`, `small_batch_shape`): beside a larger timed
     micro-batch, it tells what a micro-batch costs whatever its size from what its work costs. `typical`, a
-    micro-batch of the run's median work, is timed too (`typical_step_seconds`, `typical_batch_shape`):
+    micro-batch of the run's mean work, is timed too (`typical_step_seconds`, `typical_batch_shape`):
     the larger one the run is priced from, as the worst batch's time per FLOP is no run's (its longest rows cost
     a fifth to a third more per FLOP than the run's typical micro-batches, docs/plan.md). In a window of
     micro-batches it runs after `batch`, and not at all when the probe stops at `batch` or its optimizer step would

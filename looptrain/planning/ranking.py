@@ -259,8 +259,10 @@ def record_probe(candidate: Candidate, probe: dict, flops: ModelFlops | None = N
     costs = micro_batch_costs(line_from if line_from is not None else probe, flops) if candidate.flops else None
     if costs is not None:
         work = costs[0] * candidate.micro_batches + costs[1] * candidate.flops
-    elif "typical_step_seconds" in probe:  # one micro-batch an update: the typical one's seconds per padded token
-        work = probe["typical_step_seconds"] / math.prod(probe["typical_batch_shape"]) * candidate.padded_tokens
+    elif "typical_step_seconds" in probe:  # one micro-batch an update: the typical one's seconds per FLOP (or token)
+        typical = probe["typical_batch_shape"]
+        work = probe["typical_step_seconds"] * (candidate.flops / flops.per_batch(*typical) if candidate.flops and flops
+                                                else candidate.padded_tokens / math.prod(typical))
     else:
         work = probe["micro_step_seconds"] / probe["tokens"] * candidate.padded_tokens
     candidate.seconds_per_epoch = (work + probe["optimizer_step_seconds"] * candidate.updates

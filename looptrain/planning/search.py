@@ -95,8 +95,9 @@ def costed(search: Search, settings: Strategy, dataset, collator, lengths, devic
     work = search.flops.per_batch if search.flops is not None else lambda rows, width: float(rows * width)
     if search.flops is not None:
         candidate.flops = sum(work(rows, width) for rows, width in shapes)
-    if shapes:
-        candidate.typical_shape = tuple(sorted(shapes, key=lambda shape: (work(*shape), shape))[len(shapes) // 2])
+    if shapes:  # the micro-batch of mean work: one priced there prices the epoch's total exactly if time is affine
+        mean = sum(work(*shape) for shape in shapes) / len(shapes)
+        candidate.typical_shape = min(shapes, key=lambda shape: (abs(work(*shape) - mean), shape))
     candidate.updates = len(windows)
     candidate.prior = prior_seconds(candidate, search.model, device_type)
     return candidate
