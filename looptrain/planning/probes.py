@@ -261,6 +261,7 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
     compute_loss, optimizers = loop.compute_loss, inner_optimizers(loop.optimizer)
     guard = _Ceiling(meter, ceiling + stashed, step_bytes) if meter is not None and ceiling is not None else None
     hooks, watching, started_micro_batches = [], [], 0
+    timed: list[tuple[list[float], float]] = []  # per update: `_window_seconds`
 
     def timed_loss(micro_batch):
         nonlocal started_micro_batches
@@ -287,17 +288,9 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
         hooks.append(inner.register_step_post_hook(lambda *args: marks.append(("stepped", time.perf_counter()))))
     try:
         for window in windows:
-            if window[0] is typical and micro_batches == 1:  # timed to its optimizer step (the fused step: its end)
-                marks.clear()
-                loop.run_update(window)
-                done = time.perf_counter()
-                loss = min(when for kind, when in marks if kind == "loss")
-                steps = [when for kind, when in marks if kind == "step" and when > loss]
-                typical_seconds = (done if settings.optimizer_in_backward or not steps else min(steps)) - loss
-                continue
             marks.clear()
             loop.run_update(window)
-            ended = time.perf_counter()
+            timed.append(_window_seconds(marks, time.perf_counter(), settings.optimizer_in_backward))
     except Exception:
         if guard is None or not guard.tripped:  # autograd may re-raise a hook's exception as its own
             raise
@@ -320,27 +313,34 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
     if guard is not None and guard.tripped:
         return {"stopped": True, "ceiling": ceiling, "measured_peak_bytes": max(peak, ceiling + 1),
                 **({"before_step_bytes": step_bytes} if guard.before_step else {}), **measured}
-    loss_marks = sorted(when for kind, when in marks if kind == "loss")  # the last window's micro-batches' starts
-    steps = [(kind, when) for kind, when in marks if kind in ("step", "stepped") and when > loss_marks[-1]]
-    if settings.optimizer_in_backward or not steps:  # the fused steps run inside backward: per-token time
-        stepping, optimizer_seconds = ended, 0.0
-    else:
-        stepping = min(when for _, when in steps)
-        optimizer_seconds = sum(when if kind == "stepped" else -when for kind, when in steps)
-    ends = [*loss_marks[1:], stepping]  # each micro-batch's end: the next one's start, the last one's the step
-    micro_step = ends[worst - 1] - loss_marks[worst - 1]
+    seconds, optimizer_seconds = timed[-1]  # the last window's: the worst batch's, and the typical one after it
+    micro_step = seconds[worst - 1]
     result = {"micro_step_seconds": micro_step, "optimizer_step_seconds": max(optimizer_seconds, 0.0), **measured}
     if peak is not None:
         result["measured_peak_bytes"] = peak
     if settings.compile and worst >= 2:  # the first micro-batch compiled the graph: what the run pays too
-        result["compile_seconds"] = max(loss_marks[worst - 1] - loss_marks[0] - micro_step, 0.0)
+        result["compile_seconds"] = max(sum(seconds[:worst - 1]) - micro_step, 0.0)
     if worst >= 3:  # the warm-up's second run
-        result["small_step_seconds"] = ends[1] - loss_marks[1]
+        result["small_step_seconds"] = seconds[1]
         result["small_batch_shape"] = _shape(warm_up)
-    if typical is not None:
-        result["typical_step_seconds"] = ends[worst] - loss_marks[worst] if micro_batches == 2 else typical_seconds
+    if typical is not None:  # after the worst batch, or (one micro-batch an update) the second update
+        result["typical_step_seconds"] = seconds[worst] if micro_batches == 2 else timed[1][0][0]
         result["typical_batch_shape"] = _shape(typical)
     return result
+
+
+def _window_seconds(marks: list[tuple[str, float]], ended: float, fused: bool) -> tuple[list[float], float]:
+    """One update's micro-batches, each timed from its `compute_loss` to the next one's (the last one: to the
+    optimizer step, or to the update's end, `ended`, where the steps run inside backward: `fused`), and its
+    optimizer steps' seconds (from their hooks' marks)."""
+    starts = sorted(when for kind, when in marks if kind == "loss")
+    steps = [(kind, when) for kind, when in marks if kind in ("step", "stepped") and when > starts[-1]]
+    if fused or not steps:
+        stepping, optimizer_seconds = ended, 0.0
+    else:
+        stepping = min(when for _, when in steps)
+        optimizer_seconds = sum(when if kind == "stepped" else -when for kind, when in steps)
+    return [end - start for start, end in zip(starts, [*starts[1:], stepping])], optimizer_seconds
 
 
 def _shape(batch: dict) -> list[int]:
