@@ -209,7 +209,9 @@ def test_compile_model_keeps_the_module_its_parameters_and_evaluation_works(coun
 
 
 def test_the_tensor_tracker_makes_a_compiled_model_run_eagerly(counting_backend):
-    """Why compile refuses track_memory on a CPU: under the tracker (a dispatch mode) no compiled graph runs."""
+    """Why compile refuses track_memory on a CPU: under the tracker (a dispatch mode) no compiled graph runs. It counts
+    graph runs, so it empties dynamo's caches first (the slow tests before it leave graphs of the same model)."""
+    torch._dynamo.reset()
     model = compile_model(one_layer_bert(), True)
     batch = bert_batches([9])[0]
     model(**batch).loss.backward()
