@@ -239,7 +239,7 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
     # A window of one micro-batch (no accumulation, the fused step) times the typical one as an update of its own,
     # between the warm-up and `batch`: every micro-batch is then an update.
     typical = typical if typical is not None and warm_up is not batch \
-        and _shape(typical) not in (_shape(warm_up), _shape(batch)) else None
+        and batch_shape(typical) not in (batch_shape(warm_up), batch_shape(batch)) else None
     if micro_batches == 1:
         windows = [[warm_up], *([[typical]] if typical is not None else []), [batch]]
     else:
@@ -309,7 +309,7 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
             gc.collect()
     peak = meter.peak() - stashed if meter is not None else None  # the fp32 tensors set aside: not the run's
     measured = {"probe_seconds": time.perf_counter() - started, "tokens": int(batch["input_ids"].numel()),
-                "batch_shape": _shape(batch)}
+                "batch_shape": batch_shape(batch)}
     if guard is not None and guard.tripped:
         return {"stopped": True, "ceiling": ceiling, "measured_peak_bytes": max(peak, ceiling + 1),
                 **({"before_step_bytes": step_bytes} if guard.before_step else {}), **measured}
@@ -322,10 +322,10 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
         result["compile_seconds"] = max(sum(seconds[:worst - 1]) - micro_step, 0.0)
     if worst >= 3:  # the warm-up's second run
         result["small_step_seconds"] = seconds[1]
-        result["small_batch_shape"] = _shape(warm_up)
+        result["small_batch_shape"] = batch_shape(warm_up)
     if typical is not None:  # after the worst batch, or (one micro-batch an update) the second update
         result["typical_step_seconds"] = seconds[worst] if micro_batches == 2 else timed[1][0][0]
-        result["typical_batch_shape"] = _shape(typical)
+        result["typical_batch_shape"] = batch_shape(typical)
     return result
 
 
@@ -343,7 +343,8 @@ def _window_seconds(marks: list[tuple[str, float]], ended: float, fused: bool) -
     return [end - start for start, end in zip(starts, [*starts[1:], stepping])], optimizer_seconds
 
 
-def _shape(batch: dict) -> list[int]:
+def batch_shape(batch: dict) -> list[int]:
+    """A batch's `[rows, width]`: the shape of its `input_ids`."""
     return list(batch["input_ids"].shape)
 
 

@@ -226,7 +226,7 @@ def typical_batch(candidate: Candidate, dataset, collator, order: list[int]) -> 
         return None
     rows, width = candidate.typical_shape
     batch = probes.warm_up_batch(collator([dataset[index] for index in order[:rows]]), width)
-    return batch if list(batch["input_ids"].shape) == [rows, width] else None
+    return batch if probes.batch_shape(batch) == [rows, width] else None
 
 
 def has_line(probe: dict) -> bool:
