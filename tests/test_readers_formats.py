@@ -31,7 +31,7 @@ from test_fuzz_readers import (
     sometimes,
 )
 
-from looptrain.data import DataError, read_classification_data, readers
+from looptrain.data import DataError, read_classification_data, sources
 
 datasets = pytest.importorskip("datasets")
 pyarrow = pytest.importorskip("pyarrow")
@@ -181,7 +181,7 @@ def test_a_missing_column_lists_the_columns_there_are(kind, tmp_path, hub_cache)
 
 @pytest.mark.parametrize("kind", ["parquet", "json array", "save_to_disk Dataset"])
 def test_a_null_or_empty_text_names_the_row(kind, tmp_path, monkeypatch):
-    monkeypatch.setattr(readers, "_ARROW_BATCH_ROWS", 2)  # the row count carries across Arrow batches
+    monkeypatch.setattr(sources, "_ARROW_BATCH_ROWS", 2)  # the row count carries across Arrow batches
     rows = [{"text": f"text {index}", "label": index % 2} for index in range(5)] + [{"text": None, "label": 1}]
     source = write_format(kind, tmp_path, rows)
     with pytest.raises(DataError, match=r"row 5: text column 'text' is null; fill or drop the row"):

@@ -3,8 +3,9 @@
 The modules, in the order a training run uses them:
 
 - ``errors``: :class:`DataError`, raised for every bad input, with the problem and the fix.
-- ``readers``: :func:`read_classification_data`, CSV / TSV / JSONL / JSON / Parquet files, save_to_disk
-  directories, cached Hub datasets and dicts into :class:`TextClassificationData`.
+- ``sources``: CSV / TSV / JSONL / JSON / Parquet files, save_to_disk directories, cached Hub datasets and
+  sequences of dicts into rows and columns (``SUPPORTED_EXTENSIONS``).
+- ``readers``: :func:`read_classification_data`, a source's rows, checked, into :class:`TextClassificationData`.
   :func:`read_lm_data` reads a causal LM's data (text, prompt/response or chats) into :class:`LanguageModelingData`.
 - ``tokenize``: :func:`load_tokenizer` (fast only) and :func:`tokenize`, texts into a :class:`TokenizedDataset`;
   :func:`tokenize_lm` a causal LM's samples (EOS appended, prompts masked with -100).
@@ -18,7 +19,6 @@ from looptrain.data.collate import DynamicPaddingCollator
 from looptrain.data.errors import DataError
 from looptrain.data.loaders import make_eval_loader, make_train_loader, padding_stats
 from looptrain.data.readers import (
-    SUPPORTED_EXTENSIONS,
     LanguageModelingData,
     TextClassificationData,
     read_classification_data,
@@ -31,6 +31,7 @@ from looptrain.data.samplers import (
     TokenBudgetBatchSampler,
     eval_batches,
 )
+from looptrain.data.sources import SUPPORTED_EXTENSIONS
 from looptrain.data.tokenize import TokenizedDataset, load_tokenizer, tokenize, tokenize_lm
 
 __all__ = [
