@@ -872,6 +872,9 @@ def test_a_rerun_on_the_cache_takes_the_same_decisions_in_a_fraction_of_the_time
     # 1 s each, of 3.48 s: the third ends at 3 s; a fourth would end past it, so it is not started.
     assert first.estimates == 3 and first.cached_estimates == 0
     assert any("the search stopped short of" in note for note in first.notes)
+    # The table's last line says what the probe budget is: what is left after the probes that always run.
+    assert f"({first.probe_budget_seconds:.0f} s left for probes beyond the baseline's and the favourite's)" \
+        in first.table().splitlines()[-1 - len(first.notes)]
     again = plan(model, train_set, collator, **options)
     assert again.estimates == again.cached_estimates == 3  # not one more: the cached three cost 3 s as before
     assert again.notes == first.notes and again.charged_seconds == pytest.approx(first.charged_seconds)

@@ -166,8 +166,8 @@ class Plan:
                      + (f" ({self.cached_estimates} of them read from the cache)" if self.cached_estimates else "")
                      + (f", {self.predictions} splits predicted from them" if self.predictions else "")
                      + f", probes {self.probe_seconds:.1f} s"
-                     + (f" (budget {self.probe_budget_seconds:.0f} s)"
-                        if self.probe_budget_seconds is not None else ""))
+                     + (f" ({self.probe_budget_seconds:.0f} s left for probes beyond the baseline's and the "
+                        "favourite's)" if self.probe_budget_seconds is not None else ""))
         lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)
 
