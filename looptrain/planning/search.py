@@ -93,11 +93,12 @@ def costed(search: Search, settings: Strategy, dataset, collator, lengths, devic
     candidate.padded_tokens = sum(rows * width for rows, width in shapes)
     candidate.micro_batches = len(shapes)
     work = search.flops.per_batch if search.flops is not None else lambda rows, width: float(rows * width)
+    works = [work(rows, width) for rows, width in shapes]  # each micro-batch's model FLOPs (else padded tokens)
     if search.flops is not None:
-        candidate.flops = sum(work(rows, width) for rows, width in shapes)
+        candidate.flops = sum(works)
     if shapes:  # the micro-batch of mean work: one priced there prices the epoch's total exactly if time is affine
-        mean = sum(work(*shape) for shape in shapes) / len(shapes)
-        candidate.typical_shape = min(shapes, key=lambda shape: (abs(work(*shape) - mean), shape))
+        mean = sum(works) / len(shapes)
+        candidate.typical_shape = min(zip(works, shapes), key=lambda pair: (abs(pair[0] - mean), pair[1]))[1]
     candidate.updates = len(windows)
     candidate.prior = prior_seconds(candidate, search.model, device_type)
     return candidate
