@@ -113,6 +113,7 @@ def estimate_all(out: str) -> None:
         for device in ("cuda", "cpu"):
             result = estimate(case["shape"], case["batch_size"], case["seq_len"], device=device, **case["levers"])
             results[key(case)][device] = {"peak_memory_bytes": result["peak_memory_bytes"],
+                                          "cublas_workspace_bytes": result.get("cublas_workspace_bytes", 0),
                                           "memory_breakdown": result["memory_breakdown"],
                                           "parameters": result["parameters"],
                                           "trainable_parameters": result["trainable_parameters"]}

@@ -70,16 +70,17 @@ OPTIMIZERS = {  # name -> (build_optimizer arguments, stepped in chunks bitwise)
 MODES = ("plain", "fused", "grad_fp32")
 
 
-def train(optimizer_name: str, mode: str, stochastic_rounding: bool = True, steps: int = 3):
-    """Three steps from the same start and data; returns the weights, the optimizer state and the chunked steps."""
+def train(optimizer_name: str, mode: str, stochastic_rounding: bool = True, steps: int = 3, device: str = "cpu"):
+    """Three steps from the same start and data; returns the weights and the optimizer state."""
     arguments, options, _ = OPTIMIZERS[optimizer_name]
-    return train_with(lambda model: build_optimizer(model, *arguments, **options), mode, stochastic_rounding, steps)
+    return train_with(lambda model: build_optimizer(model, *arguments, **options), mode, stochastic_rounding, steps,
+                      device)
 
 
-def train_with(build, mode: str, stochastic_rounding: bool = True, steps: int = 3):
+def train_with(build, mode: str, stochastic_rounding: bool = True, steps: int = 3, device: str = "cpu"):
     """`train` with the optimizer `build(model)`."""
-    torch.manual_seed(0)
-    model = TiedLM()
+    torch.manual_seed(0)  # every device's generator: the rounding's random bits too
+    model = TiedLM().to(device)
     cast_to_bf16(model)
     optimizer = build(model)
     if mode == "fused":
@@ -89,7 +90,7 @@ def train_with(build, mode: str, stochastic_rounding: bool = True, steps: int = 
                                 grad_dtype="fp32" if mode == "grad_fp32" else "bf16")
     for step in range(steps):
         ids = torch.randint(0, VOCAB, (4, 17), generator=torch.Generator().manual_seed(step))
-        model(ids).backward()
+        model(ids.to(device)).backward()
         wrapped.step()
         wrapped.zero_grad()
     weights = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
@@ -161,6 +162,29 @@ def test_chunked_and_whole_steps_of_today_are_bitwise_equal_rounding_to_nearest(
     expected = train(optimizer_name, "plain", stochastic_rounding=False)
     monkeypatch.setattr(bf16, "STEP_CHUNK_ELEMENTS", CHUNK)
     assert_bitwise_equal(expected, train(optimizer_name, "plain", stochastic_rounding=False))
+
+
+ON_A_GPU = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                           reason="needs a CUDA device")])
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_A_GPU])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("optimizer_name", ["adamw", "sgd"])
+def test_stochastic_rounding_draws_the_same_bits_chunked_or_whole_on_every_device(
+        optimizer_name, mode, device, monkeypatch, chunk_calls):
+    """The rounding's random integers come in windows of `_ROUNDING_WINDOW`, whatever the chunks: CUDA's Philox
+    generator advances per call (one draw of 2n is not two draws of n, as it is for the CPU's), so only the same
+    calls in the same order give the chunked step the whole step's bits."""
+    monkeypatch.setattr(bf16, "_ROUNDING_WINDOW", WINDOW)
+    whole = train(optimizer_name, mode, device=device)
+    assert not chunk_calls
+    monkeypatch.setattr(bf16, "STEP_CHUNK_ELEMENTS", CHUNK)
+    chunked = train(optimizer_name, mode, device=device)
+    assert chunk_calls == [torch.Size([VOCAB, DIM])] * 3
+    assert_bitwise_equal(whole, chunked)
+    nearest, _ = train(optimizer_name, mode, stochastic_rounding=False, device=device)
+    assert any(not torch.equal(nearest[name], chunked[0][name]) for name in nearest)  # the rounding was random
 
 
 @pytest.mark.parametrize("options", [{"foreach": True}, {"amsgrad": True}, {"fused": True}])
