@@ -89,7 +89,10 @@ def test_adamw_persistent_state_is_16_bytes_per_parameter():
     assert summary["memory_meter"] == "cpu_tensor_tracker"
     assert summary["peak_memory_bytes"] >= 16 * num_parameters
     assert summary["peak_rss_bytes"] >= summary["rss_baseline_bytes"] > 50 * 2**20  # python + torch are resident
-    assert "optimizer state" in memory.format_memory_table(summary)
+    table = memory.format_memory_table(summary)
+    assert "optimizer state" in table
+    above = (summary["peak_rss_bytes"] - summary["rss_baseline_bytes"]) / 2**20
+    assert re.search(rf"peak RSS above training's start +{above:.1f} MiB", table), table
 
 
 def test_peak_phase_is_backward_for_a_wide_activation_with_no_optimizer_state():

@@ -345,7 +345,9 @@ def format_memory_table(summary: dict[str, Any]) -> str:
     if "peak_rss_bytes" in summary:
         rows.append(("process peak RSS", summary["peak_rss_bytes"]))
         if summary.get("rss_baseline_bytes"):
-            rows.append(("peak RSS - baseline", summary["peak_rss_bytes"] - summary["rss_baseline_bytes"]))
+            # Above the meter's `start` (the model loaded, training about to begin): the process's own start, which
+            # the command line's table counts from, is earlier.
+            rows.append(("peak RSS above training's start", summary["peak_rss_bytes"] - summary["rss_baseline_bytes"]))
     width = max(len(label) for label, _ in rows)
     lines = [f"memory at the peak (phase: {breakdown.get('peak_phase', '?')})"]
     for label, value in rows:
