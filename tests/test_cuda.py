@@ -191,24 +191,14 @@ def test_inductor_on_cuda_trains_like_eager_and_six_widths_share_a_graph(monkeyp
     assert graphs <= 2
 
 
-# A CUDA run, paced like tests/test_reliability.py's (a pause after each update, so a kill lands mid-training), in
-# deterministic mode: the comparison is bit for bit, and CUDA's atomics-based kernels would add their own noise.
-DETERMINISTIC_CHILD = """
-import runpy, sys, time
+# tests/test_reliability.py's paced run (a pause after each update, so that a kill lands mid-training), in
+# deterministic mode: the comparison is bit for bit, and CUDA's atomics-based kernels would add their own noise. The
+# workspace setting must be in place before cuBLAS starts.
+DETERMINISTIC = """
+import os
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import torch
-from looptrain.loop import Loop
-
 torch.use_deterministic_algorithms(True, warn_only=True)
-pause, run_update = float(sys.argv[1]), Loop.run_update
-
-def paced_update(self, window):
-    result = run_update(self, window)
-    time.sleep(pause)
-    return result
-
-Loop.run_update = paced_update
-sys.argv = ["scripts/finetune.py", *sys.argv[2:]]
-runpy.run_path("scripts/finetune.py", run_name="__main__")
 """
 
 
@@ -219,14 +209,19 @@ def test_a_cuda_run_killed_at_random_resumes_to_the_same_bits(flags, tmp_path):
     state a checkpoint saves and a resume restores; a SIGKILL after the first checkpoint, `--resume auto`, and the
     final weights are those of an uninterrupted run, bit for bit."""
     import json
-    import os
     import random
     import signal
-    import subprocess
-    import sys
     import time
 
-    from test_reliability import CHILD_ENV, ROOT, TOTAL_STEPS, assert_bitwise_equal, final_weights, wait_for_checkpoint
+    from test_reliability import (
+        PACED,
+        TOTAL_STEPS,
+        argv,
+        assert_bitwise_equal,
+        final_weights,
+        start,
+        wait_for_checkpoint,
+    )
 
     from looptrain import state
 
@@ -236,27 +231,24 @@ def test_a_cuda_run_killed_at_random_resumes_to_the_same_bits(flags, tmp_path):
     config = json.loads((model_dir / "config.json").read_text())
     config.update(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)  # masks drawn on the GPU
     (model_dir / "config.json").write_text(json.dumps(config))
-    train, evaluation = write_csv(tmp_path / "train.csv", 32, seed=5), write_csv(tmp_path / "eval.csv", 16, seed=6)
-    env = {**CHILD_ENV, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # deterministic cuBLAS
+    data_files = write_csv(tmp_path / "train.csv", 32, seed=5), write_csv(tmp_path / "eval.csv", 16, seed=6)
+    child = ["-c", DETERMINISTIC + PACED]
 
-    def command(output_dir, pause=0.0, *extra):
-        return [sys.executable, "-c", DETERMINISTIC_CHILD, str(pause), "--model", str(model_dir), "--data",
-                str(train), "--eval-data", str(evaluation), "--output-dir", str(output_dir), "--batch-size", "2",
-                "--epochs", "3", "--eval-every", "2", "--save-total-limit", "2", "--seed", "3", "--max-length",
-                "32", "--lr", "1e-3", "--device", "cuda", "--no-progress-bar", *flags, *extra]
+    def launch(output_dir, *extra):  # the reliability tests' flags; the last --device and --precision win
+        log = output_dir.with_suffix(".log")
+        return start(argv(model_dir, data_files, output_dir, "--device", "cuda", *flags, *extra), log,
+                     child=child), log
 
-    def finish(output_dir, *extra):
-        done = subprocess.run(command(output_dir, 0.0, *extra), cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=300)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-        return done.stdout
+    def finish(output_dir, *extra) -> str:
+        process, log = launch(output_dir, *extra)
+        assert process.wait(timeout=300) == 0, log.read_text(errors="replace")[-3000:]
+        return log.read_text(errors="replace")
 
     reference = tmp_path / "uninterrupted"
     finish(reference)
-    killed, log_path = tmp_path / "killed", tmp_path / "killed.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command(killed, 0.03), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    wait_for_checkpoint(killed, process, log_path)
+    killed = tmp_path / "killed"
+    process, log = launch(killed)
+    wait_for_checkpoint(killed, process, log)
     time.sleep(random.Random(8).uniform(0.1, 0.8))
     process.send_signal(signal.SIGKILL)
     assert process.wait(timeout=60) == -signal.SIGKILL, "the run ended before the kill; lengthen it"
@@ -274,4 +266,4 @@ def test_a_cuda_run_killed_at_random_resumes_to_the_same_bits(flags, tmp_path):
                     f"are {'bitwise equal' if repeatable else 'not bitwise equal either'}")
     assert_bitwise_equal(expected, actual)
     assert json.loads((killed / "summary.json").read_text())["optimizer_steps"] == TOTAL_STEPS
-    assert os.path.exists(killed / "final" / "model.safetensors")
+    assert (killed / "final" / "model.safetensors").exists()
