@@ -65,6 +65,8 @@ class LoopConfig(LoopLevers):
     max_bad_windows: int = 5  # stop after this many consecutive windows with a non-finite loss or gradient
     auto_batch: bool = False  # on out-of-memory, halve the micro-batch and double accumulation, then retry
     track_memory: bool = True  # CPU: count every tensor for an exact peak and breakdown (slower); False: RSS only
+    track_every_update: bool = False  # with track_memory: also updates whose micro-batches a tracked one's cover
+                                      # (their peak cannot rise; a model whose memory depends on the data: True)
     measure_mfu: bool = True  # model FLOP utilisation in the summary and log lines: times this device's matmul
                               # peak once at the start (about a second, then cached on disk)
     report_to: str = "none"  # experiment trackers besides metrics.jsonl: none or tensorboard (comma-separated)

@@ -114,7 +114,8 @@ class Loop:
             raise ValueError("the model has no trainable parameters: unfreeze some (see looptrain.freeze)")
         # The tensor tracker is not built for DTensors: sharded runs measure RSS (CPU) or the allocator (CUDA).
         self.meter = make_meter(self.device,
-                                track_tensors=self.config.track_memory and not distributed.is_fsdp(self.model))
+                                track_tensors=self.config.track_memory and not distributed.is_fsdp(self.model),
+                                track_every_update=self.config.track_every_update)
         self.step = self.micro_step = self.skipped_steps = self.epoch = self.batch_in_epoch = 0
         self.last_eval: dict | None = None
         self.interrupted: str | None = None
@@ -248,6 +249,20 @@ class Loop:
         # The window's items, summed over every rank.
         (num_items,) = distributed.all_reduce_tensors_sum(batches.total_items(counts, self.device))
         divisor = num_items.clamp(min=1.0) / self._place.world_size  # DDP and FSDP2 average gradients over ranks
+        # The CPU tracker sets aside an update whose micro-batches tracked ones cover (`CpuTensorMeter.update`).
+        with self.meter.update(micro_batches, counts, steady=self.step > 0):
+            loss_sum, loss_items, grad_norm, stepped = self._update(micro_batches, counts, divisor)
+        self.meter.outlive(loss_sum, loss_items, grad_norm, num_items)
+        if stepped:
+            self.step += 1
+            if self.scheduler is not None:
+                self.scheduler.step()  # never advanced for a skipped update
+        else:
+            self.skipped_steps += 1
+        return WindowResult(loss_sum, num_items, loss_items, grad_norm, stepped)
+
+    def _update(self, micro_batches: list, counts: list, divisor: torch.Tensor) -> tuple:
+        """`run_update`'s work: forward and backward of each micro-batch, then the step; the gradients cleared."""
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         loss_items = torch.zeros((), dtype=torch.float32, device=self.device)
         for index, (batch, items) in enumerate(zip(micro_batches, counts)):
@@ -271,13 +286,7 @@ class Loop:
         grad_norm = self._clip_gradients()
         stepped = self.precision.step(self.optimizer, grad_norm)  # skipped when gradients are not finite
         self.optimizer.zero_grad(set_to_none=True)
-        if stepped:
-            self.step += 1
-            if self.scheduler is not None:
-                self.scheduler.step()  # never advanced for a skipped update
-        else:
-            self.skipped_steps += 1
-        return WindowResult(loss_sum, num_items, loss_items, grad_norm, stepped)
+        return loss_sum, loss_items, grad_norm, stepped
 
     def _token_pieces(self, batch) -> list:
         """The batch cut into micro-batches of at most `micro_batch_tokens` padded tokens (0: the batch itself)."""

@@ -101,16 +101,45 @@ def _breakdown(params: int, grads: int, optimizer_state: int, peak: int, peak_ph
     }
 
 
+def micro_batch_shape(batch: Any, items: Any) -> tuple | None:
+    """What sizes a micro-batch's tensors where a model's memory follows its inputs' shapes: each input tensor's
+    shape by name, and the micro-batch's item count (a loss over the labels that are not ignored may allocate by it).
+    None for a batch that is not a mapping of tensors (such an update is always tracked)."""
+    if not isinstance(batch, dict) or not batch or not all(isinstance(value, torch.Tensor) for value in batch.values()):
+        return None
+    return tuple(sorted((str(name), tuple(value.shape)) for name, value in batch.items())), int(items)
+
+
+def _covers(one: tuple, other: tuple) -> bool:
+    """Whether micro-batch shape `one` (`micro_batch_shape`) is at least `other` in every input's every dimension
+    and in items: then `other`'s tensors are no larger than `one`'s."""
+    (shapes, items), (other_shapes, other_items) = one, other
+    return other_items <= items and [name for name, _ in shapes] == [name for name, _ in other_shapes] and all(
+        len(shape) == len(other_shape) and all(small <= large for small, large in zip(other_shape, shape))
+        for (_, shape), (_, other_shape) in zip(shapes, other_shapes))
+
+
 class CpuTensorMeter:
     """CPU meter: the tracker's peak of live tensor bytes, plus the process RSS as a cross-check.
 
     With ``track_tensors=False`` no dispatch mode is installed (no per-op overhead): the peak is then
     the RSS rise above the baseline plus the tensors that existed at ``start`` (an approximation
     that includes allocator slack; meter name ``cpu_rss_delta``).
+
+    Updates whose micro-batches are each covered by one already tracked (`update`) run with the tracker
+    set aside: their peak cannot pass the tracked one's, and the tracker's Python per op (up to a fifth of
+    a step under bf16 autocast on short rows, docs/memory.md) is paid only where the peak can still rise.
+    ``track_every_update=True`` tracks them all (a model whose memory depends on the data beyond its shapes).
     """
 
-    def __init__(self, track_tensors: bool = True) -> None:
+    def __init__(self, track_tensors: bool = True, track_every_update: bool = False) -> None:
         self.track_tensors = track_tensors
+        self.track_every_update = track_every_update
+        # Micro-batches tracked once the optimizer had stepped: (shape, after the window's first micro-batch, the live
+        # bytes when their update started).
+        self._covering: list[tuple[tuple, bool, int]] = []
+        self.tracked_updates = 0
+        self.untracked_updates = 0
         self.tracker: StorageTracker | None = None
         self.rss_baseline_bytes = 0
         self._start_tensor_bytes = 0
@@ -180,10 +209,70 @@ class CpuTensorMeter:
         elif self._model is not None:  # the RSS meter's breakdown: the gradients an update held, not the end's none
             self._grads_seen = max(self._grads_seen, gradient_bytes(self._model))
 
+    @contextlib.contextmanager
+    def update(self, micro_batches: list, counts: list, steady: bool) -> Iterator[None]:
+        """One optimizer update's micro-batches (and their item counts), tracked or not.
+
+        An update is left untracked when the optimizer has stepped before (`steady`: its state exists, as in
+        every update the tracker covers) and each of its micro-batches is covered by one tracked in such an
+        update (`micro_batch_shape`: every input dimension and the items no larger), at the same place or a
+        later one in its window (from the second micro-batch on, the window's gradients are held beside it),
+        with no more live bytes than that update started with (what outlives updates, a growing list of
+        tensors say, is under every later peak). Such an update's peak cannot pass the covering one's; frees are
+        counted all the same (by weak reference), and the tracker is back before the next update. Everything
+        else is tracked, and covers what follows once the optimizer has stepped.
+        """
+        if self.tracker is None or not self._active:
+            yield
+            return
+        if self.track_every_update:
+            self.tracked_updates += 1
+            yield
+            return
+        # The inputs are counted now, tracked or not: a batch made before tracking (a list of them, say) is otherwise
+        # counted when an op first reads it, which a set-aside update would not.
+        self.tracker.track_all(value for batch in micro_batches if isinstance(batch, dict)
+                               for value in batch.values() if isinstance(value, torch.Tensor))
+        shapes = [micro_batch_shape(batch, items) for batch, items in zip(micro_batches, counts)]
+        start = self.tracker.current_bytes
+        covered = steady and all(
+            shape is not None and any((later or position == 0) and start <= started and _covers(known, shape)
+                                      for known, later, started in self._covering)
+            for position, shape in enumerate(shapes))
+        if not covered:
+            self.tracked_updates += 1
+            yield
+            if steady:
+                for position, shape in enumerate(shapes):
+                    if shape is not None:
+                        self._cover((shape, position > 0, start))
+            return
+        self.untracked_updates += 1
+        self.tracker.__exit__(None, None, None)
+        try:
+            yield
+        finally:
+            self.tracker.__enter__()
+
+    def outlive(self, *tensors: Any) -> None:
+        """Tensors an update returns, which outlive it: counted now if it ran untracked (a tensor its ops made is
+        otherwise counted when an op next reads it)."""
+        if self.tracker is not None and self._active:
+            self.tracker.track_all(tensor for tensor in tensors if isinstance(tensor, torch.Tensor))
+
+    def _cover(self, entry: tuple[tuple, bool, int]) -> None:
+        """Adds a tracked micro-batch to those that cover later updates; drops the ones it covers."""
+        def covers(one: tuple[tuple, bool, int], other: tuple[tuple, bool, int]) -> bool:
+            return (one[1] or not other[1]) and one[2] >= other[2] and _covers(one[0], other[0])
+
+        if not any(covers(known, entry) for known in self._covering):
+            self._covering = [known for known in self._covering if not covers(entry, known)] + [entry]
+
     def restart_peak(self) -> None:
         """Start a new peak from the live bytes (a new gradual-unfreezing stage): the trainable set may
-        have changed, so the gradient hooks follow it. Without the tensor tracker the RSS peak of the
-        process cannot be reset and stays the run's."""
+        have changed, so the gradient hooks follow it, and no update tracked before covers one after. Without
+        the tensor tracker the RSS peak of the process cannot be reset and stays the run's."""
+        self._covering.clear()
         if self.tracker is None or not self._active:
             return
         for hook in self._hooks:
@@ -228,6 +317,8 @@ class CpuTensorMeter:
                 tracker.peak_phase,
             )
             result["phase_peak_bytes"] = {phase: int(value) for phase, value in tracker.phase_peak_bytes.items()}
+            result["tracked_updates"] = self.tracked_updates
+            result["untracked_updates"] = self.untracked_updates
         else:
             peak = max(0, peak_rss - self.rss_baseline_bytes) + self._start_tensor_bytes
             result["peak_memory_bytes"] = int(peak)
@@ -283,6 +374,14 @@ class CudaMeter:
         self._close_phase()
         self._phase = phase
 
+    @contextlib.contextmanager
+    def update(self, micro_batches: list, counts: list, steady: bool) -> Iterator[None]:
+        """One optimizer update (`CpuTensorMeter.update`): the allocator sees every one, nothing to set aside."""
+        yield
+
+    def outlive(self, *tensors: Any) -> None:
+        """`CpuTensorMeter.outlive`: the allocator counts them already."""
+
     def restart_peak(self) -> None:
         """Start a new peak from the memory allocated now (a new gradual-unfreezing stage)."""
         torch.cuda.synchronize(self.device)
@@ -316,18 +415,21 @@ class CudaMeter:
         }
 
 
-def make_meter(device: torch.device | str, track_tensors: bool = True) -> CpuTensorMeter | CudaMeter:
+def make_meter(device: torch.device | str, track_tensors: bool = True,
+               track_every_update: bool = False) -> CpuTensorMeter | CudaMeter:
     """The meter for ``device``: ``CudaMeter`` on CUDA, ``CpuTensorMeter`` otherwise.
 
     Args:
         device: where the model trains.
         track_tensors: on CPU, install the dispatch-mode tracker (exact tensor peak, some per-op
             overhead); False measures RSS only.
+        track_every_update: on CPU with the tracker, track updates whose micro-batches are covered by
+            tracked ones too (`CpuTensorMeter.update`).
     """
     device = torch.device(device)
     if device.type == "cuda":
         return CudaMeter(device, track_tensors=track_tensors)
-    return CpuTensorMeter(track_tensors=track_tensors)
+    return CpuTensorMeter(track_tensors=track_tensors, track_every_update=track_every_update)
 
 
 def format_memory_table(summary: dict[str, Any]) -> str:

@@ -414,7 +414,8 @@ def _strategy_loop(model: nn.Module, strategy: Strategy, max_grad_norm: float | 
     """
     strategy = as_run_eagerly(strategy)
     config = LoopConfig.from_strategy(strategy, max_grad_norm=max_grad_norm, device=device, eval_every="no",
-                                      progress_bar=False, track_memory=True, log_every=10**9)
+                                      progress_bar=False, track_memory=True, track_every_update=True,
+                                      log_every=10**9)
     strategy.prepare_model(model)
     model = strategy.wrap_model(model, device)
     return Loop(model, strategy.build_optimizer(model, 1e-5), [], config=config)

@@ -179,6 +179,10 @@ def _add_evaluation_arguments(group) -> None:
     group.add_argument("--no-track-memory", action="store_true",
                        help="CPU: measure memory by process RSS only instead of counting every tensor "
                             "(the tensor tracker gives the exact peak and breakdown but slows each step)")
+    group.add_argument("--track-every-update", action="store_true",
+                       help="CPU tensor tracker: track every update, also those whose micro-batches are no larger "
+                            "than a tracked one's (set aside by default: their peak cannot rise; for a model whose "
+                            "memory depends on the data beyond its shapes)")
     group.add_argument("--no-progress-bar", action="store_true", help="plain log lines even on a terminal")
 
 
@@ -445,6 +449,7 @@ def loop_config(args, identity: dict | None = None):
     fields.update(strategy_of(args, precision="auto" if args.amp else args.precision).loop_fields())
     fields["progress_bar"] = not args.no_progress_bar
     fields["track_memory"] = not args.no_track_memory
+    fields["track_every_update"] = args.track_every_update
     fields["run_identity"] = identity or {}
     fields["extra"] = {"command_line": args._argv}
     return LoopConfig(**fields)

@@ -77,6 +77,10 @@ def final_table(summary: dict, baseline: dict | None, output_dir: Path) -> str:
     unfreeze = summary.get("unfreeze")
     if peak is not None:
         stage = f", last unfreezing stage ({unfreeze['stage']}/{unfreeze['stages']})" if unfreeze else ""
+        if summary.get("untracked_updates"):  # the tracker set aside the updates tracked ones cover (docs/memory.md)
+            tracked = summary["tracked_updates"]
+            stage += (f"; {tracked} of {tracked + summary['untracked_updates']} updates tracked, the others' "
+                      "micro-batches no larger")
         lines.append(f"| peak memory | {peak / 2**20:.1f} MiB ({summary['memory_meter']}{stage}) | |")
     if summary.get("estimated_peak_bytes"):
         error = (f"error {summary['estimate_error']:+.1%}" if summary.get("estimate_error") is not None else
