@@ -219,6 +219,20 @@ def tiny_tokenizer():
 
 
 @pytest.fixture(autouse=True)
+def _keep_kernel_cache_variables(monkeypatch):
+    """A command line run under --memory-budget as the process's own caps oneDNN's kernel caches through the
+    environment (`allocator.cap_kernel_caches`): each test ends with the variables as it found them."""
+    import os
+
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        if name in os.environ:
+            monkeypatch.setenv(name, os.environ[name])
+        else:
+            monkeypatch.delenv(name, raising=False)
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _reset_bnb_overrides():
     """bitsandbytes' GlobalOptimManager is process-global: start and end every test clean."""
     yield
