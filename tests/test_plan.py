@@ -1585,6 +1585,8 @@ def test_a_budget_of_rss_caps_onednn_kernel_caches_in_a_process_of_its_own(monke
     from looptrain.memory import allocator
 
     monkeypatch.setattr(finetune_package, "run", lambda args: {})  # the flags and the start only
+    for name in allocator.KERNEL_CACHE_VARIABLES:  # a module's fixture may have run the command line before
+        monkeypatch.delenv(name, raising=False)
     argv = ["--model", "m", "--data", "d.csv", "--output-dir", str(tmp_path), "--memory-budget", "1GiB"]
     assert finetune_package.main(argv) == 0
     assert all(name not in os.environ for name in allocator.KERNEL_CACHE_VARIABLES)
