@@ -1575,7 +1575,7 @@ def test_a_probes_cache_key_names_its_typical_micro_batch():
     assert key(typical(3, 20)) == key(typical(3, 20)) and key(None) == key(None)
 
 
-def test_a_budget_of_rss_caps_onednn_kernel_caches_in_a_process_of_its_own(monkeypatch, capsys, tmp_path):
+def test_a_budget_of_rss_caps_onednn_kernel_caches_in_a_process_of_its_own(monkeypatch, tmp_path):
     """Under bf16 autocast each batch width keeps its kernels in oneDNN's and PyTorch's caches (5.3 MiB a width on a
     MiniLM, docs/memory.md): the console script caps both before its first kernel, unless the user set them; a process
     that runs `main` among other work keeps its own."""
@@ -1584,7 +1584,8 @@ def test_a_budget_of_rss_caps_onednn_kernel_caches_in_a_process_of_its_own(monke
     from looptrain.cli import finetune as finetune_package
     from looptrain.memory import allocator
 
-    monkeypatch.setattr(finetune_package, "run", lambda args: {})  # the flags and the start only
+    runs = []
+    monkeypatch.setattr(finetune_package, "run", lambda args: runs.append(args) or {})  # the flags and the start only
     for name in allocator.KERNEL_CACHE_VARIABLES:  # a module's fixture may have run the command line before
         monkeypatch.delenv(name, raising=False)
     argv = ["--model", "m", "--data", "d.csv", "--output-dir", str(tmp_path), "--memory-budget", "1GiB"]
@@ -1592,8 +1593,8 @@ def test_a_budget_of_rss_caps_onednn_kernel_caches_in_a_process_of_its_own(monke
     assert all(name not in os.environ for name in allocator.KERNEL_CACHE_VARIABLES)
     assert finetune_package.main(argv, owns_process=True) == 0
     assert [os.environ[name] for name in allocator.KERNEL_CACHE_VARIABLES] == ["64", "64"]
-    assert "--memory-budget: oneDNN's kernel caches capped at 64 entries each (ONEDNN_PRIMITIVE_CACHE_CAPACITY=64, " \
-           "LRU_CACHE_CAPACITY=64)" in capsys.readouterr().out
+    assert runs[-1]._capped_kernel_caches.startswith(  # `run` prints it where its progress goes
+        "oneDNN's kernel caches capped at 64 entries each (ONEDNN_PRIMITIVE_CACHE_CAPACITY=64, LRU_CACHE_CAPACITY=64)")
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "512")
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
     assert allocator.cap_kernel_caches() is None  # the user's setting stands, and so does the other library's default

@@ -63,11 +63,11 @@ def main(argv: list[str] | None = None, *, owns_process: bool = False) -> int:
     args._owns_process = owns_process
     args._resumed_plan = None  # a resumed planned run: the plan its run_config.json saved
     args._rss_at_start = rss_at_start()
+    args._capped_kernel_caches = None  # said by `run` once it knows where its progress goes (stderr with --json)
     if args.memory_budget and owns_process:  # before the process's first kernel: the caches read it then
         from looptrain.memory import allocator
 
-        if (capped := allocator.cap_kernel_caches()) is not None:
-            print(f"--memory-budget: {capped}")
+        args._capped_kernel_caches = allocator.cap_kernel_caches()
     from looptrain import CheckpointError, ConfigError, DataError, EvaluationError, TrainingDiverged
     from looptrain.ledger import LedgerError
     from looptrain.planning import PlanError

@@ -58,6 +58,8 @@ def run(args) -> dict:
     print = builtins.print if place.is_main else _silent  # one process speaks
     if args.json and place.is_main:  # --plan-only --json: stdout holds the JSON alone, the progress goes to stderr
         print = functools.partial(builtins.print, file=sys.stderr)
+    if getattr(args, "_capped_kernel_caches", None):
+        print(f"--memory-budget: {args._capped_kernel_caches}")
     model_path = args.model
     if model_path is None:
         model_path = str(embedded_model_path())
