@@ -224,7 +224,9 @@ def _keep_kernel_cache_variables(monkeypatch):
     environment (`allocator.cap_kernel_caches`): each test ends with the variables as it found them."""
     import os
 
-    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+    from looptrain.memory.allocator import KERNEL_CACHE_VARIABLES
+
+    for name in KERNEL_CACHE_VARIABLES:
         if name in os.environ:
             monkeypatch.setenv(name, os.environ[name])
         else:
