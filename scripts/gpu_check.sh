@@ -22,7 +22,7 @@ limited() { local seconds=$1; shift; [ "$seconds" -gt 0 ] && timeout -s INT "$se
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /dev/null 2>&1 || echo "editable install failed" >> "$OUT/env.txt"
 step setup
 limited "${WORKSPACE_S:-30}" python3 scripts/bench_cuda.py workspace --out "$OUT/workspace.json" > "$OUT/workspace.log" 2>&1
-limited "${GPU_TESTS_S:-90}" python3 -m pytest -q -rfEs -m gpu -p no:cacheprovider tests/test_cuda.py > "$OUT/gpu_tests.log" 2>&1
+limited "${GPU_TESTS_S:-330}" python3 -m pytest -q -rfEs -m gpu -p no:cacheprovider tests/test_cuda.py > "$OUT/gpu_tests.log" 2>&1
 step "gpu tests"
 bench="python3 scripts/bench_cuda.py measure --estimates .gpu/cuda_estimates.json --updates 2"
 limited "${BERT_S:-120}" $bench --sections ladder,trainer --shapes bert-large --out "$OUT/bert.json" > "$OUT/bench.log" 2>&1
