@@ -203,6 +203,25 @@ def cached_probe(key: str | None, held: int) -> dict | None:
 def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_grad_norm,
                   meter: Meter | None = None, ceiling: int | None = None, step_bytes: int = 0,
                   typical: dict | None = None) -> dict:
+    """`_measure_probe`, then what it made freed (`Meter.settle`, or a collection): only once its frame is gone.
+
+    Inside it the probe's Loop is still referenced (its timed `compute_loss` closes over the Loop, a cycle), and
+    with it the optimizer and its state: a collection there freed nothing, and the cycle, long promoted to the
+    oldest generation, outlived the plan. A run then carried the probe's AdamW state (173 MiB on MiniLM) to its end:
+    `make demo`'s data at `--memory-budget 900MiB` peaked at 993 MiB instead of 825 (docs/plan.md)."""
+    started = time.perf_counter()
+    try:
+        result = _measure_probe(model, settings, batch, device, max_grad_norm, meter, ceiling, step_bytes, typical)
+    finally:
+        if meter is not None:
+            meter.settle()  # the next probe, and the run, start without this one's memory or its freed blocks
+        else:
+            gc.collect()
+    return {**result, "probe_seconds": time.perf_counter() - started}  # the settling is the probe's time too
+
+
+def _measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_grad_norm,
+                   meter: Meter | None, ceiling: int | None, step_bytes: int, typical: dict | None) -> dict:
     """One update of the Loop on `batch` (two when it has one micro-batch), learning rate 0, timed.
 
     An accumulating split's update is one window of micro-batches, as in the estimator: from the second
@@ -303,10 +322,6 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
         loop.optimizer.zero_grad(set_to_none=True)  # the wrappers' zero_grad drops fp32 buffers too
         del loop, optimizer
         _restore_stash(model, stash)
-        if meter is not None:
-            meter.settle()  # the next probe, and the run, start without this one's freed blocks resident
-        else:
-            gc.collect()
     peak = meter.peak() - stashed if meter is not None else None  # the fp32 tensors set aside: not the run's
     measured = {"probe_seconds": time.perf_counter() - started, "tokens": int(batch["input_ids"].numel()),
                 "batch_shape": batch_shape(batch)}
