@@ -183,8 +183,7 @@ def cap_kernel_caches(capacity: int = KERNEL_CACHE_CAPACITY) -> str | None:
     (the command line does, at its start, under a budget of RSS), and in a process that is the run's alone (the
     setting outlives it).
     """
-    given = [name for name in KERNEL_CACHE_VARIABLES if os.environ.get(name)]
-    if given:
+    if any(os.environ.get(name) for name in KERNEL_CACHE_VARIABLES):
         return None
     for name in KERNEL_CACHE_VARIABLES:
         os.environ[name] = str(capacity)

@@ -119,6 +119,13 @@ def _covers(one: tuple, other: tuple) -> bool:
         for (_, shape), (_, other_shape) in zip(shapes, other_shapes))
 
 
+def _covers_tracked(known: tuple[tuple, bool, int], other: tuple[tuple, bool, int]) -> bool:
+    """Whether a micro-batch tracked in a steady update, `known` = (shape, after its window's first micro-batch, the
+    live bytes when its update started), covers `other`, the same for a later micro-batch: `_covers` their shapes,
+    `known` at the window's first place or `other` after it too, and `other`'s update started with no more bytes."""
+    return (known[1] or not other[1]) and other[2] <= known[2] and _covers(known[0], other[0])
+
+
 class CpuTensorMeter:
     """CPU meter: the tracker's peak of live tensor bytes, plus the process RSS as a cross-check.
 
@@ -236,8 +243,7 @@ class CpuTensorMeter:
         shapes = [micro_batch_shape(batch, items) for batch, items in zip(micro_batches, counts)]
         start = self.tracker.current_bytes
         covered = steady and all(
-            shape is not None and any((later or position == 0) and start <= started and _covers(known, shape)
-                                      for known, later, started in self._covering)
+            shape is not None and any(_covers_tracked(known, (shape, position > 0, start)) for known in self._covering)
             for position, shape in enumerate(shapes))
         if not covered:
             self.tracked_updates += 1
@@ -262,11 +268,8 @@ class CpuTensorMeter:
 
     def _cover(self, entry: tuple[tuple, bool, int]) -> None:
         """Adds a tracked micro-batch to those that cover later updates; drops the ones it covers."""
-        def covers(one: tuple[tuple, bool, int], other: tuple[tuple, bool, int]) -> bool:
-            return (one[1] or not other[1]) and one[2] >= other[2] and _covers(one[0], other[0])
-
-        if not any(covers(known, entry) for known in self._covering):
-            self._covering = [known for known in self._covering if not covers(entry, known)] + [entry]
+        if not any(_covers_tracked(known, entry) for known in self._covering):
+            self._covering = [known for known in self._covering if not _covers_tracked(entry, known)] + [entry]
 
     def restart_peak(self) -> None:
         """Start a new peak from the live bytes (a new gradual-unfreezing stage): the trainable set may

@@ -273,7 +273,6 @@ def _measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: st
     if meter is not None:
         meter.settle()
         meter.reset()
-    started = time.perf_counter()
     optimizer = settings.build_optimizer(model, 0.0)
     loop = Loop(model, optimizer, [], config=config)
     marks: list[tuple[str, float]] = []  # ("loss" | "step" | "stepped", when)
@@ -323,8 +322,7 @@ def _measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: st
         del loop, optimizer
         _restore_stash(model, stash)
     peak = meter.peak() - stashed if meter is not None else None  # the fp32 tensors set aside: not the run's
-    measured = {"probe_seconds": time.perf_counter() - started, "tokens": int(batch["input_ids"].numel()),
-                "batch_shape": batch_shape(batch)}
+    measured = {"tokens": int(batch["input_ids"].numel()), "batch_shape": batch_shape(batch)}  # + `probe_seconds`
     if guard is not None and guard.tripped:
         return {"stopped": True, "ceiling": ceiling, "measured_peak_bytes": max(peak, ceiling + 1),
                 **({"before_step_bytes": step_bytes} if guard.before_step else {}), **measured}
