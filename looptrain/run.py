@@ -16,6 +16,7 @@ import contextlib
 import copy
 import json
 import math
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,9 @@ class Run:
 
     def __init__(self, config: LoopConfig, training: Any, *, is_main: bool):
         self.config = config
-        self.training = training
+        # A weak reference: the Loop holds its Run, and a Run holding its Loop back made a cycle that kept a dropped
+        # Loop, its optimizer and the optimizer's state alive until the collector's next full pass.
+        self.training = weakref.proxy(training)
         self.is_main = is_main
         self.output_dir = Path(config.output_dir) if config.output_dir else None
         metric = config.metric_for_best or "loss"  # until the Loop's first evaluation check resolves it

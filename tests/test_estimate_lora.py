@@ -99,3 +99,25 @@ def test_the_command_line_answers_lora_from_a_config_as_json(tmp_path, capsys):
     assert result["bytes_per_parameter"] == round(result["peak_memory_bytes"] / result["parameters"], 2)
     assert result["flags"][-3:] == ["--grad-checkpoint", "--lora", "16", "--qlora"][-3:]
     assert set(result["memory_breakdown"]) >= {"params", "grads", "optimizer_state", "activations_and_temps"}
+
+
+def test_a_lora_classifier_estimate_keeps_every_fake_tensor_in_one_fake_mode(monkeypatch):
+    """peft deep-copies the head a LoRA classifier trains (``modules_to_save``); a fake tensor's deepcopy copied its
+    fake mode too, and the copy's storage weak references released the original's a second time (heap corruption,
+    a segfault in a later estimate). The copied head's fakes stay in the estimate's mode."""
+    from transformers import BertConfig
+
+    from looptrain.planning import estimator
+
+    loops = []
+    build = estimator._strategy_loop
+    monkeypatch.setattr(estimator, "_strategy_loop", lambda *args, **kwargs: loops.append(build(*args, **kwargs))
+                        or loops[-1])
+    monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", "off")  # computed, not read from a cache
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=37, max_position_embeddings=32, num_labels=2)
+    planning.estimate(config, 2, 8, lora_rank=RANK)
+    names = {name for name, _ in loops[0].model.named_parameters()}
+    assert any("modules_to_save" in name for name in names), sorted(names)  # the copied head is there
+    modes = {id(parameter.fake_mode) for parameter in loops[0].model.parameters()}
+    assert len(modes) == 1

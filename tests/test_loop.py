@@ -304,3 +304,34 @@ def test_a_max_steps_the_epochs_cannot_reach_is_said_at_the_start(eight_uneven, 
                        "stops at 8; raise epochs (--epochs) to reach 100"]
     Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, config=quiet(max_steps=3, epochs=2)).fit()
     assert "notice: max_steps" not in capsys.readouterr().out  # reachable: nothing to say
+
+
+@pytest.mark.parametrize("fields", [{}, {"track_memory": True, "eval_every": 1}, {"optimizer_in_backward": True}],
+                         ids=["plain", "tracked, evaluated, saved", "fused step"])
+def test_a_dropped_loop_frees_its_optimizer_state_without_the_collector(fields, tmp_path):
+    """A researcher's second Loop in one process (a sweep, a ladder, the planner's probes) starts without the first
+    one's optimizer state: dropping a Loop frees it by reference counting. Its `Run` held the Loop back, a cycle that
+    kept the Loop, the optimizer and its state (AdamW: 2 x the weights) until the collector's next full pass, which
+    a long run of young objects rarely reaches."""
+    import gc
+
+    def alive() -> tuple[int, int]:
+        objects = gc.get_objects()
+        return sum(isinstance(item, Loop) for item in objects), sum(isinstance(item, torch.optim.Optimizer)
+                                                                    for item in objects)
+
+    model = make_tiny_bert(num_labels=3)
+    batches = random_token_batches([[6, 4], [5, 5], [3, 7]], model.config.vocab_size)
+    gc.collect()
+    before = alive()
+    gc.disable()
+    try:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        loop = Loop(model, optimizer, batches, eval_loader=batches[:1],
+                    config=quiet(output_dir=str(tmp_path), **fields))
+        loop.fit()
+        assert len(optimizer.state) > 0 or fields.get("optimizer_in_backward")
+        del loop, optimizer
+        assert alive() == before
+    finally:
+        gc.enable()

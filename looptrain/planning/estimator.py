@@ -254,14 +254,29 @@ def _whole_rows():
 
 
 @contextlib.contextmanager
-def _replaced(owner: Any, **attributes: Any):
+def _one_fake_mode():
+    """A fake tensor deep-copied in the block (peft copies the head a LoRA model trains, ``modules_to_save``) stays
+    in its own fake mode.
+
+    torch's ``Tensor.__deepcopy__`` copies a subclass's ``__dict__``, and a FakeTensor's holds its
+    ``FakeTensorMode``: the copy would get a mode of its own, whose converter's storage weak references
+    (``StorageWeakRef``, a raw pointer each) are copies of the original's, and both would release them. That double
+    release corrupted the heap (a segfault in a later estimate) once the estimate's Loop was freed at once."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with _replaced(FakeTensorMode, create=True, __deepcopy__=lambda mode, memo: mode):
+        yield
+
+
+@contextlib.contextmanager
+def _replaced(owner: Any, *, create: bool = False, **attributes: Any):
     """`owner`'s attributes replaced by `attributes` for the block, the originals put back after it
-    (`unittest.mock.patch.object`, one per attribute)."""
+    (`unittest.mock.patch.object`, one per attribute; `create`: an attribute `owner` lacks is added, then removed)."""
     from unittest import mock  # imported here: estimating is the only user, and it imports asyncio
 
     with contextlib.ExitStack() as stack:
         for name, value in attributes.items():
-            stack.enter_context(mock.patch.object(owner, name, value))
+            stack.enter_context(mock.patch.object(owner, name, value, create=create))
         yield
 
 
@@ -598,14 +613,15 @@ def _estimate_windows(model_or_config: Any, windows: Sequence[Sequence[tuple[int
     rng_states = state.capture_rng_state()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
-        model = _fake_model(model_or_config, num_labels, fake_mode)
-        # LoRA's adapters are built by peft outside the fake mode (its device moves cannot swap fakes), then made
-        # fakes like the base they wrap: a real adapter is copied into a fake at every use (counted twice).
-        # QLoRA's 4-bit storage is fake from the start (`quantize_blocks_4bit` on a fake weight).
-        model = strategy.wrap_model(model)
-        _fake_tensors(model, fake_mode)
-        # Built outside the fake mode: optimizers' constant tables (bitsandbytes' quantisation maps) are real.
-        loop = _strategy_loop(model, strategy, max_grad_norm)
+        with _one_fake_mode():
+            model = _fake_model(model_or_config, num_labels, fake_mode)
+            # LoRA's adapters are built by peft outside the fake mode (its device moves cannot swap fakes), then
+            # made fakes like the base they wrap: a real adapter is copied into a fake at every use (counted
+            # twice). QLoRA's 4-bit storage is fake from the start (`quantize_blocks_4bit` on a fake weight).
+            model = strategy.wrap_model(model)
+            _fake_tensors(model, fake_mode)
+            # Built outside the fake mode: optimizers' constant tables (bitsandbytes' quantisation maps) are real.
+            loop = _strategy_loop(model, strategy, max_grad_norm)
         model = loop.model  # LoRA: the adapters' PeftModel
         _on_fake_tensors(loop)
         token_labels = model_shifts_labels(model)  # the task, decided once from the model: a causal LM's labels
