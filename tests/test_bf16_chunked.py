@@ -384,8 +384,8 @@ def test_small_and_one_dimensional_tensors_keep_adafactors_whole_step(monkeypatc
 
 
 def test_the_adafactor_step_transient_is_a_chunk_not_the_embedding(monkeypatch, adafactor_chunk_calls):
-    """Adafactor whole: the embedding's fp32 parameter and gradient, grad², the update and its negation at once;
-    in chunks of 1/12 of it (three passes), a few chunks."""
+    """Adafactor whole: the embedding's fp32 parameter and gradient and the one temporary of looptrain's in-place
+    step (grad², then the update in it) at once; in chunks of 1/12 of it (three passes), a few chunks."""
     pytest.importorskip("transformers")
     whole, numel = step_transient_bytes(monkeypatch, 1 << 30, "adafactor")
     assert not adafactor_chunk_calls
@@ -394,7 +394,8 @@ def test_the_adafactor_step_transient_is_a_chunk_not_the_embedding(monkeypatch, 
     chunk_bytes = 4 * (CHUNK // DIM) * DIM  # one chunk in fp32
     print(f"adafactor step transient: whole {whole} B ({whole / (4 * numel):.2f} fp32 embeddings), "
           f"chunked {chunked} B ({chunked / chunk_bytes:.2f} fp32 chunks)")
-    assert whole >= 3.5 * 4 * numel, whole  # about four fp32 copies of the embedding at once (measured: 4.02)
+    assert whole >= 2.9 * 4 * numel, whole  # three fp32 copies of the embedding at once (measured: 3.02; 4.02 with
+    # transformers' own step, whose update and its negation are two)
     assert chunked <= 8 * chunk_bytes, (chunked, chunk_bytes)  # measured: 4.3 chunks
     assert chunked < whole / 3, (chunked, whole)
 

@@ -216,6 +216,75 @@ def test_adafactor_trains_with_factored_state():
     assert optimizer.param_groups[0]["lr"] == 1e-2
 
 
+ADAFACTOR_OPTIONS = {
+    "trainer's": {"scale_parameter": False, "relative_step": False, "warmup_init": False},
+    "relative step": {"lr": None, "scale_parameter": True, "relative_step": True, "warmup_init": True},
+    "first moment, weight decay": {"beta1": 0.9, "weight_decay": 0.01, "scale_parameter": False,
+                                   "relative_step": False},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("options", ADAFACTOR_OPTIONS)
+def test_adafactor_steps_bitwise_as_hugging_faces(options, dtype):
+    """looptrain's Adafactor (its step in place) against transformers' own: the same weights and state, bit for bit,
+    after five steps of a 3-D, a 2-D and a 1-D parameter (factored and not), with every option that changes the
+    step."""
+    from transformers.optimization import Adafactor as Reference
+
+    from looptrain.optim.adafactor import Adafactor
+
+    torch.manual_seed(0)
+    shapes = [(3, 20, 12), (48, 16), (16,)]
+    start = [torch.randn(shape).to(dtype) for shape in shapes]
+    grads = [[torch.randn(shape).to(dtype) for shape in shapes] for _ in range(5)]
+    settings = {"lr": 1e-2, **ADAFACTOR_OPTIONS[options]}
+    results = []
+    for optimizer_class in (Reference, Adafactor):
+        parameters = [nn.Parameter(tensor.clone()) for tensor in start]
+        optimizer = optimizer_class(parameters, **settings)
+        for step_grads in grads:
+            for parameter, grad in zip(parameters, step_grads):
+                parameter.grad = grad.clone()
+            optimizer.step()
+        results.append((parameters, optimizer.state_dict()["state"]))
+    (reference, reference_state), (ours, our_state) = results
+    for expected, got in zip(reference, ours):
+        assert torch.equal(expected, got)
+    assert reference_state.keys() == our_state.keys()
+    for index, state in reference_state.items():
+        assert state.keys() == our_state[index].keys()
+        for name, value in state.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(our_state[index][name])), (index, name)
+
+
+def test_adafactor_steps_a_large_parameter_with_one_temporary_instead_of_two():
+    """The peak of one step over a 2,048 x 512 weight (4 MiB) with the tensor tracker: transformers' Adafactor holds
+    two weight-sized temporaries at once, looptrain's one."""
+    from transformers.optimization import Adafactor as Reference
+
+    from looptrain.memory import StorageTracker
+    from looptrain.optim.adafactor import Adafactor
+
+    weight_bytes = 2048 * 512 * 4
+    peaks = []
+    for optimizer_class in (Reference, Adafactor):
+        torch.manual_seed(0)
+        parameter = nn.Parameter(torch.randn(2048, 512))
+        parameter.grad = torch.randn(2048, 512)
+        optimizer = optimizer_class([parameter], lr=1e-3, scale_parameter=False, relative_step=False)
+        optimizer.step()  # the state exists; the second step is measured
+        with StorageTracker() as tracker:
+            optimizer.step()
+        # The tracker meets the weight and its gradient at the step's first op: what stays is theirs (and the small
+        # state), what the peak has above it the step's temporaries.
+        assert 2 * weight_bytes <= tracker.current_bytes < 2.01 * weight_bytes
+        peaks.append(tracker.peak_bytes - tracker.current_bytes)
+    reference, ours = peaks
+    assert 2 * weight_bytes <= reference < 2.1 * weight_bytes
+    assert weight_bytes <= ours < 1.1 * weight_bytes
+
+
 def test_sgd_momentum_and_adamw_foreach_false():
     model = SmallMLP()
     sgd = build_optimizer(model, "sgd", lr=0.1, momentum=0.9)

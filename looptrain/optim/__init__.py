@@ -2,6 +2,7 @@
 
 Modules:
     factory       `build_optimizer`, the optimizer names and which options each takes
+    adafactor     `Adafactor`: Hugging Face's, its step in place (bitwise the same, one temporary less)
     per_parameter `PerParameterOptimizer`: one optimizer per parameter, built from an ordinary one
     in_backward   `OptimizerInBackward`: each parameter steps inside backward, clipping kept
     bf16          bf16 weights: `BF16Optimizer`, `stochastic_round_`, `cast_to_bf16`

@@ -250,12 +250,14 @@ def _step_chunk_(parameter: nn.Parameter, optimizer: torch.optim.Optimizer, stor
 
 
 def _is_factored_adafactor(parameter: nn.Parameter, optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `optimizer` is exactly Hugging Face's Adafactor and `parameter` a 2-D tensor, which it factors.
+    """Whether `optimizer` is exactly Hugging Face's Adafactor or looptrain's (the same step, in place) and
+    `parameter` a 2-D tensor, which it factors.
 
     Reads `sys.modules` only: an Adafactor object means its module is imported already.
     """
-    module = sys.modules.get("transformers.optimization")
-    return module is not None and type(optimizer) is getattr(module, "Adafactor", None) and parameter.dim() == 2
+    classes = {getattr(sys.modules.get(name), "Adafactor", None)
+               for name in ("transformers.optimization", "looptrain.optim.adafactor")}
+    return type(optimizer) in classes - {None} and parameter.dim() == 2
 
 
 def _root_mean_square(norms: list[torch.Tensor], numel: int) -> torch.Tensor:

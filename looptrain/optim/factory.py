@@ -1,7 +1,8 @@
 """The optimizer factory: names, parameter groups, and the options each optimizer takes.
 
 `build_optimizer` makes AdamW (``foreach`` / ``fused`` exposed), bitsandbytes' 8-bit AdamW (paged
-or not, with 32-bit state for every embedding), Hugging Face's Adafactor and SGD, always over
+or not, with 32-bit state for every embedding), Hugging Face's Adafactor (its step in place: `optim.adafactor`)
+and SGD, always over
 parameter groups (weight decay / no weight decay, per depth with layer-wise learning-rate decay)
 that hold every trainable parameter exactly once and no frozen one. The optimizer names and the
 rule "foreach only for adamw and sgd" are defined here once; the command line and the estimator
@@ -168,7 +169,7 @@ def import_optimizer(name: str) -> None:
     (transformers' optimization module pulls in peft and bitsandbytes, whose kernels import torch.compile's
     machinery). Raises ImportError as `build_optimizer` would."""
     if name == "adafactor":
-        import transformers.optimization  # noqa: F401
+        import looptrain.optim.adafactor  # noqa: F401  (imports transformers.optimization)
     elif name in EIGHT_BIT_OPTIMIZERS:
         _import_bitsandbytes()
 
@@ -239,7 +240,7 @@ def build_optimizer(
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr, foreach=foreach, fused=fused, **kwargs)
     if name == "adafactor":
-        from transformers.optimization import Adafactor
+        from looptrain.optim.adafactor import Adafactor  # Hugging Face's, its step in place (one temporary)
 
         # Trainer's optim="adafactor" settings (the seeds' ladder): explicit lr, no relative step,
         # no parameter-scale factor; first moment off unless beta1 is passed.
