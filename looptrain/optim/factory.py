@@ -3,9 +3,9 @@
 `build_optimizer` makes AdamW (``foreach`` / ``fused`` exposed), bitsandbytes' 8-bit AdamW (paged
 or not, with 32-bit state for every embedding), Hugging Face's Adafactor (its step in place:
 `optim.adafactor`) and SGD, always over parameter groups (weight decay / no weight decay, per depth
-with layer-wise learning-rate decay) that hold every trainable parameter exactly once and no frozen one. The optimizer names and the
-rule "foreach only for adamw and sgd" are defined here once; the command line and the estimator
-read them from here.
+with layer-wise learning-rate decay) that hold every trainable parameter exactly once and no frozen one.
+The optimizer names and the rule "foreach only for adamw and sgd" are defined here once; the command
+line and the estimator read them from here.
 """
 
 from __future__ import annotations
