@@ -159,6 +159,7 @@ def test_compile_with_checkpointing_fused_step_autocast_lora_and_bf16_weights(na
     assert_equal_to_eager(one_layer_bert, BERT_BATCHES[:4], tolerance, lora=lora, **fields)
 
 
+@pytest.mark.slow  # 6-7 s: make test stays under 5 minutes on 2 cores; .ci/run runs it
 def test_a_compiled_run_saves_plain_state_dict_keys_and_resumes_exactly(tmp_path):
     from transformers import BertForSequenceClassification
 

@@ -189,6 +189,7 @@ def test_kill_during_a_checkpoint_write_keeps_the_previous_one(model_dir, data_f
     assert not leftovers[0].exists(), "rotation must sweep the temp dir of the interrupted save"
 
 
+@pytest.mark.slow  # 6-7 s: make test stays under 5 minutes on 2 cores; .ci/run runs it
 def test_sigterm_saves_a_checkpoint_exits_143_and_resume_equals_uninterrupted(
         model_dir, data_files, uninterrupted, tmp_path, capsys):
     output_dir = tmp_path / "terminated"
