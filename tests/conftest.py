@@ -80,6 +80,17 @@ def mlp_batches(count: int, rows: int = 8, seed: int = 0) -> list[dict]:
             for _ in range(count)]
 
 
+def live_loops_and_optimizers() -> tuple[int, int]:
+    """How many `Loop`s and torch optimizers the collector tracks now (alive, or garbage not yet collected)."""
+    import gc
+
+    from looptrain.loop import Loop
+
+    objects = gc.get_objects()
+    return (sum(isinstance(item, Loop) for item in objects),
+            sum(isinstance(item, torch.optim.Optimizer) for item in objects))
+
+
 def make_tiny_bert(num_labels: int = 3, num_layers: int = 2, seed: int = 0, **overrides):
     """A tiny BertForSequenceClassification with dropout off (deterministic)."""
     from transformers import BertConfig, BertForSequenceClassification

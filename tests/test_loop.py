@@ -10,7 +10,7 @@ from torch import nn
 
 from looptrain import Loop, LoopConfig
 
-from conftest import DtypeProbe, OneWeight, make_tiny_bert, random_token_batches
+from conftest import DtypeProbe, OneWeight, live_loops_and_optimizers, make_tiny_bert, random_token_batches
 
 SUMMARY_KEYS = {
     "train_runtime_s", "train_samples", "train_tokens", "train_samples_per_s", "train_tokens_per_s", "optimizer_steps",
@@ -315,15 +315,10 @@ def test_a_dropped_loop_frees_its_optimizer_state_without_the_collector(fields, 
     a long run of young objects rarely reaches."""
     import gc
 
-    def alive() -> tuple[int, int]:
-        objects = gc.get_objects()
-        return sum(isinstance(item, Loop) for item in objects), sum(isinstance(item, torch.optim.Optimizer)
-                                                                    for item in objects)
-
     model = make_tiny_bert(num_labels=3)
     batches = random_token_batches([[6, 4], [5, 5], [3, 7]], model.config.vocab_size)
     gc.collect()
-    before = alive()
+    before = live_loops_and_optimizers()
     gc.disable()
     try:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -332,6 +327,6 @@ def test_a_dropped_loop_frees_its_optimizer_state_without_the_collector(fields, 
         loop.fit()
         assert len(optimizer.state) > 0 or fields.get("optimizer_in_backward")
         del loop, optimizer
-        assert alive() == before
+        assert live_loops_and_optimizers() == before
     finally:
         gc.enable()

@@ -15,7 +15,7 @@ from looptrain.cli import finetune
 from looptrain.optim import build_optimizer
 from looptrain.planning import Levers, PlanError, Settings, parse_size, plan, probes
 
-from conftest import make_tiny_bert, make_tiny_tokenizer, write_csv
+from conftest import live_loops_and_optimizers, make_tiny_bert, make_tiny_tokenizer, write_csv
 
 EFFECTIVE_BATCH = 16
 
@@ -1495,19 +1495,12 @@ def test_a_probe_leaves_no_loop_or_optimizer_state_alive_behind_it():
     after it: the probe's timed `compute_loss` closes over its Loop (a cycle), and a collection made inside the probe
     freed nothing. Left to the collector's oldest generation, the probe's AdamW state outlived the plan and a bf16
     run at 900 MiB carried its 173 MiB to the end (993 MiB above the start instead of 825, docs/plan.md)."""
-    from looptrain.loop import Loop
-
-    def alive() -> tuple[int, int]:
-        objects = gc.get_objects()
-        return (sum(isinstance(item, Loop) for item in objects),
-                sum(isinstance(item, torch.optim.Optimizer) for item in objects))
-
     model = make_tiny_bert(num_labels=2)
     ids = torch.randint(5, 20, (2, 16), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.zeros(2, dtype=torch.long)}
     rss = probes.Meter("rss", probes.rss_baseline_bytes())
     gc.collect()
-    before = alive()
+    before = live_loops_and_optimizers()
     gc.disable()  # what a run's automatic collections would free late, or (from the oldest generation) never
     try:
         for settings, meter in ((Settings(batch_size=2, accum_steps=2), None),
@@ -1515,7 +1508,7 @@ def test_a_probe_leaves_no_loop_or_optimizer_state_alive_behind_it():
                                 (Settings(batch_size=2, accum_steps=1, optimizer_in_backward=True), None)):
             result = probes.measure_probe(model, settings, batch, "cpu", 1.0, meter)
             assert result["micro_step_seconds"] > 0
-            assert alive() == before, settings
+            assert live_loops_and_optimizers() == before, settings
     finally:
         gc.enable()
 
