@@ -32,6 +32,7 @@ from torch import nn
 from looptrain import batches, compilation, distributed, lm_loss, metrics, resume, state
 from looptrain.batches import as_loss_sum, first_dimension, move_to, split_batch, split_by_tokens
 from looptrain.config import ConfigError, LoopConfig, check_process_group
+from looptrain.embedding_grad import accumulate_embedding_rows
 from looptrain.gradient_checkpointing import enable_gradient_checkpointing
 from looptrain.guards import (
     OUT_OF_MEMORY_ERRORS,
@@ -99,6 +100,9 @@ class Loop:
             cast_to_bf16(self.model)  # in place (the optimizer holds these same objects); a model cast already is kept
         if self.config.gradient_checkpointing:
             enable_gradient_checkpointing(self.model, every=self.config.checkpoint_every)
+        # DDP's and FSDP's reducers wait for autograd's own accumulation; a compiled model keeps its graph whole.
+        accumulate_embedding_rows(self.model, enabled=self.config.embedding_row_grads and not self.config.compile
+                                  and self._place.world_size == 1 and not distributed.is_fsdp(self.model))
         compilation.compile_model(self.model, self.config.compile)  # in place: the same module, parameters and keys
         self.wrapped_model = distributed.wrap_model(self.model, self.device)
         # HF causal LMs shift their labels inside forward: count_items counts labels[..., 1:] for them.

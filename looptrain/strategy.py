@@ -112,6 +112,10 @@ class LoopLevers:
                             help="CPU, glibc: give the heap's freed pages back to the OS before each micro-batch "
                                  "(malloc_trim), so that RSS holds one micro-batch's leftovers, not the run's: 2-10%% "
                                  "slower")
+    embedding_row_grads: bool = lever(True, flag="--no-embedding-row-grads",
+                                      help="CPU: each micro-batch adds only the rows its tokens use into the input "
+                                           "embedding's .grad, bitwise the dense gradient, without a vocabulary-sized "
+                                           "temporary (fp32, untied; docs/memory.md); this flag turns it off")
     compile: bool = lever(False, flag="--compile",
                           help="torch.compile the model's forward (and its backward): minutes of compiling first, "
                                "then faster updates where it pays (docs/compile.md); dynamic shapes, so varying "
