@@ -285,6 +285,8 @@ class Loop:
             loss_items += micro_items
             self.micro_step += 1
         self.meter.mark("optimizer")
+        if self.config.trim_heap:
+            allocator.release_freed()  # the backward's freed heap pages: not resident beside the step's temporaries
         loss_sum, loss_items = distributed.all_reduce_tensors_sum(loss_sum, loss_items)
         self.precision.unscale_(self.optimizer)  # fp16: true gradients *before* clipping
         grad_norm = self._clip_gradients()

@@ -109,9 +109,9 @@ class LoopLevers:
                                  help="with --chunked-ce: tokens per chunk (a chunk's logits are tokens x vocab); 0: "
                                       "as many as keep a chunk within 8M logits (32 MiB in fp32)")
     trim_heap: bool = lever(False, flag="--trim-heap",
-                            help="CPU, glibc: give the heap's freed pages back to the OS before each micro-batch "
-                                 "(malloc_trim), so that RSS holds one micro-batch's leftovers, not the run's: 2-10%% "
-                                 "slower")
+                            help="CPU, glibc: give the heap's freed pages back to the OS before each micro-batch and "
+                                 "each optimizer step (malloc_trim), so that RSS holds one micro-batch's leftovers, "
+                                 "not the run's: 2-10%% slower")
     embedding_row_grads: bool = lever(True, flag="--no-embedding-row-grads",
                                       help="CPU: each micro-batch adds only the rows its tokens use into the input "
                                            "embedding's .grad, bitwise the dense gradient, without a vocabulary-sized "

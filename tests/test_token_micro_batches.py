@@ -170,15 +170,20 @@ def test_by_tokens_leaves_what_it_cannot_cut_as_it_is():
                                                                            micro_batch_tokens=128)
 
 
-def test_trim_heap_gives_the_freed_pages_back_before_every_micro_batch(monkeypatch):
-    calls = []
-    monkeypatch.setattr(allocator, "release_freed", lambda: calls.append(1) or True)
+def test_trim_heap_gives_the_freed_pages_back_before_every_micro_batch_and_every_step(monkeypatch):
+    events = []
+    monkeypatch.setattr(allocator, "release_freed", lambda: events.append("trim") or True)
     batches = random_token_batches([LENGTHS, LENGTHS], vocab_size=30)
     model = make_tiny_bert(seed=0)
-    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), batches,
-                config=quiet_config(trim_heap=True, micro_batch_tokens=40))
+    model.register_forward_pre_hook(lambda module, args: events.append("forward"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer.register_step_pre_hook(lambda *args: events.append("step"))
+    loop = Loop(model, optimizer, batches, config=quiet_config(trim_heap=True, micro_batch_tokens=40))
     loop.fit()
-    assert len(calls) == loop.micro_step == 6
+    assert loop.micro_step == 6 and loop.step == 2
+    # Each window of 3 micro-batches: trimmed before each forward, and before the step (the backward's freed pages are
+    # not resident beside the step's temporaries).
+    assert events == ["trim", "forward"] * 3 + ["trim", "step"] + ["trim", "forward"] * 3 + ["trim", "step"]
     monkeypatch.undo()
     assert allocator.release_freed() == (allocator._glibc() is not None)  # trims where the C library is glibc
 

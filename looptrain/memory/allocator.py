@@ -14,8 +14,9 @@ first probe, under glibc's own thresholds, does not fit the budget (`plan(make_l
 time (`fix_thresholds`, `LEAN_STEPS`): 1 MiB first, where only a step's large blocks are mmapped and the run trims
 the heap (a fifth of the time instead of a third), and 128 KiB only where that does not fit either.
 
-Between the two, `release_freed` (the Loop's ``trim_heap`` lever: ``malloc_trim`` before every micro-batch) keeps
-glibc's thresholds and gives the heap's freed pages back between micro-batches: RSS then holds what one micro-batch
+Between the two, `release_freed` (the Loop's ``trim_heap`` lever: ``malloc_trim`` before every micro-batch and every
+optimizer step) keeps glibc's thresholds and gives the heap's freed pages back between micro-batches, and between the
+last backward and the step's temporaries: RSS then holds what one micro-batch
 leaves resident, not what the run has, for 2-10% of the speed (docs/memory.md). The planner trims wherever it keeps
 glibc's own thresholds under a budget of RSS (`keeps_freed`): its probes measure a fresh heap, which a whole run
 without trimming outgrows.
