@@ -23,8 +23,12 @@ from conftest import WORDS, save_tiny_bert
 
 def test_bounding_windows_keep_the_first_window_and_the_widest_later_shapes():
     windows = [[(8, 98), (8, 15), (8, 32)], [(8, 20), (8, 30), (8, 73)], [(8, 88), (8, 26)], [(8, 12), (8, 40)]]
-    # First window as it is (no optimizer state yet); later: the widest first-of-window and later shapes.
-    assert bounding_windows(windows) == [[(8, 98), (8, 15), (8, 32)], [(8, 88), (8, 73)]]
+    # The first window's first micro-batch (no gradients, no optimizer state yet), then the widest of its others
+    # (gradients held: (8, 15) holds no more than (8, 32)); later: the widest first-of-window and later shapes.
+    assert bounding_windows(windows) == [[(8, 98), (8, 32)], [(8, 88), (8, 73)]]
+    # A window cut into token micro-batches: its pieces that no other covers.
+    pieces = [[(1, 256), (1, 250), (1, 256), (2, 120), (2, 128), (4, 60)]]
+    assert bounding_windows(pieces) == [[(1, 256), (1, 256), (2, 128), (4, 60)]]
     # Shapes that neither covers in both rows and width each get a window: (5, 90) is wider than (8, 88).
     assert bounding_windows([[(8, 10)], [(8, 88)], [(5, 90)]]) == [[(8, 10)], [(5, 90)], [(8, 88)]]
     # A resumed run has optimizer state from its first window on: every window counts, driven twice.
@@ -80,3 +84,18 @@ def test_a_length_grouped_run_estimates_the_batches_it_sees(wide_vocab_model_dir
     assert abs(summary["estimate_error"]) <= 0.001
     worst_batch = estimate(str(wide_vocab_model_dir), 8, 62, accum_steps=2, num_labels=2)["peak_memory_bytes"]
     assert (summary["peak_memory_bytes"] - worst_batch) / worst_batch < -0.25
+
+
+def test_a_first_window_of_many_micro_batches_is_priced_by_its_widest(wide_vocab_model_dir):
+    """The first window's dominated micro-batches hold no more than its widest beside the same gradients: its
+    estimate over all of them and over `bounding_windows`' few differ by the dropped micro-batches' own input
+    tensors (the Loop holds a window's batches through it), a few bytes a token."""
+    window = [(1, 40), (2, 20), (1, 38), (1, 40), (2, 18), (4, 10), (3, 9), (4, 10)]
+    reduced = bounding_windows([window])
+    assert reduced == [[(1, 40), (1, 40), (2, 20), (4, 10)]]
+    whole, few = (estimate_windows(str(wide_vocab_model_dir), windows, accum_steps=len(window), num_labels=2)
+                  for windows in ([window], reduced))
+    dropped = [(1, 38), (2, 18), (3, 9), (4, 10)]
+    # int64 input_ids, attention_mask and token_type_ids a token, an int64 label a row
+    dropped_inputs = sum(3 * 8 * rows * width + 8 * rows for rows, width in dropped)
+    assert 0 <= whole["peak_memory_bytes"] - few["peak_memory_bytes"] <= dropped_inputs

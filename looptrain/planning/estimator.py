@@ -684,10 +684,12 @@ def bounding_windows(windows: Sequence[Sequence[tuple[int, int]]], *,
     `windows` are a run's accumulation windows in order, each its micro-batches' ``(rows, width)``.
     A micro-batch's memory depends on its shape and on what lives beside it: the optimizer state
     (from the first update on) and the gradients (from a window's second micro-batch on: the update
-    before ended with ``zero_grad(set_to_none=True)``). So a fresh run's first window is kept as it
-    is (a length-grouped sampler puts the longest batch there, where neither exists yet), and every
-    later window is stood for by the widest shapes met first in a window and met later in one
-    (every shape no other shape has both more rows and more width than), driven after it.
+    before ended with ``zero_grad(set_to_none=True)``). So a fresh run's first window keeps its first
+    micro-batch (a length-grouped sampler puts the longest batch there, where neither exists yet) and,
+    after it, the widest of its other micro-batches (every shape no other shape has both more rows and
+    more width than: the rest hold no more beside the same gradients); every later window is stood for
+    by the widest shapes met first in a window and met later in one, driven after it. A window cut into
+    many token micro-batches (`micro_batch_tokens`) is priced in a few of them.
 
     Args:
         windows: the run's windows, in order.
@@ -696,6 +698,7 @@ def bounding_windows(windows: Sequence[Sequence[tuple[int, int]]], *,
     """
     windows = [list(window) for window in windows if window]
     first, later = (windows[:1], windows[1:]) if fresh else ([], windows)
+    first = [[window[0], *_widest(set(window[1:]))] for window in first]
     leading = _widest({window[0] for window in later})
     following = _widest({shape for window in later for shape in window[1:]})
     steady = [[leading[index % len(leading)]] + ([following[index % len(following)]] if following else [])
