@@ -41,6 +41,7 @@ def rss_rise_mib(mode: str, **environment: str) -> tuple[float, str]:
     return float(finished.stdout.split()[-1]), finished.stderr
 
 
+@pytest.mark.slow  # 7 s: fresh processes; .ci/run runs it, make test stays under 5 minutes
 @pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc only")
 def test_fixed_thresholds_return_freed_blocks_that_the_dynamic_threshold_keeps_resident():
     default, _ = rss_rise_mib("default")

@@ -197,6 +197,7 @@ def test_the_command_line_trains_compiled_and_its_final_model_loads_plain(model_
     assert not loading["missing_keys"] and not loading["unexpected_keys"]  # plain keys, no _orig_mod. prefix
 
 
+@pytest.mark.slow  # 7 s: torch.compile; .ci/run runs it, make test stays under 5 minutes
 def test_compile_model_keeps_the_module_its_parameters_and_evaluation_works(counting_backend):
     model = one_layer_bert()
     parameters = list(model.parameters())
@@ -209,6 +210,7 @@ def test_compile_model_keeps_the_module_its_parameters_and_evaluation_works(coun
     assert torch.allclose(compiled_logits, eager_logits, atol=1e-6)
 
 
+@pytest.mark.slow  # 6 s: torch.compile; .ci/run runs it, make test stays under 5 minutes
 def test_the_tensor_tracker_makes_a_compiled_model_run_eagerly(counting_backend):
     """Why compile refuses track_memory on a CPU: under the tracker (a dispatch mode) no compiled graph runs. It counts
     graph runs, so it empties dynamo's caches first (the slow tests before it leave graphs of the same model)."""

@@ -184,6 +184,7 @@ def test_two_runs_on_one_directory_one_refuses_naming_the_pid_the_other_is_intac
     assert steps == sorted(set(steps))  # one run's records: no step twice
 
 
+@pytest.mark.slow  # 8 s: a real subprocess killed; .ci/run runs it, make test stays under 5 minutes
 def test_a_killed_runs_lock_is_taken_over_with_a_notice(model_dir, data_files, uninterrupted, tmp_path, capsys):
     output_dir = tmp_path / "killed"
     process = start(argv(model_dir, data_files, output_dir), tmp_path / "killed.log")

@@ -230,6 +230,7 @@ def test_majority_baseline():
         majority_baseline([])
 
 
+@pytest.mark.slow  # 7 s; .ci/run runs it, make test stays under 5 minutes
 def test_matches_scikit_learn_when_installed():
     metrics_module = pytest.importorskip("sklearn.metrics")
     generator = np.random.default_rng(0)

@@ -121,6 +121,7 @@ runpy.run_path("scripts/finetune.py", run_name="__main__")
 """
 
 
+@pytest.mark.slow  # 8 s: a real SIGKILL and a resume; .ci/run runs it, make test stays under 5 minutes
 def test_sigkill_at_a_random_point_then_resume_auto_equals_uninterrupted(
         model_dir, data_files, uninterrupted, tmp_path, capsys):
     output_dir = tmp_path / "killed"
