@@ -37,6 +37,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
+from looptrain.freeze import input_embeddings
+
 _EXACT_DTYPES = (torch.float32, torch.float64)
 
 
@@ -49,11 +51,7 @@ def accumulate_embedding_rows(model: nn.Module, enabled: bool = True) -> nn.Embe
     the row path is decided at each call (the weight's device, dtype, ``requires_grad`` and hooks may change over a
     run: unfreezing, a cast).
     """
-    getter = getattr(model, "get_input_embeddings", None)
-    try:
-        embedding = getter() if callable(getter) else None
-    except NotImplementedError:  # a Hugging Face model without one
-        embedding = None
+    embedding = input_embeddings(model)
     plain = type(embedding) in (nn.Embedding, RowGradEmbedding)
     eligible = enabled and plain and embedding.max_norm is None and not embedding.scale_grad_by_freq \
         and not embedding.sparse and _uses(model, embedding.weight) == 1

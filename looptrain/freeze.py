@@ -226,6 +226,17 @@ def freeze_layers(model: nn.Module, num_layers: int, *, keep_norms_trainable: bo
     return _freeze_named(_named_parameters_of_modules(model, list(blocks)[:num_layers], keep_norms_trainable))
 
 
+def input_embeddings(model: nn.Module) -> nn.Module | None:
+    """``model.get_input_embeddings()``: None where the model has no such method, a Hugging Face model has none
+    (``NotImplementedError``), or it returns no module."""
+    getter = getattr(model, "get_input_embeddings", None)
+    try:
+        embedding = getter() if callable(getter) else None
+    except NotImplementedError:
+        return None
+    return embedding if isinstance(embedding, nn.Module) else None
+
+
 def embedding_modules(model: nn.Module) -> list[nn.Module]:
     """The modules that make up a model's embeddings block (what `freeze_embeddings` freezes).
 
@@ -247,14 +258,10 @@ def embedding_modules(model: nn.Module) -> list[nn.Module]:
     if isinstance(embeddings_block, nn.Module):
         return [embeddings_block]
     found: list[nn.Module] = []
-    get_input_embeddings = getattr(model, "get_input_embeddings", None)
-    if callable(get_input_embeddings):
-        try:
-            input_embeddings = get_input_embeddings()
-        except NotImplementedError:
-            input_embeddings = None
-        if isinstance(input_embeddings, nn.Module):
-            found.append(input_embeddings)
+    if callable(getattr(model, "get_input_embeddings", None)):
+        embedding = input_embeddings(model)
+        if embedding is not None:
+            found.append(embedding)
         found.extend(
             child for child in base.children() if isinstance(child, nn.Embedding) and child not in found
         )
