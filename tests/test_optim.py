@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import copy
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -221,7 +225,42 @@ ADAFACTOR_OPTIONS = {
     "relative step": {"lr": None, "scale_parameter": True, "relative_step": True, "warmup_init": True},
     "first moment, weight decay": {"beta1": 0.9, "weight_decay": 0.01, "scale_parameter": False,
                                    "relative_step": False},
+    "defaults": {"lr": None},  # relative step (at most 1e-2), parameter scale, no warm-up
+    "eps, clip threshold, decay rate": {"eps": (1e-20, 1e-2), "clip_threshold": 0.5, "decay_rate": -0.6,
+                                        "relative_step": False},
 }
+
+
+def test_adafactor_takes_hugging_faces_options_and_refuses_what_it_refuses():
+    """looptrain's Adafactor is not a subclass of transformers' (whose module imports peft and bitsandbytes): the
+    same defaults in each parameter group, and the same errors for the same contradictory options."""
+    from transformers.optimization import Adafactor as Reference
+
+    from looptrain.optim.adafactor import Adafactor
+
+    parameter = nn.Parameter(torch.zeros(4, 3))
+    assert Adafactor([parameter]).defaults == Reference([parameter]).defaults
+    assert Adafactor([parameter], lr=0.1, relative_step=False).defaults == \
+        Reference([parameter], lr=0.1, relative_step=False).defaults
+    for options, message in (({"lr": 0.1}, "Cannot combine manual `lr` and `relative_step=True` options"),
+                             ({"relative_step": False, "warmup_init": True},
+                              "`warmup_init=True` requires `relative_step=True`")):
+        for optimizer_class in (Reference, Adafactor):
+            with pytest.raises(ValueError, match=re.escape(message)):
+                optimizer_class([parameter], **options)
+
+
+def test_building_adafactor_imports_neither_peft_nor_bitsandbytes():
+    """`transformers.optimization` imports `transformers.trainer_utils`, peft and bitsandbytes (55 MiB of resident
+    modules on a CPU, which a budget of process RSS pays for); looptrain's Adafactor is built without any of them."""
+    code = ("import sys; from torch import nn; from looptrain.optim import build_optimizer; "
+            "build_optimizer(nn.Linear(4, 4), 'adafactor', lr=1e-3); "
+            "print(sorted(m for m in ('peft', 'bitsandbytes', 'transformers.optimization', "
+            "'transformers.trainer_utils') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).resolve().parent.parent)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

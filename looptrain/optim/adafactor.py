@@ -11,6 +11,13 @@ the same values, but writes each result into the one temporary: ``pow(grad, 2)``
 approximation into it (``torch.mul(..., out=)``), ``sub_`` instead of ``add_(-update)``. So the weights and the
 state are bitwise those of Hugging Face's step (`tests/test_optim.py`), and its peak is one parameter-sized
 temporary lower.
+
+It is not a subclass of it: `transformers.optimization` imports `transformers.trainer_utils`, which imports peft,
+which imports bitsandbytes: 55 MiB of resident modules and about a second before the first step, for a run that
+uses none of them (a memory budget on a CPU counts the process's RSS, and on the planner's benchmark model those
+55 MiB were a sixth of what it holds besides its tensors). Its constructor, options, learning rate (`_get_lr`) and
+RMS are Hugging Face's, option for option (the same errors too), and the tests hold every result bitwise to that
+class.
 """
 
 from __future__ import annotations
@@ -18,15 +25,54 @@ from __future__ import annotations
 import math
 
 import torch
-from transformers.optimization import Adafactor as HuggingFaceAdafactor
 
 _HALF = (torch.float16, torch.bfloat16)
 
 
-class Adafactor(HuggingFaceAdafactor):
-    """`transformers.optimization.Adafactor` with an in-place step: bitwise the same results, one parameter-sized
-    temporary at its peak instead of two. A closure is evaluated with gradients enabled (as torch's optimizers
-    do)."""
+class Adafactor(torch.optim.Optimizer):
+    """`transformers.optimization.Adafactor` with an in-place step: the same options and defaults, bitwise the same
+    results, one parameter-sized temporary at its peak instead of two. A closure is evaluated with gradients enabled
+    (as torch's optimizers do).
+
+    Args (Hugging Face's): `lr` (the external learning rate; None with `relative_step`), `eps` (the regularisers of
+    the squared gradient and of the parameter's scale), `clip_threshold` (of the update's RMS), `decay_rate` (of the
+    second moment), `beta1` (a first moment when set), `weight_decay`, `scale_parameter` (the learning rate times
+    the parameter's RMS), `relative_step` (a learning rate of 1/sqrt(step), at most 1e-2), `warmup_init` (with it,
+    at most 1e-6 x step).
+    """
+
+    def __init__(self, params, lr: float | None = None, eps: tuple[float, float] = (1e-30, 1e-3),
+                 clip_threshold: float = 1.0, decay_rate: float = -0.8, beta1: float | None = None,
+                 weight_decay: float = 0.0, scale_parameter: bool = True, relative_step: bool = True,
+                 warmup_init: bool = False):
+        if lr is not None and relative_step:
+            raise ValueError("Cannot combine manual `lr` and `relative_step=True` options")
+        if warmup_init and not relative_step:
+            raise ValueError("`warmup_init=True` requires `relative_step=True`")
+        defaults = {"lr": lr, "eps": eps, "clip_threshold": clip_threshold, "decay_rate": decay_rate, "beta1": beta1,
+                    "weight_decay": weight_decay, "scale_parameter": scale_parameter, "relative_step": relative_step,
+                    "warmup_init": warmup_init}
+        super().__init__(params, defaults)
+
+    @staticmethod
+    def _get_lr(group: dict, state: dict) -> float:
+        """The step's learning rate: relative (1/sqrt(step), capped) or the group's, times the parameter's RMS
+        (at least eps[1]) with `scale_parameter`."""
+        step_size = group["lr"]
+        if group["relative_step"]:
+            cap = 1e-6 * state["step"] if group["warmup_init"] else 1e-2
+            step_size = min(cap, 1.0 / math.sqrt(state["step"]))
+        scale = max(group["eps"][1], state["RMS"]) if group["scale_parameter"] else 1.0
+        return scale * step_size
+
+    @staticmethod
+    def _get_options(group: dict, shape: torch.Size) -> tuple[bool, bool]:
+        """(factored second moment: two or more dimensions, first moment: `beta1` set)."""
+        return len(shape) >= 2, group["beta1"] is not None
+
+    @staticmethod
+    def _rms(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.norm(2) / (tensor.numel() ** 0.5)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -163,12 +163,11 @@ def register_embedding_state_bits(model: nn.Module, bits: int = 32, manager: Any
 
 
 def import_optimizer(name: str) -> None:
-    """Imports the library the optimizer `name` comes from (transformers for ``adafactor``, bitsandbytes for the 8-bit
-    ones), so that processes forked afterwards find it imported: the first import costs about a second on a CPU
-    (transformers' optimization module pulls in peft and bitsandbytes, whose kernels import torch.compile's
-    machinery). Raises ImportError as `build_optimizer` would."""
+    """Imports the module the optimizer `name` comes from (looptrain's for ``adafactor``, bitsandbytes for the 8-bit
+    ones), so that processes forked afterwards find it imported: bitsandbytes' first import costs about a second on
+    a CPU (its kernels import torch.compile's machinery). Raises ImportError as `build_optimizer` would."""
     if name == "adafactor":
-        import looptrain.optim.adafactor  # noqa: F401  (imports transformers.optimization)
+        import looptrain.optim.adafactor  # noqa: F401  (torch alone: not transformers.optimization)
     elif name in EIGHT_BIT_OPTIMIZERS:
         _import_bitsandbytes()
 
