@@ -219,6 +219,7 @@ def test_rotation_deletes_only_checkpoints_of_this_run(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ corrupt checkpoints
+@pytest.mark.slow  # over 5 s: make test stays under 5 minutes on 2 cores; .ci/run runs it
 def test_a_truncated_checkpoint_falls_back_to_the_previous_good_one(model_dir, data_files, uninterrupted, tmp_path,
                                                                      capsys):
     output_dir = tmp_path / "truncated"

@@ -840,7 +840,14 @@ def test_with_no_planning_time_the_search_stops_short_and_the_baseline_trains(da
                   probe_budget=0.0)
     # The baseline's own estimate (does it fit), and with two estimate workers the lightest split's beside it.
     assert result.estimates == planner.estimate_workers() and result.cached_estimates == 0
-    assert [c.settings for c in result.candidates] == [user] and result.winner.baseline
+    # The candidates are splits those estimates priced (the lightest, where it was estimated beside the baseline)
+    # and nothing else; the configuration without the planner, probed, trains.
+    from looptrain.planning.search import by_tokens
+
+    lightest = by_tokens(Settings(batch_size=1, accum_steps=EFFECTIVE_BATCH, gradient_checkpointing=True,
+                                  checkpoint_every=1), result.worst_width)  # cut by tokens as the planner trains it
+    assert [c.settings for c in result.candidates] == [user, lightest][:result.estimates] and result.winner.baseline
+    assert result.winner.settings == user and result.winner.probed
     assert any("the search stopped short of" in note for note in result.notes)
 
 
@@ -957,9 +964,6 @@ def test_a_small_runs_estimates_leave_room_in_ten_seconds_for_both_probes():
     assert plans.estimate_seconds(0.0, 1.0, 0.0) == pytest.approx(-2.0)  # --plan-time 0: no floor
     # The first probe measured twice (the allocator fixed after the first): both count, the second is reserved again.
     assert plans.estimate_seconds(2.2, 1.0, plans.MIN_PLANNING_SECONDS, spent=3.5) == pytest.approx(5.5)
-    # Under a measured meter, the stand-in's probe (a smaller split, when the favourite measures over) is reserved too.
-    assert plans.estimate_seconds(2.2, 1.0, plans.MIN_PLANNING_SECONDS, spent=3.5, reserved=2) == \
-        pytest.approx(4.5)
 
 
 def test_a_probe_times_a_small_micro_batch_and_a_candidates_epoch_counts_each_micro_batchs_fixed_cost():
@@ -1127,9 +1131,13 @@ class AffineSearch:
 
     ROW = {(True, 1): 1, (True, 2): 2, (False, 1): 4}  # activations per row: every block, every other, none
 
-    def __init__(self, budget: int):
+    def __init__(self, budget: int, limit: float | None = None):
         self.budget, self.margin, self.overhead, self.measured, self.padded = budget, 0.0, 0, False, False
         self.smallest_failure, self.results, self.estimated, self.cache = None, {}, [], set()
+        self.limit, self.rounds = limit, []  # a time limit (probes follow); the rounds `prefetch_all` was asked for
+
+    def prefetch_all(self, settings_list) -> None:
+        self.rounds.append(list(settings_list))
 
     def peak(self, settings) -> int:
         grads = 0 if settings.optimizer_in_backward else 10
@@ -1348,6 +1356,84 @@ def test_the_search_finds_the_lightest_mode_first_and_never_estimates_a_split_mo
     found = {(s.gradient_checkpointing, s.checkpoint_every, s.optimizer_in_backward, s.batch_size) for s in chosen}
     assert found == expected == {(True, 1, False, 8), (True, 2, False, 4), (False, 1, False, 2), (True, 1, True, 16)}
     assert len(search.estimated) == len({repr(settings) for settings in search.estimated})  # none twice
+
+
+def test_under_a_time_limit_the_search_asks_first_which_checkpointing_modes_fit_at_their_lightest_split():
+    """With planning's time bounded (probes follow), the search first estimates each checkpointing mode's lightest
+    split side by side, before any mode is bisected; without a limit it does not (a whole search needs none of
+    them first), and where checkpointing or the micro-batch is fixed there is no frontier to ask."""
+    from looptrain.planning import search as plan_search
+
+    base = Settings(batch_size=16, accum_steps=1)
+    timed = AffineSearch(budget=38, limit=5.0)
+    assert plan_search.candidate_settings(timed, 16, base, Levers(), set(), "cpu") == \
+        plan_search.candidate_settings(AffineSearch(budget=38), 16, base, Levers(), set(), "cpu")
+    assert [(s.gradient_checkpointing, s.checkpoint_every, s.batch_size, s.accum_steps, s.optimizer_in_backward)
+            for s in timed.rounds[0]] == [(True, 1, 1, 16, False), (True, 2, 1, 16, False), (False, 1, 1, 16, False)]
+    untimed = AffineSearch(budget=38)
+    plan_search.candidate_settings(untimed, 16, base, Levers(), set(), "cpu")
+    assert untimed.rounds == []
+    for fixed in ({"gradient_checkpointing"}, {"checkpoint_every"}, {"batch_size"}):
+        assert plan_search.mode_frontier(base, 16, fixed) == []
+
+
+@pytest.mark.slow  # over 10 s: make test stays under 5 minutes on 2 cores; .ci/run runs it
+def test_when_your_flags_do_not_fit_each_modes_lightest_split_is_estimated_before_the_first_probe(dataset, monkeypatch,
+                                                                                                     tmp_path):
+    """With the default planning time, flags that do not fit make the planner ask, before its first probe and whatever
+    the time, which checkpointing modes fit at their lightest split (one round, side by side); with `--plan-time`
+    (a probe budget) it does not."""
+    monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cold"))
+    train_set, collator, model, budget = one_second_estimates(dataset, monkeypatch)
+    user = Settings(batch_size=16, accum_steps=1)  # over the budget (micro-batch 8 is)
+    for probe_budget in (None, 0.0):
+        lines: list[str] = []
+        plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH, base=user,
+             probe_budget=probe_budget, echo=lines.append)
+        first_probe = next(index for index, line in enumerate(lines) if line.lstrip().startswith("probe "))
+        before = [line for line in lines[:first_probe] if line.lstrip().startswith("estimate ")]
+        modes = {words for words in ("checkpointing all blocks", "checkpointing every 2", "checkpointing none")
+                 if any(f"estimate 1 x {EFFECTIVE_BATCH}, fp32, adamw, {words}:" in line for line in before)}
+        if probe_budget is None:
+            assert modes == {"checkpointing all blocks", "checkpointing every 2", "checkpointing none"}, before
+        else:
+            assert modes == {"checkpointing all blocks"}, before
+
+
+class KnownOnlySearch(AffineSearch):
+    """A search whose time is spent: only the splits in `known` answer, any other raises `SearchTimeSpent`."""
+
+    def __init__(self, budget: int, known: list):
+        super().__init__(budget, limit=0.0)
+        self.known_keys = {self.key(settings) for settings in known}
+
+    def known(self, settings) -> bool:
+        return self.key(settings) in self.known_keys
+
+    def fits(self, settings) -> bool:
+        from looptrain.planning.search import SearchTimeSpent
+
+        if not self.known(settings):
+            raise SearchTimeSpent
+        return super().fits(settings)
+
+
+def test_a_search_cut_short_keeps_every_split_it_already_knows_to_fit():
+    """Once planning's time is spent, a mode's bisection stops, and the largest split of that mode already estimated
+    (the frontier's lightest, here) is its candidate: a mode checkpointing less, known to fit at micro-batch 1, is
+    not lost because the bisection of the mode before it was cut short."""
+    import dataclasses
+
+    from looptrain.planning import search as plan_search
+
+    base = Settings(batch_size=16, accum_steps=1)
+    frontier = plan_search.mode_frontier(base, 16, set())
+    search = KnownOnlySearch(budget=34, known=frontier)  # at 1 row, every block: 31, every other: 32, none: 34
+    chosen = plan_search.candidate_settings(search, 16, base, Levers(), set(), "cpu")
+    assert chosen == frontier
+    search = KnownOnlySearch(budget=33, known=frontier)  # none at 1 row (34) is over: not a candidate
+    assert plan_search.candidate_settings(search, 16, base, Levers(), set(), "cpu") == frontier[:2]
+    assert all(dataclasses.replace(split, batch_size=1, accum_steps=16) == split for split in frontier)
 
 
 @pytest.mark.slow  # over 6 s: make test stays under 5 minutes on 2 cores; .ci/run runs it

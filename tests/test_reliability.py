@@ -169,6 +169,7 @@ runpy.run_path("scripts/finetune.py", run_name="__main__")
 """
 
 
+@pytest.mark.slow  # over 5 s: make test stays under 5 minutes on 2 cores; .ci/run runs it
 def test_kill_during_a_checkpoint_write_keeps_the_previous_one(model_dir, data_files, uninterrupted, tmp_path, capsys):
     output_dir = tmp_path / "cut"
     log = tmp_path / "cut.log"

@@ -81,6 +81,7 @@ from looptrain.planning.search import (
     estimate_workers,
     import_optimizers,
     lightest_split,
+    mode_frontier,
     probe_fits,
     smaller_split,
     valid_settings,
@@ -235,6 +236,10 @@ def plan(
                       if s is not None and valid_settings(s)]
             search.prefetch(firsts)  # side by side: the lightest is needed when the baseline does not fit
             first = next((s for s in firsts if search.fits(s)), None)
+            if first is not None and first != baseline and probe_budget is None:
+                # Your flags do not fit: which checkpointing modes do, at their lightest split? One round, side by
+                # side, whatever planning's time (`--plan-time` bounds it: then the search asks, within its time).
+                search.prefetch_all(mode_frontier(base, effective_batch, set(fixed)))
             if first is not None:
                 batch = collator([dataset[i] for i in order[:first.batch_size]])
                 reference = costed(search, first, dataset, collator, lengths, device_type, seed,
@@ -278,11 +283,11 @@ def plan(
                 total = probe_budget if probe_budget is not None else 0.0 if probed.get("stopped") else \
                     probe_fraction * reference.seconds_per_epoch * epochs  # stopped: no time measured, the floor
                 # Both probes count when the first was measured again with the allocator fixed: planning's time is
-                # all of it, and the probes after the search are reserved at the second's (the allocator as it will
-                # be): the favourite's, and under a measured meter its stand-in's (`smaller_split`).
+                # all of it, and the favourite's probe after the search is reserved at the second's (the allocator
+                # as it will be).
                 search.limit = max(search.charged, estimate_seconds(
                     total, probed["probe_seconds"], MIN_PLANNING_SECONDS if probe_budget is None else 0.0,
-                    spent=first_charged, reserved=1 if measured is None else 2))
+                    spent=first_charged))
             if reference is not None and measured is not None:
                 besides = max(0, reference.probe["measured_peak_bytes"] - reference.estimated_peak_bytes)
                 search.growth = run_growth(reference.probe["measured_peak_bytes"], reference.estimated_peak_bytes)

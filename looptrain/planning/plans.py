@@ -205,13 +205,13 @@ def divisors(number: int) -> list[int]:
     return [value for value in range(1, number + 1) if number % value == 0]
 
 
-def estimate_seconds(total: float, first_probe_seconds: float, floor: float, spent: float | None = None,
-                     reserved: int = 1) -> float:
+def estimate_seconds(total: float, first_probe_seconds: float, floor: float, spent: float | None = None) -> float:
     """Planning's time left for the estimates: `total` (5% of the run, or the probe budget), at least `floor`, less
     the probes made before the search (`spent`; default: one, the first probe) and as much as the first probe again
-    for each of the `reserved` probes that follow the search: the favourite's, and under a measured meter the one of
-    the smaller split that stands in for it when it measures over the budget."""
-    return max(total, floor) - (first_probe_seconds if spent is None else spent) - reserved * first_probe_seconds
+    for the probe of the search's favourite, which follows the search. (Under a measured meter, the probe of a
+    smaller split that stands in for a favourite measured over the budget is not reserved: when one is needed,
+    planning ends past its time by that probe.)"""
+    return max(total, floor) - (first_probe_seconds if spent is None else spent) - first_probe_seconds
 
 
 def lora_words(settings: Strategy) -> str:

@@ -434,6 +434,9 @@ def candidate_settings(search: Search, effective_batch: int, base: Strategy, lev
     for precision, weights in dict.fromkeys(numerics):
         reached: dict = {}  # checkpointing mode -> the largest micro-batch an earlier optimizer of the family reached
         for optimizer in optimizers:
+            if search.limit is not None:
+                search.prefetch_all(mode_frontier(base, effective_batch, fixed, precision=precision, weights=weights,
+                                                  optimizer=optimizer))
             cap = effective_batch  # the largest micro-batch the previous (more checkpointed) mode fitted
             fused_may_fit = True in fused_options  # the fused step fitted (or was not needed) with the previous mode
             for checkpointing, every in modes:
@@ -499,8 +502,9 @@ def largest_fitting(search: Search, template: Strategy, sizes: list[int], effect
             search.prefetch([settings] + [other for other in beside if not search.known(other)])
         try:
             fitting = search.fits(settings)
-        except SearchTimeSpent:
-            return best  # what the estimates made so far found
+        except SearchTimeSpent:  # what the estimates made so far found: the largest split known to fit
+            return max((size for size in sizes if search.known(split(size)) and search.fits(split(size))),
+                       default=best)
         if fitting:
             best, low = sizes[middle], middle + 1
         else:
@@ -517,6 +521,27 @@ def largest_fitting(search: Search, template: Strategy, sizes: list[int], effect
     found = largest_fitting(search, template, sizes[:sizes.index(best)], effective_batch)
     search.smallest_failure = search.smallest_failure or split(best)
     return found
+
+
+def mode_frontier(base: Strategy, effective_batch: int, fixed: set, **fields: Any) -> list[Strategy]:
+    """Each checkpointing mode's lightest valid split (its smallest micro-batch, unfused), `fields` set; none when
+    checkpointing or the micro-batch is fixed.
+
+    Which modes fit at all decides more of a plan's speed than a larger micro-batch of the mode that saves the most
+    (recomputing every block costs about a third of a forward and backward): the planner estimates them side by side
+    before its first probe when your flags do not fit, and `candidate_settings` before it bisects any mode, so that
+    a search cut short by planning's time has every mode's lightest split that fits among its candidates.
+    """
+    if fixed & {"gradient_checkpointing", "checkpoint_every", "batch_size"}:
+        return []
+    splits = []
+    for checkpointing, every in reversed(CHECKPOINT_MODES):
+        template = dataclasses.replace(base, gradient_checkpointing=checkpointing, checkpoint_every=every,
+                                       optimizer_in_backward=False, **fields)
+        splits.extend(next(([split] for split in (dataclasses.replace(template, batch_size=size,
+                                                                      accum_steps=effective_batch // size)
+                                                  for size in divisors(effective_batch)) if valid_settings(split)), []))
+    return splits
 
 
 def cannot_fit_fused(search: Search, failed: Strategy, effective_batch: int) -> bool:
