@@ -1362,6 +1362,8 @@ def test_under_a_time_limit_the_search_asks_first_which_checkpointing_modes_fit_
     """With planning's time bounded (probes follow), the search first estimates each checkpointing mode's lightest
     split side by side, before any mode is bisected; without a limit it does not (a whole search needs none of
     them first), and where checkpointing or the micro-batch is fixed there is no frontier to ask."""
+    import dataclasses
+
     from looptrain.planning import search as plan_search
 
     base = Settings(batch_size=16, accum_steps=1)
@@ -1375,6 +1377,9 @@ def test_under_a_time_limit_the_search_asks_first_which_checkpointing_modes_fit_
     assert untimed.rounds == []
     for fixed in ({"gradient_checkpointing"}, {"checkpoint_every"}, {"batch_size"}):
         assert plan_search.mode_frontier(base, 16, fixed) == []
+    fused = dataclasses.replace(base, optimizer_in_backward=True)
+    assert plan_search.mode_frontier(fused, 16, {"optimizer_in_backward"}) == []
+    assert len(plan_search.mode_frontier(fused, 16, set())) == 3  # the fused step not fixed: unfused splits are tried
 
 
 @pytest.mark.slow  # over 10 s: make test stays under 5 minutes on 2 cores; .ci/run runs it

@@ -15,7 +15,7 @@ temporary lower.
 It is not a subclass of it: `transformers.optimization` imports `transformers.trainer_utils`, which imports peft,
 which imports bitsandbytes: 55 MiB of resident modules and about a second before the first step, for a run that
 uses none of them (a memory budget on a CPU counts the process's RSS, and on the planner's benchmark model those
-55 MiB were a sixth of what it holds besides its tensors). Its constructor, options, learning rate (`_get_lr`) and
+55 MiB were a quarter of what it held besides its tensors). Its constructor, options, learning rate (`_get_lr`) and
 RMS are Hugging Face's, option for option (the same errors too), and the tests hold every result bitwise to that
 class.
 """

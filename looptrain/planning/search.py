@@ -525,14 +525,16 @@ def largest_fitting(search: Search, template: Strategy, sizes: list[int], effect
 
 def mode_frontier(base: Strategy, effective_batch: int, fixed: set, **fields: Any) -> list[Strategy]:
     """Each checkpointing mode's lightest valid split (its smallest micro-batch, unfused), `fields` set; none when
-    checkpointing or the micro-batch is fixed.
+    checkpointing or the micro-batch is fixed, or the step fused into backward is (the search then tries no
+    unfused split).
 
     Which modes fit at all decides more of a plan's speed than a larger micro-batch of the mode that saves the most
     (recomputing every block costs about a third of a forward and backward): the planner estimates them side by side
     before its first probe when your flags do not fit, and `candidate_settings` before it bisects any mode, so that
     a search cut short by planning's time has every mode's lightest split that fits among its candidates.
     """
-    if fixed & {"gradient_checkpointing", "checkpoint_every", "batch_size"}:
+    if fixed & {"gradient_checkpointing", "checkpoint_every", "batch_size"} \
+            or ("optimizer_in_backward" in fixed and base.optimizer_in_backward):
         return []
     splits = []
     for checkpointing, every in reversed(CHECKPOINT_MODES):
