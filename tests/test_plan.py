@@ -133,6 +133,7 @@ def test_one_very_long_sample_is_planned_for(dataset, tmp_path):
     assert largest_plain_batch(long_plan) < largest_plain_batch(short_plan) == 8
 
 
+@pytest.mark.slow  # about 5 s: make test stays under 5 minutes on 2 cores; .ci/run runs it
 def test_when_nothing_fits_the_error_says_what_would(dataset):
     train_set, collator = dataset
     model = make_tiny_bert(num_labels=2, num_layers=2)

@@ -204,6 +204,7 @@ def test_the_command_line_trains_in_token_micro_batches(model_dir, tmp_path):
     assert summary["config"]["micro_batch_tokens"] == 32 and summary["config"]["trim_heap"] is True
 
 
+@pytest.mark.slow  # about 5 s: make test stays under 5 minutes on 2 cores; .ci/run runs it
 def test_a_split_whose_probe_measures_over_the_budget_is_replaced_by_the_next_smaller_one(dataset, monkeypatch,
                                                                                           tmp_path):
     """The estimate may fit where the process's RSS does not: the probe rejects the split, and the next smaller
@@ -232,6 +233,7 @@ def test_a_split_whose_probe_measures_over_the_budget_is_replaced_by_the_next_sm
     assert result.winner.probe["batch_shape"] == [8, width]
 
 
+@pytest.mark.slow  # about 5 s: make test stays under 5 minutes on 2 cores; .ci/run runs it
 def test_no_probe_runs_past_what_fits_its_ceiling_stops_it(dataset, monkeypatch, tmp_path):
     """Each probe under a measured meter gets a ceiling: the most it may measure and still fit. The first, whose
     growth is a quarter of what its own measure holds besides its estimate: (budget / (1 + margin) + estimate / 4)
