@@ -105,8 +105,9 @@ def probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: l
     run). Under a measured meter (`meter`) a candidate fits only when its probe's measured peak (with the
     margin) does: the others are dropped, and probing goes on, budget or not, until one candidate fits.
     Unprobed candidates rank after the probed ones; the baseline stays first unless another is predicted at
-    least `KEEP_BASELINE_WITHIN` faster. A candidate whose probe measures over the budget is replaced by the next
-    smaller split of its settings (`smaller`), probed at once, budget or not (it stands in for the one probed).
+    least `KEEP_BASELINE_WITHIN` faster. A candidate whose probe measures over the budget is replaced by a stand-in,
+    probed at once, budget or not: the candidate the prior ranks first of those not probed yet, the next smaller
+    split of its settings (`smaller`) among them.
     The budget counts each probe at its seconds as measured, a cached one at its recorded seconds
     (`Plan.charged_seconds`), so that a rerun on the cache takes the same decisions.
     """
@@ -157,10 +158,18 @@ def probe_candidates(result: Plan, model: nn.Module, dataset, collator, order: l
                 if candidate.probe.get("from_cache") else f"({candidate.probe['probe_seconds']:.1f} s")
              + (f"; measured peak {format_bytes(peak)}{', over the budget' if candidate in rejected else ''}"
                 if peak is not None else "") + ")")
-        replacement = smaller(candidate) if over else None
-        if replacement is not None:
-            result.candidates.append(replacement)
-            run(replacement)
+        if over:
+            # A stand-in, probed at once, budget or not: the candidate the prior ranks first of those not probed yet,
+            # the next smaller split of these settings among them (a larger micro-batch of a mode that recomputes
+            # may rank ahead of one that does not, and measure over the budget: the runner-up is then more likely
+            # the faster of what fits than the favourite's own smaller split).
+            replacement = smaller(candidate)
+            if replacement is not None:
+                result.candidates.append(replacement)
+            stand_in = min((other for other in result.candidates if not other.probed),
+                           key=lambda other: other.prior, default=None)
+            if stand_in is not None:
+                run(stand_in)
 
     baseline = next((c for c in result.candidates if c.baseline), None)
     for candidate in [baseline] + [result.candidates[0]] * (result.candidates[0] is not baseline):
