@@ -209,8 +209,8 @@ def estimate_seconds(total: float, first_probe_seconds: float, floor: float, spe
     """Planning's time left for the estimates: `total` (5% of the run, or the probe budget), at least `floor`, less
     the probes made before the search (`spent`; default: one, the first probe) and as much as the first probe again
     for the probe of the search's favourite, which follows the search. (Under a measured meter, the probe of a
-    smaller split that stands in for a favourite measured over the budget is not reserved: when one is needed,
-    planning ends past its time by that probe.)"""
+    candidate that stands in for a favourite measured over the budget is not reserved: when one is needed, planning
+    ends past its time by that probe.)"""
     return max(total, floor) - (first_probe_seconds if spent is None else spent) - first_probe_seconds
 
 
