@@ -540,9 +540,11 @@ def mode_frontier(base: Strategy, effective_batch: int, fixed: set, **fields: An
     for checkpointing, every in reversed(CHECKPOINT_MODES):
         template = dataclasses.replace(base, gradient_checkpointing=checkpointing, checkpoint_every=every,
                                        optimizer_in_backward=False, **fields)
-        splits.extend(next(([split] for split in (dataclasses.replace(template, batch_size=size,
-                                                                      accum_steps=effective_batch // size)
-                                                  for size in divisors(effective_batch)) if valid_settings(split)), []))
+        for size in divisors(effective_batch):
+            split = dataclasses.replace(template, batch_size=size, accum_steps=effective_batch // size)
+            if valid_settings(split):
+                splits.append(split)
+                break
     return splits
 
 
