@@ -64,6 +64,22 @@ class DtypeProbe(nn.Module):
         return {"loss": nn.functional.cross_entropy(logits.float(), labels), "logits": logits}
 
 
+def run_torchrun(command: list[str], environment: dict, cwd: Path, timeout: float = 300):
+    """A torchrun launch (about 10-20 s on 2 cores). One that does not end within `timeout` fails with what it
+    printed so far (the ranks' progress), so that a hang says where it stopped; once, in a fresh-clone .ci/run, a
+    2-rank launch that passes in 10 s ran past 600 s and printed nothing the failure could show."""
+    import subprocess
+
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environment, cwd=cwd)
+    except subprocess.TimeoutExpired as error:
+        def text(value) -> str:
+            return (value.decode(errors="replace") if isinstance(value, bytes) else value or "")[-3000:]
+
+        pytest.fail(f"torchrun did not end within {timeout:.0f} s; stdout: {text(error.stdout)}\nstderr: "
+                    f"{text(error.stderr)}")
+
+
 def quiet_config(**fields):
     """A LoopConfig for tests: no bar, no logs, no evaluation schedule, CPU, no tensor tracker (unless given)."""
     from looptrain import LoopConfig

@@ -16,7 +16,7 @@ from torch import nn
 from looptrain import Loop
 from looptrain.batches import count_items, model_shifts_labels
 
-from conftest import make_tiny_bert, quiet_config
+from conftest import make_tiny_bert, quiet_config, run_torchrun
 
 VOCAB = 100
 PAD = 0
@@ -280,7 +280,6 @@ def test_ddp_counts_every_ranks_shifted_labels(tmp_path):
     # 2 ranks x 2 micro-batches of 4 per window; the last window (12 rows) leaves rank 1 one micro-batch. The
     # window's item count is summed over both ranks before any forward: the full-batch reference's update.
     import os
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -289,7 +288,7 @@ def test_ddp_counts_every_ranks_shifted_labels(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc_per_node", "2",
                str(root / "tests" / "causal_lm_ddp.py"), "qwen2", "60", str(output)]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment, cwd=root)
+    result = run_torchrun(command, environment, root)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     saved = torch.load(output)
     assert saved["step"] == 8

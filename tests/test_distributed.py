@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from looptrain.cli import finetune
 
-from conftest import write_csv
+from conftest import run_torchrun, write_csv
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,7 +33,7 @@ def launch(nproc: int, root: Path, steps: list[dict]) -> subprocess.CompletedPro
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                "--nproc_per_node", str(nproc), str(ROOT / "tests" / "distributed_runs.py"), str(plan)]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment, cwd=ROOT)
+    result = run_torchrun(command, environment, ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
