@@ -1363,8 +1363,6 @@ def test_under_a_time_limit_the_search_asks_first_which_checkpointing_modes_fit_
     """With planning's time bounded (probes follow), the search first estimates each checkpointing mode's lightest
     split side by side, before any mode is bisected; without a limit it does not (a whole search needs none of
     them first), and where checkpointing or the micro-batch is fixed there is no frontier to ask."""
-    import dataclasses
-
     from looptrain.planning import search as plan_search
 
     base = Settings(batch_size=16, accum_steps=1)
@@ -1470,8 +1468,6 @@ def test_a_search_cut_short_keeps_every_split_it_already_knows_to_fit():
     """Once planning's time is spent, a mode's bisection stops, and the largest split of that mode already estimated
     (the frontier's lightest, here) is its candidate: a mode checkpointing less, known to fit at micro-batch 1, is
     not lost because the bisection of the mode before it was cut short."""
-    import dataclasses
-
     from looptrain.planning import search as plan_search
 
     base = Settings(batch_size=16, accum_steps=1)
