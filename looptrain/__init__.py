@@ -20,6 +20,7 @@ from looptrain.data import (
     tokenize,
     tokenize_lm,
 )
+from looptrain.estimation import estimate
 from looptrain.freeze import (
     freeze_by_pattern,
     freeze_embeddings,
@@ -34,7 +35,7 @@ from looptrain.ledger import LedgerError
 from looptrain.loop import EvaluationError, Loop
 from looptrain.metrics import EvalMetrics
 from looptrain.optim import build_optimizer, optimizer_state_bytes
-from looptrain.planning import PlanError, estimate, plan
+from looptrain.planning import PlanError, plan
 from looptrain.seeding import seed_everything
 from looptrain.state import CheckpointError
 from looptrain.strategy import Strategy

@@ -233,7 +233,7 @@ class Loop:
         """One optimizer update over one accumulation window of micro-batches.
 
         `fit` calls it once per window; it is public so that what sits above the Loop can drive exactly
-        the update `fit` runs: the estimator (`looptrain.planning.estimate`, on fake tensors), the
+        the update `fit` runs: the estimator (`looptrain.estimation.estimate`, on fake tensors), the
         planner's probes and the benchmarks. Customise training through the hooks (`compute_loss`,
         `count_items`, ...), not by overriding this method: it owns exact accumulation. It makes no
         host sync beyond `Precision.step`'s finiteness check (item counts stay tensors).

@@ -15,7 +15,7 @@ From that one declaration, and nothing else:
 
 - the flags of both command lines (`looptrain-finetune` and `python -m looptrain.memory`) are generated
   by `add_arguments`, and a parsed command line becomes a strategy with `from_arguments`;
-- the estimator (`looptrain.planning.estimate`) takes a `Strategy` (or its fields as keywords) and
+- the estimator (`looptrain.estimation.estimate`) takes a `Strategy` (or its fields as keywords) and
   prices every lever that is not ``batches``;
 - the planner's candidates are `Strategy` instances (`dataclasses.replace` of the user's), and
   `Strategy.flags` is the command line that trains one.

@@ -68,7 +68,7 @@ def ladder_rungs() -> list[tuple[str, dict[str, Any]]]:
 
 
 def ladder(seq_len: int) -> None:
-    from looptrain import planning
+    from looptrain import estimation
 
     print(f"## Estimated ladder, micro-batch 1 x {seq_len} tokens ({cpu_line()}); GiB (2^30 B)\n")
     for shape in SHAPES:
@@ -78,7 +78,8 @@ def ladder(seq_len: int) -> None:
         print("|---|---|---|---|---|---|---|---|---|")
         previous = None
         for label, options in ladder_rungs():
-            result = planning.estimate(shape, 1, seq_len, cache=False, **options)  # its column "s" times the estimator
+            # its column "s" times the estimator
+            result = estimation.estimate(shape, 1, seq_len, cache=False, **options)
             peak, b = result["peak_memory_bytes"], result["memory_breakdown"]
             saves = "" if previous is None else f"{(previous - peak) / GIB:+.2f}"
             print(f"| {label} | {peak / GIB:.2f} | {saves} | {b['params'] / GIB:.2f} | {b['grads'] / GIB:.2f} | "
@@ -98,7 +99,7 @@ def measured_run(config, settings: dict, seq_len: int, updates: int, tracked: bo
     import torch
     from transformers import AutoModelForCausalLM
 
-    from looptrain import Loop, LoopConfig, planning
+    from looptrain import Loop, LoopConfig, estimation
     from looptrain.lora import _quant_state_tensors
     from looptrain.memory.meters import current_rss_bytes, proc_status_bytes, reset_peak_rss
     from looptrain.memory.tracker import tensor_bytes
@@ -111,7 +112,7 @@ def measured_run(config, settings: dict, seq_len: int, updates: int, tracked: bo
     strategy.prepare_model(model)
     model = strategy.wrap_model(model)
     generator = torch.Generator().manual_seed(0)
-    batches = [planning.random_batch(strategy.batch_size, seq_len, config.vocab_size, 2, generator, token_labels=True)
+    batches = [estimation.random_batch(strategy.batch_size, seq_len, config.vocab_size, 2, generator, token_labels=True)
                for _ in range(updates * strategy.accum_steps)]
     loop = Loop(model, strategy.build_optimizer(model, 1e-5), batches,
                 config=LoopConfig.from_strategy(strategy, device="cpu", track_memory=tracked, progress_bar=False,
@@ -149,9 +150,9 @@ def tracked_and_untracked(command: list[str]) -> dict[bool, dict]:
 
 def child(settings: dict, seq_len: int, updates: int, tracked: bool) -> None:
     """One real run of `settings` on the 0.5B shape; prints its figures as JSON on the last line."""
-    from looptrain import planning
+    from looptrain import estimation
 
-    print(json.dumps(measured_run(planning.preset_config("qwen2.5-0.5b"), settings, seq_len, updates, tracked)))
+    print(json.dumps(measured_run(estimation.preset_config("qwen2.5-0.5b"), settings, seq_len, updates, tracked)))
 
 
 def measure(seq_len: int, updates: int, output: str | None) -> None:

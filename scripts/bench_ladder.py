@@ -3,7 +3,7 @@
 For every rung (seed 000's ladder for chinese-macbert-large, then looptrain's own rungs) this prints:
 
 - the **estimated** peak at full size (macbert-large: hidden 1024, 24 layers, vocab 21128, seq 128,
-  effective batch 32), from ``looptrain.planning.estimate`` (fake tensors, no memory, no compute);
+  effective batch 32), from ``looptrain.estimation.estimate`` (fake tensors, no memory, no compute);
 - the **measured** peak RSS above the post-model-load RSS and the time per sample of a smaller shape
   (default hidden 512, 8 layers, 8 heads, vocab 21128: 36.6M parameters) trained for a few updates
   by looptrain's ``Loop`` and by ``transformers.Trainer``, each run in a fresh subprocess;
@@ -284,13 +284,13 @@ def measure_in_subprocess(spec: dict[str, Any], timeout: float) -> dict[str, Any
 
 
 def estimate_rung(rung: dict[str, Any], shape: dict[str, int]) -> dict[str, Any]:
-    """``looptrain.planning.estimate`` for the rung at `shape` (a fake-tensor run: seconds, no memory)."""
+    """``looptrain.estimation.estimate`` for the rung at `shape` (a fake-tensor run: seconds, no memory)."""
     from transformers import BertConfig
 
-    from looptrain import planning
+    from looptrain import estimation
 
     config = BertConfig(num_labels=2, max_position_embeddings=512, **shape)
-    return planning.estimate(
+    return estimation.estimate(
         config, rung["batch_size"], rung["seq_len"], precision=rung["precision"], optimizer=rung["optimizer"],
         gradient_checkpointing=rung["gradient_checkpointing"], optimizer_in_backward=rung["optimizer_in_backward"],
         freeze_encoder=rung["freeze_encoder"], foreach=rung["foreach"], accum_steps=rung["accum_steps"],

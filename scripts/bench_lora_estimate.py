@@ -62,12 +62,12 @@ SMALL = {**TINY, "vocab_size": 32000, "hidden_size": 384, "intermediate_size": 1
 def config_of(shape: str, **overrides: Any):
     from transformers import AutoConfig
 
-    from looptrain import planning
+    from looptrain import estimation
 
     if shape in ("tiny", "small"):
         values = {**(TINY if shape == "tiny" else SMALL), **overrides}
         return AutoConfig.for_model(values.pop("model_type"), **values)
-    config = planning.preset_config(shape)
+    config = estimation.preset_config(shape)
     for name, value in overrides.items():
         setattr(config, name, value)
     return config
@@ -85,7 +85,7 @@ def run_real(settings: dict, shape: str, overrides: dict, seq_len: int, updates:
 
 
 def measure(shape: str, seq_len: int, updates: int) -> None:
-    from looptrain import planning
+    from looptrain import estimation
 
     config = config_of(shape)
     print(f"## {shape} shape, random weights, 1 x {seq_len}, {updates} updates ({cpu_line()}); MiB (2^20 B)\n")
@@ -93,7 +93,7 @@ def measure(shape: str, seq_len: int, updates: int) -> None:
           "s (tracked / untracked) |")
     print("|---|---|---|---|---|---|---|---|")
     for label, settings in MEASURED.items():
-        estimated = planning.estimate(config, 1, seq_len, **settings)["peak_memory_bytes"]
+        estimated = estimation.estimate(config, 1, seq_len, **settings)["peak_memory_bytes"]
         runs = run_real({"batch_size": 1, **settings}, shape, {}, seq_len, updates)
         tracked, untracked = runs[True], runs[False]
         rss = untracked["rss_above_start_bytes"] + untracked["stored_bytes"]
@@ -105,9 +105,9 @@ def measure(shape: str, seq_len: int, updates: int) -> None:
 
 def lowest_adapter(config, seq_len: int, levers: dict) -> tuple[str, dict]:
     """The lowest estimate of `levers` (LoRA or QLoRA) over `ADAPTER_MIXES`: (mix label, estimate)."""
-    from looptrain import planning
+    from looptrain import estimation
 
-    results = {label: planning.estimate(config, 1, seq_len, **levers, **mix) for label, mix in ADAPTER_MIXES.items()}
+    results = {label: estimation.estimate(config, 1, seq_len, **levers, **mix) for label, mix in ADAPTER_MIXES.items()}
     label = min(results, key=lambda name: results[name]["peak_memory_bytes"])
     return label, results[label]
 
@@ -123,7 +123,7 @@ LOWEST_FULL = {"precision": "bf16", "weights": "bf16", "optimizer": "adafactor",
 
 
 def table(seq_lens: list[int], shapes: list[str], search: bool = False) -> None:
-    from looptrain import planning
+    from looptrain import estimation, planning
     from looptrain.strategy import Strategy
 
     print(f"## Estimated, micro-batch 1, rank 16 ({cpu_line()}); GiB (2^30 B) and bytes per parameter\n")
@@ -131,13 +131,13 @@ def table(seq_lens: list[int], shapes: list[str], search: bool = False) -> None:
     print("|---|---|---|---|---|")
     notes = []
     for shape in shapes:
-        config = planning.preset_config(shape)
+        config = estimation.preset_config(shape)
         for seq_len in seq_lens:
             if search:
                 found = planning.lowest(config, 1, seq_len, echo=lambda line: None)
                 full, full_flags = found.estimate, " ".join(found.settings.flags())
             else:
-                full = planning.estimate(config, 1, seq_len, **LOWEST_FULL)
+                full = estimation.estimate(config, 1, seq_len, **LOWEST_FULL)
                 full_flags = "--lowest's " + " ".join(flag for flag in Strategy(batch_size=1, **LOWEST_FULL).flags()
                                                       if flag not in ("--batch-size", "--accum", "1"))
             lora_mix, lora = lowest_adapter(config, seq_len, {"lora_rank": RANK})
@@ -154,10 +154,10 @@ def table(seq_lens: list[int], shapes: list[str], search: bool = False) -> None:
 def where(seq_lens: list[int], measure_seq: int | None, updates: int) -> None:
     """A small base (`SMALL`) at long sequences: the lowest full fine-tune against the best LoRA mix, and with the
     adapters' dropout (each adapter then saves its own dropped copy of its input, and the mask)."""
-    from looptrain import planning
+    from looptrain import estimation, planning
 
     config = config_of("small")
-    parameters = planning.estimate(config, 1, 8)["parameters"]
+    parameters = estimation.estimate(config, 1, 8)["parameters"]
     print(f"## Where LoRA stops paying: a small base (Qwen2 blocks, hidden 384, 6 layers, vocab 32000, "
           f"{parameters / 1e6:.1f}M parameters) at 1 x seq ({cpu_line()}); MiB\n")
     print("| seq | full fine-tune, lowest | LoRA r16 (best mix) | LoRA / full | + --lora-dropout 0.1 | / full |")
@@ -167,7 +167,7 @@ def where(seq_lens: list[int], measure_seq: int | None, updates: int) -> None:
         found = planning.lowest(config, 1, seq_len, echo=lambda line: None)
         mix, lora = lowest_adapter(config, seq_len, {"lora_rank": RANK})
         full_peak, lora_peak = found.estimate["peak_memory_bytes"], lora["peak_memory_bytes"]
-        dropped = planning.estimate(config, 1, seq_len, lora_rank=RANK, lora_dropout=0.1,
+        dropped = estimation.estimate(config, 1, seq_len, lora_rank=RANK, lora_dropout=0.1,
                                     **ADAPTER_MIXES[mix])["peak_memory_bytes"]
         print(f"| {seq_len} | {full_peak / MIB:.1f} ({' '.join(found.settings.flags())}) | {lora_peak / MIB:.1f} "
               f"({mix}) | {lora_peak / full_peak:.2f} | {dropped / MIB:.1f} | {dropped / full_peak:.2f} |",

@@ -1,5 +1,5 @@
-"""Estimator accuracy on a small BERT: `planning.estimate` (fake tensors) against `planning.measure` (a real
-`Loop.fit` with the tensor tracker), for every mix of `planning.ACCURACY_MIXES`; prints a markdown table.
+"""Estimator accuracy on a small BERT: `estimation.estimate` (fake tensors) against `estimation.measure` (a real
+`Loop.fit` with the tensor tracker), for every mix of `estimation.ACCURACY_MIXES`; prints a markdown table.
 The tracker's overhead is timed by `scripts/bench_ladder.py --tracker-overhead`.
 
 Run: PYTHONPATH=. python scripts/estimate_accuracy.py
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from transformers import BertConfig, BertForSequenceClassification
 
-from looptrain import planning
+from looptrain import estimation
 
 
 def small_bert(hidden: int = 64, layers: int = 2, vocab: int = 512) -> BertForSequenceClassification:
@@ -23,9 +23,9 @@ def small_bert(hidden: int = 64, layers: int = 2, vocab: int = 512) -> BertForSe
 
 def accuracy_table() -> None:
     print("| mix | estimate KiB | measured KiB (tracker, Loop.fit) | error |\n|---|---|---|---|")
-    for name, options in planning.ACCURACY_MIXES.items():
-        estimated = planning.estimate(small_bert(), 4, 32, **options)["peak_memory_bytes"]
-        measured = planning.measure(small_bert(), 4, 32, **options)["peak_memory_bytes"]
+    for name, options in estimation.ACCURACY_MIXES.items():
+        estimated = estimation.estimate(small_bert(), 4, 32, **options)["peak_memory_bytes"]
+        measured = estimation.measure(small_bert(), 4, 32, **options)["peak_memory_bytes"]
         print(f"| {name} | {estimated / 1024:.1f} | {measured / 1024:.1f} | {(estimated - measured) / measured:+.1%} |")
 
 

@@ -235,7 +235,7 @@ def test_compile_refuses_what_it_cannot_run(fields, message):
 
 
 def test_the_estimate_of_a_compiled_strategy_is_the_eager_one():
-    from looptrain.planning.estimator import as_run_eagerly
+    from looptrain.estimation.estimator import as_run_eagerly
     from looptrain.strategy import Strategy
 
     assert as_run_eagerly(Strategy(compile=True)) == Strategy(chunked_ce="off")

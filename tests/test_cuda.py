@@ -89,30 +89,30 @@ def _warm_cublas() -> None:
 def test_the_cuda_estimate_is_within_10_percent_of_the_allocators_peak(levers):
     from transformers import BertConfig, BertForSequenceClassification
 
-    from looptrain import planning
+    from looptrain import estimation
 
     config = BertConfig(vocab_size=8000, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
                         intermediate_size=2048, max_position_embeddings=256)
-    result = planning.estimate(config, 16, 128, device="cuda", cache=False, **levers)
+    result = estimation.estimate(config, 16, 128, device="cuda", cache=False, **levers)
     estimated = result["peak_memory_bytes"] - result["cublas_workspace_bytes"]  # warmed below: not in `measured`
     _warm_cublas()
     torch.manual_seed(0)
     model = BertForSequenceClassification(config)
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()  # the workspace, and anything an earlier test left
-    measured = planning.measure(model, 16, 128, device="cuda", **levers)["peak_memory_bytes"] - before
+    measured = estimation.measure(model, 16, 128, device="cuda", **levers)["peak_memory_bytes"] - before
     assert 0.9 * measured <= estimated <= 1.1 * measured, (estimated, measured)
 
 
 FRESH_PROCESS = """
 import json, sys, torch
 from transformers import BertConfig, BertForSequenceClassification
-from looptrain import planning
+from looptrain import estimation, planning
 config = BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                     intermediate_size=128, max_position_embeddings=64)
-result = planning.estimate(config, 4, 32, device="cuda", cache=False)
+result = estimation.estimate(config, 4, 32, device="cuda", cache=False)
 torch.manual_seed(0)
-measured = planning.measure(BertForSequenceClassification(config), 4, 32, device="cuda")["peak_memory_bytes"]
+measured = estimation.measure(BertForSequenceClassification(config), 4, 32, device="cuda")["peak_memory_bytes"]
 print(json.dumps([result["peak_memory_bytes"], result["cublas_workspace_bytes"], measured]))
 """
 

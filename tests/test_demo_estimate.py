@@ -16,7 +16,7 @@ import random
 import pytest
 
 from looptrain.cli import finetune
-from looptrain.planning import bounding_windows, estimate, estimate_windows, run_windows
+from looptrain.estimation import bounding_windows, estimate, estimate_windows, run_windows
 
 from conftest import WORDS, save_tiny_bert
 

@@ -7,13 +7,8 @@ import json
 import pytest
 import torch
 
-from looptrain.planning import (
-    estimate,
-    estimate_cache,
-    estimator,
-    preset_config,
-    run_batches_estimate,
-)
+from looptrain.estimation import cache as estimate_cache
+from looptrain.estimation import estimate, estimator, preset_config, run_batches_estimate
 from looptrain.planning import search as plan_search
 from looptrain.strategy import Strategy
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from looptrain import Loop, LoopConfig, planning
+from looptrain import Loop, LoopConfig, estimation, planning
 from looptrain.cli import finetune
 from looptrain.cli.estimate import main as estimate_main
 from looptrain.data import DynamicPaddingCollator
@@ -56,8 +56,8 @@ def causal_lm(make_config, seed: int = 0):
 @pytest.mark.parametrize("shape, mix", list(zip(CONFIGS, MIXES)))
 def test_estimate_matches_the_peak_of_a_real_loop_fit(shape, mix):
     options = MIXES[mix]
-    estimated = planning.estimate(causal_lm(CONFIGS[shape]), 2, 24, **options)
-    measured = planning.measure(causal_lm(CONFIGS[shape]), 2, 24, **options)
+    estimated = estimation.estimate(causal_lm(CONFIGS[shape]), 2, 24, **options)
+    measured = estimation.measure(causal_lm(CONFIGS[shape]), 2, 24, **options)
     assert measured["memory_meter"] == "cpu_tensor_tracker" and measured["optimizer_steps"] == 2
     error = abs(estimated["peak_memory_bytes"] - measured["peak_memory_bytes"]) / measured["peak_memory_bytes"]
     assert error <= TOLERANCE, (shape, mix, estimated["peak_memory_bytes"], measured["peak_memory_bytes"])
@@ -68,34 +68,34 @@ def test_a_config_is_built_as_the_causal_lm_it_describes():
     from transformers import BertConfig
 
     config = qwen2_config()
-    assert planning.estimator.is_causal_lm_config(config)
-    assert not planning.estimator.is_causal_lm_config(BertConfig())  # a BERT config stays a classifier
+    assert estimation.estimator.is_causal_lm_config(config)
+    assert not estimation.estimator.is_causal_lm_config(BertConfig())  # a BERT config stays a classifier
     model = causal_lm(qwen2_config)
-    from_config = planning.estimate(config, 2, 16)
-    from_module = planning.estimate(model, 2, 16)
+    from_config = estimation.estimate(config, 2, 16)
+    from_module = estimation.estimate(model, 2, 16)
     # The tied embedding is one parameter: counted once, and the same model either way.
     assert from_config["parameters"] == from_module["parameters"] == sum(p.numel() for p in model.parameters())
     assert from_config["peak_memory_bytes"] == from_module["peak_memory_bytes"]
     # The LM head's logits are priced: the peak grows with the vocabulary.
     wider = qwen2_config()
     wider.vocab_size = 4096
-    assert planning.estimate(wider, 2, 16)["peak_memory_bytes"] > from_config["peak_memory_bytes"] * 2
+    assert estimation.estimate(wider, 2, 16)["peak_memory_bytes"] > from_config["peak_memory_bytes"] * 2
 
 
 def test_presets_have_the_published_shapes():
-    config = planning.preset_config("qwen2.5-1.5b")
+    config = estimation.preset_config("qwen2.5-1.5b")
     assert (config.model_type, config.vocab_size, config.hidden_size, config.intermediate_size,
             config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
             config.tie_word_embeddings) == ("qwen2", 151936, 1536, 8960, 28, 12, 2, True)
-    assert planning.estimator.is_causal_lm_config(planning.preset_config("qwen2.5-0.5b"))
+    assert estimation.estimator.is_causal_lm_config(estimation.preset_config("qwen2.5-0.5b"))
 
 
 def test_a_padded_batch_is_priced_with_its_mask_and_repeated_kv_heads():
     # A whole-row batch lets sdpa run causal GQA on the KV heads as they are; a padded one builds a mask
     # and repeats the KV heads, in the real run as in the estimate.
     model = causal_lm(qwen2_config)
-    whole = planning.estimate(model, 4, 32)["peak_memory_bytes"]
-    padded = planning.estimate(model, 4, 32, padded=True)["peak_memory_bytes"]
+    whole = estimation.estimate(model, 4, 32)["peak_memory_bytes"]
+    padded = estimation.estimate(model, 4, 32, padded=True)["peak_memory_bytes"]
     assert padded > whole
 
 
@@ -174,8 +174,8 @@ class TokenDataset(torch.utils.data.Dataset):
 def test_the_planner_plans_a_causal_lm_dataset_for_its_worst_batch():
     dataset, collator = TokenDataset(32), CausalLMCollator(0, max_length=48)
     model = causal_lm(qwen2_config)
-    low = planning.estimate(model, 2, 40, accum_steps=4, padded=True)["peak_memory_bytes"]
-    high = planning.estimate(model, 4, 40, accum_steps=2, padded=True)["peak_memory_bytes"]
+    low = estimation.estimate(model, 2, 40, accum_steps=4, padded=True)["peak_memory_bytes"]
+    high = estimation.estimate(model, 4, 40, accum_steps=2, padded=True)["peak_memory_bytes"]
     budget = int(1.05 * (low + high) / 2)
     result = planning.plan(model, dataset, collator, memory_budget=budget, effective_batch=8, probe=False,
                            token_micro_batches=False)  # the splits as searched, trained as they are

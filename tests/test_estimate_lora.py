@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from looptrain import planning
+from looptrain import estimation
 from looptrain.cli.estimate import main as estimate_main
 from looptrain.lora import _quantized_4bit_bytes, apply_lora, default_targets
 
@@ -42,8 +42,8 @@ MIXES = {
 
 @pytest.mark.parametrize("mix", MIXES)
 def test_estimate_matches_the_tracker_on_a_real_lora_step(mix):
-    estimated = planning.estimate(causal_lm(), 2, 16, **MIXES[mix])
-    measured = planning.measure(causal_lm(), 2, 16, **MIXES[mix])
+    estimated = estimation.estimate(causal_lm(), 2, 16, **MIXES[mix])
+    measured = estimation.measure(causal_lm(), 2, 16, **MIXES[mix])
     assert measured["memory_meter"] == "cpu_tensor_tracker" and measured["optimizer_steps"] == 2
     error = abs(estimated["peak_memory_bytes"] - measured["peak_memory_bytes"]) / measured["peak_memory_bytes"]
     assert error <= TOLERANCE, (mix, estimated["peak_memory_bytes"], measured["peak_memory_bytes"])
@@ -52,9 +52,9 @@ def test_estimate_matches_the_tracker_on_a_real_lora_step(mix):
 def test_lora_is_below_the_full_fine_tune_and_qlora_below_lora():
     # fp32 AdamW: 16 B per trained parameter before activations; LoRA trains 2% of them, QLoRA stores the frozen
     # block weights in ~0.5 B. A short sequence, where activations do not dominate.
-    full = planning.estimate(qwen2_config(128), 1, 16)
-    lora = planning.estimate(qwen2_config(128), 1, 16, lora_rank=RANK)
-    qlora = planning.estimate(qwen2_config(128), 1, 16, lora_rank=RANK, qlora=True)
+    full = estimation.estimate(qwen2_config(128), 1, 16)
+    lora = estimation.estimate(qwen2_config(128), 1, 16, lora_rank=RANK)
+    qlora = estimation.estimate(qwen2_config(128), 1, 16, lora_rank=RANK, qlora=True)
     assert qlora["peak_memory_bytes"] < lora["peak_memory_bytes"] < 0.5 * full["peak_memory_bytes"]
     assert lora["memory_breakdown"]["grads"] + lora["memory_breakdown"]["optimizer_state"] < \
         0.1 * (full["memory_breakdown"]["grads"] + full["memory_breakdown"]["optimizer_state"])
@@ -75,7 +75,7 @@ def test_qlora_params_are_the_4bit_storage_in_bytes():
     expected += sum(buffer.numel() * buffer.element_size() for buffer in model.buffers())
     for name in quantized:  # rank-r adapters in fp32: A is r x in, B is out x r
         expected += 4 * RANK * (modules[name].in_features + modules[name].out_features)
-    estimated = planning.estimate(qwen2_config(), 2, 32, lora_rank=RANK, qlora=True)
+    estimated = estimation.estimate(qwen2_config(), 2, 32, lora_rank=RANK, qlora=True)
     assert estimated["memory_breakdown"]["params"] == expected
     # The same bytes bitsandbytes holds for a real layer; the same trained and total parameters as the real model.
     real = apply_lora(causal_lm(), RANK, qlora=True, compute_dtype=torch.float32)
@@ -107,7 +107,7 @@ def test_a_lora_classifier_estimate_keeps_every_fake_tensor_in_one_fake_mode(mon
     a segfault in a later estimate). The copied head's fakes stay in the estimate's mode."""
     from transformers import BertConfig
 
-    from looptrain.planning import estimator
+    from looptrain.estimation import estimator
 
     loops = []
     build = estimator._strategy_loop
@@ -116,7 +116,7 @@ def test_a_lora_classifier_estimate_keeps_every_fake_tensor_in_one_fake_mode(mon
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", "off")  # computed, not read from a cache
     config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=37, max_position_embeddings=32, num_labels=2)
-    planning.estimate(config, 2, 8, lora_rank=RANK)
+    estimation.estimate(config, 2, 8, lora_rank=RANK)
     names = {name for name, _ in loops[0].model.named_parameters()}
     assert any("modules_to_save" in name for name in names), sorted(names)  # the copied head is there
     modes = {id(parameter.fake_mode) for parameter in loops[0].model.parameters()}

@@ -194,11 +194,11 @@ def test_every_second_block_is_checkpointed_with_the_same_grads_and_less_memory_
 def test_checkpointing_every_k_blocks_trades_memory_monotonically():
     from transformers import BertConfig
 
-    from looptrain import planning
+    from looptrain import estimation
 
     config = BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=6, num_attention_heads=2,
                         intermediate_size=128, max_position_embeddings=64)
-    peaks = [planning.estimate(config, 16, 64, **options)["peak_memory_bytes"] for options in (
+    peaks = [estimation.estimate(config, 16, 64, **options)["peak_memory_bytes"] for options in (
         {}, {"gradient_checkpointing": True, "checkpoint_every": 3},
         {"gradient_checkpointing": True, "checkpoint_every": 2}, {"gradient_checkpointing": True})]
     assert peaks == sorted(peaks, reverse=True) and peaks[0] > 2 * peaks[-1]

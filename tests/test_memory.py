@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from looptrain import memory, optim, planning
+from looptrain import estimation, memory, optim
 from looptrain.cli.estimate import main as estimate_main
+from looptrain.strategy import Strategy
 
 from conftest import SmallMLP
 
@@ -151,7 +152,7 @@ def test_the_rss_meters_breakdown_counts_the_gradients_an_update_held_not_the_no
     assert breakdown["grads"] == sum(parameter.numel() * 4 for parameter in model.parameters())
 
 
-MIXES = planning.ACCURACY_MIXES
+MIXES = estimation.ACCURACY_MIXES
 
 
 @pytest.mark.parametrize("mix", list(MIXES))
@@ -161,8 +162,8 @@ def test_estimate_matches_the_peak_of_a_real_loop_fit(mix):
     options = MIXES[mix]
     if options.get("optimizer") == "adamw8bit":
         pytest.importorskip("bitsandbytes")
-    estimated = planning.estimate(small_bert(), 4, 32, **options)
-    measured = planning.measure(small_bert(), 4, 32, **options)
+    estimated = estimation.estimate(small_bert(), 4, 32, **options)
+    measured = estimation.measure(small_bert(), 4, 32, **options)
     assert measured["memory_meter"] == "cpu_tensor_tracker" and measured["optimizer_steps"] == 2
     error = abs(estimated["peak_memory_bytes"] - measured["peak_memory_bytes"]) / measured["peak_memory_bytes"]
     assert error <= ESTIMATE_TOLERANCE, (mix, estimated["peak_memory_bytes"], measured["peak_memory_bytes"])
@@ -198,13 +199,13 @@ def test_the_estimates_first_update_creates_the_state_without_the_models_forward
     """`estimate`'s first update only creates the optimizer state, so its loss is `_priming_loss` (zero gradients
     for every trainable parameter), not the model's: the estimate (peak, each phase's peak, the breakdown) is the
     one the model's own first update gives, for fewer fake ops."""
-    from looptrain.planning.estimator import _cached_estimate
+    from looptrain.estimation.estimator import _cached_estimate
 
     options = dict({"lora": {"lora_rank": 4}, "qlora": {"lora_rank": 4, "qlora": True}}.get(mix) or MIXES[mix])
     if options.get("optimizer") == "adamw8bit" or options.get("qlora"):
         pytest.importorskip("bitsandbytes")
     max_grad_norm = options.pop("max_grad_norm", 1.0)
-    strategy = planning.Settings(**{"batch_size": 2, **options})
+    strategy = Strategy(**{"batch_size": 2, **options})
     window = [(2, 24)] * min(strategy.accum_steps, 2)
     primed, full = (_cached_estimate(_tiny_config(model), [window[:1], window], strategy, num_labels=2,
                                      max_grad_norm=max_grad_norm, padded=True, cache=False, primes=primes)
@@ -218,18 +219,18 @@ def test_the_estimates_first_update_creates_the_state_without_the_models_forward
 def test_estimate_leaves_the_model_untouched():
     model = small_bert()
     before = {name: p.clone() for name, p in model.named_parameters()}
-    planning.estimate(model, 2, 16, freeze_encoder=True)
+    estimation.estimate(model, 2, 16, freeze_encoder=True)
     assert all(p.requires_grad for p in model.parameters())
     assert all(torch.equal(before[name], p) for name, p in model.named_parameters())
 
 
 def test_invalid_mix_names_the_option():
     with pytest.raises(ValueError, match="optimizer_in_backward=True cannot be combined with accum_steps > 1"):
-        planning.estimate(small_bert(), 2, 16, optimizer_in_backward=True, accum_steps=2)
+        estimation.estimate(small_bert(), 2, 16, optimizer_in_backward=True, accum_steps=2)
     with pytest.raises(ValueError, match="foreach/fused apply to adamw and sgd only, not .adafactor."):
-        planning.estimate(small_bert(), 2, 16, optimizer="adafactor", foreach=False)
+        estimation.estimate(small_bert(), 2, 16, optimizer="adafactor", foreach=False)
     with pytest.raises(ValueError, match="unknown preset"):
-        planning.preset_config("bert-huge")
+        estimation.preset_config("bert-huge")
 
 
 def test_command_line_bert_large_persistent_state(capsys):
@@ -244,8 +245,8 @@ def test_command_line_bert_large_persistent_state(capsys):
 def test_command_line_bf16_weights_rung(capsys, tmp_path):
     """`--weights bf16`: 2 B/param of weights, and no stored gradient with the fused Adafactor step."""
     options = {"optimizer": "adafactor", "optimizer_in_backward": True, "gradient_checkpointing": True}
-    bf16 = planning.estimate(small_bert(), 2, 16, weights="bf16", **options)["memory_breakdown"]
-    fp32 = planning.estimate(small_bert(), 2, 16, precision="bf16", **options)["memory_breakdown"]
+    bf16 = estimation.estimate(small_bert(), 2, 16, weights="bf16", **options)["memory_breakdown"]
+    fp32 = estimation.estimate(small_bert(), 2, 16, precision="bf16", **options)["memory_breakdown"]
     numel = sum(parameter.numel() for parameter in small_bert().parameters())
     assert fp32["params"] - bf16["params"] == 2 * numel  # integer buffers (position ids) keep their size
     assert bf16["grads"] == 0
@@ -306,8 +307,8 @@ def test_a_cuda_estimate_keeps_no_attention_probabilities():
     config = _bert_config()
     rows, heads, seq, layers = 8, 4, 128, 2
     probabilities = layers * rows * heads * seq * seq * 4
-    on_cpu = planning.estimate(config, rows, seq, cache=False)
-    on_cuda = planning.estimate(config, rows, seq, cache=False, device="cuda")
+    on_cpu = estimation.estimate(config, rows, seq, cache=False)
+    on_cuda = estimation.estimate(config, rows, seq, cache=False, device="cuda")
     tensors = on_cuda["peak_memory_bytes"] - on_cuda["cublas_workspace_bytes"]
     assert on_cpu["peak_memory_bytes"] - tensors >= 2 * probabilities
     assert torch.nn.functional.scaled_dot_product_attention is original  # given back
@@ -319,16 +320,16 @@ def test_a_cuda_estimate_prices_adamws_foreach_step():
     Measured on an H200: bert-large at 1 x 32 accumulated peaked at 6.31 GiB in the step; the CPU-kernel estimate
     said 5.29 GiB (-16%), the CUDA one 6.24 GiB (-1%)."""
     config = _bert_config(hidden=256, layers=4)
-    on_cpu = planning.estimate(config, 1, 8, cache=False)
-    on_cuda = planning.estimate(config, 1, 8, cache=False, device="cuda")
+    on_cpu = estimation.estimate(config, 1, 8, cache=False)
+    on_cuda = estimation.estimate(config, 1, 8, cache=False, device="cuda")
     parameter_bytes = on_cpu["parameters"] * 4
     assert on_cuda["memory_breakdown"]["peak_phase"] == "optimizer"
     tensors = on_cuda["peak_memory_bytes"] - on_cuda["cublas_workspace_bytes"]
     assert tensors - on_cpu["peak_memory_bytes"] >= parameter_bytes // 2
     # A strategy that says foreach=False is priced as it says, on either device.
-    unfused = planning.estimate(config, 1, 8, cache=False, device="cuda", foreach=False)
+    unfused = estimation.estimate(config, 1, 8, cache=False, device="cuda", foreach=False)
     assert (unfused["peak_memory_bytes"] - unfused["cublas_workspace_bytes"]
-            == planning.estimate(config, 1, 8, cache=False, foreach=False)["peak_memory_bytes"])
+            == estimation.estimate(config, 1, 8, cache=False, foreach=False)["peak_memory_bytes"])
 
 
 def test_a_cuda_estimate_prices_cublas_workspaces(monkeypatch):
@@ -336,7 +337,7 @@ def test_a_cuda_estimate_prices_cublas_workspaces(monkeypatch):
     an H200 32 MiB at the first forward and 32 MiB more at the first backward (autograd's device thread), where a tiny
     model's tensors were under 1 MiB and the estimate was 99% low. Torch sizes it by ``CUBLAS_WORKSPACE_CONFIG``
     (``:KiB:count`` pairs) or by the GPU's generation."""
-    from looptrain.planning.estimator import CUBLAS_HANDLES, cublas_workspace_bytes
+    from looptrain.estimation.estimator import CUBLAS_HANDLES, cublas_workspace_bytes
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -350,11 +351,11 @@ def test_a_cuda_estimate_prices_cublas_workspaces(monkeypatch):
     assert cublas_workspace_bytes() == 128 * 1024
 
     config = _bert_config()
-    on_cpu = planning.estimate(config, 2, 16, cache=False)
-    with_config = planning.estimate(config, 2, 16, device="cuda")  # the cache holds the tensors alone
+    on_cpu = estimation.estimate(config, 2, 16, cache=False)
+    with_config = estimation.estimate(config, 2, 16, device="cuda")  # the cache holds the tensors alone
     assert with_config["cublas_workspace_bytes"] == CUBLAS_HANDLES * 128 * 1024 == 2 * 128 * 1024
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
-    on_cuda = planning.estimate(config, 2, 16, device="cuda")
+    on_cuda = estimation.estimate(config, 2, 16, device="cuda")
     assert on_cuda["cublas_workspace_bytes"] == 2 * 8 * 2**20 + 2 * 128 * 2**10  # capability 7.5, from above
     assert on_cuda["peak_memory_bytes"] - with_config["peak_memory_bytes"] == 2 * 8 * 2**20
     assert on_cpu.get("cublas_workspace_bytes") is None
@@ -367,7 +368,7 @@ def test_a_cuda_estimate_prices_cublas_workspaces(monkeypatch):
 
 def test_an_estimate_for_another_device_type_is_refused_by_name():
     with pytest.raises(ValueError, match=r"device='mps' is not priced; use 'cpu' or 'cuda'"):
-        planning.estimate(_bert_config(), 1, 8, cache=False, device="mps")
+        estimation.estimate(_bert_config(), 1, 8, cache=False, device="mps")
 
 
 def test_a_model_on_another_device_is_estimated_as_the_same_model_on_the_cpu():
@@ -376,8 +377,8 @@ def test_a_model_on_another_device_is_estimated_as_the_same_model_on_the_cpu():
     Embedding.weight"), and with it every planned CUDA run. The meta device stands in for the GPU here."""
     from conftest import make_tiny_bert
 
-    on_cpu = planning.estimate(make_tiny_bert(num_labels=2), 4, 16, cache=False)
-    elsewhere = planning.estimate(make_tiny_bert(num_labels=2).to("meta"), 4, 16, cache=False)
+    on_cpu = estimation.estimate(make_tiny_bert(num_labels=2), 4, 16, cache=False)
+    elsewhere = estimation.estimate(make_tiny_bert(num_labels=2).to("meta"), 4, 16, cache=False)
     assert elsewhere["peak_memory_bytes"] == on_cpu["peak_memory_bytes"]
     assert elsewhere["memory_breakdown"] == on_cpu["memory_breakdown"]
 
@@ -387,7 +388,7 @@ def test_a_cuda_estimate_runs_layer_norm_and_softmax_in_fp32_under_bf16_autocast
     bf16 model's residual stream after each LayerNorm is fp32. Measured on an H200: bert-large with bf16 weights,
     Adafactor fused into backward and checkpointing at 32 x 128 peaked at 1.284 GiB allocated; the CUDA estimate
     without this said 1.028 GiB (-20%), with it 1.270 GiB (-1.1%)."""
-    from looptrain.planning.estimator import _cuda_kernels
+    from looptrain.estimation.estimator import _cuda_kernels
 
     norm = nn.LayerNorm(8).to(torch.bfloat16)
     hidden = torch.randn(2, 8, dtype=torch.bfloat16)
@@ -410,6 +411,6 @@ def test_command_line_prices_a_cuda_run_with_device_cuda(capsys, tmp_path):
     assert estimate_main(["--config", str(config), "--batch-size", "8", "--seq-len", "64", "--device", "cuda",
                           "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
-    expected = planning.estimate(_bert_config(), 8, 64, device="cuda", cache=False)["peak_memory_bytes"]
+    expected = estimation.estimate(_bert_config(), 8, 64, device="cuda", cache=False)["peak_memory_bytes"]
     assert printed["peak_memory_bytes"] == expected
-    assert expected != planning.estimate(_bert_config(), 8, 64, cache=False)["peak_memory_bytes"]
+    assert expected != estimation.estimate(_bert_config(), 8, 64, cache=False)["peak_memory_bytes"]

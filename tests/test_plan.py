@@ -13,7 +13,8 @@ import torch
 from looptrain import Loop, LoopConfig, data
 from looptrain.cli import finetune
 from looptrain.optim import build_optimizer
-from looptrain.planning import Levers, PlanError, Settings, parse_size, plan, probes
+from looptrain.planning import Levers, PlanError, parse_size, plan, probes
+from looptrain.strategy import Strategy
 
 from conftest import live_loops_and_optimizers, make_tiny_bert, make_tiny_tokenizer, write_csv
 
@@ -30,11 +31,12 @@ def dataset(tmp_path_factory):
 
 def budget_between(model, dataset, collator, small: int, large: int, **options) -> int:
     """A budget that fits micro-batch `small` but not `large` (fp32 AdamW, no checkpointing, 5% margin)."""
-    from looptrain import planning
+    from looptrain import estimation
 
     width = collator.batch_width([max(dataset.lengths)])
-    low = planning.estimate(model, small, width, accum_steps=EFFECTIVE_BATCH // small, **options)["peak_memory_bytes"]
-    high = planning.estimate(model, large, width, accum_steps=EFFECTIVE_BATCH // large, **options)["peak_memory_bytes"]
+    estimate = estimation.estimate
+    low = estimate(model, small, width, accum_steps=EFFECTIVE_BATCH // small, **options)["peak_memory_bytes"]
+    high = estimate(model, large, width, accum_steps=EFFECTIVE_BATCH // large, **options)["peak_memory_bytes"]
     assert high > low * 1.1
     return int(1.05 * (low + high) / 2)
 
@@ -77,7 +79,7 @@ def test_a_lever_the_user_fixed_is_never_changed(dataset):
     train_set, collator = dataset
     model = make_tiny_bert(num_labels=2)
     budget = budget_between(model, train_set, collator, 4, 8)
-    base = Settings(batch_size=2, accum_steps=8, precision="bf16", optimizer="sgd", gradient_checkpointing=True,
+    base = Strategy(batch_size=2, accum_steps=8, precision="bf16", optimizer="sgd", gradient_checkpointing=True,
                     checkpoint_every=1)
     result = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH, base=base,
                   levers=Levers(precision=True, optimizer_family=True),
@@ -147,16 +149,16 @@ def test_what_would_fit_is_priced_with_the_step_fused_into_backward(dataset):
     """A suggestion is priced as the search would try it: at micro-batch 1, and where that does not fit, with the step
     fused into backward at the whole batch (no gradients held). On an H200, bert-large at 4 GiB was told that nothing
     fits, 8-bit AdamW included (3.66 GiB at 1 x 32), where 8-bit AdamW fused into backward holds about 2.3 GiB."""
-    from looptrain import planning
+    from looptrain import estimation
 
     train_set, collator = dataset
     model = make_tiny_bert(num_labels=2, num_layers=2, hidden_size=512, intermediate_size=2048)  # weights dominate
     width = collator.batch_width([max(train_set.lengths)])
-    lightest = Settings(batch_size=1, accum_steps=EFFECTIVE_BATCH, gradient_checkpointing=True, checkpoint_every=1)
+    lightest = Strategy(batch_size=1, accum_steps=EFFECTIVE_BATCH, gradient_checkpointing=True, checkpoint_every=1)
     fused = dataclasses.replace(lightest, batch_size=EFFECTIVE_BATCH, accum_steps=1, optimizer_in_backward=True)
 
-    def peak(settings: Settings, **levers) -> int:
-        return planning.estimate(model, settings.batch_size, width, settings, **levers)["peak_memory_bytes"]
+    def peak(settings: Strategy, **levers) -> int:
+        return estimation.estimate(model, settings.batch_size, width, settings, **levers)["peak_memory_bytes"]
 
     adamw, adamw_fused = peak(lightest), peak(fused)
     eight_bit, eight_bit_fused = peak(lightest, optimizer="adamw8bit"), peak(fused, optimizer="adamw8bit")
@@ -410,7 +412,7 @@ def test_under_a_budget_of_process_rss_what_would_fit_counts_the_rss_besides_ten
     as tensors alone is not suggested when the process's other RSS (here 100 MiB above the baseline) sinks it."""
     import gc
 
-    from looptrain import planning
+    from looptrain import estimation
     from looptrain.memory import allocator
     from looptrain.planning import rss_baseline_bytes
 
@@ -419,8 +421,8 @@ def test_under_a_budget_of_process_rss_what_would_fit_counts_the_rss_besides_ten
     effective_batch = 2  # few splits to search: the test is about the advice, not the search
     width = collator.batch_width([max(train_set.lengths)])
     lightest = {"accum_steps": effective_batch, "gradient_checkpointing": True}
-    frozen = planning.estimate(model, 1, width, freeze_encoder=True, **lightest)["peak_memory_bytes"]
-    full = planning.estimate(model, 1, width, **lightest)["peak_memory_bytes"]
+    frozen = estimation.estimate(model, 1, width, freeze_encoder=True, **lightest)["peak_memory_bytes"]
+    full = estimation.estimate(model, 1, width, **lightest)["peak_memory_bytes"]
     budget = int((frozen + full) / 2)  # the frozen encoder fits as tensors; the full model does not
     assert frozen * 1.05 < budget < full
     tensors_only = str(pytest.raises(PlanError, plan, model, train_set, collator, memory_budget=budget,
@@ -446,14 +448,14 @@ def wider_bert():
 @pytest.fixture(scope="module")
 def bf16_weights_budget(dataset) -> int:
     """A budget between wider_bert's lowest fp32-weight estimate (fp32 or bf16 autocast) and its bf16-weight one."""
-    from looptrain import planning
+    from looptrain import estimation
 
     train_set, collator = dataset
     model = wider_bert()
     width = collator.batch_width([max(train_set.lengths)])
 
     def lowest(**options) -> int:
-        return min(planning.estimate(model, batch, width, accum_steps=EFFECTIVE_BATCH // batch,
+        return min(estimation.estimate(model, batch, width, accum_steps=EFFECTIVE_BATCH // batch,
                                    gradient_checkpointing=True, **options)["peak_memory_bytes"] for batch in (1, 2))
 
     fp32_weights = min(lowest(precision=precision) for precision in ("fp32", "bf16"))
@@ -511,7 +513,7 @@ def test_the_configuration_without_the_planner_is_kept_unless_another_is_measure
     train_set = data.tokenize(data.read_classification_data(rows), make_tiny_tokenizer(), 32)
     model = make_tiny_bert(num_labels=2)
     budget = budget_between(model, train_set, collator, 4, 8)
-    user = Settings(batch_size=2, accum_steps=8)  # fits (micro-batch 2 < 4); the search's largest plain split is 4
+    user = Strategy(batch_size=2, accum_steps=8)  # fits (micro-batch 2 < 4); the search's largest plain split is 4
     # Per token, micro-batch 2 takes 1 unit; every other size `faster` units (the same padding: no grouping).
     speeds = {size: (1.0 if size == 2 else faster) for size in (1, 2, 4, 8, 16)}
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))  # no real probe cached by another test
@@ -540,7 +542,7 @@ def test_without_probe_time_only_the_baseline_and_the_favourite_are_probed(datas
     # Planning's time is estimates and probes together: with none, the search reads only cached estimates, so
     # make them first (a plan without probes), as a rerun finds them.
     plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH,
-         base=Settings(batch_size=1, accum_steps=16), probe=False)
+         base=Strategy(batch_size=1, accum_steps=16), probe=False)
     calls = []
     probe = fake_probe(dict.fromkeys((1, 2, 4, 8, 16), 1.0))
     monkeypatch.setattr(probes, "probe", lambda *args, **kwargs: calls.append(args[1]) or probe(*args, **kwargs))
@@ -548,10 +550,10 @@ def test_without_probe_time_only_the_baseline_and_the_favourite_are_probed(datas
     # time is known (free where there are two cores), which the first plan's search did not need.
     monkeypatch.setattr(planner, "estimate_workers", lambda: 1)
     result = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH,
-                  base=Settings(batch_size=1, accum_steps=16), probe_budget=0.0)
+                  base=Strategy(batch_size=1, accum_steps=16), probe_budget=0.0)
     assert len(result.candidates) > 2
     assert len(calls) == len({id(c) for c in result.candidates if c.probed}) == 2  # never a candidate twice
-    assert calls[0] == Settings(batch_size=1, accum_steps=16)  # the baseline first
+    assert calls[0] == Strategy(batch_size=1, accum_steps=16)  # the baseline first
     assert result.probe_budget_seconds == 0.0 and result.cached_estimates == result.estimates
     assert any("not probed: their probes would not fit the probe budget (0 s)" in note for note in result.notes)
 
@@ -790,7 +792,7 @@ def test_a_fused_step_that_cannot_fit_is_ruled_out_by_extrapolation_not_estimate
     """Activations are affine in a micro-batch's rows: the fused step at the whole batch holds the weights, the
     optimizer state and the activations the line through two unfused estimates gives at 16 rows. A candidate ruled
     out that way is never estimated by the plan, and a real estimate confirms it does not fit."""
-    from looptrain import planning
+    from looptrain import estimation
 
     train_set, collator = dataset
     model = make_tiny_bert(num_labels=2)
@@ -803,7 +805,7 @@ def test_a_fused_step_that_cannot_fit_is_ruled_out_by_extrapolation_not_estimate
     for settings in result.extrapolated:
         assert settings.optimizer_in_backward and settings.batch_size == EFFECTIVE_BATCH
         assert settings not in [c.settings for c in result.candidates]
-        peak = planning.estimate(model, settings.batch_size, width, settings, cache=False)["peak_memory_bytes"]
+        peak = estimation.estimate(model, settings.batch_size, width, settings, cache=False)["peak_memory_bytes"]
         assert peak * (1 + result.margin) > budget
 
 
@@ -818,11 +820,11 @@ def test_the_fused_steps_bound_is_the_line_through_two_estimates_not_one_scaled(
     for budget, ruled_out in ((240, False), (200, True)):  # the bound: 100 + 50 + 74 = 224 MiB
         search = plan_search.Search(torch.nn.Linear(1, 1), 32, budget * mib, 0.0, 1.0, 2, lambda line: None)
         for rows in (4, 8):
-            split = Settings(batch_size=rows, accum_steps=32 // rows)
+            split = Strategy(batch_size=rows, accum_steps=32 // rows)
             search.results[search.key(split)] = {"memory_breakdown": {
                 "peak_phase": "backward", "params": 100 * mib, "optimizer_state": 50 * mib,
                 "activations_and_temps": (10 + 2 * rows) * mib}}
-        assert plan_search.cannot_fit_fused(search, Settings(batch_size=8, accum_steps=4), 32) == ruled_out
+        assert plan_search.cannot_fit_fused(search, Strategy(batch_size=8, accum_steps=4), 32) == ruled_out
         assert [s.batch_size for s in search.extrapolated] == ([32] if ruled_out else [])
 
 
@@ -836,7 +838,7 @@ def test_with_no_planning_time_the_search_stops_short_and_the_baseline_trains(da
     model = make_tiny_bert(num_labels=2)
     budget = budget_between(model, train_set, collator, 4, 8)
     monkeypatch.setattr(probes, "probe", fake_probe(dict.fromkeys((1, 2, 4, 8, 16), 1.0)))
-    user = Settings(batch_size=2, accum_steps=8)
+    user = Strategy(batch_size=2, accum_steps=8)
     result = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH, base=user,
                   probe_budget=0.0)
     # The baseline's own estimate (does it fit), and with two estimate workers the lightest split's beside it.
@@ -845,7 +847,7 @@ def test_with_no_planning_time_the_search_stops_short_and_the_baseline_trains(da
     # and nothing else; the configuration without the planner, probed, trains.
     from looptrain.planning.search import by_tokens
 
-    lightest = by_tokens(Settings(batch_size=1, accum_steps=EFFECTIVE_BATCH, gradient_checkpointing=True,
+    lightest = by_tokens(Strategy(batch_size=1, accum_steps=EFFECTIVE_BATCH, gradient_checkpointing=True,
                                   checkpoint_every=1), result.worst_width)  # cut by tokens as the planner trains it
     assert [c.settings for c in result.candidates] == [user, lightest][:result.estimates] and result.winner.baseline
     assert result.winner.settings == user and result.winner.probed
@@ -943,11 +945,11 @@ def test_a_round_side_by_side_is_charged_as_its_longest_and_a_failed_prefetch_is
 
     search = plan_search.Search(torch.nn.Linear(1, 1), 32, 2**30, 0.05, 1.0, 2, lambda line: None)
     search.workers = [Worker(), Worker()]
-    two, four, sixteen = (Settings(batch_size=size, accum_steps=16 // size) for size in (2, 4, 16))
+    two, four, sixteen = (Strategy(batch_size=size, accum_steps=16 // size) for size in (2, 4, 16))
     search.prefetch([two, four])
     assert search.count == 2 and search.charged == pytest.approx(1.0)  # 0.5 s beside 1.0 s: the round is 1.0 s
     assert search.peak(four) == 4 * 2**20 and search.count == 2  # memoised: not estimated again
-    search.prefetch([sixteen, Settings(batch_size=8, accum_steps=2)])
+    search.prefetch([sixteen, Strategy(batch_size=8, accum_steps=2)])
     assert search.count == 3 and search.charged == pytest.approx(3.0)
     with pytest.raises(ValueError, match="no estimate at 16 rows"):
         search.peak(sixteen)
@@ -981,10 +983,10 @@ def test_a_probe_times_a_small_micro_batch_and_a_candidates_epoch_counts_each_mi
     ids = torch.randint(5, model.config.vocab_size, (rows, width), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones(rows, width, dtype=torch.long),
              "labels": torch.tensor([0, 1])}
-    accumulating = probes.measure_probe(model, Settings(batch_size=2, accum_steps=8), batch, "cpu", 1.0)
+    accumulating = probes.measure_probe(model, Strategy(batch_size=2, accum_steps=8), batch, "cpu", 1.0)
     assert accumulating["small_batch_shape"] == [rows, probes.PROBE_WARM_UP_WIDTH]
     assert 0 < accumulating["small_step_seconds"]
-    whole = probes.measure_probe(model, Settings(batch_size=2, accum_steps=1), batch, "cpu", 1.0)
+    whole = probes.measure_probe(model, Strategy(batch_size=2, accum_steps=1), batch, "cpu", 1.0)
     assert "small_step_seconds" not in whole
     assert ranking.micro_batch_costs(whole, count_model_flops(model)) is None
 
@@ -997,13 +999,13 @@ def test_a_probe_times_a_small_micro_batch_and_a_candidates_epoch_counts_each_mi
     assert ranking.micro_batch_costs({**probe, "small_step_seconds": 0.001}, flops) == \
         (0.0, pytest.approx(probe["micro_step_seconds"] / 182_272))  # a negative fixed cost: all of it work
 
-    few, many = (plans.Candidate(Settings(), 0, padded_tokens=4096, micro_batches=count, flops=2e6, updates=8)
+    few, many = (plans.Candidate(Strategy(), 0, padded_tokens=4096, micro_batches=count, flops=2e6, updates=8)
                  for count in (10, 20))
     for candidate in (few, many):
         ranking.record_probe(candidate, probe, flops)
     assert few.seconds_per_epoch == pytest.approx(0.1 * 10 + 2.0 + 0.5 * 8)
     assert many.seconds_per_epoch - few.seconds_per_epoch == pytest.approx(0.1 * 10)
-    tokens_only = plans.Candidate(Settings(), 0, padded_tokens=4096, micro_batches=10, updates=8)  # no FLOPs
+    tokens_only = plans.Candidate(Strategy(), 0, padded_tokens=4096, micro_batches=10, updates=8)  # no FLOPs
     ranking.record_probe(tokens_only, probe, flops)
     assert tokens_only.seconds_per_epoch == pytest.approx(probe["micro_step_seconds"] / 512 * 4096 + 0.5 * 8)
 
@@ -1026,14 +1028,14 @@ def test_a_probe_times_a_typical_micro_batch_after_the_worst_and_prices_the_run_
              "labels": torch.tensor([0, 1])}
     typical = probes.warm_up_batch({"input_ids": ids, "attention_mask": torch.ones(3, 24, dtype=torch.long),
                                     "labels": torch.tensor([0, 1, 0])}, 20)
-    settings = Settings(batch_size=2, accum_steps=8)
+    settings = Strategy(batch_size=2, accum_steps=8)
     timed = probes.measure_probe(model, settings, worst, "cpu", 1.0, typical=typical)
     assert seen == [[2, 16], [2, 16], [2, 24], [3, 20]]  # warm-up twice, the worst, then the typical
     assert timed["typical_batch_shape"] == [3, 20] and timed["typical_step_seconds"] > 0
     assert timed["batch_shape"] == [2, 24] and timed["micro_step_seconds"] > 0 and timed["small_step_seconds"] > 0
 
     # One micro-batch an update (no accumulation, the fused step): the typical one is an update of its own, second.
-    for one in (Settings(batch_size=2, accum_steps=1), Settings(batch_size=2, accum_steps=1, optimizer="sgd",
+    for one in (Strategy(batch_size=2, accum_steps=1), Strategy(batch_size=2, accum_steps=1, optimizer="sgd",
                                                                  optimizer_in_backward=True)):
         seen.clear()
         alone = probes.measure_probe(model, one, worst, "cpu", 1.0, typical=typical)
@@ -1079,22 +1081,22 @@ def test_a_probe_times_a_typical_micro_batch_after_the_worst_and_prices_the_run_
                                                                          * 1e-6)  # the worst batch's dearer FLOPs
 
     # A split of the same kernels reuses that line, with its own optimizer steps: its probe times no typical batch.
-    assert ranking.same_kernels(Settings(batch_size=2, accum_steps=16),
-                                Settings(batch_size=32, accum_steps=1, micro_batch_tokens=512))
-    assert not ranking.same_kernels(Settings(batch_size=2, accum_steps=16),
-                                    Settings(batch_size=2, accum_steps=16, gradient_checkpointing=True))
-    other = plans.Candidate(Settings(batch_size=4, accum_steps=8), 0, padded_tokens=4096, micro_batches=10,
+    assert ranking.same_kernels(Strategy(batch_size=2, accum_steps=16),
+                                Strategy(batch_size=32, accum_steps=1, micro_batch_tokens=512))
+    assert not ranking.same_kernels(Strategy(batch_size=2, accum_steps=16),
+                                    Strategy(batch_size=2, accum_steps=16, gradient_checkpointing=True))
+    other = plans.Candidate(Strategy(batch_size=4, accum_steps=8), 0, padded_tokens=4096, micro_batches=10,
                             flops=2e6, updates=8)
     ranking.record_probe(other, {**without, "optimizer_step_seconds": 0.25}, flops, line_from=probe)
     assert other.seconds_per_epoch == pytest.approx(0.1 * 10 + 2.0 + 0.25 * 8)
     # Without a line (one micro-batch an update), the typical micro-batch's seconds per FLOP price the epoch (per
     # padded token without FLOPs counted).
     alone = {key: value for key, value in probe.items() if not key.startswith("small")}
-    whole = plans.Candidate(Settings(batch_size=8, accum_steps=1), 0, padded_tokens=4096, micro_batches=8,
+    whole = plans.Candidate(Strategy(batch_size=8, accum_steps=1), 0, padded_tokens=4096, micro_batches=8,
                             flops=2e6, updates=8)
     ranking.record_probe(whole, alone, flops)
     assert whole.seconds_per_epoch == pytest.approx((0.1 + 41_984e-6) / 41_984 * 2e6 + 0.5 * 8)
-    uncounted = plans.Candidate(Settings(batch_size=8, accum_steps=1), 0, padded_tokens=4096, micro_batches=8,
+    uncounted = plans.Candidate(Strategy(batch_size=8, accum_steps=1), 0, padded_tokens=4096, micro_batches=8,
                                 updates=8)
     ranking.record_probe(uncounted, alone, flops)
     assert uncounted.seconds_per_epoch == pytest.approx((0.1 + 41_984e-6) / 256 * 4096 + 0.5 * 8)
@@ -1212,21 +1214,21 @@ def test_the_optimizers_libraries_are_imported_before_the_estimate_workers_fork(
     monkeypatch.setattr(planner, "EstimateWorker", lambda serve: events.append("fork") or real_worker(serve))
     train_set, collator = dataset
     plan(make_tiny_bert(num_labels=2), train_set, collator, memory_budget=2**30, effective_batch=EFFECTIVE_BATCH,
-         base=Settings(batch_size=8, accum_steps=1, optimizer="adafactor"), probe=False)
+         base=Strategy(batch_size=8, accum_steps=1, optimizer="adafactor"), probe=False)
     assert events[0] == "adafactor" and events[1:] == ["fork"] * planner.estimate_workers()
 
     events.clear()
-    plan_search.import_optimizers(Settings(optimizer="adamw"), Levers(optimizer_family=True), ())
+    plan_search.import_optimizers(Strategy(optimizer="adamw"), Levers(optimizer_family=True), ())
     assert events == ["adamw", "adamw8bit", "paged_adamw8bit"]
     events.clear()
-    plan_search.import_optimizers(Settings(optimizer="adamw"), Levers(optimizer_family=True), ("optimizer",))
+    plan_search.import_optimizers(Strategy(optimizer="adamw"), Levers(optimizer_family=True), ("optimizer",))
     assert events == ["adamw"]
 
     def missing(name):
         raise ImportError("no bitsandbytes")
 
     monkeypatch.setattr(plan_search, "import_optimizer", missing)
-    plan_search.import_optimizers(Settings(optimizer="adamw8bit"), Levers(), ())  # no error here
+    plan_search.import_optimizers(Strategy(optimizer="adamw8bit"), Levers(), ())  # no error here
 
 
 def test_the_last_step_of_the_search_is_estimated_beside_the_split_below_the_best():
@@ -1243,7 +1245,7 @@ def test_the_last_step_of_the_search_is_estimated_beside_the_split_below_the_bes
         def prefetch(self, settings_list) -> None:
             self.rounds.append([settings.batch_size for settings in settings_list])
 
-    template = Settings(batch_size=1, accum_steps=32, gradient_checkpointing=True, checkpoint_every=1)
+    template = Strategy(batch_size=1, accum_steps=32, gradient_checkpointing=True, checkpoint_every=1)
     for budget, best, last in ((38, 8, [8, 2]), (37, 4, [8, 2]), (50, 16, [32, 8])):
         search = Rounds(budget)  # every block checkpointed: 20 + 10 + a row each
         assert plan_search.largest_fitting(search, template, [1, 2, 4, 8, 16, 32], 32) == best
@@ -1261,18 +1263,18 @@ def test_a_splits_peak_is_predicted_phase_by_phase_from_two_estimates_at_other_m
     2 and 4 rows, `Search.predict` gives the estimator's own peak at 3 and 8 rows (interpolated and extrapolated),
     checked against estimates made apart. One row of a padded worst batch is not padded: no prediction there, nor
     for other settings."""
-    from looptrain import planning
+    from looptrain import estimation
     from looptrain.planning import search as plan_search
 
     model = make_tiny_bert(num_labels=2, num_layers=3)
     search = plan_search.Search(model, 24, 2**30, 0.05, 1.0, 2, lambda line: None)
     search.padded = True
-    split = lambda rows: Settings(batch_size=rows, accum_steps=4, **mix)  # noqa: E731
+    split = lambda rows: Strategy(batch_size=rows, accum_steps=4, **mix)  # noqa: E731
     assert search.predict(split(3)) is None  # nothing estimated yet
     for rows in (2, 4):
         search.peak(split(rows))
     for rows in (3, 8):
-        truth = planning.estimate(model, rows, 24, split(rows), cache=False, padded=True)["peak_memory_bytes"]
+        truth = estimation.estimate(model, rows, 24, split(rows), cache=False, padded=True)["peak_memory_bytes"]
         assert search.predict(split(rows)) == pytest.approx(truth, rel=1e-3)
     assert search.predict(split(1)) is None
     assert search.predict(dataclasses.replace(split(3), optimizer="sgd")) is None
@@ -1306,7 +1308,7 @@ def test_the_search_decides_steps_by_prediction_and_estimates_the_split_a_predic
     from looptrain.planning import plans
     from looptrain.planning import search as plan_search
 
-    template = Settings(batch_size=1, accum_steps=128)
+    template = Strategy(batch_size=1, accum_steps=128)
     sizes = plans.divisors(128)
     for budget, measured, extra, best, estimated in (
             (78, False, None, 16, [8, 32, 16]),  # 16 predicted to fit (76 MiB), then estimated: it fits
@@ -1326,7 +1328,7 @@ def test_the_search_decides_steps_by_prediction_and_estimates_the_split_a_predic
     search = plan_search.Search(torch.nn.Linear(1, 1), 32, 78 * 2**20, 0.0, 1.0, 2, lambda line: None)
     search.limit = 2.5  # two estimates of 1 s: a third would end past it
     assert plan_search.largest_fitting(search, template, sizes, 128) == 16 and calls == [8, 32]
-    assert search.candidate_peak(Settings(batch_size=16, accum_steps=8)) == 76 * 2**20 and calls == [8, 32]
+    assert search.candidate_peak(Strategy(batch_size=16, accum_steps=8)) == 76 * 2**20 and calls == [8, 32]
 
 
 def test_the_search_finds_the_lightest_mode_first_and_never_estimates_a_split_more_checkpointing_ruled_out():
@@ -1338,7 +1340,7 @@ def test_the_search_finds_the_lightest_mode_first_and_never_estimates_a_split_mo
     from looptrain.planning import search as plan_search
 
     search = AffineSearch(budget=38)  # every block: 8 rows (38), every other: 4 (38), none: 2 (38); fused: 16 rows
-    base = Settings(batch_size=16, accum_steps=1)
+    base = Strategy(batch_size=16, accum_steps=1)
     chosen = plan_search.candidate_settings(search, 16, base, Levers(), set(), "cpu")
     first = search.estimated[0]
     assert (first.gradient_checkpointing, first.checkpoint_every) == (True, 1)
@@ -1365,7 +1367,7 @@ def test_under_a_time_limit_the_search_asks_first_which_checkpointing_modes_fit_
     them first), and where checkpointing or the micro-batch is fixed there is no frontier to ask."""
     from looptrain.planning import search as plan_search
 
-    base = Settings(batch_size=16, accum_steps=1)
+    base = Strategy(batch_size=16, accum_steps=1)
     timed = AffineSearch(budget=38, limit=5.0)
     assert plan_search.candidate_settings(timed, 16, base, Levers(), set(), "cpu") == \
         plan_search.candidate_settings(AffineSearch(budget=38), 16, base, Levers(), set(), "cpu")
@@ -1389,7 +1391,7 @@ def test_when_your_flags_do_not_fit_each_modes_lightest_split_is_estimated_befor
     (a probe budget) it does not."""
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cold"))
     train_set, collator, model, budget = one_second_estimates(dataset, monkeypatch)
-    user = Settings(batch_size=16, accum_steps=1)  # over the budget (micro-batch 8 is)
+    user = Strategy(batch_size=16, accum_steps=1)  # over the budget (micro-batch 8 is)
     for probe_budget in (None, 0.0):
         lines: list[str] = []
         plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH, base=user,
@@ -1417,7 +1419,7 @@ def test_a_favourite_measured_over_the_budget_is_replaced_by_what_the_prior_rank
     train_set, collator = dataset
 
     def candidate(rows: int, every: int, prior: float, baseline: bool = False) -> Candidate:
-        settings = Settings(batch_size=rows, accum_steps=16 // rows, gradient_checkpointing=True,
+        settings = Strategy(batch_size=rows, accum_steps=16 // rows, gradient_checkpointing=True,
                             checkpoint_every=every)
         return Candidate(settings, 2**20, padded_tokens=1000, micro_batches=16 // rows, updates=1, prior=prior,
                          baseline=baseline)
@@ -1470,7 +1472,7 @@ def test_a_search_cut_short_keeps_every_split_it_already_knows_to_fit():
     not lost because the bisection of the mode before it was cut short."""
     from looptrain.planning import search as plan_search
 
-    base = Settings(batch_size=16, accum_steps=1)
+    base = Strategy(batch_size=16, accum_steps=1)
     frontier = plan_search.mode_frontier(base, 16, set())
     search = KnownOnlySearch(budget=34, known=frontier)  # at 1 row, every block: 31, every other: 32, none: 34
     chosen = plan_search.candidate_settings(search, 16, base, Levers(), set(), "cpu")
@@ -1520,7 +1522,7 @@ def test_a_probe_of_process_rss_trims_the_heap_where_glibc_keeps_freed_blocks(mo
     measured = []
     monkeypatch.setattr(probes, "measure_probe",
                         lambda model, settings, *rest, **options: measured.append(settings) or {})
-    settings = Settings(batch_size=2, accum_steps=8)
+    settings = Strategy(batch_size=2, accum_steps=8)
     rss = probes.Meter("rss", probes.rss_baseline_bytes())
     for keeps, meter, trims in ((True, rss, True), (False, rss, False), (True, None, False)):
         monkeypatch.setattr(allocator, "keeps_freed", lambda keeps=keeps: keeps)
@@ -1543,7 +1545,7 @@ def test_a_probe_stops_at_its_ceiling_and_leaves_the_model_as_it_was():
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     ids = torch.randint(5, 20, (16, 256), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.zeros(16, dtype=torch.long)}
-    settings = Settings(batch_size=16, accum_steps=2, optimizer="sgd")
+    settings = Strategy(batch_size=16, accum_steps=2, optimizer="sgd")
     mib = 2**20
     stopped = probes.measure_probe(model, settings, batch, "cpu", 1.0, meter(), 48 * mib)
     whole = probes.measure_probe(model, settings, batch, "cpu", 1.0, meter())
@@ -1565,7 +1567,7 @@ def test_a_probe_stops_before_an_optimizer_step_that_would_cross_its_ceiling():
     model = make_tiny_bert(num_labels=2)
     ids = torch.randint(5, 20, (2, 16), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.zeros(2, dtype=torch.long)}
-    settings, gib = Settings(batch_size=2, accum_steps=2), 2**30
+    settings, gib = Strategy(batch_size=2, accum_steps=2), 2**30
     steps = []
     handle = register_optimizer_step_post_hook(lambda *args: steps.append(1))
     try:
@@ -1589,7 +1591,7 @@ def test_a_probe_stopped_at_its_ceiling_never_fits_whatever_the_rounding():
     from looptrain.planning.ranking import first_probe_ceiling
     from looptrain.planning.search import Search, probe_fits
 
-    settings, estimate = Settings(batch_size=1, accum_steps=32), 379_772_616
+    settings, estimate = Strategy(batch_size=1, accum_steps=32), 379_772_616
     rounded = []
     for budget in range(731_045_888, 731_045_888 + 64):
         search = Search(None, 256, budget, 0.05, 1.0, 2, lambda line: None)
@@ -1613,7 +1615,7 @@ def test_a_probe_of_process_rss_starts_and_ends_with_the_heap_trimmed(monkeypatc
     model = make_tiny_bert(num_labels=2)
     ids = torch.randint(5, 20, (2, 16), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.zeros(2, dtype=torch.long)}
-    settings = Settings(batch_size=2, accum_steps=2)  # trim_heap off: the Loop itself trims nothing
+    settings = Strategy(batch_size=2, accum_steps=2)  # trim_heap off: the Loop itself trims nothing
     probes.measure_probe(model, settings, batch, "cpu", 1.0)
     assert trims == []
     probes.measure_probe(model, settings, batch, "cpu", 1.0, probes.Meter("rss", probes.rss_baseline_bytes()))
@@ -1633,9 +1635,9 @@ def test_a_probe_leaves_no_loop_or_optimizer_state_alive_behind_it():
     before = live_loops_and_optimizers()
     gc.disable()  # what a run's automatic collections would free late, or (from the oldest generation) never
     try:
-        for settings, meter in ((Settings(batch_size=2, accum_steps=2), None),
-                                (Settings(batch_size=2, accum_steps=1), rss),
-                                (Settings(batch_size=2, accum_steps=1, optimizer_in_backward=True), None)):
+        for settings, meter in ((Strategy(batch_size=2, accum_steps=2), None),
+                                (Strategy(batch_size=2, accum_steps=1), rss),
+                                (Strategy(batch_size=2, accum_steps=1, optimizer_in_backward=True), None)):
             result = probes.measure_probe(model, settings, batch, "cpu", 1.0, meter)
             assert result["micro_step_seconds"] > 0
             assert live_loops_and_optimizers() == before, settings
@@ -1652,20 +1654,20 @@ def test_the_optimizer_steps_bytes_come_from_the_estimate():
     model = make_tiny_bert(num_labels=2)
     weights = sum(parameter.numel() * 4 for parameter in model.parameters())
     search = Search(model, 32, 2**30, 0.05, 1.0, 2, lambda line: None)
-    adamw = Settings(batch_size=2, accum_steps=4)
+    adamw = Strategy(batch_size=2, accum_steps=4)
     adafactor = dataclasses.replace(adamw, optimizer="adafactor")
     search.peak(adamw), search.peak(adafactor)
     assert 2 * weights <= search.step_bytes(adamw) < 4 * weights
     assert search.step_bytes(adafactor) < search.step_bytes(adamw) - weights
     assert search.step_bytes(dataclasses.replace(adamw, batch_size=4, accum_steps=2)) == search.step_bytes(adamw)
     assert search.step_bytes(dataclasses.replace(adamw, optimizer_in_backward=True)) == 0
-    assert search.step_bytes(Settings(batch_size=2, accum_steps=4, optimizer="sgd")) == 0  # not estimated
+    assert search.step_bytes(Strategy(batch_size=2, accum_steps=4, optimizer="sgd")) == 0  # not estimated
 
 
 def test_a_stopped_probe_is_read_from_the_cache_only_for_a_ceiling_no_higher(monkeypatch, tmp_path):
     """A probe stopped at its ceiling says its peak passes that ceiling, not where it ends: a plan with a lower
     ceiling reads it from the cache, one with a higher ceiling measures it again."""
-    from looptrain.planning import estimate_cache
+    from looptrain.estimation import cache as estimate_cache
 
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     mib = 2**20
@@ -1682,7 +1684,7 @@ def test_a_stopped_probe_is_read_from_the_cache_only_for_a_ceiling_no_higher(mon
     monkeypatch.setattr(probes, "measure_probe", measure)
     model = torch.nn.Linear(1, 1)
     probes.MODEL_DIGESTS[model] = estimate_cache.model_digest(model)
-    meter, settings, batch = probes.Meter("rss", probes.rss_baseline_bytes()), Settings(), {"input_ids": [[1] * 4]}
+    meter, settings, batch = probes.Meter("rss", probes.rss_baseline_bytes()), Strategy(), {"input_ids": [[1] * 4]}
     assert not probes.probe(model, settings, batch, "cpu", 1.0, meter, 100 * mib).get("from_cache")
     assert probes.probe(model, settings, batch, "cpu", 1.0, meter, 90 * mib)["from_cache"]  # passes 90 too
     assert measured == [100 * mib]
@@ -1695,7 +1697,7 @@ def test_a_stopped_probe_is_read_from_the_cache_only_for_a_ceiling_no_higher(mon
 def test_a_cached_probe_of_process_rss_is_read_only_while_the_process_holds_about_the_same(monkeypatch, tmp_path):
     """Under the RSS meter a cached probe's peak moves up by what the process holds more than when it was measured
     (never down), and beyond `PROBE_HELD_TOLERANCE` more (another program, more loaded) it is measured again."""
-    from looptrain.planning import estimate_cache
+    from looptrain.estimation import cache as estimate_cache
 
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     mib = 2**20
@@ -1713,13 +1715,13 @@ def test_a_cached_probe_of_process_rss_is_read_only_while_the_process_holds_abou
 def test_a_probes_cache_key_names_its_typical_micro_batch():
     """A probe that timed a typical micro-batch is another probe than one that did not, or timed another shape: its
     cache key says which (a rerun then reads what it would have measured)."""
-    from looptrain.planning import estimate_cache
+    from looptrain.estimation import cache as estimate_cache
 
     ids = torch.ones(2, 24, dtype=torch.long)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
     def key(typical):
-        return estimate_cache.probe_key("model", Settings(batch_size=2, accum_steps=8), batch, max_grad_norm=1.0,
+        return estimate_cache.probe_key("model", Strategy(batch_size=2, accum_steps=8), batch, max_grad_norm=1.0,
                                         meter="rss", warm_up_width=16, allocator="glibc", typical=typical)
 
     def typical(rows, width):

@@ -10,7 +10,8 @@ import pytest
 
 from looptrain import Strategy, data
 from looptrain.cli import finetune
-from looptrain.planning import Levers, PlanError, estimate, plan
+from looptrain.estimation import estimate
+from looptrain.planning import Levers, PlanError, plan
 
 from conftest import make_tiny_bert, make_tiny_tokenizer, write_csv
 

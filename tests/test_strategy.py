@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from looptrain import LoopConfig, Strategy, data, planning
+from looptrain import LoopConfig, Strategy, data, estimation, planning
 from looptrain import strategy as strategies
 from looptrain.cli import estimate as estimate_cli
 from looptrain.cli import finetune
@@ -86,7 +86,7 @@ def test_bad_lever_values_are_named_by_field_and_flag(capsys):
     with pytest.raises(ValueError, match=r"foreach/fused apply to adamw and sgd only, not 'adafactor'"):
         Strategy(optimizer="adafactor", foreach=False)
     with pytest.raises(TypeError, match=r"unknown strategy option\(s\) precison; the levers are: accum_steps, "):
-        planning.estimate(make_tiny_bert(), 2, 8, precison="bf16")
+        estimation.estimate(make_tiny_bert(), 2, 8, precison="bf16")
     with pytest.raises(SystemExit) as exited:
         finetune.build_parser().parse_args(["--freeze-layers", "-1"])
     assert exited.value.code == 2
@@ -96,11 +96,11 @@ def test_bad_lever_values_are_named_by_field_and_flag(capsys):
 def test_the_estimator_takes_a_strategy_or_its_fields_as_keywords():
     model = make_tiny_bert(num_labels=2)
     strategy = Strategy(optimizer="adafactor", gradient_checkpointing=True, accum_steps=2)
-    as_object = planning.estimate(model, 2, 16, strategy)
-    as_keywords = planning.estimate(model, 2, 16, optimizer="adafactor", gradient_checkpointing=True, accum_steps=2)
+    as_object = estimation.estimate(model, 2, 16, strategy)
+    as_keywords = estimation.estimate(model, 2, 16, optimizer="adafactor", gradient_checkpointing=True, accum_steps=2)
     assert as_object["peak_memory_bytes"] == as_keywords["peak_memory_bytes"]
     assert as_object["memory_breakdown"] == as_keywords["memory_breakdown"]
-    replaced = planning.estimate(model, 2, 16, strategy, optimizer="adamw")  # keywords replace the strategy's fields
+    replaced = estimation.estimate(model, 2, 16, strategy, optimizer="adamw")  # keywords replace the strategy's fields
     assert replaced["memory_breakdown"]["optimizer_state"] > as_object["memory_breakdown"]["optimizer_state"]
 
 
@@ -118,8 +118,8 @@ def test_a_lever_declared_once_reaches_both_command_lines_the_estimator_and_the_
 
     # 2. The estimator prices it: no gradient and no AdamW state for the pooler (exp_avg and exp_avg_sq, 8 B per
     #    element, and a 4-byte step counter per tensor).
-    plain = planning.estimate(model, 2, 16)
-    frozen = planning.estimate(model, 2, 16, freeze_pooler=True)
+    plain = estimation.estimate(model, 2, 16)
+    frozen = estimation.estimate(model, 2, 16, freeze_pooler=True)
     assert plain["trainable_parameters"] - frozen["trainable_parameters"] == pooled
     saved = plain["memory_breakdown"]["optimizer_state"] - frozen["memory_breakdown"]["optimizer_state"]
     assert saved == 8 * pooled + 4 * len(list(model.bert.pooler.parameters()))
@@ -142,9 +142,9 @@ def test_a_lever_declared_once_reaches_both_command_lines_the_estimator_and_the_
     assert "--freeze-pooler" in result.winner.settings.flags()
     assert not any(parameter.requires_grad for parameter in model.bert.pooler.parameters())  # applied, as runs do
     winner, width = result.winner.settings, result.worst_width
-    assert result.winner.estimated_peak_bytes == planning.estimate(
+    assert result.winner.estimated_peak_bytes == estimation.estimate(
         reference, winner.batch_size, width, winner)["peak_memory_bytes"]
-    assert result.winner.estimated_peak_bytes < planning.estimate(
+    assert result.winner.estimated_peak_bytes < estimation.estimate(
         reference, winner.batch_size, width, dataclasses.replace(winner, freeze_pooler=False))["peak_memory_bytes"]
 
     # 4. A real run carries it out: the pooler leaves training exactly as it came in.

@@ -8,11 +8,12 @@ import dataclasses
 import pytest
 import torch
 
-from looptrain import Loop, LoopConfig, planning
+from looptrain import Loop, LoopConfig, estimation
 from looptrain.batches import split_by_tokens, token_pieces
 from looptrain.config import ConfigError, check_process_group
+from looptrain.estimation import run_windows
 from looptrain.memory import allocator
-from looptrain.planning import PlanError, Settings, by_tokens, plan, probes, run_windows
+from looptrain.planning import PlanError, by_tokens, plan, probes
 from looptrain.strategy import Strategy
 
 from conftest import make_tiny_bert, make_tiny_tokenizer, quiet_config, random_token_batches, write_csv
@@ -108,10 +109,10 @@ def test_token_micro_batches_refuse_the_fused_step_and_several_processes():
 
 def test_the_estimate_of_a_token_cut_batch_is_that_of_its_pieces():
     model = make_tiny_bert(num_labels=2)
-    cut = planning.estimate(model, 16, 24, Strategy(batch_size=16, accum_steps=1, micro_batch_tokens=4 * 24))
-    split = planning.estimate(model, 4, 24, Strategy(batch_size=4, accum_steps=4))
+    cut = estimation.estimate(model, 16, 24, Strategy(batch_size=16, accum_steps=1, micro_batch_tokens=4 * 24))
+    split = estimation.estimate(model, 4, 24, Strategy(batch_size=4, accum_steps=4))
     assert cut["peak_memory_bytes"] == split["peak_memory_bytes"]
-    whole = planning.estimate(model, 16, 24, Strategy(batch_size=16, accum_steps=1))
+    whole = estimation.estimate(model, 16, 24, Strategy(batch_size=16, accum_steps=1))
     assert whole["peak_memory_bytes"] > split["peak_memory_bytes"]
 
 
@@ -119,8 +120,8 @@ def test_the_planner_cuts_its_splits_by_tokens_within_their_memory_and_keeps_the
     train_set, collator = dataset
     width = collator.batch_width([max(train_set.lengths)])
     model = make_tiny_bert(num_labels=2)
-    budget = int(1.05 * planning.estimate(model, 4, width, accum_steps=4)["peak_memory_bytes"]) + 1
-    mine = Settings(batch_size=2, accum_steps=8)
+    budget = int(1.05 * estimation.estimate(model, 4, width, accum_steps=4)["peak_memory_bytes"]) + 1
+    mine = Strategy(batch_size=2, accum_steps=8)
     result = plan(model, train_set, collator, memory_budget=budget, effective_batch=16, baseline=mine, probe=False)
     for candidate in result.candidates:
         settings = candidate.settings
@@ -132,7 +133,7 @@ def test_the_planner_cuts_its_splits_by_tokens_within_their_memory_and_keeps_the
         assert rows * width == settings.micro_batch_tokens and 16 % rows == 0
         # Its estimate is its split's at the worst width, which fits the budget.
         split = dataclasses.replace(settings, batch_size=rows, accum_steps=16 // rows, micro_batch_tokens=0)
-        assert candidate.estimated_peak_bytes == planning.estimate(model, rows, width, split)["peak_memory_bytes"]
+        assert candidate.estimated_peak_bytes == estimation.estimate(model, rows, width, split)["peak_memory_bytes"]
         assert candidate.estimated_peak_bytes * (1 + result.margin) <= budget
         # Its predicted work is the run's cut: every micro-batch within the tokens, every sample once.
         loader = planning_loader(train_set, collator, settings)
@@ -150,7 +151,7 @@ def test_the_planner_cuts_its_splits_by_tokens_within_their_memory_and_keeps_the
     assert all(not c.settings.micro_batch_tokens for c in uncut.candidates)
     with pytest.raises(PlanError, match="the planner chooses the micro-batches' tokens itself"):
         plan(model, train_set, collator, memory_budget=budget, effective_batch=16, probe=False,
-             base=Settings(batch_size=16, accum_steps=1, micro_batch_tokens=64))
+             base=Strategy(batch_size=16, accum_steps=1, micro_batch_tokens=64))
 
 
 def planning_loader(train_set, collator, settings):
@@ -161,12 +162,12 @@ def planning_loader(train_set, collator, settings):
 
 
 def test_by_tokens_leaves_what_it_cannot_cut_as_it_is():
-    for settings in (Settings(batch_size=16, accum_steps=1),
-                     Settings(batch_size=4, accum_steps=4, padding="max_length"),
-                     Settings(batch_size=16, accum_steps=1, optimizer_in_backward=True),
-                     Settings(batch_size=4, accum_steps=4, compile=True)):
+    for settings in (Strategy(batch_size=16, accum_steps=1),
+                     Strategy(batch_size=4, accum_steps=4, padding="max_length"),
+                     Strategy(batch_size=16, accum_steps=1, optimizer_in_backward=True),
+                     Strategy(batch_size=4, accum_steps=4, compile=True)):
         assert by_tokens(settings, 32) == settings
-    assert by_tokens(Settings(batch_size=4, accum_steps=4), 32) == Settings(batch_size=16, accum_steps=1,
+    assert by_tokens(Strategy(batch_size=4, accum_steps=4), 32) == Strategy(batch_size=16, accum_steps=1,
                                                                            micro_batch_tokens=128)
 
 
@@ -225,7 +226,7 @@ def test_a_split_whose_probe_measures_over_the_budget_is_replaced_by_the_next_sm
 
     monkeypatch.setattr(probes, "probe", probe)
     result = plan(make_tiny_bert(num_labels=2), train_set, collator, memory_budget=300 * 2**20, effective_batch=16,
-                  rss_baseline=rss_baseline_bytes(), base=Settings(batch_size=2, accum_steps=8, group_by_length=True))
+                  rss_baseline=rss_baseline_bytes(), base=Strategy(batch_size=2, accum_steps=8, group_by_length=True))
     assert 16 in probed_rows and 8 in probed_rows
     assert all(candidate.probe["batch_shape"][0] <= 8 for candidate in result.candidates)
     width = result.worst_width
@@ -259,7 +260,7 @@ def test_no_probe_runs_past_what_fits_its_ceiling_stops_it(dataset, monkeypatch,
     monkeypatch.setattr(probes, "probe", probe)
     lines = []
     result = plan(make_tiny_bert(num_labels=2), train_set, collator, memory_budget=budget, effective_batch=16,
-                  rss_baseline=rss_baseline_bytes(), base=Settings(batch_size=2, accum_steps=8, group_by_length=True),
+                  rss_baseline=rss_baseline_bytes(), base=Strategy(batch_size=2, accum_steps=8, group_by_length=True),
                   echo=lines.append)
     fitting = int(budget / (1 + plans.DEFAULT_MARGIN["cpu"]))
     first = next(candidate for candidate in result.candidates if candidate.baseline)
@@ -303,7 +304,7 @@ def test_the_first_probe_of_each_kernel_setting_times_the_runs_mean_micro_batch(
     monkeypatch.setattr(probes, "probe", probe)
     model = make_tiny_bert(num_labels=2)
     result = plan(model, train_set, collator, memory_budget=2**30, effective_batch=16,
-                  base=Settings(batch_size=2, accum_steps=8, group_by_length=True), probe_budget=60.0)
+                  base=Strategy(batch_size=2, accum_steps=8, group_by_length=True), probe_budget=60.0)
     assert len(handed) >= 2 and all(candidate.probed for candidate in result.candidates)
     first_settings, first_typical = handed[0]
     first = next(c for c in result.candidates if ranking.same_kernels(c.settings, first_settings) and c.baseline)

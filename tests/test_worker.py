@@ -7,10 +7,10 @@ import time
 
 import pytest
 
+from looptrain.estimation import estimate
+from looptrain.estimation import worker as workers
+from looptrain.estimation.worker import EstimateWorker
 from looptrain.memory.meters import proc_status_bytes, reset_peak_rss
-from looptrain.planning import estimate
-from looptrain.planning import worker as workers
-from looptrain.planning.worker import EstimateWorker
 
 from conftest import make_tiny_bert
 

@@ -1,4 +1,4 @@
-r"""The estimator's command line (`looptrain.planning.estimate`): `python -m looptrain.memory`, `scripts/estimate.py`.
+r"""The estimator's command line (`looptrain.estimation.estimate`): `python -m looptrain.memory`, `scripts/estimate.py`.
 
     python -m looptrain.memory --preset bert-large --batch-size 32 --seq-len 128 --ladder
     python -m looptrain.memory --model DIR --batch-size 8 --seq-len 256 --precision bf16 --grad-checkpoint
@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from looptrain import strategy as strategies
+from looptrain.estimation.estimator import ESTIMATE_METER, PRESETS, estimate, ladder, load_config, preset_config
 from looptrain.planning.errors import PlanError
-from looptrain.planning.estimator import ESTIMATE_METER, PRESETS, estimate, ladder, load_config, preset_config
 from looptrain.planning.lowest import lowest
 from looptrain.precision import cpu_has_native_bf16
 

@@ -17,7 +17,7 @@ the estimator, and drives both:
    model must be the wrapped `PeftModel` the run trains, `Strategy.wrap_model`), and says how much it
    saves over the full fine-tune with the same settings (one more estimate); without it, LoRA and QLoRA
    r 16 are among the suggestions when nothing fits.
-2. **Fits**: `looptrain.planning.estimate` at the dataset's longest padded batch (its worst batch), plus a
+2. **Fits**: `looptrain.estimation.estimate` at the dataset's longest padded batch (its worst batch), plus a
    safety margin (`DEFAULT_MARGIN`), must be within the budget, by the meter the budget counts (`METERS`):
    live tensors (the estimate alone), or the process's RSS above its start / CUDA's reserved memory (what the
    process holds besides tensors is measured once by a probe and charged to every candidate, and each probed
@@ -51,10 +51,12 @@ from typing import Any
 
 from torch import nn
 
+from looptrain.estimation import cache as estimate_cache
+from looptrain.estimation.worker import EstimateWorker
 from looptrain.flops import count_model_flops
 from looptrain.lora import is_lora_model
 from looptrain.memory import allocator
-from looptrain.planning import estimate_cache, probes
+from looptrain.planning import probes
 from looptrain.planning.errors import PlanError
 from looptrain.planning.plans import (
     DEFAULT_MARGIN,
@@ -88,7 +90,6 @@ from looptrain.planning.search import (
     worst_batch_width,
 )
 from looptrain.planning.suggestions import lora_comparison, nothing_fits_message
-from looptrain.planning.worker import EstimateWorker
 from looptrain.precision import resolve_device
 from looptrain.strategy import Strategy
 

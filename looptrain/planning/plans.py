@@ -13,7 +13,7 @@ from looptrain.strategy import Strategy
 GIB = 1024**3
 
 # The share of the budget kept free above the estimate. CPU: the estimate is within 2.3% of the tensor
-# tracker on every mix of planning.ACCURACY_MIXES; 5% leaves room for that and for batches the estimate
+# tracker on every mix of estimation.ACCURACY_MIXES; 5% leaves room for that and for batches the estimate
 # shapes differently. CUDA: the caching allocator rounds and fragments, and kernels take workspaces the
 # estimate does not see (about 10-20% of the peak on typical runs); 15% covers that, unchecked here.
 DEFAULT_MARGIN = {"cpu": 0.05, "cuda": 0.15}
@@ -64,9 +64,6 @@ class Levers:
 
     precision: bool = False
     optimizer_family: bool = False
-
-
-Settings = Strategy  # the planner's name for a candidate's strategy (candidates are `looptrain.Strategy` instances)
 
 
 @dataclass

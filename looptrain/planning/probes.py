@@ -19,12 +19,12 @@ import torch
 from torch import nn
 
 from looptrain.config import LoopConfig
+from looptrain.estimation import cache as estimate_cache
 from looptrain.gradient_checkpointing import disable_gradient_checkpointing
 from looptrain.loop import Loop
 from looptrain.memory import allocator
 from looptrain.memory.meters import current_rss_bytes, proc_status_bytes, reset_peak_rss
 from looptrain.optim import inner_optimizers
-from looptrain.planning import estimate_cache
 from looptrain.planning.errors import PlanError
 from looptrain.precision import resolve_device
 from looptrain.strategy import Strategy

@@ -8,16 +8,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-from looptrain.batches import token_pieces
 from looptrain.flops import ModelFlops
 from looptrain.planning import probes
 from looptrain.planning.errors import PlanError
-from looptrain.planning.estimator import bounding_windows, estimate_windows
 from looptrain.planning.plans import Candidate, Plan, format_bytes
 from looptrain.precision import cpu_has_native_bf16
 from looptrain.strategy import Strategy
@@ -335,46 +333,3 @@ def predicted_probe_seconds(candidate: Candidate, probed: list[Candidate]) -> fl
     scale = candidate.settings.batch_size / reference.settings.batch_size * recompute(candidate.settings) \
         / recompute(reference.settings)
     return reference.probe["probe_seconds"] * scale
-
-
-def run_windows(sampler: Any, lengths: Sequence[int], collator: Any, accum_steps: int, epochs: int = 1,
-                max_steps: int = 0, micro_batch_tokens: int = 0) -> list[list[tuple[int, int]]]:
-    """The micro-batch shapes ``(rows, padded width)`` of every window a run trains on, in order.
-
-    Read from the sampler's own epochs (`epoch_batches(epoch)`: no batch is built, no resume offset is
-    consumed), cut into windows as the Loop cuts them (the last one of an epoch may be shorter; with
-    `micro_batch_tokens`, each batch into its pieces, `looptrain.batches.token_pieces`), and stopped after
-    `max_steps` windows when that is set.
-    """
-    def width(batch_lengths: Sequence[int]) -> int:
-        return int(collator.batch_width(batch_lengths))
-
-    def micro_batches(batch: Sequence[int]) -> list[tuple[int, int]]:
-        batch_lengths = [lengths[index] for index in batch]
-        pieces = (token_pieces(batch_lengths, micro_batch_tokens, lambda length: width([length]))
-                  if micro_batch_tokens else [range(len(batch))])
-        return [(len(piece), width([batch_lengths[row] for row in piece])) for piece in pieces]
-
-    windows: list[list[tuple[int, int]]] = []
-    for epoch in range(epochs):
-        batches = sampler.epoch_batches(epoch)
-        windows.extend([shape for batch in batches[start:start + accum_steps] for shape in micro_batches(batch)]
-                       for start in range(0, len(batches), accum_steps))
-        if 0 < max_steps <= len(windows):
-            return windows[:max_steps]
-    return windows
-
-
-def run_batches_estimate(model: Any, settings: Strategy, windows: Sequence[Sequence[tuple[int, int]]], *,
-                         fresh: bool = True, max_grad_norm=1.0, num_labels: int = 2, padded: bool = True,
-                         device: str = "cpu") -> int:
-    """`estimate_windows` of `settings` over the batches a run will see (`run_windows`), where it sees them.
-
-    The run's peak, not the dataset's worst case: a length-grouped sampler gives its longest batch first,
-    before any optimizer state exists, so pricing that batch beside the state (as the planner does, to be
-    safe under a budget) describes a moment the run never has. `bounding_windows` keeps the few windows
-    that decide it. A causal LM's micro-batches of more than one row are priced padded (`padded`, as
-    `estimate` says): dynamic padding pads nearly every one of them. `device`: the run's (`estimate`'s).
-    """
-    return estimate_windows(model, bounding_windows(windows, fresh=fresh), settings, num_labels=num_labels,
-                            max_grad_norm=max_grad_norm, padded=padded, device=device)["peak_memory_bytes"]

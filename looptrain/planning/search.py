@@ -16,13 +16,14 @@ from typing import Any
 from torch import nn
 
 from looptrain.config import ConfigError, LoopConfig
+from looptrain.estimation.estimator import estimate
+from looptrain.estimation.windows import run_windows
+from looptrain.estimation.worker import EstimateWorker
 from looptrain.flops import ModelFlops
 from looptrain.lora import is_4bit_layer, is_lora_model
 from looptrain.optim.factory import import_optimizer
-from looptrain.planning.estimator import estimate
 from looptrain.planning.plans import Candidate, Levers, divisors, format_bytes, lora_words
-from looptrain.planning.ranking import prior_seconds, probe_within, run_growth, run_windows
-from looptrain.planning.worker import EstimateWorker
+from looptrain.planning.ranking import prior_seconds, probe_within, run_growth
 from looptrain.precision import amp_precision, resolve_device
 from looptrain.strategy import Strategy
 
@@ -138,7 +139,7 @@ class Search:
         self.cache: dict = {}
         self.results: dict = {}  # the whole estimate (breakdown, phase), by the same key
         self.count = 0
-        self.cached = 0  # of `count`, the estimates read from the on-disk cache (looptrain.planning.estimate_cache)
+        self.cached = 0  # of `count`, the estimates read from the on-disk cache (looptrain.estimation.cache)
         self.seconds = 0.0
         # The estimates as `limit` counts them: each at what computing it cost (a cached one at its recorded cost), so
         # that a rerun reading them from the cache stops where the first run stopped, in a fraction of the time.

@@ -13,10 +13,10 @@ class OutOfMemory(Exception):
 
 
 def what_would_fit(model_config, args, precision: str, device) -> str:
-    """Estimated peaks (looptrain.planning.estimate) of this run and of a few lighter flag sets."""
+    """Estimated peaks (looptrain.estimation.estimate) of this run and of a few lighter flag sets."""
     import torch
 
-    from looptrain import planning
+    from looptrain import estimation
     from looptrain.precision import amp_precision
 
     current = {"precision": precision}  # this run's levers are strategy_of(args), with its resolved precision
@@ -39,11 +39,11 @@ def what_would_fit(model_config, args, precision: str, device) -> str:
     if args.weights == "fp32":
         candidates.append(("+ --weights bf16", batch, {**current, "precision": "bf16", "weights": "bf16"}))
     budget = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    lines = [f"  estimated peak of live tensors at --max-length {args.max_length} (looptrain.planning.estimate"
+    lines = [f"  estimated peak of live tensors at --max-length {args.max_length} (looptrain.estimation.estimate"
              + (f"; this GPU has {budget / 2**30:.1f} GiB)" if budget else ")") + ":"]
     for label, micro_batch, options in candidates:
         try:
-            peak = planning.estimate(model_config, micro_batch, args.max_length, strategy_of(args, **options),
+            peak = estimation.estimate(model_config, micro_batch, args.max_length, strategy_of(args, **options),
                                      num_labels=model_config.num_labels, max_grad_norm=args.max_grad_norm,
                                      device=device.type)["peak_memory_bytes"]
         except Exception as error:  # noqa: BLE001 (advice printed while reporting an OOM: must never mask it)

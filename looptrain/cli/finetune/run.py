@@ -273,10 +273,10 @@ def write_merged(args, model_path: str, inputs: Inputs, final_dir: Path, print) 
 
 
 def run_estimate(args, config, model, train_set, collator, train_loader, plan_result) -> int | None:
-    """`looptrain.planning.estimate` of this run's settings over the batches its sampler will give it, where
+    """`looptrain.estimation.estimate` of this run's settings over the batches its sampler will give it, where
     it gives them (every run reports its own error; a planned run reports its plan's worst-batch estimate)."""
-    from looptrain.planning import run_batches_estimate, run_windows
-    from looptrain.planning.worker import EstimateWorker
+    from looptrain.estimation import run_batches_estimate, run_windows
+    from looptrain.estimation.worker import EstimateWorker
     from looptrain.precision import resolve_device
 
     if plan_result is not None:

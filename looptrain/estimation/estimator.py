@@ -39,9 +39,9 @@ from looptrain import state
 from looptrain import strategy as strategies
 from looptrain.batches import model_shifts_labels, token_pieces
 from looptrain.config import LoopConfig
+from looptrain.estimation import cache as estimate_cache
 from looptrain.loop import Loop
 from looptrain.optim import FOREACH_OPTIMIZERS, OptimizerInBackward
-from looptrain.planning import estimate_cache
 from looptrain.precision import Precision
 from looptrain.strategy import Strategy
 
@@ -497,7 +497,7 @@ def estimate(
             workspaces are added (`cublas_workspace_bytes`, one per matmul thread). The estimate itself always
             runs on the CPU, on fake tensors.
         cache: read the result from the on-disk cache of estimates when an identical estimate was made before,
-            and store it there otherwise (`looptrain.planning.estimate_cache`; ``LOOPTRAIN_CACHE_DIR=off`` turns
+            and store it there otherwise (`looptrain.estimation.cache`; ``LOOPTRAIN_CACHE_DIR=off`` turns
             it off everywhere). False: always estimate, store nothing. ``"only"``: read the cache and raise
             `LookupError` instead of computing (the planner's search once its time is spent).
 

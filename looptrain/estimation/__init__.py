@@ -1,0 +1,47 @@
+"""Estimation: "what does this strategy cost?", priced on fake tensors by the Loop's own update.
+
+It sits above the Loop and drives its public update; it never imports `looptrain.planning`, which sits
+above it and asks it questions (docs/architecture.md).
+
+Modules:
+    estimator   `estimate`: a training step's peak on fake tensors, driving the Loop's own update;
+                `estimate_windows` / `bounding_windows`: a run's peak over the batches it will see;
+                `measure`: the same strategy run for real, for the accuracy check
+    windows     `run_windows`: the micro-batch shapes of every window a run trains on;
+                `run_batches_estimate`: a run's own estimate over them
+    cache       the on-disk cache of estimates: the key of an estimate (everything that decides it)
+    worker      `EstimateWorker`: the estimates in forked child processes
+"""
+
+from looptrain.estimation.estimator import (
+    ACCURACY_MIXES,
+    ESTIMATE_METER,
+    PRESETS,
+    bounding_windows,
+    estimate,
+    estimate_windows,
+    ladder,
+    load_config,
+    measure,
+    preset_config,
+    random_batch,
+)
+from looptrain.estimation.windows import run_batches_estimate, run_windows
+from looptrain.estimation.worker import EstimateWorker
+
+__all__ = [
+    "ACCURACY_MIXES",
+    "ESTIMATE_METER",
+    "PRESETS",
+    "EstimateWorker",
+    "bounding_windows",
+    "estimate",
+    "estimate_windows",
+    "ladder",
+    "load_config",
+    "measure",
+    "preset_config",
+    "random_batch",
+    "run_batches_estimate",
+    "run_windows",
+]
