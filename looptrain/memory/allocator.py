@@ -3,23 +3,24 @@
 PyTorch's CPU tensors come from the C library's ``malloc``. glibc raises its mmap threshold each time a large
 mmapped block is freed (up to 32 MiB), so after the first steps a training process serves its activations from the
 heap, whose freed holes stay resident: RSS then measures the allocator's history (docs/memory.md, "The RSS trap").
-A budget read as RSS (`--memory-budget` on a CPU) may not be held that way: the planner measured 0.63 GiB besides
-the tensors in a process that holds 0.22 GiB with the thresholds fixed, and refused every plan of a budget that
-Hugging Face Trainer, run with them fixed, kept. `keep_rss_lean` fixes them in the running process, as the
-``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` environment variables would have at its start.
+A budget read as RSS (`--memory-budget` on a CPU) may not be held that way: under glibc's own thresholds a process
+can hold several times what it holds besides its tensors with them fixed, enough to refuse every plan of a budget
+that Hugging Face Trainer, run with them fixed, keeps (docs/plan.md, "Which meter the budget counts").
+`keep_rss_lean` fixes them in the running process, as the ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_``
+environment variables would have at its start.
 
-The price is time: every freed block above the threshold goes back to the OS and the next one is faulted in anew
-(a third more training time, measured in docs/memory.md), so the planner asks for it only where the process's
-first probe, under glibc's own thresholds, does not fit the budget (`plan(make_lean=...)`), and then one step at a
-time (`fix_thresholds`, `LEAN_STEPS`): 1 MiB first, where only a step's large blocks are mmapped and the run trims
-the heap (a fifth of the time instead of a third), and 128 KiB only where that does not fit either.
+The price is time: every freed block above the threshold goes back to the OS and the next one is faulted in anew,
+so the planner asks for it only where the process's first probe, under glibc's own thresholds, does not fit the
+budget (`plan(make_lean=...)`), and then one step at a time (`fix_thresholds`, `LEAN_STEPS`): 1 MiB first, where
+only a step's large blocks are mmapped and the run trims the heap, which costs less, and 128 KiB, the leanest and
+slowest, only where that does not fit either (what each costs: docs/memory.md, "A step between the two").
 
 Between the two, `release_freed` (the Loop's ``trim_heap`` lever: ``malloc_trim`` before every micro-batch and every
 optimizer step) keeps glibc's thresholds and gives the heap's freed pages back between micro-batches, and between the
-last backward and the step's temporaries: RSS then holds what one micro-batch
-leaves resident, not what the run has, for 2-10% of the speed (docs/memory.md). The planner trims wherever it keeps
-glibc's own thresholds under a budget of RSS (`keeps_freed`): its probes measure a fresh heap, which a whole run
-without trimming outgrows.
+last backward and the step's temporaries: RSS then holds what one micro-batch leaves resident, not what the run has,
+for a few percent of the speed (docs/memory.md, "Between the two: the heap trimmed before each micro-batch"). The
+planner trims wherever it keeps glibc's own thresholds under a budget of RSS (`keeps_freed`): its probes measure a
+fresh heap, which a whole run without trimming outgrows.
 """
 
 from __future__ import annotations
@@ -32,9 +33,8 @@ import sys
 
 LEAN_THRESHOLD_BYTES = 128 * 1024  # glibc's own starting mmap threshold, kept fixed instead of raised
 # Between glibc's dynamic thresholds and the lean 128 KiB: blocks of 1 MiB or more mmapped (a training step's large
-# activations), smaller ones served from the heap, which the run trims before each micro-batch. On worked example 2's
-# plan (docs/memory.md) 27.6 s and 646 MiB, against 34.2 s and 598 MiB at 128 KiB and 26.1 s and 671 MiB with
-# glibc's own thresholds and the heap trimmed.
+# activations), smaller ones served from the heap, which the run trims before each micro-batch: most of the lean
+# setting's RSS saving for a fraction of its time (docs/memory.md, "A step between the two"; docs/results.md).
 MODERATE_THRESHOLD_BYTES = 1024 * 1024
 LEAN_STEPS = (MODERATE_THRESHOLD_BYTES, LEAN_THRESHOLD_BYTES)  # `fix_thresholds`'s steps, the fastest first
 USER_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
@@ -169,9 +169,9 @@ def fix_thresholds() -> str | None:
 
 
 # oneDNN's primitive cache and PyTorch's cache of oneDNN computations (ideep's LRU cache) keep one entry per operation
-# shape, 1024 each by default. Under bf16 autocast on a CPU every new batch width adds entries: a MiniLM's forward
-# and backward at 90 widths raised RSS by 477 MiB (5.3 MiB a width; fp32: 17 MiB in all), 28 MiB with both caches
-# at 64 entries, which trained the demo's data as fast (docs/memory.md).
+# shape, 1024 each by default. Under bf16 autocast on a CPU every new batch width adds entries, so a budget of RSS is
+# spent one width at a time; 64 entries each keep RSS flat after the first widths at no cost in speed (docs/memory.md,
+# "bf16 autocast: RSS grows with the number of widths"; docs/results.md).
 KERNEL_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 KERNEL_CACHE_CAPACITY = 64
 
