@@ -3,10 +3,11 @@
 The loop is `Loop` + `LoopConfig`; a run's memory/speed strategy is described once, by `Strategy`
 (whose loop levers `LoopConfig` inherits); the strategies' implementations live in small modules: `looptrain.freeze`,
 `looptrain.gradient_checkpointing`, `looptrain.optim`, `looptrain.data`, `looptrain.memory`,
-`looptrain.metrics`, `looptrain.state`. Above the Loop, `looptrain.planning` holds the estimator
+`looptrain.metrics`, `looptrain.checkpoint`. Above the Loop, `looptrain.planning` holds the estimator
 (`estimate`) and the planner (`plan`).
 """
 
+from looptrain.checkpoint import CheckpointError
 from looptrain.config import ConfigError, LoopConfig
 from looptrain.data import (
     DataError,
@@ -37,7 +38,6 @@ from looptrain.metrics import EvalMetrics
 from looptrain.optim import build_optimizer, optimizer_state_bytes
 from looptrain.planning import PlanError, plan
 from looptrain.seeding import seed_everything
-from looptrain.state import CheckpointError
 from looptrain.strategy import Strategy
 
 __all__ = [

@@ -14,11 +14,11 @@ import dataclasses
 import importlib.util
 from dataclasses import dataclass, field
 
+from looptrain.checkpoint import default_mode
 from looptrain.compilation import compile_problems
 from looptrain.optim.in_backward import CLIP_MODES as FUSED_CLIP_MODES
 from looptrain.precision import precision_problem, resolve_device
 from looptrain.run_log import TRACKERS
-from looptrain.state import default_mode
 from looptrain.strategy import CONFIG_PRECISIONS, GRAD_DTYPES, WEIGHT_DTYPES, ConfigError, LoopLevers
 from looptrain.unfreeze import valid_every
 

@@ -241,7 +241,7 @@ def _full_options(cpu_offload: bool):
 
 
 class FullStateModel(torch.nn.Module):
-    """A sharded model seen through its *full* state dict, for `looptrain.state`'s save and load.
+    """A sharded model seen through its *full* state dict, for `looptrain.checkpoint`'s save and load.
 
     Saving: build it on every rank (gathering is collective), then rank 0 hands it to
     `save_checkpoint`. Loading: every rank passes it to `load_checkpoint`, which loads the full

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from looptrain import state
+from looptrain.checkpoint import list_checkpoints, write_json_atomic
 
 LOCK_FILE = ".looptrain.lock"
 RUN_FILE = "run.json"
@@ -174,7 +174,7 @@ class RunLedger:
         """What a previous run left at the top of the directory (checkpoints and run files)."""
         if not self.output_dir.is_dir():
             return []
-        found = [path.name for path in state.list_checkpoints(self.output_dir)]
+        found = [path.name for path in list_checkpoints(self.output_dir)]
         found += [name for name in RUN_ARTIFACTS if (self.output_dir / name).exists()]
         return found
 
@@ -222,7 +222,7 @@ class RunLedger:
                     "this checkpoint with --resume DIR (resume='<checkpoint dir>'), or pass another --output-dir")
             if saved.get("status") == "finished":
                 return {"action": "finished", "checkpoints": [], "run": saved}
-            checkpoints = list(reversed(state.list_checkpoints(self.output_dir)))
+            checkpoints = list(reversed(list_checkpoints(self.output_dir)))
             return {"action": "resume" if checkpoints else "fresh", "checkpoints": checkpoints, "run": saved}
         if previous:
             if not overwrite:
@@ -243,4 +243,4 @@ class RunLedger:
     def write(self, identity: dict, status: str, **fields: Any) -> None:
         """Records this run's identity and status ("running", "interrupted", "finished") in run.json."""
         record = {"identity": identity, "status": status, "updated": _now(), **fields}
-        state.write_json_atomic(self.run_file, record)
+        write_json_atomic(self.run_file, record)

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from looptrain import batches, compilation, distributed, lm_loss, metrics, resume, state
+from looptrain import batches, checkpoint, compilation, distributed, lm_loss, metrics, resume
 from looptrain.batches import as_loss_sum, first_dimension, move_to, split_batch, split_by_tokens
 from looptrain.config import ConfigError, LoopConfig, check_process_group
 from looptrain.embedding_grad import accumulate_embedding_rows
@@ -143,7 +143,7 @@ class Loop:
         return self.run.output_dir
 
     @property
-    def best(self) -> state.BestTracker:
+    def best(self) -> checkpoint.BestTracker:
         """The best checkpoint so far (`self.run.best`)."""
         return self.run.best
 
@@ -450,7 +450,7 @@ class Loop:
             raise EvaluationError(
                 f"metric_for_best={name!r} is not among the evaluation metrics {sorted(scores)}; choose one of "
                 "those (--metric-for-best), or override Loop.compute_metrics to produce it")
-        self.run.best = state.BestTracker(name, self.config.best_mode_for(name))
+        self.run.best = checkpoint.BestTracker(name, self.config.best_mode_for(name))
 
     def _evaluate_and_save(self) -> None:
         """The evaluation point: evaluate (when there is eval data), log, and write a checkpoint."""

@@ -1,6 +1,6 @@
 """Resume: where training stands in the data, replaying an epoch's order, saving and loading the training state.
 
-A checkpoint (see `looptrain.state` for its files) holds, besides weights and optimizer state, the
+A checkpoint (see `looptrain.checkpoint` for its files) holds, besides weights and optimizer state, the
 loop's counters and the torch RNG state from the moment the current epoch drew its data order. A
 resume in mid-epoch sets that RNG state back, rebuilds the same order, skips the micro-batches
 already consumed (without loading them when the batch sampler has `skip_batches`), then restores
@@ -17,7 +17,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from looptrain import distributed, state
+from looptrain import distributed
+from looptrain.checkpoint import (
+    capture_rng_state,
+    checkpoint_name,
+    load_checkpoint,
+    restore_rng_state,
+    rotate_checkpoints,
+    save_checkpoint,
+)
 
 
 def set_epoch(loader: Any, epoch: int) -> None:
@@ -59,7 +67,7 @@ def start_epoch(
     for _ in range(skip):
         next(batches, None)
     if rng_after_skip is not None:
-        state.restore_rng_state(rng_after_skip)
+        restore_rng_state(rng_after_skip)
     return batches, order_rng_state
 
 
@@ -95,12 +103,12 @@ def save_training_checkpoint(
     """
     trainer_state = {**trainer_state, "rank_rng_states": distributed.all_gather_objects(torch.get_rng_state().tolist())}
     model_view, optimizer_view = _full_state_views(model, optimizer, gather=True)
-    path = Path(output_dir) / state.checkpoint_name(step)
+    path = Path(output_dir) / checkpoint_name(step)
     if distributed.current().is_main:
-        state.save_checkpoint(output_dir, step, model=model_view, optimizer=optimizer_view, scheduler=scheduler,
-                              scaler=precision, trainer_state=trainer_state, metrics=metrics)
-        state.rotate_checkpoints(output_dir, save_total_limit, best_checkpoint=best_checkpoint,
-                                 run_checkpoints=run_checkpoints)
+        save_checkpoint(output_dir, step, model=model_view, optimizer=optimizer_view, scheduler=scheduler,
+                        scaler=precision, trainer_state=trainer_state, metrics=metrics)
+        rotate_checkpoints(output_dir, save_total_limit, best_checkpoint=best_checkpoint,
+                           run_checkpoints=run_checkpoints)
     distributed.barrier()  # no rank runs ahead of a checkpoint rank 0 is still writing
     return path
 
@@ -114,16 +122,16 @@ def load_training_checkpoint(
         The saved trainer state, and the RNG states now in force (to re-apply after the data skip).
     """
     model_view, optimizer_view = _full_state_views(model, optimizer, gather=False)
-    saved = state.load_checkpoint(path, model=model_view, optimizer=optimizer_view, scheduler=scheduler,
-                                  scaler=precision, map_location=device)
+    saved = load_checkpoint(path, model=model_view, optimizer=optimizer_view, scheduler=scheduler,
+                            scaler=precision, map_location=device)
     place = distributed.current()
     rank_rng_states = saved.get("rank_rng_states")
     if rank_rng_states and len(rank_rng_states) == place.world_size:
         torch.set_rng_state(torch.tensor(rank_rng_states[place.rank], dtype=torch.uint8))
-    return saved, state.capture_rng_state()
+    return saved, capture_rng_state()
 
 
 def load_weights(path: Path, model: nn.Module, device: torch.device) -> dict:
     """Loads only a checkpoint's weights (the best one, at the end of training); returns its trainer state."""
     model_view, _ = _full_state_views(model, None, gather=False)
-    return state.load_checkpoint(path, model=model_view, map_location=device, restore_rng=False)
+    return load_checkpoint(path, model=model_view, map_location=device, restore_rng=False)

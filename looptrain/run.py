@@ -22,7 +22,15 @@ from typing import Any
 
 import torch
 
-from looptrain import distributed, flops, ledger, resume, state
+from looptrain import distributed, flops, ledger, resume
+from looptrain.checkpoint import (
+    BestTracker,
+    CheckpointError,
+    checkpoint_name,
+    latest_checkpoint,
+    resolve_resume_checkpoint,
+    write_json_atomic,
+)
 from looptrain.config import LoopConfig
 from looptrain.precision import cpu_description, emulation_warning
 from looptrain.run_log import RunLog
@@ -67,7 +75,7 @@ class Run:
         self.is_main = is_main
         self.output_dir = Path(config.output_dir) if config.output_dir else None
         metric = config.metric_for_best or "loss"  # until the Loop's first evaluation check resolves it
-        self.best = state.BestTracker(metric, config.best_mode_for(metric))
+        self.best = BestTracker(metric, config.best_mode_for(metric))
         self.log = RunLog(self.output_dir, is_main=is_main, report_to=config.report_to,
                           progress_bar=config.progress_bar)
         self.last_eval_step = self.last_checkpoint_step = -1
@@ -114,7 +122,7 @@ class Run:
         """Writes this run's identity and status into output_dir/run.json (rank 0)."""
         if self.output_dir is not None and self.is_main:
             self._ledger.write(self.config.identity(), status, step=self.training.step,
-                               last_checkpoint=state.checkpoint_name(self.last_checkpoint_step)
+                               last_checkpoint=checkpoint_name(self.last_checkpoint_step)
                                if self.last_checkpoint_step >= 0 else None)
 
     def finished_run_summary(self) -> dict:
@@ -131,7 +139,7 @@ class Run:
         """Writes `checkpoint-<step>/` atomically; the best moves to it once it is safely on disk."""
         training = self.training
         best = copy.deepcopy(self.best)
-        name = state.checkpoint_name(training.step)
+        name = checkpoint_name(training.step)
         if eval_metrics is not None:
             best.update(eval_metrics, name, step=training.step)
         self._checkpoints.add(name)
@@ -167,12 +175,12 @@ class Run:
         forced = self.config.resume not in (None, "auto")
         for index, candidate in enumerate(checkpoints):
             try:
-                path = state.resolve_resume_checkpoint(str(candidate), self.output_dir) if forced else Path(candidate)
+                path = resolve_resume_checkpoint(str(candidate), self.output_dir) if forced else Path(candidate)
                 saved, self._rng_after_skip = resume.load_training_checkpoint(
                     path, model=training.model, optimizer=training.optimizer, scheduler=training.scheduler,
                     precision=training.precision, device=training.device)
                 break
-            except state.CheckpointError as error:
+            except CheckpointError as error:
                 if forced or index == len(checkpoints) - 1:
                     raise
                 self.log.echo(f"notice: {error}\n  falling back to {Path(checkpoints[index + 1]).name}")
@@ -218,7 +226,7 @@ class Run:
 
     def last_good_checkpoint(self) -> Path | None:
         """The newest complete checkpoint in output_dir, if any (named when training diverges)."""
-        return state.latest_checkpoint(self.output_dir) if self.output_dir is not None else None
+        return latest_checkpoint(self.output_dir) if self.output_dir is not None else None
 
     # ------------------------------------------------------------------ progress
     def open_progress(self) -> None:
@@ -331,7 +339,7 @@ class Run:
     def finish(self, summary: dict) -> dict:
         """Writes summary.json (rank 0), records the run as finished or interrupted, closes the log."""
         if self.output_dir is not None and self.is_main:
-            state.write_json_atomic(self.output_dir / "summary.json", summary)
+            write_json_atomic(self.output_dir / "summary.json", summary)
         self.record_status("interrupted" if self.training.interrupted else "finished")
         self.log.close()
         return summary

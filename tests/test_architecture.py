@@ -10,7 +10,7 @@ from pathlib import Path
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "looptrain"
 # Modules the Loop builds on; they never import the Loop, the planning layer or the command lines.
-LEAVES = ("config", "precision", "guards", "run_log", "resume", "state", "metrics", "freeze", "unfreeze",
+LEAVES = ("config", "precision", "guards", "run_log", "resume", "checkpoint", "metrics", "freeze", "unfreeze",
           "gradient_checkpointing", "distributed", "optim", "data", "memory", "batches", "ledger", "seeding",
           "strategy", "lm_loss", "lora", "errors")
 ABOVE_THE_LEAVES = ("looptrain.loop", "looptrain.planning", "looptrain.cli")

@@ -229,7 +229,7 @@ def test_a_cuda_run_killed_at_random_resumes_to_the_same_bits(flags, tmp_path):
         wait_for_checkpoint,
     )
 
-    from looptrain import state
+    from looptrain.checkpoint import latest_checkpoint
 
     from conftest import save_tiny_bert, write_csv
 
@@ -258,7 +258,7 @@ def test_a_cuda_run_killed_at_random_resumes_to_the_same_bits(flags, tmp_path):
     time.sleep(random.Random(8).uniform(0.1, 0.8))
     process.send_signal(signal.SIGKILL)
     assert process.wait(timeout=60) == -signal.SIGKILL, "the run ended before the kill; lengthen it"
-    survivor = state.latest_checkpoint(killed)
+    survivor = latest_checkpoint(killed)
     killed_at = int(survivor.name.split("-")[1])
     assert 2 <= killed_at < TOTAL_STEPS
     assert f"resumed from {survivor} at step {killed_at}" in finish(killed, "--resume", "auto")

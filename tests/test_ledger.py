@@ -31,7 +31,8 @@ from test_reliability import (
     wait_for_checkpoint,
 )
 
-from looptrain import LedgerError, Loop, LoopConfig, state
+from looptrain import LedgerError, Loop, LoopConfig
+from looptrain.checkpoint import latest_checkpoint, list_checkpoints, rotate_checkpoints, save_checkpoint
 
 from conftest import WORDS, make_tiny_tokenizer
 
@@ -80,7 +81,7 @@ def test_overwrite_moves_the_previous_run_aside_and_deletes_nothing(model_dir, d
     assert summary["optimizer_steps"] == TOTAL_STEPS // 3
     events = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     assert max(event["step"] for event in events) == TOTAL_STEPS // 3  # only this run's records
-    kept = [int(path.name.split("-")[1]) for path in state.list_checkpoints(output_dir)]
+    kept = [int(path.name.split("-")[1]) for path in list_checkpoints(output_dir)]
     assert TOTAL_STEPS // 3 in kept and max(kept) == TOTAL_STEPS // 3  # this run's own: the newest and the best
 
 
@@ -89,7 +90,7 @@ def test_a_forced_resume_from_another_directory_into_a_finished_run_refuses_and_
     finished = copy_run(uninterrupted, tmp_path / "runA")  # a finished run, with checkpoints named like runB's
     other = copy_run(uninterrupted, tmp_path / "runB")
     before = tree_snapshot(finished)
-    checkpoint = state.list_checkpoints(other)[0]
+    checkpoint = list_checkpoints(other)[0]
     assert run_in_process(argv(model_dir, data_files, finished, "--resume", str(checkpoint))) == 2
     err = error_of(capsys)
     assert re.search(rf"--resume {re.escape(str(checkpoint))}: that checkpoint is not in {re.escape(str(finished))}, "
@@ -153,7 +154,7 @@ def test_a_forced_resume_of_another_shape_is_one_clear_error_before_run_config_c
     BertModel(BertConfig(vocab_size=len(WORDS) + 5, hidden_size=48, num_hidden_layers=2, num_attention_heads=2,
                          intermediate_size=37, max_position_embeddings=64)).save_pretrained(wider)
     make_tiny_tokenizer().save_pretrained(wider)
-    checkpoint = state.latest_checkpoint(output_dir)
+    checkpoint = latest_checkpoint(output_dir)
     assert run_in_process(argv(wider, data_files, output_dir, "--resume", str(checkpoint))) == 2
     err = error_of(capsys)
     assert re.search(r"weights in \S+ do not fit BertForSequenceClassification: \d+ tensors differ in shape, e\.g\. "
@@ -211,10 +212,10 @@ def test_the_lock_is_released_on_every_exit_path(model_dir, data_files, tmp_path
 def test_rotation_deletes_only_checkpoints_of_this_run(tmp_path):
     model = torch.nn.Linear(2, 2)
     for step in (1, 2, 3):
-        state.save_checkpoint(tmp_path, step, model=model, trainer_state={})
-    deleted = state.rotate_checkpoints(tmp_path, 1, run_checkpoints={"checkpoint-3"})
-    assert deleted == [] and len(state.list_checkpoints(tmp_path)) == 3  # 1 and 2 are another run's
-    deleted = state.rotate_checkpoints(tmp_path, 1, run_checkpoints={"checkpoint-2", "checkpoint-3"})
+        save_checkpoint(tmp_path, step, model=model, trainer_state={})
+    deleted = rotate_checkpoints(tmp_path, 1, run_checkpoints={"checkpoint-3"})
+    assert deleted == [] and len(list_checkpoints(tmp_path)) == 3  # 1 and 2 are another run's
+    deleted = rotate_checkpoints(tmp_path, 1, run_checkpoints={"checkpoint-2", "checkpoint-3"})
     assert [path.name for path in deleted] == ["checkpoint-2"]
 
 
@@ -225,11 +226,11 @@ def test_a_truncated_checkpoint_falls_back_to_the_previous_good_one(model_dir, d
     output_dir = tmp_path / "truncated"
     process = start(argv(model_dir, data_files, output_dir), tmp_path / "truncated.log")
     deadline = time.monotonic() + 120
-    while len(state.list_checkpoints(output_dir)) < 2 and process.poll() is None and time.monotonic() < deadline:
+    while len(list_checkpoints(output_dir)) < 2 and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=60)
-    checkpoints = state.list_checkpoints(output_dir)
+    checkpoints = list_checkpoints(output_dir)
     assert len(checkpoints) == 2, (tmp_path / "truncated.log").read_text()[-2000:]
     newest, previous = checkpoints[-1], checkpoints[-2]
     weights = newest / "model.safetensors"
@@ -245,7 +246,7 @@ def test_a_truncated_checkpoint_falls_back_to_the_previous_good_one(model_dir, d
 def test_a_truncated_checkpoint_named_explicitly_is_a_checkpoint_error(model_dir, data_files, uninterrupted, tmp_path,
                                                                        capsys):
     output_dir = copy_run(uninterrupted, tmp_path / "run")
-    checkpoint = state.latest_checkpoint(output_dir)
+    checkpoint = latest_checkpoint(output_dir)
     weights = checkpoint / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
     shutil.rmtree(output_dir / "final")

@@ -136,7 +136,7 @@ def test_an_interrupted_lora_run_resumes_to_the_same_adapter_bitwise(bert_run, m
 
 def test_resuming_other_lora_settings_names_the_flag(bert_run, model_dir, bert_files, capsys):
     checkpoint = sorted((bert_run[0]).glob("checkpoint-*"))[-1]
-    from looptrain.state import CheckpointError, check_weights_fit
+    from looptrain.checkpoint import CheckpointError, check_weights_fit
 
     model = make_tiny_bert(num_labels=2)
     with pytest.raises(CheckpointError, match=r"holds LoRA adapters \(rank 4\).*--lora 4"):

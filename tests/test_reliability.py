@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from looptrain import state
+from looptrain.checkpoint import latest_checkpoint, list_checkpoints, resolve_resume_checkpoint
 from looptrain.cli import finetune
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,7 +85,7 @@ def wait_for_checkpoint(output_dir: Path, process: subprocess.Popen, log_path: P
     """Polls until a complete checkpoint-* exists; fails with the child's output if it ends first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        checkpoints = state.list_checkpoints(output_dir)
+        checkpoints = list_checkpoints(output_dir)
         if checkpoints:
             return checkpoints[0]
         if process.poll() is not None:
@@ -133,7 +133,7 @@ def test_sigkill_at_a_random_point_then_resume_auto_equals_uninterrupted(
     process.kill()
     assert process.wait(timeout=60) == -signal.SIGKILL, "the run ended before the kill; lengthen it"
     assert not (output_dir / "final").exists()
-    survivor = state.latest_checkpoint(output_dir)
+    survivor = latest_checkpoint(output_dir)
     killed_at = int(survivor.name.split("-")[1])
     assert 2 <= killed_at < TOTAL_STEPS
 
@@ -148,14 +148,14 @@ def test_sigkill_at_a_random_point_then_resume_auto_equals_uninterrupted(
     assert not list(output_dir.glob(".tmp-*")), "a save cut by the kill must be swept by the next rotation"
 
 
-# Runs finetune.py with state._fsync_tree replaced: while the second checkpoint (step 4) is being written,
-# after its data files but before its COMPLETE marker, the process SIGKILLs itself, like a power cut.
+# Runs finetune.py with looptrain.checkpoint.files.fsync_tree replaced: while the second checkpoint (step 4) is being
+# written, after its data files but before its COMPLETE marker, the process SIGKILLs itself, like a power cut.
 DIE_DURING_SECOND_SAVE = """
 import os, runpy, signal, sys
 from pathlib import Path
-import looptrain.state as state
+import looptrain.checkpoint.files as checkpoint_files
 
-original_fsync_tree = state._fsync_tree
+original_fsync_tree = checkpoint_files.fsync_tree
 
 def fsync_tree_then_die(directory):
     directory = Path(directory)
@@ -163,7 +163,7 @@ def fsync_tree_then_die(directory):
         os.kill(os.getpid(), signal.SIGKILL)
     original_fsync_tree(directory)
 
-state._fsync_tree = fsync_tree_then_die
+checkpoint_files.fsync_tree = fsync_tree_then_die
 sys.argv = ["scripts/finetune.py", *sys.argv[1:]]
 runpy.run_path("scripts/finetune.py", run_name="__main__")
 """
@@ -177,12 +177,12 @@ def test_kill_during_a_checkpoint_write_keeps_the_previous_one(model_dir, data_f
     assert process.wait(timeout=300) == -signal.SIGKILL, log.read_text(errors="replace")[-3000:]
 
     # The first checkpoint is whole and listed; the cut one is a temp dir with data but no marker, not listed.
-    assert state.list_checkpoints(output_dir) == [output_dir / "checkpoint-2"]
+    assert list_checkpoints(output_dir) == [output_dir / "checkpoint-2"]
     leftovers = list(output_dir.glob(".tmp-checkpoint-4-*"))
     assert len(leftovers) == 1
     assert (leftovers[0] / "model.safetensors").is_file() and not (leftovers[0] / "COMPLETE").exists()
     assert not (output_dir / "checkpoint-4").exists() and not (output_dir / "final").exists()
-    assert state.resolve_resume_checkpoint("auto", output_dir) == output_dir / "checkpoint-2"
+    assert resolve_resume_checkpoint("auto", output_dir) == output_dir / "checkpoint-2"
 
     capsys.readouterr()
     assert run_in_process(argv(model_dir, data_files, output_dir, "--resume", "auto")) == 0
@@ -208,7 +208,7 @@ def test_sigterm_saves_a_checkpoint_exits_143_and_resume_equals_uninterrupted(
     assert found and found[1] == found[2], output[-3000:]
     stopped_at = int(found[1])
     assert 2 <= stopped_at < TOTAL_STEPS
-    assert state.latest_checkpoint(output_dir) == output_dir / f"checkpoint-{stopped_at}"
+    assert latest_checkpoint(output_dir) == output_dir / f"checkpoint-{stopped_at}"
     assert not (output_dir / "final").exists()
 
     capsys.readouterr()
@@ -245,7 +245,7 @@ def test_resume_refuses_a_checkpoint_file_that_would_run_code(
     marker.unlink()
 
     output_dir = tmp_path / "run"
-    latest = state.latest_checkpoint(uninterrupted)
+    latest = latest_checkpoint(uninterrupted)
     shutil.copytree(latest, output_dir / latest.name)
     torch.save(tampered, output_dir / latest.name / file_name)
     assert finetune.main(argv(model_dir, data_files, output_dir, "--resume", str(output_dir / latest.name))) == 2

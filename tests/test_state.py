@@ -13,8 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from looptrain import state as state_module
-from looptrain.state import (
+from looptrain.checkpoint import (
     BestTracker,
     CheckpointError,
     is_better,
@@ -25,6 +24,8 @@ from looptrain.state import (
     rotate_checkpoints,
     save_checkpoint,
 )
+from looptrain.checkpoint import files as files_module
+from looptrain.checkpoint import save as save_module
 
 from conftest import SmallMLP, make_tiny_bert
 
@@ -170,9 +171,9 @@ def test_crash_mid_save_leaves_no_checkpoint_and_rotation_cleans_up(tmp_path, mo
             raise OSError("disk full")
         return real_save(obj, path, *args, **kwargs)
 
-    monkeypatch.setattr(state_module.torch, "save", failing_save)
+    monkeypatch.setattr(save_module.torch, "save", failing_save)
     # A killed process cannot clean up after itself: make the cleanup a no-op to leave the temp dir.
-    monkeypatch.setattr(state_module.shutil, "rmtree", lambda *args, **kwargs: None)
+    monkeypatch.setattr(save_module.shutil, "rmtree", lambda *args, **kwargs: None)
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(tmp_path, 2, model=model, optimizer=optimizer, scheduler=scheduler, trainer_state={})
     monkeypatch.undo()
@@ -192,7 +193,7 @@ def test_failed_save_removes_its_temp_dir(tmp_path, monkeypatch):
     def failing_save(obj, path, *args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(state_module.torch, "save", failing_save)
+    monkeypatch.setattr(save_module.torch, "save", failing_save)
     with pytest.raises(OSError):
         save_checkpoint(tmp_path, 5, model=SmallMLP(), trainer_state={})
     assert os.listdir(tmp_path) == []
@@ -373,7 +374,7 @@ def test_crash_between_the_renames_of_a_resave_is_recovered(tmp_path, monkeypatc
             raise KeyboardInterrupt
         return real_rename(source, destination)
 
-    monkeypatch.setattr(state_module.os, "rename", rename_then_die)
+    monkeypatch.setattr(files_module.os, "rename", rename_then_die)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(tmp_path, 4, model=SmallMLP(), trainer_state={"epoch": 1})
     monkeypatch.undo()

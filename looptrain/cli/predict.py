@@ -349,8 +349,8 @@ def run(args, print=builtins.print) -> dict:
     from transformers.utils import logging as hf_logging
 
     from looptrain import data as data_module
+    from looptrain.checkpoint import write_json_atomic
     from looptrain.metrics import majority_baseline
-    from looptrain.state import write_json_atomic
 
     hf_logging.disable_progress_bar()  # no "Loading weights" bar: predict.py has its own
     device, precision = compute_settings(args)

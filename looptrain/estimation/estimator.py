@@ -35,9 +35,9 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from looptrain import state
 from looptrain import strategy as strategies
 from looptrain.batches import model_shifts_labels, token_pieces
+from looptrain.checkpoint import capture_rng_state, restore_rng_state
 from looptrain.config import LoopConfig
 from looptrain.estimation import cache as estimate_cache
 from looptrain.loop import Loop
@@ -610,7 +610,7 @@ def _estimate_windows(model_or_config: Any, windows: Sequence[Sequence[tuple[int
     priced as CUDA runs them (`_cuda_kernels`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    rng_states = state.capture_rng_state()
+    rng_states = capture_rng_state()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         with _one_fake_mode():
@@ -649,7 +649,7 @@ def _estimate_windows(model_or_config: Any, windows: Sequence[Sequence[tuple[int
                     loop.meter.stop()
             summary = loop.meter.summary()
     finally:
-        state.restore_rng_state(rng_states)
+        restore_rng_state(rng_states)
     parameters = list(model.parameters())
     return {
         "peak_memory_bytes": summary["peak_memory_bytes"],

@@ -197,13 +197,13 @@ def build_optimization(args, config, model, device, batches_per_epoch: int):
 
 def prepare_output_dir(args, config, place, model_path: str, model, precision: str, device, plan_result) -> None:
     """Checks a forced resume's weights fit the model, then writes run_config.json (main process)."""
+    from looptrain.checkpoint import write_json_atomic
     from looptrain.precision import cpu_description
-    from looptrain.state import write_json_atomic
 
     output_dir = Path(config.output_dir)
     # a forced resume: a model that does not fit fails before anything is written
     if config.resume not in (None, "auto"):
-        from looptrain.state import check_weights_fit, resolve_resume_checkpoint
+        from looptrain.checkpoint import check_weights_fit, resolve_resume_checkpoint
 
         check_weights_fit(resolve_resume_checkpoint(config.resume, output_dir), model)
     if place.is_main:
@@ -220,7 +220,7 @@ def write_outputs(summary: dict, place, inputs: Inputs, output_dir: Path, plan_r
     """A finished run's final/ and summary.json (its plan, or the saved plan a resumed run trained, and its
     estimate's error added), then the two tables."""
     from looptrain import distributed, memory, metrics
-    from looptrain.state import write_json_atomic
+    from looptrain.checkpoint import write_json_atomic
 
     final_dir = output_dir / "final"
     classifier = inputs.task == "sequence-classification"
