@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from looptrain import batches, compilation, distributed, lm_loss, metrics, resume, state
+from looptrain import batches, compilation, distributed, lm_loss, metrics, resume
 from looptrain.batches import as_loss_sum, first_dimension, move_to, split_batch, split_by_tokens
 from looptrain.config import ConfigError, LoopConfig, check_process_group
 from looptrain.embedding_grad import accumulate_embedding_rows
@@ -48,15 +48,11 @@ from looptrain.memory import allocator, make_meter
 from looptrain.optim import cast_to_bf16, clip_gradients, optimizer_name_of, stored_in_bf16, wrap_for_config
 from looptrain.precision import Precision, resolve_device, resolve_precision
 from looptrain.progress import Progress, length_of
-from looptrain.run import Run, TrainingParts, planned_updates
+from looptrain.run import EvaluationError, Run, TrainingParts, planned_updates
 from looptrain.seeding import seed_everything
 from looptrain.unfreeze import start_unfreezing
 
 __all__ = ["EvaluationError", "Loop", "TrainingDiverged", "WindowResult", "planned_updates"]
-
-
-class EvaluationError(ValueError):
-    """The evaluation hooks fail on the first eval batch, or `metric_for_best` is not a metric they produce."""
 
 
 class WindowResult(NamedTuple):
@@ -141,21 +137,9 @@ class Loop:
     epoch = property(lambda self: self.progress.epoch, doc="Epochs completed.")
     batch_in_epoch = property(lambda self: self.progress.batch_in_epoch, doc="Micro-batches of this epoch consumed.")
     last_eval = property(lambda self: self.progress.last_eval, doc="The latest evaluation's scores, or None.")
-
-    @property
-    def scaler(self) -> torch.amp.GradScaler:
-        """The GradScaler (enabled for fp16 only), owned by `self.precision`."""
-        return self.precision.scaler
-
-    @property
-    def output_dir(self):
-        """Where the run writes (`self.run.output_dir`), or None."""
-        return self.run.output_dir
-
-    @property
-    def best(self) -> state.BestTracker:
-        """The best checkpoint so far (`self.run.best`)."""
-        return self.run.best
+    scaler = property(lambda self: self.precision.scaler, doc="The GradScaler (enabled for fp16), `precision`'s.")
+    output_dir = property(lambda self: self.run.output_dir, doc="Where the run writes (`run.output_dir`), or None.")
+    best = property(lambda self: self.run.best, doc="The best checkpoint so far (`run.best`, a `BestTracker`).")
 
     # ------------------------------------------------------------------ the lifecycle
     def fit(self) -> dict:
@@ -175,10 +159,8 @@ class Loop:
             self._check_evaluation()  # the eval hooks and metric_for_best fail now, not after hours of training
             if plan["checkpoints"]:  # weights, optimizer, scaler, RNG; the saved counters and data position
                 self.progress = self.run.restore(plan["checkpoints"], self._parts())
-            self.run.open_progress(self._parts(), self.step)  # the bar; with measure_mfu, the matmul peak (cached)
-            if self._unfreezing is not None and (notice := self._unfreezing.reach_notice(
-                    self.run.planned_updates(self.train_loader), self.config.epochs)):
-                self._log.echo(f"notice: {notice}")
+            # The bar, notices about what the run cannot reach; with measure_mfu, the matmul peak (cached).
+            self.run.open_progress(self._parts(), self.step, self._unfreezing)
             self.meter.start(self.model, self.optimizer)
             self._log.totals.restart_clock()
             try:
@@ -195,10 +177,9 @@ class Loop:
                     self._evaluate_and_save()  # the final evaluation: logged, and a candidate for the best
                 if self.config.load_best_at_end and self.best.best_checkpoint is not None:
                     self.progress = dataclasses.replace(self.progress, last_eval=self.run.load_best(self._parts()))
-            unfreeze = self._unfreezing.summary() if self._unfreezing is not None else None
             summary = self.run.summary(time.perf_counter() - started, self._parts(), self.progress,
                                        interrupted=self.interrupted, micro_batch_splits=self._micro_batch_splits,
-                                       unfreeze=unfreeze)
+                                       unfreezing=self._unfreezing)
             return self.run.finish(summary)  # summary.json, run.json's status, the log closed
 
     def _train(self) -> None:
@@ -437,12 +418,7 @@ class Loop:
                 "training. Override Loop.eval_step (and Loop.compute_loss) for batches of this kind, or "
                 "Loop.make_metrics / Loop.compute_metrics for other scores"
             ) from error
-        name = self.config.metric_for_best or ("f1" if "f1" in scores else "loss")
-        if name not in scores and f"eval_{name}" not in scores:
-            raise EvaluationError(
-                f"metric_for_best={name!r} is not among the evaluation metrics {sorted(scores)}; choose one of "
-                "those (--metric-for-best), or override Loop.compute_metrics to produce it")
-        self.run.track_best(name)
+        self.run.track_best(scores)  # metric_for_best resolved, and checked against these scores
 
     def _evaluate_and_save(self) -> None:
         """The evaluation point: evaluate (when there is eval data), log, and write a checkpoint."""

@@ -30,11 +30,15 @@ from looptrain.precision import cpu_description, emulation_warning
 from looptrain.progress import Progress, length_of
 from looptrain.run_log import RunLog
 
-__all__ = ["MFU_KEYS", "Run", "TrainingParts", "planned_updates"]
+__all__ = ["MFU_KEYS", "EvaluationError", "Run", "TrainingParts", "planned_updates"]
 
 # The summary's model FLOP utilisation figures (None without `measure_mfu`); see `Run.flops_figures`.
 MFU_KEYS = ("mfu", "model_flops_per_token", "model_flops_per_s", "peak_flops_per_s", "peak_flops_dtype",
             "peak_flops_device")
+
+
+class EvaluationError(ValueError):
+    """The evaluation hooks fail on the first eval batch, or `metric_for_best` is not a metric they produce."""
 
 
 def planned_updates(num_batches: int, config: LoopConfig) -> int:
@@ -138,9 +142,18 @@ class Run:
         return {**summary, "already_finished": True}
 
     # ------------------------------------------------------------------ checkpoints and resume
-    def track_best(self, metric_name: str) -> None:
-        """The best checkpoint is chosen by `metric_name` from now on (the Loop's evaluation check resolves it)."""
-        self.best = state.BestTracker(metric_name, self.config.best_mode_for(metric_name))
+    def track_best(self, scores: dict) -> None:
+        """Chooses the best checkpoint by `metric_for_best` from now on (default: f1 when scored, else the loss).
+
+        Raises:
+            EvaluationError: `metric_for_best` is not among `scores` (the first eval batch's, before training).
+        """
+        name = self.config.metric_for_best or ("f1" if "f1" in scores else "loss")
+        if name not in scores and f"eval_{name}" not in scores:
+            raise EvaluationError(
+                f"metric_for_best={name!r} is not among the evaluation metrics {sorted(scores)}; choose one of "
+                "those (--metric-for-best), or override Loop.compute_metrics to produce it")
+        self.best = state.BestTracker(name, self.config.best_mode_for(name))
 
     def save_checkpoint(self, parts: TrainingParts, progress: Progress, eval_metrics: dict | None) -> None:
         """Writes `checkpoint-<step>/` atomically; the best moves to it once it is safely on disk."""
@@ -230,10 +243,11 @@ class Run:
         return state.latest_checkpoint(self.output_dir) if self.output_dir is not None else None
 
     # ------------------------------------------------------------------ progress
-    def open_progress(self, parts: TrainingParts, step: int) -> None:
+    def open_progress(self, parts: TrainingParts, step: int, unfreezing: Any = None) -> None:
         """The progress bar from `step`; the heartbeat's time-to-go counts this run's updates.
 
-        A `max_steps` that the epochs cannot reach is said once here, not discovered at the end. With
+        A `max_steps` that the epochs cannot reach is said once here, not discovered at the end, and so are
+        the stages of gradual unfreezing (`unfreezing`, a `looptrain.unfreeze.GradualUnfreezing`) it cannot. With
         `measure_mfu`, the model's FLOPs per token are counted (trainability as it is now) and this device's
         matmul peak is read from the cache or measured once: before training's clock starts.
         """
@@ -247,6 +261,8 @@ class Run:
             self.peak = flops.matmul_peak_flops(parts.device, parts.precision.name)
         self.log.open_progress(planned, initial=step)
         self._first_step = step
+        if unfreezing is not None and (notice := unfreezing.reach_notice(planned, config.epochs)):
+            self.log.echo(f"notice: {notice}")
 
     def flops_figures(self, tokens_per_s: float, samples_per_s: float) -> dict:
         """Model FLOP/s and MFU at these rates (over every rank); every `MFU_KEYS` value None without `measure_mfu`.
@@ -301,8 +317,11 @@ class Run:
 
     # ------------------------------------------------------------------ the summary
     def summary(self, runtime_seconds: float, parts: TrainingParts, progress: Progress, *,
-                interrupted: str | None, micro_batch_splits: int, unfreeze: dict | None) -> dict:
-        """The run's summary: throughput, MFU, counters, memory, final evaluation, best checkpoint."""
+                interrupted: str | None, micro_batch_splits: int, unfreezing: Any = None) -> dict:
+        """The run's summary: throughput, MFU, counters, memory, final evaluation, best checkpoint.
+
+        With gradual unfreezing (`unfreezing`), its part too: the stage reached and the earlier stages' peaks.
+        """
         totals = self.log.totals
         seconds = max(totals.run_seconds, 1e-9)
         result = {
@@ -325,8 +344,8 @@ class Run:
             "config": self.config.to_dict(),
         }
         result.update(parts.meter.summary(parts.model, parts.optimizer))
-        if unfreeze is not None:  # peak_memory_bytes is then the last stage's, the one that must fit
-            result["unfreeze"] = unfreeze
+        if unfreezing is not None:  # peak_memory_bytes is then the last stage's, the one that must fit
+            result["unfreeze"] = unfreezing.summary()
         return result
 
     def finish(self, summary: dict) -> dict:
