@@ -153,7 +153,7 @@ class Loop:
         """
         started = time.perf_counter()
         with self.run.lock():
-            plan = self.run.begin(self._parts(), self.step)  # before anything is read or written: this run's place
+            plan = self.run.begin(self._parts(), self.step)  # this run's place in output_dir, before all else
             if plan["action"] == "finished":
                 return self.run.finished_run_summary()
             self._check_evaluation()  # the eval hooks and metric_for_best fail now, not after hours of training
