@@ -135,6 +135,15 @@ def split_after_out_of_memory(
     return splits * 2
 
 
+def auto_batch_event(step: int, rows: int, splits: int) -> dict:
+    """The `auto_batch` event: each micro-batch of the failed window now runs in `splits` pieces, and it is retried."""
+    return {
+        "event": "auto_batch", "step": step, "micro_batch_splits": splits, "micro_batch_rows": math.ceil(rows / splits),
+        "message": f"out of memory: each micro-batch now runs in {splits} pieces "
+                   f"(accumulation x{splits}, same effective batch); retrying the window",
+    }
+
+
 def memory_held(model: Any, optimizer: Any, device: torch.device) -> str:
     """What held the memory at an out-of-memory (params, grads, optimizer state), and what to try."""
     from looptrain.memory import gradient_bytes, parameter_bytes

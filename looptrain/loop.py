@@ -21,6 +21,7 @@ Everything else is internal (`_`-prefixed).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Mapping
@@ -29,7 +30,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from looptrain import batches, checkpoint, compilation, distributed, lm_loss, metrics, resume
+from looptrain import batches, compilation, distributed, lm_loss, metrics, resume
 from looptrain.batches import as_loss_sum, first_dimension, move_to, split_batch, split_by_tokens
 from looptrain.config import ConfigError, LoopConfig, check_process_group
 from looptrain.embedding_grad import accumulate_embedding_rows
@@ -39,21 +40,19 @@ from looptrain.guards import (
     BadWindowGuard,
     SignalGuard,
     TrainingDiverged,
+    auto_batch_event,
     memory_held,
     split_after_out_of_memory,
 )
 from looptrain.memory import allocator, make_meter
-from looptrain.optim import BF16Optimizer, cast_to_bf16, optimizer_name_of, stored_in_bf16, wrap_for_config
+from looptrain.optim import cast_to_bf16, clip_gradients, optimizer_name_of, stored_in_bf16, wrap_for_config
 from looptrain.precision import Precision, resolve_device, resolve_precision
-from looptrain.run import Run, planned_updates
+from looptrain.progress import Progress, length_of
+from looptrain.run import EvaluationError, Run, TrainingParts, planned_updates
 from looptrain.seeding import seed_everything
 from looptrain.unfreeze import start_unfreezing
 
 __all__ = ["EvaluationError", "Loop", "TrainingDiverged", "WindowResult", "planned_updates"]
-
-
-class EvaluationError(ValueError):
-    """The evaluation hooks fail on the first eval batch, or `metric_for_best` is not a metric they produce."""
 
 
 class WindowResult(NamedTuple):
@@ -82,8 +81,9 @@ class Loop:
         model: the bare model (configs, saving, evaluation hooks read it).
         wrapped_model: what forward and backward run through: `DistributedDataParallel(model)` under
             torchrun, else `model` itself. Hooks call it.
-        step: optimizer updates applied. micro_step: forward/backward passes.
-        skipped_steps: windows whose update was skipped. epoch, batch_in_epoch: the data position.
+        progress: where training stands, a `looptrain.progress.Progress` the Loop replaces as it trains:
+            `step` (optimizer updates applied), `micro_step` (forward/backward passes), `skipped_steps`,
+            `epoch` and `batch_in_epoch` (the data position), `last_eval`; each is also a property here.
         run: the `looptrain.run.Run` keeping output_dir: lock, ledger, checkpoints, resume, best, summary.
     """
 
@@ -120,11 +120,10 @@ class Loop:
         self.meter = make_meter(self.device,
                                 track_tensors=self.config.track_memory and not distributed.is_fsdp(self.model),
                                 track_every_update=self.config.track_every_update)
-        self.step = self.micro_step = self.skipped_steps = self.epoch = self.batch_in_epoch = 0
-        self.last_eval: dict | None = None
+        self.progress = Progress()  # the counters and the data position; a resume replaces it with the saved one
         self.interrupted: str | None = None
         # The output directory: lock, ledger, checkpoints, resume, best, summary, progress lines.
-        self.run = Run(self.config, self, is_main=self._place.is_main)
+        self.run = Run(self.config, is_main=self._place.is_main)
         self._log = self.run.log  # the events the loop itself reports (unfreezing, auto_batch, skipped windows)
         # None: the model's own loss. Else a causal LM's head and loss in chunks of tokens (--chunked-ce).
         self._lm_loss = lm_loss.ChunkedLMLoss.for_model(self.model, self.config, self._shifted_labels, self._log.echo)
@@ -132,20 +131,15 @@ class Loop:
         self._bad_windows = BadWindowGuard(self.config.max_bad_windows)
         self._micro_batch_splits = 1  # auto_batch doubles it after an out-of-memory
 
-    @property
-    def scaler(self) -> torch.amp.GradScaler:
-        """The GradScaler (enabled for fp16 only), owned by `self.precision`."""
-        return self.precision.scaler
-
-    @property
-    def output_dir(self):
-        """Where the run writes (`self.run.output_dir`), or None."""
-        return self.run.output_dir
-
-    @property
-    def best(self) -> checkpoint.BestTracker:
-        """The best checkpoint so far (`self.run.best`)."""
-        return self.run.best
+    step = property(lambda self: self.progress.step, doc="Optimizer updates applied (`progress.step`).")
+    micro_step = property(lambda self: self.progress.micro_step, doc="Forward/backward passes.")
+    skipped_steps = property(lambda self: self.progress.skipped_steps, doc="Windows whose update was skipped.")
+    epoch = property(lambda self: self.progress.epoch, doc="Epochs completed.")
+    batch_in_epoch = property(lambda self: self.progress.batch_in_epoch, doc="Micro-batches of this epoch consumed.")
+    last_eval = property(lambda self: self.progress.last_eval, doc="The latest evaluation's scores, or None.")
+    scaler = property(lambda self: self.precision.scaler, doc="The GradScaler (enabled for fp16), `precision`'s.")
+    output_dir = property(lambda self: self.run.output_dir, doc="Where the run writes (`run.output_dir`), or None.")
+    best = property(lambda self: self.run.best, doc="The best checkpoint so far (`run.best`, a `BestTracker`).")
 
     # ------------------------------------------------------------------ the lifecycle
     def fit(self) -> dict:
@@ -159,47 +153,45 @@ class Loop:
         """
         started = time.perf_counter()
         with self.run.lock():
-            plan = self.run.begin()  # before anything is read or written: this run's place in output_dir
+            plan = self.run.begin(self._parts(), self.step)  # this run's place in output_dir, before all else
             if plan["action"] == "finished":
                 return self.run.finished_run_summary()
             self._check_evaluation()  # the eval hooks and metric_for_best fail now, not after hours of training
-            if plan["checkpoints"]:
-                self.run.restore(plan["checkpoints"])  # weights, optimizer, scaler, RNG, counters, data position
-            self.run.open_progress()  # the bar; with measure_mfu, the matmul peak (measured once, then cached)
-            if self._unfreezing is not None and (notice := self._unfreezing.reach_notice(
-                    self.run.planned_updates(), self.config.epochs)):
-                self._log.echo(f"notice: {notice}")
+            if plan["checkpoints"]:  # weights, optimizer, scaler, RNG; the saved counters and data position
+                self.progress = self.run.restore(plan["checkpoints"], self._parts())
+            # The bar, notices about what the run cannot reach; with measure_mfu, the matmul peak (cached).
+            self.run.open_progress(self._parts(), self.step, self._unfreezing)
             self.meter.start(self.model, self.optimizer)
             self._log.totals.restart_clock()
             try:
                 with self._signals:
                     self._train()
             except BaseException:
-                self.run.record_status("failed")
+                self.run.record_status("failed", step=self.step)
                 raise
             finally:  # an exception must not leave the memory tracker installed or the bar open
                 self._log.close_progress()
                 self.meter.stop()
             if self.interrupted is None:
-                if self.eval_loader is not None and self.run.last_eval_step != self.step:
+                if self.eval_loader is not None and self.progress.last_eval_step != self.step:
                     self._evaluate_and_save()  # the final evaluation: logged, and a candidate for the best
                 if self.config.load_best_at_end and self.best.best_checkpoint is not None:
-                    self.run.load_best()
-            unfreeze = self._unfreezing.summary() if self._unfreezing is not None else None
-            summary = self.run.summary(time.perf_counter() - started, micro_batch_splits=self._micro_batch_splits,
-                                       unfreeze=unfreeze)
+                    self.progress = dataclasses.replace(self.progress, last_eval=self.run.load_best(self._parts()))
+            summary = self.run.summary(time.perf_counter() - started, self._parts(), self.progress,
+                                       interrupted=self.interrupted, micro_batch_splits=self._micro_batch_splits,
+                                       unfreezing=self._unfreezing)
             return self.run.finish(summary)  # summary.json, run.json's status, the log closed
 
     def _train(self) -> None:
         """Epochs of accumulation windows, each ending in one optimizer update; stops early on a signal."""
         config = self.config
         while self.epoch < config.epochs and not self._reached_max_steps():
-            epoch_batches = self.run.start_epoch()  # in mid-epoch after a resume: the same order, the rest of it
-            for window in resume.windows(epoch_batches, config.accum_steps):
-                if self._unfreezing is not None:
-                    self._unfreezing.follow(self)  # enters the stage due before this update
+            # In mid-epoch after a resume: the same order, the rest of it.
+            for window in resume.windows(self.run.start_epoch(self.train_loader, self.progress), config.accum_steps):
+                if self._unfreezing is not None:  # enters the stage due before this update
+                    self._unfreezing.follow(self.progress, self._parts(), config, self._log)
                 result = self._run_window_retrying(window)
-                self.batch_in_epoch += len(window)
+                self.progress = self.progress.after_batches(len(window))
                 loss_sum, num_items = float(result.loss_sum), int(result.num_items)
                 batches.check_item_counts(num_items, int(result.loss_items), self._where())
                 self._log.totals.add_window(*batches.window_samples_and_tokens(window, self.device), loss_sum,
@@ -212,19 +204,18 @@ class Loop:
                                      "skipped_steps": self.skipped_steps, "reason": reason})
                 self.on_step_end(step=self.step, loss_sum=result.loss_sum, num_items=num_items,
                                  grad_norm=result.grad_norm)
-                self._log.heartbeat(self.run.progress_line)
+                self._log.heartbeat(lambda: self.run.progress_line(self.progress, self.train_loader))
                 if result.stepped and self.step % config.log_every == 0:
-                    self.run.log_train(result.grad_norm)
+                    self.run.log_train(result.grad_norm, self._parts(), self.progress)
                 if result.stepped and isinstance(config.eval_every, int) and self.step % config.eval_every == 0:
                     self._evaluate_and_save()
                 if self._signals.stop_requested(self.device):
                     self.interrupted = self._signals.received or "signal"
-                    self.run.save_on_interrupt()
+                    self.run.save_on_interrupt(self._parts(), self.progress, self.interrupted)
                     return
                 if self._reached_max_steps():
                     return
-            self.epoch += 1
-            self.batch_in_epoch = 0
+            self.progress = self.progress.next_epoch()
             if config.eval_every == "epoch":
                 self._evaluate_and_save()
 
@@ -257,12 +248,9 @@ class Loop:
         with self.meter.update(micro_batches, counts, steady=self.step > 0):
             loss_sum, loss_items, grad_norm, stepped = self._update(micro_batches, counts, divisor)
         self.meter.outlive(loss_sum, loss_items, grad_norm, num_items)
-        if stepped:
-            self.step += 1
-            if self.scheduler is not None:
-                self.scheduler.step()  # never advanced for a skipped update
-        else:
-            self.skipped_steps += 1
+        self.progress = self.progress.after_update(stepped)  # `step` + 1, or `skipped_steps` + 1
+        if stepped and self.scheduler is not None:
+            self.scheduler.step()  # never advanced for a skipped update
         return WindowResult(loss_sum, num_items, loss_items, grad_norm, stepped)
 
     def _update(self, micro_batches: list, counts: list, divisor: torch.Tensor) -> tuple:
@@ -283,13 +271,14 @@ class Loop:
                 self.precision.backward(micro_loss / divisor)
             loss_sum += micro_loss.detach()
             loss_items += micro_items
-            self.micro_step += 1
+            self.progress = self.progress.after_pass()  # `micro_step` + 1
         self.meter.mark("optimizer")
         if self.config.trim_heap:
             allocator.release_freed()  # the backward's freed heap pages: not resident beside the step's temporaries
         loss_sum, loss_items = distributed.all_reduce_tensors_sum(loss_sum, loss_items)
         self.precision.unscale_(self.optimizer)  # fp16: true gradients *before* clipping
-        grad_norm = self._clip_gradients()
+        # Every optimizer clips its own gradients (the fused step in its hooks); the norm is the one before clipping.
+        grad_norm = clip_gradients(self.optimizer, self._trainable, self.config.max_grad_norm)
         stepped = self.precision.step(self.optimizer, grad_norm)  # skipped when gradients are not finite
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, loss_items, grad_norm, stepped
@@ -302,16 +291,6 @@ class Loop:
         collator = getattr(self.train_loader, "collate_fn", None)  # its rounding and fixed widths are kept
         return split_by_tokens(batch, tokens, multiple=getattr(collator, "pad_to_multiple_of", None),
                                trim=getattr(collator, "padding", "dynamic") != "max_length")
-
-    def _clip_gradients(self) -> torch.Tensor:
-        """Clips the window's gradients to `max_grad_norm`; returns their norm before clipping."""
-        if self.config.optimizer_in_backward:
-            return self.optimizer.grad_norm  # each parameter was clipped and stepped in its backward hook
-        max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
-        if isinstance(self.optimizer, BF16Optimizer):
-            return self.optimizer.clip_grad_norm_(max_norm)  # its gradients may live in fp32 buffers
-        norm = nn.utils.clip_grad_norm_(self._trainable, max_norm, error_if_nonfinite=False)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
 
     def _run_window_retrying(self, window: list) -> WindowResult:
         """`run_update`, retried with each micro-batch split in two after an out-of-memory (`auto_batch`)."""
@@ -326,12 +305,7 @@ class Loop:
                 self._micro_batch_splits = split_after_out_of_memory(
                     error, rows, self._micro_batch_splits, self.config.auto_batch, self._where(step_only=True),
                     lambda: memory_held(self.model, self.optimizer, self.device))
-                self._log.event({
-                    "event": "auto_batch", "step": self.step, "micro_batch_splits": self._micro_batch_splits,
-                    "micro_batch_rows": math.ceil(rows / self._micro_batch_splits),
-                    "message": f"out of memory: each micro-batch now runs in {self._micro_batch_splits} pieces "
-                               f"(accumulation x{self._micro_batch_splits}, same effective batch); retrying the window",
-                })
+                self._log.event(auto_batch_event(self.step, rows, self._micro_batch_splits))
 
     # ------------------------------------------------------------------ hooks
     def compute_loss(self, batch) -> torch.Tensor | tuple[torch.Tensor, Any]:
@@ -416,9 +390,8 @@ class Loop:
             batch = move_to(batch, self.device)
             with self.precision.autocast():
                 evaluation.update(self.eval_step(batch))
-            self._log.heartbeat(
-                lambda index=index: f"evaluating at step {self.step}: batch {index}" + _of_length(loader)
-            )
+            self._log.heartbeat(lambda index=index: f"evaluating at step {self.step}: batch {index}"
+                                + ("" if length_of(loader) is None else f"/{length_of(loader)}"))
         self.wrapped_model.train(was_training)
         shards = distributed.all_gather_objects(evaluation)  # under DDP each rank scored its own shard
         evaluation = shards[0]
@@ -445,33 +418,28 @@ class Loop:
                 "training. Override Loop.eval_step (and Loop.compute_loss) for batches of this kind, or "
                 "Loop.make_metrics / Loop.compute_metrics for other scores"
             ) from error
-        name = self.config.metric_for_best or ("f1" if "f1" in scores else "loss")
-        if name not in scores and f"eval_{name}" not in scores:
-            raise EvaluationError(
-                f"metric_for_best={name!r} is not among the evaluation metrics {sorted(scores)}; choose one of "
-                "those (--metric-for-best), or override Loop.compute_metrics to produce it")
-        self.run.best = checkpoint.BestTracker(name, self.config.best_mode_for(name))
+        self.run.track_best(scores)  # metric_for_best resolved, and checked against these scores
 
     def _evaluate_and_save(self) -> None:
         """The evaluation point: evaluate (when there is eval data), log, and write a checkpoint."""
         if self.eval_loader is not None:
-            self.last_eval = self.evaluate()
-            self.run.last_eval_step = self.step
-            self._log.event({"event": "eval", "step": self.step, "epoch": self.run.epoch_progress(), **self.last_eval})
+            self.progress = self.progress.evaluated(self.evaluate())
+            self._log.event({"event": "eval", "step": self.step,
+                             "epoch": self.progress.in_epochs(length_of(self.train_loader)), **self.last_eval})
         if self.output_dir is not None and (self.eval_loader is not None or self.run.last_checkpoint_step != self.step):
-            self.run.save_checkpoint(self.last_eval if self.eval_loader is not None else None)
+            self.run.save_checkpoint(self._parts(), self.progress,
+                                     self.last_eval if self.eval_loader is not None else None)
         self._log.totals.restart_clock()  # evaluation and saving are not training time
 
     # ------------------------------------------------------------------ small helpers
+    def _parts(self) -> TrainingParts:
+        """What the Run reads to save, restore, log and summarise (it holds none of it between calls)."""
+        return TrainingParts(self.model, self.optimizer, self.scheduler, self.precision, self.device, self.meter,
+                             self.train_loader)
+
     def _reached_max_steps(self) -> bool:
         return 0 < self.config.max_steps <= self.step
 
     def _where(self, step_only: bool = False) -> str:
         return f"step {self.step}" if step_only else f"step {self.step} (micro-step {self.micro_step})"
 
-
-def _of_length(loader: Any) -> str:
-    try:
-        return f"/{len(loader)}"
-    except TypeError:
-        return ""

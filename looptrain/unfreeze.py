@@ -132,32 +132,34 @@ class GradualUnfreezing:
         labels = ", ".join(label for label, _ in self.stages)
         return f"gradual unfreezing: {len(self.stages)} stages, one every {unit}: {labels}"
 
-    def follow(self, training: Any) -> None:
+    def follow(self, progress: Any, parts: Any, config: Any, log: Any) -> None:
         """Enters the stage due before the Loop's next update (a window never changes stage midway).
 
         Checkpointing follows the new trainable set, and the memory meter starts the new stage's peak
         (the last stage's is the one the summary reports; the earlier ones are kept beside it).
 
         Args:
-            training: the `Loop` (it is not imported here); its `step`, `epoch`, `model`, `optimizer`,
-                `meter`, `config` (`gradient_checkpointing`, `checkpoint_every`) and `run.log` are read.
+            progress: the Loop's `looptrain.progress.Progress` (its `step` and `epoch` are read).
+            parts: its `looptrain.run.TrainingParts` (`model`, `optimizer`, `meter`).
+            config: its `LoopConfig` (`gradient_checkpointing`, `checkpoint_every`).
+            log: its run's `RunLog`, which records the stage.
         """
-        stage = self.stage_at(training.step, training.epoch)
+        stage = self.stage_at(progress.step, progress.epoch)
         if stage == self.stage:
             return
+        model, meter = parts.model, parts.meter
         if self.stage >= 0:  # the stage that ends now had its own peak
-            peak = training.meter.summary(training.model, training.optimizer)["peak_memory_bytes"]
-            self.stage_peaks.append(int(peak))
+            self.stage_peaks.append(int(meter.summary(model, parts.optimizer)["peak_memory_bytes"]))
         self.apply(stage)
-        if training.config.gradient_checkpointing:
-            enable_gradient_checkpointing(training.model, every=training.config.checkpoint_every)
-        training.meter.restart_peak()
+        if config.gradient_checkpointing:
+            enable_gradient_checkpointing(model, every=config.checkpoint_every)
+        meter.restart_peak()
         label = self.stages[stage][0]
-        trainable = sum(parameter.numel() for parameter in training.model.parameters() if parameter.requires_grad)
-        training.run.log.event(
-            {"event": "unfreeze", "step": training.step, "stage": stage + 1, "stages": len(self.stages),
+        trainable = sum(parameter.numel() for parameter in model.parameters() if parameter.requires_grad)
+        log.event(
+            {"event": "unfreeze", "step": progress.step, "stage": stage + 1, "stages": len(self.stages),
              "unfrozen": label, "trainable_parameters": trainable},
-            line=f"unfreeze: stage {stage + 1}/{len(self.stages)} from step {training.step}: {label} "
+            line=f"unfreeze: stage {stage + 1}/{len(self.stages)} from step {progress.step}: {label} "
                  f"trains ({trainable:,} trainable parameters)")
 
     def summary(self) -> dict:

@@ -7,6 +7,7 @@ Modules:
     in_backward   `OptimizerInBackward`: each parameter steps inside backward, clipping kept
     bf16          bf16 weights: `BF16Optimizer`, `stochastic_round_`, `cast_to_bf16`
     state_bytes   `optimizer_state_bytes`: bytes of any optimizer's state
+    clipping      `clip_gradients`: every optimizer the Loop steps clipped by one call (wrappers clip their own)
     wrap          `wrap_for_config`: the optimizer a run steps, for its `LoopConfig` (fused step, bf16 weights)
 """
 
@@ -18,6 +19,7 @@ from looptrain.optim.bf16 import (
     stochastic_round_,
     stored_in_bf16,
 )
+from looptrain.optim.clipping import clip_gradients, clip_parameters_
 from looptrain.optim.factory import (
     EIGHT_BIT_OPTIMIZERS,
     FOREACH_OPTIMIZERS,
@@ -49,6 +51,8 @@ __all__ = [
     "OptimizerInBackward",
     "build_optimizer",
     "build_parameter_groups",
+    "clip_gradients",
+    "clip_parameters_",
     "inner_optimizers",
     "optimizer_name_of",
     "optimizer_options_problem",

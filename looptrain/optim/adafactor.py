@@ -2,24 +2,21 @@
 
 `transformers.optimization.Adafactor.step` builds each parameter's update out of place: ``grad**2 + eps``
 (two temporaries while the sum is formed), ``_approx_sq_grad`` (a second one beside the first), ``-update``
-(again a second). For a large parameter, a BERT vocabulary's embedding, that is two copies of it held at once
-on top of the weights and the gradients, and an accumulating run's peak is often its optimizer step: on a
-36.6M-parameter BERT (a 21,128 x 512 embedding, 41 MiB) the step took the process 110 MiB above what it held
-before it (docs/plan.md). `Adafactor` here is the same class with the same options, state and learning rate
-(`_get_lr`, `_rms`, `_get_options` are its parent's); its `step` makes the same operations in the same order on
-the same values, but writes each result into the one temporary: ``pow(grad, 2)`` then ``add_(eps)``, the
+(again a second). For a large parameter, a vocabulary's embedding, that is two copies of it held at once on top
+of the weights and the gradients, and an accumulating run's peak is often its optimizer step (docs/optimizers.md,
+"adafactor", has the measurement). `Adafactor` here is the same class with the same options, state and learning
+rate (`_get_lr`, `_rms`, `_get_options` are its parent's); its `step` makes the same operations in the same order
+on the same values, but writes each result into the one temporary: ``pow(grad, 2)`` then ``add_(eps)``, the
 approximation into it (``torch.mul(..., out=)``), ``sub_`` instead of ``add_(-update)``. So the weights and the
 state are bitwise those of Hugging Face's step (`tests/test_optim.py`), and its peak is one parameter-sized
 temporary lower.
 
 It is not a subclass of it: `transformers.optimization` imports `transformers.trainer_utils`, which imports peft,
-which imports bitsandbytes: 55 MiB of resident modules and about a second before the first step, for a run that
-uses none of them (a memory budget on a CPU counts the process's RSS, and on the planner's benchmark model those
-55 MiB were a quarter of what it held besides its tensors). Its constructor, options, learning rate (`_get_lr`) and
-RMS are Hugging Face's, option for option (the same errors too), and the tests hold every result bitwise to that
-class.
+which imports bitsandbytes, resident modules and start-up time for a run that uses none of them (a memory budget
+on a CPU counts the process's RSS; docs/optimizers.md has what they cost). Its constructor, options, learning rate
+(`_get_lr`) and RMS are Hugging Face's, option for option (the same errors too), and the tests hold every result
+bitwise to that class.
 """
-
 from __future__ import annotations
 
 import math

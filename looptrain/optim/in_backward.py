@@ -167,6 +167,14 @@ class OptimizerInBackward(PerParameterOptimizer):
         # happen, in the hooks.
         self.optimizer._opt_called = True
 
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor | None:
+        """This backward's global norm before clipping; nothing left to clip.
+
+        Each gradient was clipped in its hook, by `max_grad_norm` and `clip` (see the class docstring), and
+        stepped: `max_norm` is the Loop's same threshold and is not applied again.
+        """
+        return self.grad_norm
+
     def step(self, closure: Any = None) -> None:
         """Nothing to do: every parameter stepped inside backward."""
 

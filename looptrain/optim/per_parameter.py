@@ -6,7 +6,8 @@ original optimizer keeps its param groups (so an LR scheduler built on it keeps 
 current hyperparameters, `lr` included, are copied in before each step) but never holds state. Its
 subclasses decide when each parameter steps: inside backward (`OptimizerInBackward`) or at the
 window's end in fp32 with stochastic rounding (`BF16Optimizer`). Parameters unfrozen later join
-with `add_param_group`, the others' state untouched.
+with `add_param_group`, the others' state untouched. Each wrapper clips its own gradients
+(`clip_grad_norm_`, see `looptrain.optim.clipping`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from looptrain.optim.clipping import clip_parameters_
 from looptrain.optim.factory import private_override_manager
 
 
@@ -144,6 +146,10 @@ class PerParameterOptimizer:
     def inner_optimizers(self) -> list[torch.optim.Optimizer]:
         """The per-parameter optimizers, which hold the state (what memory meters count)."""
         return list(self._per_parameter.values())
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scales the gradients to global norm `max_norm` at most; returns their norm before (torch's clipping)."""
+        return clip_parameters_(self.parameters, max_norm)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops every gradient (always to None)."""
