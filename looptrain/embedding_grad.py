@@ -35,8 +35,8 @@ import functools
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 
+from looptrain.fake import is_fake
 from looptrain.freeze import input_embeddings
 
 _EXACT_DTYPES = (torch.float32, torch.float64)
