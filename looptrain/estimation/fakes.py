@@ -122,9 +122,9 @@ def wrap_optimizer_on_fakes(model: nn.Module, optimizer: Any, config: Any) -> An
 def priming_loss(model: nn.Module) -> torch.Tensor:
     """A loss whose backward gives every trainable parameter a gradient (zeros) without the model's forward: the
     Loop's update on it creates the optimizer state, and every hook and wrapper the gradients pass through (the
-    fused step, fp32 accumulation, the scaler) runs as in a real update, in about a third of its fake-tensor ops.
-    A parameter the model's forward leaves without a gradient gets state here where a run would not give it any: the
-    estimate errs above, never below."""
+    fused step, fp32 accumulation, the scaler) runs as in a real update, in fewer fake-tensor ops (docs/memory.md,
+    "The first update skips the model"). A parameter the model's forward leaves without a gradient gets state here
+    where a run would not give it any: the estimate errs above, never below."""
     return torch.stack([parameter.sum() for parameter in model.parameters() if parameter.requires_grad]).sum() * 0
 
 
