@@ -78,9 +78,10 @@ def as_strategy(strategy: Strategy | None, levers: dict) -> Strategy:
 
 
 def _strategy_loop(model: nn.Module, strategy: Strategy, max_grad_norm: float | None, device: str = "cpu", *,
-                   on_fakes: bool = False) -> Loop:
+                   on_fakes: bool = False, train_loader: Sequence = ()) -> Loop:
     """The Loop of one strategy over `model` on `device`: its model levers applied, its optimizer built, its
-    LoopConfig; `on_fakes`: with the estimator's fake-tensor behaviour, through the Loop's doors.
+    LoopConfig; `on_fakes`: with the estimator's fake-tensor behaviour, through the Loop's doors. `train_loader`:
+    the batches `fit` trains on (the estimate drives `run_update` itself and gives none).
 
     An invalid mix raises `ConfigError` (a ValueError) naming the fields. A compiled strategy runs eagerly
     (`as_run_eagerly`).
@@ -92,7 +93,7 @@ def _strategy_loop(model: nn.Module, strategy: Strategy, max_grad_norm: float | 
     strategy.prepare_model(model)
     model = strategy.wrap_model(model, device)
     doors = {"make_precision": FakePrecision, "wrap_optimizer": wrap_optimizer_on_fakes} if on_fakes else {}
-    return Loop(model, strategy.build_optimizer(model, 1e-5), [], config=config, **doors)
+    return Loop(model, strategy.build_optimizer(model, 1e-5), list(train_loader), config=config, **doors)
 
 
 def as_run_eagerly(strategy: Strategy) -> Strategy:
@@ -364,7 +365,5 @@ def measure(model: nn.Module, batch_size: int, seq_len: int, strategy: Strategy 
     token_labels = model_shifts_labels(model)
     batches = [random_batch(batch_size, seq_len, vocab_size(model), num_labels, generator, token_labels=token_labels)
                for _ in range(2 * strategy.accum_steps)]
-    loop = _strategy_loop(model, strategy, max_grad_norm, device)
-    loop.train_loader = batches
-    return loop.fit()
+    return _strategy_loop(model, strategy, max_grad_norm, device, train_loader=batches).fit()
 
