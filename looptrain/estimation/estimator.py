@@ -155,7 +155,7 @@ def estimate(
             all parameters together) and attention runs the fused kernels (flash, or memory-efficient with a
             mask), which keep the output and its log-sum-exp for backward instead of the attention
             probabilities, and autocast runs LayerNorm and softmax in fp32 (`cuda.cuda_kernels`); cuBLAS's
-            workspaces are added (`cublas_workspace_bytes`, one per matmul thread). The estimate itself always
+            workspaces are added (`cuda.cublas_workspace_bytes`, one per matmul thread). The estimate itself always
             runs on the CPU, on fake tensors.
         cache: read the result from the on-disk cache of estimates when an identical estimate was made before,
             and store it there otherwise (`looptrain.estimation.cache`; ``LOOPTRAIN_CACHE_DIR=off`` turns
