@@ -2,9 +2,9 @@
 
 ``nn.Embedding``'s backward returns a dense ``[vocab, hidden]`` gradient, zeros except the rows the
 micro-batch's tokens use, and autograd then adds it into ``.grad``. Under gradient accumulation every
-micro-batch after the first allocates, zeroes and adds that whole tensor again: on a 21,128 x 512
-vocabulary 41 MiB and about 15 ms a micro-batch on two CPU cores, for the few hundred rows a
-micro-batch touches. It can be the peak of an accumulating run's backward (docs/memory.md).
+micro-batch after the first allocates, zeroes and adds that whole tensor again, for the few hundred rows a
+micro-batch touches. It can be the peak of an accumulating run's backward (docs/memory.md, "The input
+embedding's gradient, row by row", has the measurement).
 
 `accumulate_embedding_rows` makes the model's input embedding add only those rows into ``.grad``. It
 is the dense path's arithmetic in the dense path's order, so ``.grad`` is bitwise the same: per row,
@@ -35,8 +35,8 @@ import functools
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 
+from looptrain.fake import is_fake
 from looptrain.freeze import input_embeddings
 
 _EXACT_DTYPES = (torch.float32, torch.float64)

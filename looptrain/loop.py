@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -76,6 +76,9 @@ class Loop:
         eval_loader: optional batches for `evaluate()`.
         scheduler: optional LR scheduler, stepped once per applied update (never for a skipped one).
         config: a `LoopConfig`.
+        make_precision, wrap_optimizer: doors for the layers above (docs/loop.md): factories called once, as
+            `make_precision(device, precision_name)` and `wrap_optimizer(model, optimizer, config)`, in place of
+            `Precision` and `looptrain.optim.wrap_for_config` (the estimator's fake-tensor behaviour).
 
     Attributes:
         model: the bare model (configs, saving, evaluation hooks read it).
@@ -88,7 +91,8 @@ class Loop:
     """
 
     def __init__(self, model: nn.Module, optimizer: Any, train_loader, *, eval_loader=None, scheduler=None,
-                 config: LoopConfig | None = None):
+                 config: LoopConfig | None = None, make_precision: Callable[[torch.device, str], Precision] = Precision,
+                 wrap_optimizer: Callable[[nn.Module, Any, LoopConfig], Any] = wrap_for_config):
         self.config = config if config is not None else LoopConfig()
         self._place = distributed.init_distributed(self.config.device)  # torchrun's group, if launched by it
         self.device = distributed.device_for(resolve_device(self.config.device), self._place)
@@ -107,11 +111,10 @@ class Loop:
         self.wrapped_model = distributed.wrap_model(self.model, self.device)
         # HF causal LMs shift their labels inside forward: count_items counts labels[..., 1:] for them.
         self._shifted_labels = batches.model_shifts_labels(self.model)
-        # The fused step and bf16 weights turn the optimizer into one optimizer per parameter.
-        self.optimizer, self.scheduler = wrap_for_config(self.model, optimizer, self.config), scheduler
+        self.optimizer, self.scheduler = wrap_optimizer(self.model, optimizer, self.config), scheduler
         self._unfreezing = start_unfreezing(self.model, optimizer, self.config.unfreeze_every)  # None without it
         self.train_loader, self.eval_loader = train_loader, eval_loader
-        self.precision = Precision(self.device, resolve_precision(self.config.compute_precision, self.device))
+        self.precision = make_precision(self.device, resolve_precision(self.config.compute_precision, self.device))
         self._trainable = (self._unfreezing.parameters if self._unfreezing is not None  # what clipping sees
                            else [parameter for parameter in self.model.parameters() if parameter.requires_grad])
         if not self._trainable:
@@ -122,7 +125,6 @@ class Loop:
                                 track_every_update=self.config.track_every_update)
         self.progress = Progress()  # the counters and the data position; a resume replaces it with the saved one
         self.interrupted: str | None = None
-        # The output directory: lock, ledger, checkpoints, resume, best, summary, progress lines.
         self.run = Run(self.config, is_main=self._place.is_main)
         self._log = self.run.log  # the events the loop itself reports (unfreezing, auto_batch, skipped windows)
         # None: the model's own loss. Else a causal LM's head and loss in chunks of tokens (--chunked-ce).
@@ -220,7 +222,7 @@ class Loop:
                 self._evaluate_and_save()
 
     # ------------------------------------------------------------------ one optimizer update
-    def run_update(self, window: list) -> WindowResult:
+    def run_update(self, window: list, *, compute_loss: Callable[[Any], Any] | None = None) -> WindowResult:
         """One optimizer update over one accumulation window of micro-batches.
 
         `fit` calls it once per window; it is public so that what sits above the Loop can drive exactly
@@ -232,6 +234,8 @@ class Loop:
         Args:
             window: the window's micro-batches, as the train loader yields them (the last window of an
                 epoch may be shorter than `accum_steps`).
+            compute_loss: the loss of this update only, in place of the `compute_loss` hook (the estimator's
+                priming update: a loss that gives every trainable parameter a gradient without a forward).
 
         Returns:
             The window's summed loss and item count (tensors), the gradient norm, and whether the
@@ -246,14 +250,15 @@ class Loop:
         divisor = num_items.clamp(min=1.0) / self._place.world_size  # DDP and FSDP2 average gradients over ranks
         # The CPU tracker sets aside an update whose micro-batches tracked ones cover (`CpuTensorMeter.update`).
         with self.meter.update(micro_batches, counts, steady=self.step > 0):
-            loss_sum, loss_items, grad_norm, stepped = self._update(micro_batches, counts, divisor)
+            loss_sum, loss_items, grad_norm, stepped = self._update(micro_batches, counts, divisor,
+                                                                    compute_loss or self.compute_loss)
         self.meter.outlive(loss_sum, loss_items, grad_norm, num_items)
         self.progress = self.progress.after_update(stepped)  # `step` + 1, or `skipped_steps` + 1
         if stepped and self.scheduler is not None:
             self.scheduler.step()  # never advanced for a skipped update
         return WindowResult(loss_sum, num_items, loss_items, grad_norm, stepped)
 
-    def _update(self, micro_batches: list, counts: list, divisor: torch.Tensor) -> tuple:
+    def _update(self, micro_batches: list, counts: list, divisor: torch.Tensor, compute_loss: Callable) -> tuple:
         """`run_update`'s work: forward and backward of each micro-batch, then the step; the gradients cleared."""
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         loss_items = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -265,7 +270,7 @@ class Loop:
             with distributed.gradient_sync(self.wrapped_model, self.model, enabled=index == len(micro_batches) - 1):
                 self.meter.mark("forward")
                 with self.precision.autocast():
-                    micro_loss, micro_items = as_loss_sum(self.compute_loss(batch), items, self.device)
+                    micro_loss, micro_items = as_loss_sum(compute_loss(batch), items, self.device)
                 self.meter.mark("backward")
                 # Each item weighs 1 / (the window's items): the exact mean.
                 self.precision.backward(micro_loss / divisor)

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 
 from looptrain.errors import ConfigError
+from looptrain.fake import fake_mode_of, is_fake
 from looptrain.freeze import find_transformer_blocks
 
 QUANT_TYPE = "nf4"
@@ -260,7 +260,7 @@ def _fake_params4bit(weight: torch.Tensor, compute_dtype: torch.dtype) -> nn.Par
 
     numel = weight.numel()
     blocks = -(-numel // QUANT_BLOCK)
-    with weight.fake_mode:
+    with fake_mode_of(weight):
         packed = torch.empty(((numel + 1) // 2, 1), dtype=torch.uint8, device=weight.device)
         absmax = torch.empty(blocks, dtype=torch.uint8, device=weight.device)
         offset = torch.empty((), dtype=torch.float32, device=weight.device)
@@ -277,9 +277,11 @@ def _fake_params4bit(weight: torch.Tensor, compute_dtype: torch.dtype) -> nn.Par
     return parameter
 
 
-def _quant_state_tensors(model: nn.Module) -> list[torch.Tensor]:
+def quant_state_tensors(model: nn.Module) -> list[torch.Tensor]:
     """The tensors of the 4-bit weights' quantization states (absmax, offset, code tables): part of the stored
-    base, though neither parameters nor buffers."""
+    base, though neither parameters nor buffers (`quantize_blocks_4bit`'s; none for a model without them).
+
+    What a meter or the estimator adds to a QLoRA model's parameters to count the base it stores."""
     tensors = []
     for parameter in model.parameters():
         state = getattr(parameter, "quant_state", None)
@@ -309,4 +311,5 @@ def is_lora_model(model: Any) -> bool:
 
 
 __all__ = ["apply_lora", "block_linear_names", "default_compute_dtype", "default_targets", "is_4bit_layer",
-           "is_lora_model", "merge_lora", "parse_targets", "quantize_blocks_4bit", "save_lora", "task_head_names"]
+           "is_lora_model", "merge_lora", "parse_targets", "quant_state_tensors", "quantize_blocks_4bit", "save_lora",
+           "task_head_names"]

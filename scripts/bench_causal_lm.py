@@ -100,7 +100,7 @@ def measured_run(config, settings: dict, seq_len: int, updates: int, tracked: bo
     from transformers import AutoModelForCausalLM
 
     from looptrain import Loop, LoopConfig, estimation
-    from looptrain.lora import _quant_state_tensors
+    from looptrain.lora import quant_state_tensors
     from looptrain.memory.meters import current_rss_bytes, proc_status_bytes, reset_peak_rss
     from looptrain.memory.tracker import tensor_bytes
     from looptrain.strategy import Strategy
@@ -119,7 +119,7 @@ def measured_run(config, settings: dict, seq_len: int, updates: int, tracked: bo
                                                 eval_every="no", log_every=10**9))
     weights = sum(tensor.numel() * tensor.element_size() for tensor in model.parameters())
     # The stored model: distinct storages of parameters, buffers and 4-bit quantization states (QLoRA).
-    stored = tensor_bytes(list(loop.model.parameters()) + list(loop.model.buffers()) + _quant_state_tensors(loop.model))
+    stored = tensor_bytes(list(loop.model.parameters()) + list(loop.model.buffers()) + quant_state_tensors(loop.model))
     gc.collect()
     start_rss = current_rss_bytes()
     reset_peak_rss()

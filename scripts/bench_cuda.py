@@ -11,7 +11,7 @@ The estimate runs on fake tensors on the CPU and needs no GPU, so the work is sp
     PYTHONPATH=. python scripts/bench_cuda.py table cuda_measured.json
 
 The cases:
-- the ladder (`looptrain.estimation.estimator.ladder`) at seq 128 and effective batch 32, for the bert-large and
+- the ladder (`looptrain.estimation.shapes.ladder`) at seq 128 and effective batch 32, for the bert-large and
   macbert-large shapes;
 - the Qwen2.5-0.5B shape at 1 x 2048: the lowest full fine-tune (`--lowest`'s flags), LoRA and QLoRA r16;
   the Qwen2.5-1.5B shape's lowest full fine-tune at 1 x 2048 (estimated at 3.77 GiB).
@@ -82,7 +82,7 @@ TRAINER_RUNGS = {
 
 def cases() -> list[dict[str, Any]]:
     """Every looptrain case: ``section``, ``shape`` (a preset), ``label``, ``batch_size``, ``seq_len``, ``levers``."""
-    from looptrain.estimation.estimator import ladder
+    from looptrain.estimation.shapes import ladder
 
     found = []
     for shape in LADDER_SHAPES:
@@ -127,7 +127,7 @@ def build_model(shape: str, device: str) -> torch.nn.Module:
     """The preset shape with random weights, built on `device` (no download)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from looptrain.estimation.estimator import is_causal_lm_config, preset_config
+    from looptrain.estimation.shapes import is_causal_lm_config, preset_config
 
     config = preset_config(shape)
     torch.manual_seed(0)
@@ -215,7 +215,8 @@ def measure_looptrain(case: dict[str, Any], device: str, updates: int) -> dict[s
     """One case for real: a warm-up update, then `updates` timed ones (full accumulation windows)."""
     from looptrain import Loop, LoopConfig
     from looptrain.batches import model_shifts_labels
-    from looptrain.estimation.estimator import as_strategy, random_batch
+    from looptrain.estimation.estimator import as_strategy
+    from looptrain.estimation.shapes import random_batch
 
     release(device)
     before = allocated(device)
@@ -253,7 +254,7 @@ def measure_trainer(label: str, arguments: dict[str, Any], device: str, updates:
     """Trainer's rung on bert-large: a warm-up update and `updates` timed ones, in this process."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from looptrain.estimation.estimator import random_batch
+    from looptrain.estimation.shapes import random_batch
 
     class StepTimes(TrainerCallback):
         def __init__(self) -> None:
@@ -300,7 +301,7 @@ def plan_inputs(directory: Path, shape: str, samples: int, seed: int = 0) -> tup
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast
 
-    from looptrain.estimation.estimator import preset_config
+    from looptrain.estimation.shapes import preset_config
 
     config = preset_config(shape)
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]

@@ -68,8 +68,8 @@ def test_a_config_is_built_as_the_causal_lm_it_describes():
     from transformers import BertConfig
 
     config = qwen2_config()
-    assert estimation.estimator.is_causal_lm_config(config)
-    assert not estimation.estimator.is_causal_lm_config(BertConfig())  # a BERT config stays a classifier
+    assert estimation.shapes.is_causal_lm_config(config)
+    assert not estimation.shapes.is_causal_lm_config(BertConfig())  # a BERT config stays a classifier
     model = causal_lm(qwen2_config)
     from_config = estimation.estimate(config, 2, 16)
     from_module = estimation.estimate(model, 2, 16)
@@ -87,7 +87,7 @@ def test_presets_have_the_published_shapes():
     assert (config.model_type, config.vocab_size, config.hidden_size, config.intermediate_size,
             config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
             config.tie_word_embeddings) == ("qwen2", 151936, 1536, 8960, 28, 12, 2, True)
-    assert estimation.estimator.is_causal_lm_config(estimation.preset_config("qwen2.5-0.5b"))
+    assert estimation.shapes.is_causal_lm_config(estimation.preset_config("qwen2.5-0.5b"))
 
 
 def test_a_padded_batch_is_priced_with_its_mask_and_repeated_kv_heads():

@@ -225,9 +225,9 @@ def test_out_of_memory_reports_estimates_of_lighter_flag_sets(model_dir, train_c
 
     realrun_update = Loop.run_update
 
-    def out_of_memory(self, window):
+    def out_of_memory(self, window, **options):
         if isinstance(window[0]["input_ids"], FakeTensor):  # the estimator drives the same method: let it run
-            return realrun_update(self, window)
+            return realrun_update(self, window, **options)
         raise OUT_OF_MEMORY_ERRORS[0]("CUDA out of memory (simulated)")
 
     monkeypatch.setattr(Loop, "run_update", out_of_memory)

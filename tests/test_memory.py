@@ -196,7 +196,7 @@ PRIMING_CASES = sorted(PRIMING_FAST) + [
 
 @pytest.mark.parametrize("model, mix", PRIMING_CASES)
 def test_the_estimates_first_update_creates_the_state_without_the_models_forward(model, mix):
-    """`estimate`'s first update only creates the optimizer state, so its loss is `_priming_loss` (zero gradients
+    """`estimate`'s first update only creates the optimizer state, so its loss is `fakes.priming_loss` (zero gradients
     for every trainable parameter), not the model's: the estimate (peak, each phase's peak, the breakdown) is the
     one the model's own first update gives, for fewer fake ops."""
     from looptrain.estimation.estimator import _cached_estimate
@@ -337,7 +337,7 @@ def test_a_cuda_estimate_prices_cublas_workspaces(monkeypatch):
     an H200 32 MiB at the first forward and 32 MiB more at the first backward (autograd's device thread), where a tiny
     model's tensors were under 1 MiB and the estimate was 99% low. Torch sizes it by ``CUBLAS_WORKSPACE_CONFIG``
     (``:KiB:count`` pairs) or by the GPU's generation."""
-    from looptrain.estimation.estimator import CUBLAS_HANDLES, cublas_workspace_bytes
+    from looptrain.estimation.cuda import CUBLAS_HANDLES, cublas_workspace_bytes
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -388,18 +388,18 @@ def test_a_cuda_estimate_runs_layer_norm_and_softmax_in_fp32_under_bf16_autocast
     bf16 model's residual stream after each LayerNorm is fp32. Measured on an H200: bert-large with bf16 weights,
     Adafactor fused into backward and checkpointing at 32 x 128 peaked at 1.284 GiB allocated; the CUDA estimate
     without this said 1.028 GiB (-20%), with it 1.270 GiB (-1.1%)."""
-    from looptrain.estimation.estimator import _cuda_kernels
+    from looptrain.estimation.cuda import cuda_kernels
 
     norm = nn.LayerNorm(8).to(torch.bfloat16)
     hidden = torch.randn(2, 8, dtype=torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert norm(hidden).dtype == torch.bfloat16  # the CPU's autocast
-        with _cuda_kernels():
+        with cuda_kernels():
             assert norm(hidden).dtype == torch.float32
             assert torch.nn.functional.softmax(hidden, dim=-1).dtype == torch.float32
             assert torch.nn.functional.gelu(hidden).dtype == torch.bfloat16  # not on CUDA's fp32 list
         assert norm(hidden).dtype == torch.bfloat16  # given back
-    with _cuda_kernels():
+    with cuda_kernels():
         assert norm(hidden).dtype == torch.bfloat16  # without autocast nothing is cast
 
 

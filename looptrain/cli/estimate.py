@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from looptrain import strategy as strategies
-from looptrain.estimation.estimator import ESTIMATE_METER, PRESETS, estimate, ladder, load_config, preset_config
+from looptrain.estimation.estimator import ESTIMATE_METER, estimate
+from looptrain.estimation.shapes import PRESETS, ladder, load_config, preset_config
 from looptrain.planning.errors import PlanError
 from looptrain.planning.lowest import lowest
 from looptrain.precision import cpu_has_native_bf16

@@ -1,10 +1,10 @@
 """Estimates in a child process, so the training process never holds what estimating costs.
 
 An estimate runs the Loop's update on fake tensors: that imports and warms torch's fake-tensor machinery
-(sympy, torch.fx, dynamo's utilities) and leaves its caches behind, about 75-140 MiB of RSS that the
-process would keep for the whole run although no tensor of the run needs it. A budget of process RSS
-(`plan(meter="rss")`, the command line's default on a CPU) would pay it. `EstimateWorker` forks this
-process once (POSIX) and answers requests in the child, which inherits the model and everything else
+(sympy, torch.fx, dynamo's utilities) and leaves its caches behind: RSS that the process would keep for the
+whole run although no tensor of the run needs it (docs/plan.md, 'How "fits" is decided', has the measurement).
+A budget of process RSS (`plan(meter="rss")`, the command line's default on a CPU) would pay it. `EstimateWorker`
+forks this process once (POSIX) and answers requests in the child, which inherits the model and everything else
 copy-on-write, so nothing is pickled but the requests and the answers; the child exits when the worker
 is closed (or when this process ends: it reads end-of-file). The child's own memory is short-lived and
 exists while this process holds only the weights, before training allocates anything.

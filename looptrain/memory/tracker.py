@@ -249,6 +249,20 @@ class StorageTracker(TorchDispatchMode):
         self._current_phase_peak = -1
         self.update_peak()
 
+    def run_python_kernel(self, op: Any, kernel: Callable[..., Any]) -> None:
+        """Run `op` through `kernel`, a Python function of torch ops, so that its temporaries are seen.
+
+        The dispatcher runs an op's kernel with the mode popped: what it allocates and frees inside is not
+        seen. A kernel given here is called by the tracker itself, inside the mode, as bitsandbytes' CPU
+        optimizer kernels are (`_bnb_python_kernels`). The estimator gives bitsandbytes' 4-bit matmul its
+        Python kernel this way, so that the dequantized weight it makes is priced.
+
+        Args:
+            op: the op overload (``torch.ops.<namespace>.<name>.default``).
+            kernel: a function of the op's arguments returning its outputs.
+        """
+        self._kernel_of_op[op] = kernel
+
     # -- dispatch ------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -122,8 +122,9 @@ class OptimizerInBackward(PerParameterOptimizer):
         """Global gradient norm (before clipping) of the last backward, a scalar tensor; None before the first."""
         return self._grad_norm
 
-    def _is_finite(self, value: torch.Tensor) -> bool:
-        """Whether a scalar tensor is finite (a host sync; the estimator's subclass, with no values, says yes)."""
+    def is_finite(self, value: torch.Tensor) -> bool:
+        """Whether a scalar tensor is finite (a host sync): the one value this wrapper reads. A subclass for
+        tensors without values (the estimator's `FakeOptimizerInBackward`) overrides it."""
         return bool(torch.isfinite(value))
 
     def _clip_scale(self, parameter_norm: torch.Tensor) -> torch.Tensor | None:
@@ -144,7 +145,7 @@ class OptimizerInBackward(PerParameterOptimizer):
         gradient = parameter.grad
         parameter_norm = fp32_norm(gradient)  # a large bf16 gradient's fp32 copy by chunks of rows
         self._square_sum = self._square_sum + parameter_norm.to(self._square_sum.device) ** 2
-        if not self._is_finite(parameter_norm):  # never write a non-finite update into the weights
+        if not self.is_finite(parameter_norm):  # never write a non-finite update into the weights
             parameter.grad = None
             return
         scale = self._clip_scale(parameter_norm)
@@ -159,7 +160,7 @@ class OptimizerInBackward(PerParameterOptimizer):
 
     def _end_of_backward(self) -> None:
         self._grad_norm = torch.sqrt(self._square_sum)
-        if self._is_finite(self._grad_norm):  # a non-finite norm would clip every later step to zero
+        if self.is_finite(self._grad_norm):  # a non-finite norm would clip every later step to zero
             self._previous_grad_norm = self._grad_norm
         self._square_sum = None
         self.steps += 1
