@@ -31,11 +31,9 @@ class Adafactor(torch.optim.Optimizer):
     results, one parameter-sized temporary at its peak instead of two. A closure is evaluated with gradients enabled
     (as torch's optimizers do).
 
-    Args (Hugging Face's): `lr` (the external learning rate; None with `relative_step`), `eps` (the regularisers of
-    the squared gradient and of the parameter's scale), `clip_threshold` (of the update's RMS), `decay_rate` (of the
-    second moment), `beta1` (a first moment when set), `weight_decay`, `scale_parameter` (the learning rate times
-    the parameter's RMS), `relative_step` (a learning rate of 1/sqrt(step), at most 1e-2), `warmup_init` (with it,
-    at most 1e-6 x step).
+    Args (Hugging Face's, each a term of the update rule in docs/optimizers.md, "Adafactor's update rule"): `lr`,
+    `eps`, `clip_threshold`, `decay_rate`, `beta1`, `weight_decay`, `scale_parameter`, `relative_step`,
+    `warmup_init`.
     """
 
     def __init__(self, params, lr: float | None = None, eps: tuple[float, float] = (1e-30, 1e-3),
@@ -53,8 +51,7 @@ class Adafactor(torch.optim.Optimizer):
 
     @staticmethod
     def _get_lr(group: dict, state: dict) -> float:
-        """The step's learning rate: relative (1/sqrt(step), capped) or the group's, times the parameter's RMS
-        (at least eps[1]) with `scale_parameter`."""
+        """The step's learning rate: step 1 of Adafactor's update rule (docs/optimizers.md)."""
         step_size = group["lr"]
         if group["relative_step"]:
             cap = 1e-6 * state["step"] if group["warmup_init"] else 1e-2

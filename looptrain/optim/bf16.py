@@ -270,18 +270,12 @@ def _step_adafactor_in_row_chunks_(parameter: nn.Parameter, optimizer: torch.opt
                                    gradient: torch.Tensor, stochastic_rounding: bool, rows_per_chunk: int) -> None:
     """`step_in_fp32_` for a large 2-D tensor stepped by `transformers.optimization.Adafactor`, in row chunks.
 
-    Adafactor's `step()` for a factored (2-D) parameter, formula for formula, with its own `_get_lr`
-    (relative_step, warmup_init, scale_parameter from the parameter's RMS), in three passes over chunks of
-    `rows_per_chunk` rows, each chunk's fp32 copies made and freed inside the pass:
-
-    1. the parameter's RMS (from the chunks' 2-norms), each row's mean of grad² + eps[0] into
-       `exp_avg_sq_row` (per row, as the whole step), and the columns' sums of it; then `exp_avg_sq_col`
-       from the column means, with the same beta2t = 1 - step^decay_rate;
-    2. the update's RMS: each chunk's update rsqrt(row / mean(row)) * rsqrt(col) * grad, its 2-norm;
-    3. the update again (the same elementwise ops, so the same values), divided by max(1, RMS /
-       clip_threshold), times lr; through the first moment `exp_avg` (its rows, in place) when beta1 is
-       set; weight decay; subtracted from the chunk's fp32 copy, which is rounded into its bf16 rows with
-       the next bits of the same random stream as the whole tensor's rounding.
+    Adafactor's update rule (docs/optimizers.md, "Adafactor's update rule") for a factored (2-D) parameter, with
+    the optimizer's own `_get_lr`, in three passes over chunks of `rows_per_chunk` rows, each chunk's fp32 copies
+    made and freed inside the pass: (1) RMS(W) from the chunks' 2-norms, `exp_avg_sq_row` per row and the column
+    sums for `exp_avg_sq_col`; (2) each chunk's update, for its RMS; (3) the update again, clipped, scaled, through
+    `exp_avg`, with weight decay, subtracted from the chunk's fp32 copy and rounded into its bf16 rows with the
+    next bits of the whole tensor's random stream.
 
     The state (its keys in Adafactor's order, `step` an int, `RMS` a 0-d tensor) is what the whole step
     leaves, but not bitwise: the column sums add across chunks, and the two RMS norms combine the chunks'
