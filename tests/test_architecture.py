@@ -1,19 +1,27 @@
-"""The layering of looptrain/: no import circle, and leaves never import the Loop, planning or the command lines.
+"""The layering and the sizes of looptrain/ (docs/architecture.md, "Rules the tests hold").
 
-Every import counts, the lazy ones inside functions included (docs/architecture.md, STYLE.md rule 2).
+No import circle; leaves never import the Loop, the estimator, the planner or the command lines; the estimator
+never imports the planner; no module takes a name from its own package's ``__init__``; no module over 600 lines
+(``loop.py`` 450), no function over 100; no test runs a script by its path. Every import counts, the lazy ones
+inside functions included.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "looptrain"
 # Modules the Loop builds on; they never import the Loop, the planning layer or the command lines.
 LEAVES = ("config", "precision", "guards", "run_log", "resume", "checkpoint", "metrics", "freeze", "unfreeze",
           "gradient_checkpointing", "distributed", "optim", "data", "memory", "batches", "ledger", "seeding",
-          "strategy", "lm_loss", "lora", "errors")
-ABOVE_THE_LEAVES = ("looptrain.loop", "looptrain.planning", "looptrain.cli")
+          "strategy", "lm_loss", "lora", "errors", "cache", "compilation", "embedding_grad", "fake", "flops",
+          "progress", "run")
+ABOVE_THE_LEAVES = ("looptrain.loop", "looptrain.estimation", "looptrain.planning", "looptrain.cli")
+TESTS = Path(__file__).resolve().parent
+# The one test that runs `python scripts/finetune.py` from a checkout, the public shim (tests/test_cli.py).
+SHIM_TEST = "test_the_scripts_shim_runs_from_a_checkout"
 
 
 def module_names(package_root: Path) -> dict[str, Path]:
@@ -106,6 +114,95 @@ def leaf_violations(graph: dict[str, set[str]]) -> list[str]:
                   if any(target == above or target.startswith(above + ".") for above in ABOVE_THE_LEAVES))
 
 
+# The sizes a reader can hold in mind (docs/architecture.md, "Sizes").
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 100
+MAX_LOOP_LINES = 450
+
+
+def estimation_imports_of_planning(graph: dict[str, set[str]]) -> list[str]:
+    """``module -> target`` for every import of `looptrain.planning` by `looptrain.estimation`."""
+    return sorted(f"{module} -> {target}" for module, targets in graph.items()
+                  if module == "looptrain.estimation" or module.startswith("looptrain.estimation.")
+                  for target in targets
+                  if target == "looptrain.planning" or target.startswith("looptrain.planning."))
+
+
+def package_init_imports(package_root: Path) -> list[str]:
+    """``module -> package: name`` for every name a module takes from the ``__init__`` of a package it lies in.
+
+    Such an import runs the package's ``__init__`` from inside it, half-built: a module imports its neighbours'
+    modules (``from looptrain.planning.search import Search``), never its own package's re-exports. Taking a
+    submodule from a package (``from looptrain import strategy``) is not such an import.
+    """
+    modules = module_names(package_root)
+    found = []
+    for name, path in modules.items():
+        if name.endswith(".__main__"):  # a command line's entry point, run and never imported: its package is built
+            continue
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".") if is_package else name.split(".")[:-1]
+                anchor = anchor[:len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            if base not in modules or modules[base].name != "__init__.py" or not name.startswith(base + "."):
+                continue
+            found.extend(f"{name} -> {base}: {alias.name}" for alias in node.names
+                         if f"{base}.{alias.name}" not in modules)
+    return sorted(found)
+
+
+def oversized(package_root: Path) -> list[str]:
+    """Every module over `MAX_MODULE_LINES` (`loop.py` over `MAX_LOOP_LINES`) and function over `MAX_FUNCTION_LINES`."""
+    found = []
+    for name, path in module_names(package_root).items():
+        text = path.read_text(encoding="utf-8")
+        limit = MAX_LOOP_LINES if name == "looptrain.loop" else MAX_MODULE_LINES
+        if len(text.splitlines()) > limit:
+            found.append(f"{name}: {len(text.splitlines())} lines (at most {limit})")
+        for node in ast.walk(ast.parse(text, filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    found.append(f"{name}.{node.name}: {length} lines (at most {MAX_FUNCTION_LINES})")
+    return found
+
+
+RUNNERS = {"run", "Popen", "check_call", "check_output", "call", "run_path", "execv", "execvp"}
+SCRIPT = re.compile(r"(^|[\"'/ ])scripts/\w+\.py")
+
+
+def scripts_run_by_path(test_files: list[Path]) -> list[str]:
+    """``file:line`` of every test that runs a ``scripts/*.py`` file by path (a subprocess, `runpy`, a child's code).
+
+    Tests run the command lines as modules (``python -m looptrain.cli.finetune``) or in-process through
+    ``main(argv)``; `SHIM_TEST` alone runs the shim, to prove that ``python scripts/finetune.py`` works from a checkout.
+    """
+    found = []
+    for path in test_files:
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        allowed = {id(node) for function in ast.walk(tree)
+                   if isinstance(function, ast.FunctionDef) and function.name == SHIM_TEST
+                   for node in ast.walk(function)}
+        for node in ast.walk(tree):
+            if id(node) in allowed:
+                continue
+            if isinstance(node, ast.Call):
+                function = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                if function in RUNNERS and any(isinstance(part, ast.Constant) and isinstance(part.value, str)
+                                               and SCRIPT.match(part.value)
+                                               for argument in node.args for part in ast.walk(argument)):
+                    found.append(f"{path.name}:{node.lineno}")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "run_path(" in node.value \
+                    and SCRIPT.search(node.value):
+                found.append(f"{path.name}:{node.lineno}")
+    return sorted(found)
+
+
 def test_the_graph_sees_lazy_and_relative_imports(tmp_path):
     package = tmp_path / "looptrain"
     (package / "memory").mkdir(parents=True)
@@ -131,3 +228,48 @@ def test_leaves_never_import_the_loop_planning_or_the_command_lines():
     graph = import_graph(PACKAGE_ROOT)
     assert all(f"looptrain.{leaf}" in graph for leaf in LEAVES)  # the list names real modules
     assert leaf_violations(graph) == []
+
+
+def test_the_estimator_never_imports_the_planner():
+    assert estimation_imports_of_planning(import_graph(PACKAGE_ROOT)) == []
+
+
+def test_no_module_takes_a_name_from_its_own_packages_init():
+    assert package_init_imports(PACKAGE_ROOT) == []
+
+
+def test_modules_and_functions_stay_readable_sizes():
+    assert oversized(PACKAGE_ROOT) == []
+
+
+def test_no_test_runs_a_script_by_its_path():
+    # This file's own sample of what the rule catches (below) is text, not a test that runs.
+    assert scripts_run_by_path(sorted(set(TESTS.glob("*.py")) - {Path(__file__).resolve()})) == []
+
+
+def test_the_rules_catch_what_they_name(tmp_path):
+    package = tmp_path / "looptrain"
+    (package / "estimation").mkdir(parents=True)
+    (package / "planning").mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "loop.py").write_text("def fit():\n" + "    pass\n" * MAX_FUNCTION_LINES + "x = 1\n" * 400)
+    (package / "estimation" / "__init__.py").write_text("from looptrain.estimation.estimator import estimate\n")
+    (package / "estimation" / "estimator.py").write_text(
+        "def estimate():\n    from looptrain.planning import search\n")
+    (package / "planning" / "__init__.py").write_text("from looptrain.planning.search import Search\n")
+    (package / "planning" / "search.py").write_text("from looptrain.planning import plan\nclass Search: ...\n")
+    assert estimation_imports_of_planning(import_graph(package)) == [
+        "looptrain.estimation.estimator -> looptrain.planning",
+        "looptrain.estimation.estimator -> looptrain.planning.search"]
+    assert package_init_imports(package) == ["looptrain.planning.search -> looptrain.planning: plan"]
+    assert oversized(package) == [f"looptrain.loop: {MAX_FUNCTION_LINES + 401} lines (at most {MAX_LOOP_LINES})",
+                                  f"looptrain.loop.fit: {MAX_FUNCTION_LINES + 1} lines (at most {MAX_FUNCTION_LINES})"]
+    tests = tmp_path / "test_runs.py"
+    tests.write_text(
+        "import runpy, subprocess, sys\n"
+        "def test_a():\n    subprocess.run([sys.executable, \"scripts/finetune.py\", \"--help\"])\n"
+        "def test_b():\n    runpy.run_path(\"scripts/plan.py\")\n"
+        "CHILD = 'import runpy; runpy.run_path(\"scripts/finetune.py\")'\n"
+        "def test_c():\n    assert ['python', 'scripts/finetune.py'] == ['python', 'scripts/finetune.py']\n"
+        f"def {SHIM_TEST}():\n    subprocess.run([sys.executable, 'scripts/finetune.py', '--help'])\n")
+    assert scripts_run_by_path([tests]) == ["test_runs.py:3", "test_runs.py:5", "test_runs.py:6"]
