@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import configparser
 import importlib
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -55,3 +57,15 @@ def test_plan_entry_point_exits_with_the_code_main_returns(monkeypatch, capsys):
         plan.main_entry()
     assert exit_info.value.code == 2
     assert "--memory-budget SIZE is required" in capsys.readouterr().err
+
+
+def test_the_scripts_shim_runs_from_a_checkout(tmp_path):
+    """`python scripts/finetune.py` is public contract: the shim finds its checkout's looptrain from any directory.
+
+    The one test that runs a script by path; every other test runs `main(argv)` or `python -m looptrain.cli.finetune`.
+    """
+    environment = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "finetune.py"), "--help"], cwd=tmp_path,
+                          env=environment, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("usage: finetune.py") and "--memory-budget" in done.stdout

@@ -1,6 +1,6 @@
 """The output directory is a ledger: no run destroys, mixes into or silently resumes another run's state.
 
-One test per fault of the ledger issue, through scripts/finetune.py; the lock and the kills use real
+One test per fault of the ledger issue, through the command line; the lock and the kills use real
 subprocesses. docs/reliability.md's table names each test.
 """
 
@@ -169,7 +169,8 @@ def test_two_runs_on_one_directory_one_refuses_naming_the_pid_the_other_is_intac
     try:
         wait_for_checkpoint(output_dir, first, tmp_path / "first.log")
         os.kill(first.pid, signal.SIGSTOP)  # hold the first run still while the second tries
-        second = subprocess.run([sys.executable, "scripts/finetune.py", *argv(model_dir, data_files, output_dir)],
+        second = subprocess.run([sys.executable, "-m", "looptrain.cli.finetune",
+                                 *argv(model_dir, data_files, output_dir)],
                                 cwd=ROOT, env=CHILD_ENV, capture_output=True, text=True, timeout=300)
         assert second.returncode == 2
         assert f"is in use by another looptrain run (PID {first.pid} on" in second.stderr, second.stderr

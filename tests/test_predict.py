@@ -269,7 +269,8 @@ def test_the_console_script_and_the_shim(monkeypatch, capsys):
                                                                               "console_scripts")
     monkeypatch.setattr(sys, "argv", ["predict.py", "--help"])
     with pytest.raises(SystemExit) as exit_info:
-        runpy.run_path(str(ROOT / "scripts" / "predict.py"), run_name="__main__")
+        monkeypatch.delitem(sys.modules, "looptrain.cli.predict")  # run afresh, as `python -m` does
+        runpy.run_module("looptrain.cli.predict", run_name="__main__")
     assert exit_info.value.code == 0
     assert "--label-column" in capsys.readouterr().out
     monkeypatch.setattr(sys, "argv", ["looptrain-predict", "--model", "m", "--data", "d"])  # nothing to do: exit 2
