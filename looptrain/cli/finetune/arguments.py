@@ -17,6 +17,23 @@ METRICS_FOR_BEST = ("f1", "accuracy", "loss", "f1_binary", "perplexity")  # what
 TASKS = ("sequence-classification", "causal-lm")
 DEFAULT_METRIC_FOR_BEST = {"sequence-classification": "f1", "causal-lm": "loss"}
 
+# The single values of the command line's own flags (no field of Strategy or LoopConfig): (flag, valid, must, hint),
+# said as fields' checks are: "<flag> must be <must> (got <value>)<hint>". None: not given.
+FLAG_VALUE_CHECKS = (
+    ("--eval-batch-size", lambda size: size >= 1, ">= 1", ""),
+    ("--max-length", lambda length: length >= 1, ">= 1", ""),
+    ("--lr", lambda lr: math.isfinite(lr) and lr > 0, "a finite number > 0", "; e.g. --lr 2e-5"),
+    ("--weight-decay", lambda decay: math.isfinite(decay) and decay >= 0, "a finite number >= 0",
+     "; e.g. --weight-decay 0.01"),
+    ("--warmup-ratio", lambda ratio: 0 <= ratio < 1, "in [0, 1): the fraction of updates spent warming up", ""),
+    ("--num-workers", lambda workers: workers >= 0, ">= 0", "; 0 loads data in the training process"),
+    ("--max-tokens", lambda tokens: tokens >= 1, ">= 1", ""),
+    ("--eval-split", lambda fraction: 0 <= fraction < 1, "in [0, 1)", ""),
+    ("--layer-lr-decay", lambda decay: 0 < decay <= 1, "in (0, 1]", "; 0.9 is usual, 1 means no decay"),
+    ("--effective-batch", lambda batch: batch >= 1, ">= 1", ""),
+    ("--plan-time", lambda seconds: seconds >= 0, "a number of seconds >= 0", ""),
+)
+
 # What the command line says its own way about a run option (`LoopConfig`'s declaration says the rest).
 OPTION_FLAGS = {
     "output_dir": {"default": DEFAULT_OUTPUT_DIR,
@@ -227,29 +244,12 @@ def check_flags(args, given: frozenset[str] | set[str]) -> None:
     if optimizer_options_problem("adamw" if args.optimizer == "auto" else args.optimizer, foreach=args.foreach):
         raise UsageError(f"--no-foreach applies to --optim {' and '.join(FOREACH_OPTIMIZERS)} only "
                          f"(got --optim {args.optimizer}); drop it")
-    for flag, value in (("--eval-batch-size", args.eval_batch_size),
-                        ("--max-length", args.max_length)):
-        if value < 1:
-            raise UsageError(f"{flag} must be >= 1 (got {value})")
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        raise UsageError(f"--lr must be a finite number > 0 (got {args.lr}); e.g. --lr 2e-5")
-    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
-        raise UsageError(f"--weight-decay must be a finite number >= 0 (got {args.weight_decay}); "
-                         "e.g. --weight-decay 0.01")
-    if not 0 <= args.warmup_ratio < 1:
-        raise UsageError("--warmup-ratio must be in [0, 1): the fraction of updates spent warming up "
-                         f"(got {args.warmup_ratio})")
-    if args.num_workers < 0:
-        raise UsageError(f"--num-workers must be >= 0 (got {args.num_workers}); 0 loads data in the training process")
-    if args.max_tokens is not None and args.max_tokens < 1:
-        raise UsageError(f"--max-tokens must be >= 1 (got {args.max_tokens})")
-    if args.eval_split is not None and not 0 <= args.eval_split < 1:
-        raise UsageError(f"--eval-split must be in [0, 1) (got {args.eval_split})")
+    for flag, valid, must, hint in FLAG_VALUE_CHECKS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and not valid(value):
+            raise UsageError(f"{flag} must be {must} (got {value}){hint}")
     if args.eval_data and args.eval_split:
         raise UsageError("--eval-data and --eval-split both choose the evaluation set; pass one")
-    if args.layer_lr_decay is not None and not 0 < args.layer_lr_decay <= 1:
-        raise UsageError(f"--layer-lr-decay must be in (0, 1] (got {args.layer_lr_decay}); "
-                         "0.9 is usual, 1 means no decay")
     if args.unfreeze_every is not None and args.freeze_encoder:
         raise UsageError("--unfreeze-schedule unfreezes blocks that --freeze-encoder keeps frozen for good: "
                          "pass one of them")
@@ -259,6 +259,15 @@ def check_flags(args, given: frozenset[str] | set[str]) -> None:
         if not launched_by_torchrun():
             raise UsageError("--fsdp shards across processes: launch with torchrun --nproc_per_node N "
                              "scripts/finetune.py ... (one process has nothing to shard across)")
+    check_budget_flags(args, given)
+    output_dir = Path(args.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UsageError(f"--output-dir {output_dir} is a file; pass a directory (it is created if missing)")
+
+
+def check_budget_flags(args, given: frozenset[str] | set[str]) -> None:
+    """--memory-budget with the flags it plans or cannot plan, the planner's own flags without it, and
+    --effective-batch."""
     if args.memory_budget is not None:
         budget_bytes(args.memory_budget)
         if args.max_tokens is not None:
@@ -279,21 +288,13 @@ def check_flags(args, given: frozenset[str] | set[str]) -> None:
     if args.json and not args.plan_only:
         raise UsageError("--json prints the plan of --plan-only as JSON (scripts/plan.py --json); add --plan-only, "
                          "or drop --json (a training run writes its figures to summary.json)")
-    if args.effective_batch is not None:
-        if args.effective_batch < 1:
-            raise UsageError(f"--effective-batch must be >= 1 (got {args.effective_batch})")
-        if args.memory_budget is None:
-            if "--accum" in given:
-                raise UsageError(f"--effective-batch {args.effective_batch} and --accum {args.accum_steps} both set "
-                                 "the accumulation: drop --accum (it follows: the effective batch / --batch-size)")
-            if args.effective_batch % args.batch_size:
-                raise UsageError(f"--effective-batch {args.effective_batch} is not a multiple of --batch-size "
-                                 f"{args.batch_size}: pass an effective batch that --batch-size divides")
-    if args.plan_time is not None and not args.plan_time >= 0:
-        raise UsageError(f"--plan-time must be a number of seconds >= 0 (got {args.plan_time})")
-    output_dir = Path(args.output_dir)
-    if output_dir.exists() and not output_dir.is_dir():
-        raise UsageError(f"--output-dir {output_dir} is a file; pass a directory (it is created if missing)")
+    if args.effective_batch is not None and args.memory_budget is None:
+        if "--accum" in given:
+            raise UsageError(f"--effective-batch {args.effective_batch} and --accum {args.accum_steps} both set "
+                             "the accumulation: drop --accum (it follows: the effective batch / --batch-size)")
+        if args.effective_batch % args.batch_size:
+            raise UsageError(f"--effective-batch {args.effective_batch} is not a multiple of --batch-size "
+                             f"{args.batch_size}: pass an effective batch that --batch-size divides")
 
 
 def budget_bytes(size: str) -> int:
