@@ -275,6 +275,25 @@ def test_resume_auto_on_a_finished_run_says_so_and_leaves_everything(model_dir, 
         {name: content for name, content in before.items() if name != ".looptrain.lock"}
 
 
+def test_the_directory_is_asked_once_while_its_lock_is_held(tmp_path, monkeypatch):
+    """The command line asks the ledger before it reads any data; the Loop it runs under the same lock is given that
+    verdict, not a second reading of the directory (which the command line's run_config.json has changed)."""
+    from looptrain.ledger import OutputDirLock, RunLedger
+
+    run_ledger = RunLedger(tmp_path, echo=lambda line: None)
+    with OutputDirLock(tmp_path):
+        first = run_ledger.begin({"seed": 1}, None)
+        with monkeypatch.context() as patched:
+            patched.setattr(RunLedger, "_decide", lambda *arguments: pytest.fail("the directory was read again"))
+            with OutputDirLock(tmp_path):  # the Loop's lock, inside the command line's
+                assert run_ledger.begin({"seed": 1}, None) == first
+        assert run_ledger.begin({"seed": 2}, "auto")["action"] == "fresh"  # asked otherwise: decided again
+    state.write_json_atomic(tmp_path / "summary.json", {"optimizer_steps": 3})
+    with OutputDirLock(tmp_path):  # a new lock: a new verdict, from the directory as it is now
+        with pytest.raises(LedgerError, match="already holds another run"):
+            run_ledger.begin({"seed": 1}, None)
+
+
 def test_the_final_evaluation_of_a_run_is_logged_and_a_best_candidate(model_dir, data_files, tmp_path):
     output_dir = tmp_path / "final-eval"
     # 48 updates, an evaluation every 20: at 20, 40 and, finally, 48.

@@ -12,6 +12,9 @@ from looptrain.cli.console import say
 from looptrain.cli.errors import UsageError
 from looptrain.cli.finetune.arguments import effective_batch, strategy_of
 
+if typing.TYPE_CHECKING:
+    from looptrain.cli.finetune.request import RunRequest
+
 # Under --memory-budget, --batch-size and --accum only define the effective batch: the planner chooses the split.
 PLANNED_SPLIT = ("batch_size", "accum_steps")
 
@@ -20,14 +23,13 @@ PLAN_FLAGS_WITH_VALUE = ("--memory-budget", "--plan-time", "--effective-batch", 
 PLAN_SWITCHES = ("--plan-only", "--json", "--amp")
 
 
-def planned_request(request, config, model, train_set, collator, device, output_dir: Path):
+def planned_request(request: RunRequest, model, train_set, collator, device, output_dir: Path):
     """The request that trains --memory-budget's plan, and the `Plan` (None for a resumed run, which keeps the plan
     it saved)."""
     from looptrain import distributed, strategy
     from looptrain.planning import Levers, plan
 
-    flags, budget = request.flags, request.budget
-
+    flags, budget, config = request.flags, request.budget, request.config
     saved = output_dir / "run_config.json"
     if config.resume == "auto" and saved.is_file():  # the ledger already matched this run's identity
         saved_plan = json.loads(saved.read_text(encoding="utf-8")).get("plan") or {}
@@ -91,7 +93,7 @@ def plan_on_rank_zero(place, make_plan):
     return result
 
 
-def budget_meter(request, device) -> str:
+def budget_meter(request: RunRequest, device) -> str:
     """What --memory-budget counts: --budget-meter, with auto = the process's RSS on a CPU (the allocator's
     reserved memory on CUDA); live tensors where RSS cannot be read (not Linux), said so."""
     meter = request.budget.meter
@@ -111,7 +113,7 @@ def budget_meter(request, device) -> str:
     return "rss"
 
 
-def follow_plan_allocator(request, malloc: str | None, threshold: int | None = None) -> None:
+def follow_plan_allocator(request: RunRequest, malloc: str | None, threshold: int | None = None) -> None:
     """A plan made with glibc's thresholds fixed (`Plan.malloc`, at `Plan.malloc_threshold_bytes`; a plan saved
     before that field: 128 KiB) holds its budget only with them: a process that trains it without planning (a resumed
     run, the other ranks under torchrun) fixes them too where it owns the process, and says how to otherwise."""
@@ -125,7 +127,7 @@ def follow_plan_allocator(request, malloc: str | None, threshold: int | None = N
                                                      for name, value in allocator.lean_environment(threshold).items())))
 
 
-def lean_allocator(request):
+def lean_allocator(request: RunRequest):
     """The planner's `make_lean` in the command line's own process: glibc's malloc thresholds fixed
     (`allocator.fix_thresholds`). None (never asked) in a process that runs `main` among other work: its allocator
     is left alone, and the planner measures, and charges, what it holds."""
@@ -149,7 +151,7 @@ def without_planner(flags, base, device):
                                accum_steps=batch // flags.batch_size)
 
 
-def plan_only_output(request, result) -> dict:
+def plan_only_output(request: RunRequest, result) -> dict:
     """--plan-only: the plan (a table, or JSON) and the command line that trains with the winner."""
     from looptrain.memory.allocator import lean_environment
 

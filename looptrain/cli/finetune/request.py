@@ -13,10 +13,13 @@ import dataclasses
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from looptrain.cli.errors import UsageError
 from looptrain.cli.finetune.arguments import DEFAULT_METRIC_FOR_BEST, check_flags, strategy_of
+
+if TYPE_CHECKING:
+    from looptrain.config import LoopConfig
 
 
 @dataclass(frozen=True)
@@ -80,12 +83,15 @@ class BudgetRequest:
 
 @dataclass(frozen=True)
 class RunRequest:
-    """One run of the command line, as asked: the flags, the process, the budget, a resumed plan."""
+    """One run of the command line, as asked: the flags, the process, the budget, a resumed plan; once the run
+    knows them, the model's path and the loop's configuration (`dataclasses.replace`: a new request)."""
 
     flags: Flags
     process: Process
     budget: BudgetRequest | None = None
     resumed_plan: dict | None = None  # a resumed planned run: the plan its run_config.json saved
+    model_path: str | None = None  # --model, or the embedded model's directory, once the run resolved it
+    config: LoopConfig | None = None  # once the run knows its identity (its model, data and world size)
 
     @property
     def strategy(self) -> Any:
@@ -98,7 +104,8 @@ class RunRequest:
         from looptrain import strategy
 
         levers = {spec.name: getattr(settings, spec.name) for spec in strategy.levers(type(settings))}
-        return dataclasses.replace(self, flags=self.flags.replace(**levers, amp=False),
+        config = dataclasses.replace(self.config, **settings.loop_fields()) if self.config is not None else None
+        return dataclasses.replace(self, flags=self.flags.replace(**levers, amp=False), config=config,
                                    resumed_plan=resumed_plan if resumed_plan is not None else self.resumed_plan)
 
     def arguments(self) -> dict:

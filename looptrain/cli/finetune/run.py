@@ -9,6 +9,7 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from looptrain.cli.console import Console, say, speaking
 from looptrain.cli.errors import UsageError
@@ -23,6 +24,9 @@ from looptrain.cli.finetune.inputs import (
     run_identity,
 )
 from looptrain.cli.finetune.reports import OutOfMemory, final_table, what_would_fit
+
+if TYPE_CHECKING:
+    from looptrain.cli.finetune.request import RunRequest
 
 
 def build_scheduler(optimizer, flags, total_steps: int):
@@ -45,7 +49,7 @@ def build_scheduler(optimizer, flags, total_steps: int):
 
 
 # ---------------------------------------------------------------------- the run
-def run(request) -> dict:
+def run(request: RunRequest) -> dict:
     """The command line's run (a `RunRequest`): the output directory locked and checked first, then `train`.
 
     Every message goes through this rank's console: rank 0 speaks (to stderr with --plan-only --json, whose stdout
@@ -61,7 +65,7 @@ def run(request) -> dict:
         return _run_in_place(request, place)
 
 
-def _run_in_place(request, place) -> dict:
+def _run_in_place(request: RunRequest, place) -> dict:
     from looptrain import ledger
     from looptrain.config import check_process_group
 
@@ -74,8 +78,9 @@ def _run_in_place(request, place) -> dict:
         os.environ["HF_HUB_OFFLINE"] = "1"  # the embedded model is loaded by path, never from a hub
     config = loop_config(request, run_identity(flags, model_path, place.world_size))  # validates every option
     check_process_group(config, place.world_size, sharded=flags.fsdp, optimizer_name=flags.optimizer)
+    request = dataclasses.replace(request, model_path=model_path, config=config)
     if flags.plan_only:  # nothing is written: no lock, no ledger
-        return train(request, config, place, model_path)
+        return train(request, place)
     output_dir = Path(config.output_dir)
     if place.is_main:
         check_writable(output_dir)
@@ -85,7 +90,7 @@ def _run_in_place(request, place) -> dict:
             verdict = ledger.RunLedger(output_dir, echo=say).begin(config.identity(), config.resume, config.overwrite)
             if verdict["action"] == "finished":
                 return {**ledger.finished_run_summary(output_dir, echo=say), "interrupted": None}
-        return train(request, config, place, model_path)
+        return train(request, place)
 
 
 def check_writable(output_dir: Path) -> None:
@@ -101,12 +106,13 @@ def check_writable(output_dir: Path) -> None:
                          "you can write to (e.g. --output-dir runs/exp1)") from None
 
 
-def train(request, config, place, model_path: str) -> dict:
+def train(request: RunRequest, place) -> dict:
     """Everything after the output directory's checks: data, model, the Loop, final/ and the tables."""
     from looptrain import Loop, distributed, seed_everything
     from looptrain.guards import OUT_OF_MEMORY_ERRORS
     from looptrain.precision import amp_precision, resolve_device, resolve_precision
 
+    config = request.config
     device = distributed.device_for(resolve_device(config.device), place)
     if config.precision == "auto" and request.budget is None and config.weights == "fp32":
         say(amp_precision(device)[1])
@@ -114,27 +120,27 @@ def train(request, config, place, model_path: str) -> dict:
         say("--weights bf16: the forward and backward compute in bf16 (the weights are bf16)")
     output_dir = Path(config.output_dir)
     seed_everything(config.seed)
-    inputs = load_inputs(request.flags, model_path)
+    inputs = load_inputs(request.flags, request.model_path)
 
     plan_result = None
     if request.budget is not None:
-        request, plan_result = planned_request(request, config, inputs.model, inputs.train_set, inputs.collator,
-                                               device, output_dir)
+        request, plan_result = planned_request(request, inputs.model, inputs.train_set, inputs.collator, device,
+                                               output_dir)
         if request.budget.plan_only:
             return plan_only_output(request, plan_result)
-        config = dataclasses.replace(config, **request.strategy.loop_fields())
-        if plan_result is not None and plan_result.meter != "of live tensors" and config.track_memory \
+        if plan_result is not None and plan_result.meter != "of live tensors" and request.config.track_memory \
                 and device.type == "cpu":
             # The budget is read by the OS, and the plan's speeds were probed without the tensor tracker, whose
             # Python hook on every op slows small micro-batches (docs/plan.md): the run meters what the plan did.
             # (On CUDA the allocator meters the run either way.)
-            config = dataclasses.replace(config, track_memory=False)
+            request = dataclasses.replace(request, config=dataclasses.replace(request.config, track_memory=False))
             say("--memory-budget: the run's meter is the budget's (process RSS); the tensor tracker is off "
                 "(--budget-meter tensors keeps it, with its breakdown)")
+    config = request.config
     precision = resolve_precision(config.compute_precision, device)
-    train_loader, eval_loader, estimated_peak = make_loaders(request, config, place, inputs, plan_result)
-    optimizer, scheduler = build_optimization(request.flags, config, inputs.model, device, len(train_loader))
-    prepare_output_dir(request, config, place, model_path, inputs.model, precision, device, plan_result)
+    train_loader, eval_loader, estimated_peak = make_loaders(request, place, inputs, plan_result)
+    optimizer, scheduler = build_optimization(request, inputs.model, device, len(train_loader))
+    prepare_output_dir(request, place, inputs.model, precision, device, plan_result)
 
     loop = Loop(inputs.model, optimizer, train_loader, eval_loader=eval_loader, scheduler=scheduler, config=config)
     try:
@@ -148,18 +154,18 @@ def train(request, config, place, model_path: str) -> dict:
     summary = write_outputs(summary, place, inputs, output_dir, plan_result, estimated_peak,
                             resumed_plan=request.resumed_plan)
     if request.flags.merge_lora and place.is_main:
-        write_merged(request.flags, model_path, inputs, output_dir / "final")
+        write_merged(request.flags, request.model_path, inputs, output_dir / "final")
     distributed.barrier()
     return summary
 
 
-def make_loaders(request, config, place, inputs: Inputs, plan_result):
+def make_loaders(request: RunRequest, place, inputs: Inputs, plan_result):
     """The train loader, this run's memory estimate over its batches, the eval loader; says the padding."""
     import torch
 
     from looptrain import data as data_module
 
-    flags = request.flags
+    flags, config = request.flags, request.config
     grouping = "tokens" if flags.max_tokens else ("length" if flags.group_by_length else "random")
     train_loader = data_module.make_train_loader(
         inputs.train_set, flags.batch_size, inputs.collator, grouping=grouping, max_tokens=flags.max_tokens,
@@ -187,25 +193,27 @@ def make_loaders(request, config, place, inputs: Inputs, plan_result):
     return train_loader, eval_loader, estimated_peak
 
 
-def build_optimization(flags, config, model, device, batches_per_epoch: int):
+def build_optimization(request: RunRequest, model, device, batches_per_epoch: int):
     """The optimizer and the schedule (an FSDP model is sharded first: fully_shard replaces the parameters)."""
     from looptrain import distributed
     from looptrain.loop import planned_updates
 
+    flags = request.flags
     if flags.fsdp:  # shard before the optimizer is built: fully_shard replaces the parameters
         model.to(device)
         distributed.shard_model(model)
     optimizer = strategy_of(flags).build_optimizer(model, flags.lr, weight_decay=flags.weight_decay,
                                                    layer_lr_decay=flags.layer_lr_decay)
-    scheduler = build_scheduler(optimizer, flags, planned_updates(batches_per_epoch, config))
+    scheduler = build_scheduler(optimizer, flags, planned_updates(batches_per_epoch, request.config))
     return optimizer, scheduler
 
 
-def prepare_output_dir(request, config, place, model_path: str, model, precision: str, device, plan_result) -> None:
+def prepare_output_dir(request: RunRequest, place, model, precision: str, device, plan_result) -> None:
     """Checks a forced resume's weights fit the model, then writes run_config.json (main process)."""
     from looptrain.precision import cpu_description
     from looptrain.state import write_json_atomic
 
+    config = request.config
     output_dir = Path(config.output_dir)
     # a forced resume: a model that does not fit fails before anything is written
     if config.resume not in (None, "auto"):
@@ -215,7 +223,7 @@ def prepare_output_dir(request, config, place, model_path: str, model, precision
     if place.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         resolved = {"arguments": request.arguments(),
-                    "model_path": model_path, "loop_config": config.to_dict(), "world_size": place.world_size,
+                    "model_path": request.model_path, "loop_config": config.to_dict(), "world_size": place.world_size,
                     "resolved": {"precision": precision, "device": str(device), "cpu": cpu_description()},
                     "plan": plan_result.to_dict() if plan_result is not None else request.resumed_plan}
         write_json_atomic(output_dir / "run_config.json", resolved)
