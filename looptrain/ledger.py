@@ -11,7 +11,9 @@ resume another run's state:
 - `RunLedger.begin` decides, before anything is read or written: a fresh run into a directory that
   holds another run refuses (or with `overwrite` moves that run aside, never deleting it);
   `resume="auto"` continues only a run with the same identity, from its newest checkpoint that can
-  be read; a finished run is reported as finished and left alone.
+  be read; a finished run is reported as finished (`finished_run_summary`) and left alone. The directory
+  is asked once while its lock is held: the command line asks before it reads any data, and the Loop it
+  then runs under the same lock is given that verdict.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ RUN_FILE = "run.json"
 RUN_ARTIFACTS = (RUN_FILE, "metrics.jsonl", "summary.json", "final")
 # Files that belong to a run but do not by themselves mean a run lives here; --overwrite moves them aside too.
 MOVED_WITH_A_RUN = ("run_config.json",)
-_HELD: dict[str, list] = {}  # locks this process holds: path -> [file descriptor, count] (re-entrant)
+_HELD: dict[str, list] = {}  # locks this process holds: path -> [file descriptor, count, verdict] (re-entrant)
 
 
 class LedgerError(RuntimeError):
@@ -100,7 +102,7 @@ class OutputDirLock:
         except BaseException:
             os.close(descriptor)
             raise
-        _HELD[key] = [descriptor, 1]
+        _HELD[key] = [descriptor, 1, None]  # the verdict: (what was asked, RunLedger.begin's answer), once asked
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -189,13 +191,24 @@ class RunLedger:
 
         Returns:
             `{"action": "fresh" | "resume" | "finished", "checkpoints": [...], "run": saved run.json}`:
-            for "resume", the checkpoints to try, newest first.
+            for "resume", the checkpoints to try, newest first. Asked again with the same arguments while this
+            process holds the directory's lock, it gives the same answer without reading the directory again.
 
         Raises:
             LedgerError: another run lives here (a fresh run without `overwrite`, or a forced resume from
                 another directory), or `resume="auto"` meets a run with another identity (the message lists
                 the fields that differ).
         """
+        held = _HELD.get(str((self.output_dir / LOCK_FILE).resolve()))
+        asked = (identity, resume, overwrite)
+        if held is not None and held[2] is not None and held[2][0] == asked:
+            return dict(held[2][1])  # asked already under this lock (the command line, before the Loop)
+        verdict = self._decide(identity, resume, overwrite)
+        if held is not None:
+            held[2] = (asked, dict(verdict))
+        return verdict
+
+    def _decide(self, identity: dict, resume: str | None, overwrite: bool) -> dict:
         saved = self.read()
         previous = self.another_run_lives_here()
         if resume not in (None, "auto"):
@@ -240,7 +253,21 @@ class RunLedger:
             os.replace(self.output_dir / name, aside / name)
         self.echo(f"notice: moved the previous run's files ({', '.join(names)}) aside into {aside}")
 
+    def finished_run_summary(self) -> dict:
+        """`finished_run_summary` of this directory, said through this ledger's echo."""
+        return finished_run_summary(self.output_dir, self.echo)
+
     def write(self, identity: dict, status: str, **fields: Any) -> None:
         """Records this run's identity and status ("running", "interrupted", "finished") in run.json."""
         record = {"identity": identity, "status": status, "updated": _now(), **fields}
         write_json_atomic(self.run_file, record)
+
+
+def finished_run_summary(output_dir: str | os.PathLike, echo: Callable[[str], None] = print) -> dict:
+    """A finished run's answer to being run again (`resume="auto"`): it says so, and returns its saved summary with
+    ``already_finished``; nothing is trained, and every file is left as it is."""
+    path = Path(output_dir) / "summary.json"
+    summary = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    echo(f"the run in {output_dir} finished at step {summary.get('optimizer_steps', '?')}: nothing to train; every "
+         "file it wrote is left as it is")
+    return {**summary, "already_finished": True}

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -142,12 +141,9 @@ class Run:
 
     def finished_run_summary(self) -> dict:
         """`resume="auto"` on a finished run: nothing to train; its summary.json is left as it is."""
-        path = self.output_dir / "summary.json"
-        summary = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-        self.log.echo(f"the run in {self.output_dir} finished at step {summary.get('optimizer_steps', '?')}: "
-                      "nothing to train; summary.json and its checkpoints are left as they are")
+        summary = self._ledger.finished_run_summary()
         self.log.close()
-        return {**summary, "already_finished": True}
+        return summary
 
     # ------------------------------------------------------------------ checkpoints and resume
     def track_best(self, scores: dict) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,68 @@ def lever(default: Any, *, flag: str, help: str, applied_by: str = "loop", choic
     metadata = {"flag": flag, "help": help, "applied_by": applied_by, "choices": choices, "minimum": minimum,
                 "const": const, "metavar": metavar, "group": group}
     return field(default=default, metadata={"lever": metadata})
+
+
+def option(default: Any = dataclasses.MISSING, *, help: str, flag: str | None = None, choices: tuple | None = None,
+           minimum: int | None = None, check: Callable[[Any], bool] | None = None, must: str | None = None,
+           parse: Callable[[str], Any] | None = None, metavar: str | None = None, group: str = "training",
+           default_factory: Callable[[], Any] | Any = dataclasses.MISSING) -> Any:
+    """A run option of `LoopConfig` (not a lever: it does not change what a step costs), declared like `lever`.
+
+    Its check is said once, here, in field names (`declared_problems`); the command line translates the names to
+    flags in one place (`flag_names`).
+
+    Args:
+        default: the field's default (also the flag's); `default_factory` for a mutable one.
+        help: what the option does, one sentence: the flag's help and the option's documentation.
+        flag: the command-line flag of `looptrain-finetune`; None: Python only.
+        choices: the values it takes.
+        minimum: the smallest integer it takes.
+        check: a test of a single value (True: valid) beyond `choices` and `minimum`; `must` says what it asks for
+            (the problem reads "<field> must be <must> (got <value>)").
+        must: see `check`.
+        parse: the flag's argparse type, where the field's annotation does not say how to read it.
+        metavar: the flag's value name in --help.
+        group: the --help section of `looptrain-finetune`.
+    """
+    metadata = {"flag": flag, "help": help, "choices": choices, "minimum": minimum, "check": check, "must": must,
+                "parse": parse, "const": None, "metavar": metavar, "group": group}
+    return field(default=default, default_factory=default_factory, metadata={"option": metadata})
+
+
+def declaration(spec: dataclasses.Field) -> dict:
+    """The metadata a field was declared with (`lever` or `option`)."""
+    return spec.metadata.get("lever") or spec.metadata["option"]
+
+
+def declared(cls: type) -> list[dataclasses.Field]:
+    """Every field of `cls` declared with `lever` or `option`, in declaration order."""
+    return [spec for spec in dataclasses.fields(cls) if "lever" in spec.metadata or "option" in spec.metadata]
+
+
+def declared_problems(instance: Any) -> list[str]:
+    """What is wrong with single values of the declared fields (choices, minimums, checks), one line per field."""
+    problems = []
+    for spec in declared(type(instance)):
+        value, meta = getattr(instance, spec.name), declaration(spec)
+        if meta["choices"] is not None and value not in meta["choices"]:
+            problems.append(f"{spec.name} must be one of {', '.join(map(str, meta['choices']))} (got {value!r})")
+        elif meta["minimum"] is not None and isinstance(spec.default, float):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < meta["minimum"]:
+                problems.append(f"{spec.name} must be a number >= {meta['minimum']} (got {value!r})")
+        elif meta["minimum"] is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                              or value < meta["minimum"]):
+            problems.append(f"{spec.name} must be >= {meta['minimum']} (got {value!r})")
+        elif meta.get("check") is not None and not meta["check"](value):
+            problems.append(f"{spec.name} must be {meta['must']} (got {value!r})")
+    return problems
+
+
+def flag_names(*classes: type) -> dict[str, str]:
+    """Field name -> command-line flag, for every declared field of `classes` that has a flag: the one translation
+    of the names checks speak in (fields) into the names a command line speaks in (flags)."""
+    return {spec.name: declaration(spec)["flag"] for cls in classes for spec in declared(cls)
+            if declaration(spec)["flag"]}
 
 
 @dataclass(kw_only=True)
@@ -122,19 +185,8 @@ class LoopLevers:
                                "widths do not recompile")
 
     def lever_problems(self) -> list[str]:
-        """What is wrong with single lever values (choices, minimums), one line per field."""
-        problems = []
-        for spec in levers(type(self)):
-            value, meta = getattr(self, spec.name), spec.metadata["lever"]
-            if meta["choices"] is not None and value not in meta["choices"]:
-                problems.append(f"{spec.name} must be one of {', '.join(map(str, meta['choices']))} (got {value!r})")
-            elif meta["minimum"] is not None and isinstance(spec.default, float):
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or value < meta["minimum"]:
-                    problems.append(f"{spec.name} must be a number >= {meta['minimum']} (got {value!r})")
-            elif meta["minimum"] is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                                  or value < meta["minimum"]):
-                problems.append(f"{spec.name} must be >= {meta['minimum']} (got {value!r})")
-        return problems
+        """What is wrong with single values (choices, minimums, checks), one line per field (`declared_problems`)."""
+        return declared_problems(self)
 
     def loop_fields(self) -> dict:
         """The fields the Loop carries out, as `LoopConfig` keywords."""
@@ -205,10 +257,8 @@ class Strategy(LoopLevers):
                         if getattr(self, name) != _default(type(self), name)]
         if not self.lora_rank and lora_options:
             problems.append(f"{', '.join(lora_options)} need LoRA: set lora_rank (--lora R, e.g. --lora 16)")
-        if self.lora_rank:
-            frozen = [name for name in ("freeze_embeddings", "freeze_layers", "freeze_encoder") if getattr(self, name)]
-            if frozen:
-                problems.append(f"lora_rank (--lora) freezes the whole base already; drop {', '.join(frozen)}")
+        if lora_freezing_problem(self):
+            problems.append(lora_freezing_problem(self))
         if isinstance(self.lora_dropout, (int, float)) and not 0 <= self.lora_dropout < 1:
             problems.append(f"lora_dropout must be in [0, 1) (got {self.lora_dropout!r})")
         return problems
@@ -287,6 +337,23 @@ class Strategy(LoopLevers):
         return dataclasses.asdict(self)
 
 
+FREEZING_LEVERS = ("freeze_embeddings", "freeze_layers", "freeze_encoder")
+
+
+def lora_freezing_problem(values: Any, name: Callable[[str], str] = str) -> str | None:
+    """LoRA with a freezing lever: LoRA freezes the whole base already.
+
+    Args:
+        values: a `Strategy`, or a command line's parsed flags (the same names).
+        name: how a field is named in the message: itself, or its flag (`flag_names`) on a command line.
+    """
+    frozen = [name(lever) for lever in FREEZING_LEVERS if getattr(values, lever)]
+    if not values.lora_rank or not frozen:
+        return None
+    return (f"{name('lora_rank')} freezes the whole base already; drop {' and '.join(frozen)} (only the adapters "
+            "and a classifier's head train)")
+
+
 def _default(cls: type, name: str) -> Any:
     return next(spec.default for spec in dataclasses.fields(cls) if spec.name == name)
 
@@ -298,24 +365,26 @@ def levers(cls: type = Strategy, *, applied_by: str | None = None) -> list[datac
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, cls: type = Strategy, groups: dict | None = None,
-                  exclude: tuple[str, ...] = (), defaults: dict | None = None,
-                  extra_choices: dict | None = None) -> None:
-    """Adds one flag per lever of `cls` to `parser` (in `groups[meta.group]` when given), dest = the field name.
+                  exclude: tuple[str, ...] = (), defaults: dict | None = None, extra_choices: dict | None = None,
+                  kind: str = "lever", overrides: dict | None = None) -> None:
+    """Adds one flag per declared field of `cls` (in `groups[meta.group]` when given), dest = the field name.
 
     Args:
         parser: the command line.
-        cls: the strategy class (a subclass adds its own levers).
-        groups: argument groups by name (`lever(group=...)`); the parser itself when missing.
+        cls: the strategy class (a subclass adds its own levers), or `LoopConfig` for its run options.
+        groups: argument groups by name (`lever(group=...)`, `option(group=...)`); the parser itself when missing.
         exclude: fields that get no flag.
         defaults: flag defaults that differ from the field's (the estimate's --batch-size).
         extra_choices: values a flag accepts besides the field's (``{"optimizer": ("auto",)}``: the planner's).
+        kind: "lever" (fields declared with `lever`) or "option" (with `option`; those without a flag are skipped).
+        overrides: argparse options by field that a command line says its own way (its help, its choices).
     """
-    defaults, extra_choices, groups = defaults or {}, extra_choices or {}, groups or {}
+    defaults, extra_choices, groups, overrides = defaults or {}, extra_choices or {}, groups or {}, overrides or {}
     hints = typing.get_type_hints(cls)
-    for spec in levers(cls):
-        if spec.name in exclude:
+    for spec in declared(cls):
+        meta = spec.metadata.get(kind)
+        if meta is None or meta["flag"] is None or spec.name in exclude:
             continue
-        meta = spec.metadata["lever"]
         default = defaults.get(spec.name, spec.default)
         options: dict[str, Any] = {"dest": spec.name, "default": default, "help": meta["help"]}
         if meta["const"] is not None:
@@ -323,16 +392,31 @@ def add_arguments(parser: argparse.ArgumentParser, *, cls: type = Strategy, grou
         elif hints[spec.name] is bool:
             options["action"] = "store_false" if default else "store_true"
         else:
-            kind = int if hints[spec.name] in (int, int | None) else float if hints[spec.name] is float else str
-            if meta["minimum"] is not None:
-                options["type"] = at_least(meta["minimum"], kind)
-            else:
-                options["type"] = kind
+            options.update(_value_options(meta, hints[spec.name], parse_minimum=kind == "lever"))
             if meta["choices"] is not None:
                 options["choices"] = (*meta["choices"], *extra_choices.get(spec.name, ()))
-            if meta["metavar"] or (kind is int and meta["choices"] is None):
-                options["metavar"] = meta["metavar"] or "N"
+        options.update(overrides.get(spec.name, {}))
         groups.get(meta["group"], parser).add_argument(meta["flag"], **options)
+
+
+def _value_options(meta: dict, annotation: Any, *, parse_minimum: bool) -> dict:
+    """The argparse type (and metavar) of a valued flag: the declared `parse`, else the annotation's type (an
+    optional one reads "none" or "off" as None); a lever's minimum is checked as the flag is parsed."""
+    arguments = [argument for argument in typing.get_args(annotation) if argument is not type(None)]
+    base = arguments[0] if arguments and annotation is not float else annotation
+    kind = int if base is int else float if base is float else str
+    options: dict[str, Any] = {}
+    if meta.get("parse") is not None:
+        options["type"] = meta["parse"]
+    elif parse_minimum and meta["minimum"] is not None:
+        options["type"] = at_least(meta["minimum"], kind)
+    elif type(None) in typing.get_args(annotation):
+        options["type"] = lambda text: None if text.lower() in ("none", "off") else kind(text)
+    else:
+        options["type"] = kind
+    if meta["metavar"] or (parse_minimum and kind is int and meta["choices"] is None):
+        options["metavar"] = meta["metavar"] or "N"
+    return options
 
 
 def from_arguments(arguments: argparse.Namespace, cls: type = Strategy, **overrides: Any) -> Strategy:
@@ -357,4 +441,5 @@ def at_least(minimum: int, kind: type = int):
     return parse
 
 
-__all__ = ["ConfigError", "LoopLevers", "Strategy", "add_arguments", "from_arguments", "lever", "levers"]
+__all__ = ["ConfigError", "LoopLevers", "Strategy", "add_arguments", "declared", "declared_problems", "flag_names",
+           "from_arguments", "lever", "levers", "option"]

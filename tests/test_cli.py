@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import configparser
+import dataclasses
 import importlib
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -55,3 +58,48 @@ def test_plan_entry_point_exits_with_the_code_main_returns(monkeypatch, capsys):
         plan.main_entry()
     assert exit_info.value.code == 2
     assert "--memory-budget SIZE is required" in capsys.readouterr().err
+
+
+def test_the_scripts_shim_runs_from_a_checkout(tmp_path):
+    """`python scripts/finetune.py` is public contract: the shim finds its checkout's looptrain from any directory.
+
+    The one test that runs a script by path; every other test runs `main(argv)` or `python -m looptrain.cli.finetune`.
+    """
+    environment = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "finetune.py"), "--help"], cwd=tmp_path,
+                          env=environment, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("usage: finetune.py") and "--memory-budget" in done.stdout
+
+
+def test_the_command_line_is_parsed_once_into_a_frozen_request_and_a_plan_gives_a_new_one():
+    from looptrain.strategy import Strategy
+
+    argv = ["--model", "m", "--data", "d.csv", "--batch-size", "8", "--effective-batch", "32"]
+    request = finetune.request_of(finetune.build_parser().parse_args(argv), finetune.Process(argv=tuple(argv)))
+    assert (request.flags.accum_steps, request.flags.metric_for_best) == (4, "f1")  # resolved once, from the flags
+    assert request.strategy == Strategy(batch_size=8, accum_steps=4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        request.budget = None
+    with pytest.raises(TypeError):
+        request.flags.values["lr"] = 1.0
+    planned = request.planned(Strategy(batch_size=2, accum_steps=16, gradient_checkpointing=True))
+    assert (planned.flags.batch_size, planned.flags.accum_steps, planned.strategy.gradient_checkpointing) == \
+        (2, 16, True)
+    assert (request.flags.batch_size, request.strategy.gradient_checkpointing) == (8, False)  # the asked one stays
+
+
+def test_every_run_option_is_declared_like_a_lever_and_its_flag_comes_from_the_declaration():
+    from looptrain import strategy
+    from looptrain.config import LoopConfig
+
+    assert all("lever" in spec.metadata or "option" in spec.metadata for spec in dataclasses.fields(LoopConfig))
+    actions = {action.dest: action for action in finetune.build_parser()._actions}
+    options = [spec for spec in strategy.declared(LoopConfig) if "option" in spec.metadata]
+    for spec in options:
+        meta = spec.metadata["option"]
+        assert meta["help"], spec.name
+        if meta["flag"]:
+            assert actions[spec.name].option_strings == [meta["flag"]], spec.name
+    assert strategy.flag_names(LoopConfig)["unfreeze_every"] == "--unfreeze-schedule"
+    assert finetune.build_parser().parse_args(["--eval-every", "5", "--max-grad-norm", "none"]).max_grad_norm is None

@@ -1,6 +1,6 @@
 """The output directory is a ledger: no run destroys, mixes into or silently resumes another run's state.
 
-One test per fault of the ledger issue, through scripts/finetune.py; the lock and the kills use real
+One test per fault of the ledger issue, through the command line; the lock and the kills use real
 subprocesses. docs/reliability.md's table names each test.
 """
 
@@ -32,7 +32,7 @@ from test_reliability import (
 )
 
 from looptrain import LedgerError, Loop, LoopConfig
-from looptrain.checkpoint import latest_checkpoint, list_checkpoints, rotate_checkpoints, save_checkpoint
+from looptrain.checkpoint import latest_checkpoint, list_checkpoints, rotate_checkpoints, save_checkpoint, write_json_atomic
 
 from conftest import WORDS, make_tiny_tokenizer
 
@@ -170,7 +170,8 @@ def test_two_runs_on_one_directory_one_refuses_naming_the_pid_the_other_is_intac
     try:
         wait_for_checkpoint(output_dir, first, tmp_path / "first.log")
         os.kill(first.pid, signal.SIGSTOP)  # hold the first run still while the second tries
-        second = subprocess.run([sys.executable, "scripts/finetune.py", *argv(model_dir, data_files, output_dir)],
+        second = subprocess.run([sys.executable, "-m", "looptrain.cli.finetune",
+                                 *argv(model_dir, data_files, output_dir)],
                                 cwd=ROOT, env=CHILD_ENV, capture_output=True, text=True, timeout=300)
         assert second.returncode == 2
         assert f"is in use by another looptrain run (PID {first.pid} on" in second.stderr, second.stderr
@@ -273,6 +274,25 @@ def test_resume_auto_on_a_finished_run_says_so_and_leaves_everything(model_dir, 
     assert f"the run in {output_dir} finished at step {TOTAL_STEPS}: nothing to train" in capsys.readouterr().out
     assert {name: content for name, content in tree_snapshot(output_dir).items() if name != ".looptrain.lock"} == \
         {name: content for name, content in before.items() if name != ".looptrain.lock"}
+
+
+def test_the_directory_is_asked_once_while_its_lock_is_held(tmp_path, monkeypatch):
+    """The command line asks the ledger before it reads any data; the Loop it runs under the same lock is given that
+    verdict, not a second reading of the directory (which the command line's run_config.json has changed)."""
+    from looptrain.ledger import OutputDirLock, RunLedger
+
+    run_ledger = RunLedger(tmp_path, echo=lambda line: None)
+    with OutputDirLock(tmp_path):
+        first = run_ledger.begin({"seed": 1}, None)
+        with monkeypatch.context() as patched:
+            patched.setattr(RunLedger, "_decide", lambda *arguments: pytest.fail("the directory was read again"))
+            with OutputDirLock(tmp_path):  # the Loop's lock, inside the command line's
+                assert run_ledger.begin({"seed": 1}, None) == first
+        assert run_ledger.begin({"seed": 2}, "auto")["action"] == "fresh"  # asked otherwise: decided again
+    write_json_atomic(tmp_path / "summary.json", {"optimizer_steps": 3})
+    with OutputDirLock(tmp_path):  # a new lock: a new verdict, from the directory as it is now
+        with pytest.raises(LedgerError, match="already holds another run"):
+            run_ledger.begin({"seed": 1}, None)
 
 
 def test_the_final_evaluation_of_a_run_is_logged_and_a_best_candidate(model_dir, data_files, tmp_path):

@@ -1749,7 +1749,7 @@ def test_a_budget_of_rss_caps_onednn_kernel_caches_in_a_process_of_its_own(monke
     assert all(name not in os.environ for name in allocator.KERNEL_CACHE_VARIABLES)
     assert finetune_package.main(argv, owns_process=True) == 0
     assert [os.environ[name] for name in allocator.KERNEL_CACHE_VARIABLES] == ["64", "64"]
-    assert runs[-1]._capped_kernel_caches.startswith(  # `run` prints it where its progress goes
+    assert runs[-1].process.capped_kernel_caches.startswith(  # `run` prints it where its progress goes
         "oneDNN's kernel caches capped at 64 entries each (ONEDNN_PRIMITIVE_CACHE_CAPACITY=64, LRU_CACHE_CAPACITY=64)")
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "512")
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")

@@ -268,8 +268,9 @@ def test_the_console_script_and_the_shim(monkeypatch, capsys):
     assert "looptrain-predict = looptrain.cli.predict:main_entry" in parser.get("options.entry_points",
                                                                               "console_scripts")
     monkeypatch.setattr(sys, "argv", ["predict.py", "--help"])
+    monkeypatch.delitem(sys.modules, "looptrain.cli.predict")  # run afresh, as `python -m looptrain.cli.predict` does
     with pytest.raises(SystemExit) as exit_info:
-        runpy.run_path(str(ROOT / "scripts" / "predict.py"), run_name="__main__")
+        runpy.run_module("looptrain.cli.predict", run_name="__main__")
     assert exit_info.value.code == 0
     assert "--label-column" in capsys.readouterr().out
     monkeypatch.setattr(sys, "argv", ["looptrain-predict", "--model", "m", "--data", "d"])  # nothing to do: exit 2

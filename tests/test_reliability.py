@@ -1,4 +1,5 @@
-"""Faults a real run meets, through scripts/finetune.py: bad inputs, kills, tampered checkpoints, remote code.
+"""Faults a real run meets, through the command line (`python -m looptrain.cli.finetune`): bad inputs, kills,
+tampered checkpoints, remote code.
 
 Interrupted runs are real subprocesses killed with real signals; the run they are compared with is one
 uninterrupted run per module, and "equal" means bitwise-equal final/model.safetensors. docs/reliability.md
@@ -73,7 +74,7 @@ def assert_bitwise_equal(first: dict, second: dict) -> None:
 
 def start(arguments: list[str], log_path: Path, *, child: list[str] | None = None) -> subprocess.Popen:
     """Starts the CLI (or a `python -c` child script) in a subprocess, its output in a file (no pipe to fill)."""
-    command = [sys.executable, *(child or ["scripts/finetune.py"]), *arguments]
+    command = [sys.executable, *(child or ["-m", "looptrain.cli.finetune"]), *arguments]
     log = open(log_path, "wb")
     try:
         return subprocess.Popen(command, cwd=ROOT, env=CHILD_ENV, stdout=log, stderr=subprocess.STDOUT)
@@ -116,8 +117,8 @@ def paced_update(self, window):
     return result
 
 Loop.run_update = paced_update
-sys.argv = ["scripts/finetune.py", *sys.argv[1:]]
-runpy.run_path("scripts/finetune.py", run_name="__main__")
+sys.argv = ["looptrain-finetune", *sys.argv[1:]]
+runpy.run_module("looptrain.cli.finetune", run_name="__main__", alter_sys=True)
 """
 
 
@@ -164,8 +165,8 @@ def fsync_tree_then_die(directory):
     original_fsync_tree(directory)
 
 checkpoint_files.fsync_tree = fsync_tree_then_die
-sys.argv = ["scripts/finetune.py", *sys.argv[1:]]
-runpy.run_path("scripts/finetune.py", run_name="__main__")
+sys.argv = ["looptrain-finetune", *sys.argv[1:]]
+runpy.run_module("looptrain.cli.finetune", run_name="__main__", alter_sys=True)
 """
 
 
@@ -282,8 +283,9 @@ def test_model_with_custom_code_is_refused_without_trust_remote_code(model_dir, 
         "class EvilModel(BertForSequenceClassification):\n    pass\n")
 
     result = subprocess.run(
-        [sys.executable, "scripts/finetune.py", *argv(evil, data_files, tmp_path / "out"), "--max-steps", "1",
-         "--eval-every", "no"], cwd=ROOT, env=CHILD_ENV, input="y\n", capture_output=True, text=True, timeout=300)
+        [sys.executable, "-m", "looptrain.cli.finetune", *argv(evil, data_files, tmp_path / "out"),
+         "--max-steps", "1", "--eval-every", "no"],
+        cwd=ROOT, env=CHILD_ENV, input="y\n", capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     assert "[y/N]" not in result.stdout + result.stderr, "the CLI must never ask; only --trust-remote-code opts in"

@@ -22,15 +22,13 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from looptrain.cli.errors import UsageError
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 DEFAULT_MAX_LENGTH = 128  # finetune.py's default, used when the training run's own is not known
 CLASSIFIER_SUFFIXES = ("ForSequenceClassification",)
 CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")  # Qwen2ForCausalLM, GPT2LMHeadModel, ...
-
-
-class UsageError(Exception):
-    """A bad flag or input found by the command line itself."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -312,17 +310,13 @@ def compute_settings(args):
 
 def model_config_and_kind(args):
     """The model's config and kind, with --max-length resolved (and checked) against its positions."""
-    from looptrain.cli.finetune import UsageError as FinetuneUsageError
     from looptrain.cli.finetune import load_model_config
 
     check_model_exists(args.model)
     # finetune.py's reader of the config, which names the fix for a bad one; it checks an explicit --max-length.
     checks = argparse.Namespace(trust_remote_code=args.trust_remote_code, max_length=args.max_length or 1,
                                 freeze_layers=0)
-    try:
-        config = load_model_config(args.model, checks)
-    except FinetuneUsageError as error:
-        raise UsageError(str(error)) from None
+    config = load_model_config(args.model, checks)
     kind = model_kind(config, args.model)
     if kind == "causal_lm" and (args.label_column or args.text_pair_column):
         raise UsageError(f"--model {args.model} is a causal LM: it generates text, which --label-column does not "

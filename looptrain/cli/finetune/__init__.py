@@ -10,9 +10,10 @@ Every flag is documented in docs/finetune.md. The memory/speed levers' flags are
 `looptrain.Strategy`'s field metadata, the loop's run options (schedule, checkpoints) from `LoopConfig`,
 so their defaults and help come from one place.
 
-The package, by concern: `arguments` (the parser and the flags' checks), `inputs` (data, model, LoRA, the run's
-identity), `budget` (`--memory-budget`: the plan and what it needs), `run` (one run, start to final/) and `reports`
-(the end-of-run table). `main` and the names below are its public surface.
+The package, by concern: `arguments` (the parser and the flags' checks), `request` (argv parsed once into a frozen
+`RunRequest`), `inputs` (data, model, LoRA, the run's identity), `budget` (`--memory-budget`: the plan and what it
+needs), `run` (one run, start to final/) and `reports` (the end-of-run table). Messages go through one console per
+rank (`looptrain.cli.console`). `main` and the names below are its public surface.
 """
 
 from __future__ import annotations
@@ -22,12 +23,11 @@ import sys
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from looptrain.cli.errors import UsageError
 from looptrain.cli.finetune.arguments import (
     DefaultOnceFormatter,
-    UsageError,
     add_loading_arguments,
     build_parser,
-    check_flags,
     flag_names_for,
     strategy_of,
 )
@@ -41,11 +41,13 @@ from looptrain.cli.finetune.inputs import (
     run_identity,
 )
 from looptrain.cli.finetune.reports import OutOfMemory, final_table
+from looptrain.cli.finetune.request import Flags, Process, RunRequest, request_of
 from looptrain.cli.finetune.run import run
 
-__all__ = ["EMBEDDED_DATA_PACKAGE", "EMBEDDED_MODEL_PACKAGE", "DefaultOnceFormatter", "UsageError",
-           "add_loading_arguments", "build_parser", "final_table", "load_data", "load_model_config", "load_weights",
-           "main", "main_entry", "plan_on_rank_zero", "run", "run_identity", "strategy_of"]
+__all__ = ["EMBEDDED_DATA_PACKAGE", "EMBEDDED_MODEL_PACKAGE", "DefaultOnceFormatter", "Flags", "Process",
+           "RunRequest", "UsageError", "add_loading_arguments", "build_parser", "final_table", "load_data",
+           "load_model_config", "load_weights", "main", "main_entry", "plan_on_rank_zero", "request_of", "run",
+           "run_identity", "strategy_of"]
 
 INTERRUPTED_EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}  # the shell's 128 + signal number
 
@@ -57,17 +59,14 @@ def main(argv: list[str] | None = None, *, owns_process: bool = False) -> int:
     be changed: under a budget read as RSS, glibc's malloc thresholds where the planner needs them (`lean_allocator`).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    args._argv = argv
-    args._owns_process = owns_process
-    args._resumed_plan = None  # a resumed planned run: the plan its run_config.json saved
-    args._rss_at_start = rss_at_start()
-    args._capped_kernel_caches = None  # said by `run` once it knows where its progress goes (stderr with --json)
+    args = build_parser().parse_args(argv)
+    rss = rss_at_start()
+    capped = None  # said by `run` once it knows where its messages go (stderr with --json)
     if args.memory_budget and owns_process:  # before the process's first kernel: the caches read it then
         from looptrain.memory import allocator
 
-        args._capped_kernel_caches = allocator.cap_kernel_caches()
+        capped = allocator.cap_kernel_caches()
+    process = Process(argv=tuple(argv), owns_process=owns_process, rss_at_start=rss, capped_kernel_caches=capped)
     from looptrain import CheckpointError, ConfigError, DataError, EvaluationError, TrainingDiverged
     from looptrain.ledger import LedgerError
     from looptrain.planning import PlanError
@@ -75,8 +74,7 @@ def main(argv: list[str] | None = None, *, owns_process: bool = False) -> int:
     user_errors = (UsageError, ConfigError, DataError, CheckpointError, TrainingDiverged, OutOfMemory, LedgerError,
                    EvaluationError, PlanError)
     try:
-        check_flags(args, parser)
-        summary = run(args)
+        summary = run(request_of(args, process))  # the flags checked, then parsed once into a frozen request
     except KeyboardInterrupt:  # a second Ctrl-C (or SIGTERM) during training, or one before it began
         if args.debug:
             raise

@@ -1,47 +1,47 @@
-"""`finetune.py`'s arguments: the parser (the levers' flags generated from `looptrain.Strategy`'s fields and
-`LoopConfig`'s), the checks of flags that do not go together, and the `LoopConfig` and strategy they give."""
+"""`finetune.py`'s arguments: the parser (the levers' flags generated from `looptrain.Strategy`'s declarations, the
+run options' from `LoopConfig`'s), the checks of flags that do not go together, and the `LoopConfig` and strategy
+they give."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
-import typing
 from pathlib import Path
 
-EMBEDDED_EVAL_FRACTION = 0.1
+from looptrain.cli.errors import UsageError
 
-# LoopConfig's run options that become flags: field -> (flag, help group). The rest stay Python-only; the levers
-# (looptrain.Strategy, which LoopConfig's loop levers are part of) get theirs from their own field metadata.
-LOOP_FLAGS = {
-    "output_dir": ("--output-dir", "inputs"),
-    "epochs": ("--epochs", "training"),
-    "max_steps": ("--max-steps", "training"),
-    "seed": ("--seed", "training"),
-    "unfreeze_every": ("--unfreeze-schedule", "training"),
-    "device": ("--device", "training"),
-    "max_grad_norm": ("--max-grad-norm", "memory/speed"),
-    "clip_mode": ("--clip-mode", "memory/speed"),
-    "auto_batch": ("--auto-batch", "memory/speed"),
-    "max_bad_windows": ("--max-bad-windows", "training"),
-    "eval_every": ("--eval-every", "evaluation/state"),
-    "report_to": ("--report-to", "evaluation/state"),
-    "metric_for_best": ("--metric-for-best", "evaluation/state"),
-    "save_total_limit": ("--save-total-limit", "evaluation/state"),
-    "load_best_at_end": ("--load-best-at-end", "evaluation/state"),
-    "resume": ("--resume", "evaluation/state"),
-    "overwrite": ("--overwrite", "evaluation/state"),
-    "log_every": ("--log-every", "evaluation/state"),
-}
+EMBEDDED_EVAL_FRACTION = 0.1
 
 DEFAULT_OUTPUT_DIR = "runs/finetune"  # the command line always writes final/ somewhere
 METRICS_FOR_BEST = ("f1", "accuracy", "loss", "f1_binary", "perplexity")  # what the evaluations produce
 TASKS = ("sequence-classification", "causal-lm")
 DEFAULT_METRIC_FOR_BEST = {"sequence-classification": "f1", "causal-lm": "loss"}
 
+# The single values of the command line's own flags (no field of Strategy or LoopConfig): (flag, valid, must, hint),
+# said as fields' checks are: "<flag> must be <must> (got <value>)<hint>". None: not given.
+FLAG_VALUE_CHECKS = (
+    ("--eval-batch-size", lambda size: size >= 1, ">= 1", ""),
+    ("--max-length", lambda length: length >= 1, ">= 1", ""),
+    ("--lr", lambda lr: math.isfinite(lr) and lr > 0, "a finite number > 0", "; e.g. --lr 2e-5"),
+    ("--weight-decay", lambda decay: math.isfinite(decay) and decay >= 0, "a finite number >= 0",
+     "; e.g. --weight-decay 0.01"),
+    ("--warmup-ratio", lambda ratio: 0 <= ratio < 1, "in [0, 1): the fraction of updates spent warming up", ""),
+    ("--num-workers", lambda workers: workers >= 0, ">= 0", "; 0 loads data in the training process"),
+    ("--max-tokens", lambda tokens: tokens >= 1, ">= 1", ""),
+    ("--eval-split", lambda fraction: 0 <= fraction < 1, "in [0, 1)", ""),
+    ("--layer-lr-decay", lambda decay: 0 < decay <= 1, "in (0, 1]", "; 0.9 is usual, 1 means no decay"),
+    ("--effective-batch", lambda batch: batch >= 1, ">= 1", ""),
+    ("--plan-time", lambda seconds: seconds >= 0, "a number of seconds >= 0", ""),
+)
 
-class UsageError(Exception):
-    """A bad flag or input found by the command line itself."""
+# What the command line says its own way about a run option (`LoopConfig`'s declaration says the rest).
+OPTION_FLAGS = {
+    "output_dir": {"default": DEFAULT_OUTPUT_DIR,
+                   "help": "metrics.jsonl, summary.json, run_config.json, checkpoint-<step>/ and final/ go here"},
+    "metric_for_best": {"choices": METRICS_FOR_BEST,
+                        "help": "eval metric that picks the best checkpoint (loss and perplexity: lower is better; the "
+                                "others higher); default: f1, or loss for --task causal-lm"},
+}
 
 
 # ---------------------------------------------------------------------- arguments
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_training_arguments(groups["training"])
     _add_memory_arguments(groups["memory/speed"])
     _add_evaluation_arguments(groups["evaluation/state"])
-    _add_loop_config_arguments(groups)  # appended to the groups above
+    _add_option_arguments(parser, groups)  # appended to the groups above
     _add_output_arguments(groups["output"])
     return parser
 
@@ -212,84 +212,17 @@ def strategy_of(args, **overrides):
     return strategy.from_arguments(args, cls=strategy.Strategy, **overrides)
 
 
-def _add_loop_config_arguments(groups: dict) -> None:
-    """The loop's own options, generated from LoopConfig: one source of defaults and help."""
-    from looptrain.config import LoopConfig, field_help
+def _add_option_arguments(parser: argparse.ArgumentParser, groups: dict) -> None:
+    """The run's options, from `LoopConfig`'s declarations (`looptrain.strategy.option`): one source of defaults and
+    help."""
+    from looptrain import strategy
+    from looptrain.config import LoopConfig
 
-    defaults = LoopConfig()
-    helps = field_help()
-    hints = typing.get_type_hints(LoopConfig)
-    for field in dataclasses.fields(LoopConfig):
-        if field.name not in LOOP_FLAGS:
-            continue
-        flag, group = LOOP_FLAGS[field.name]
-        help_text = helps.get(field.name, "").replace("%", "%%")
-        options = _loop_flag_options(field.name, hints[field.name], getattr(defaults, field.name), help_text)
-        groups[group].add_argument(flag, **options)
+    strategy.add_arguments(parser, cls=LoopConfig, groups=groups, kind="option", overrides=OPTION_FLAGS)
 
 
-def _loop_flag_options(name: str, annotation, default, help_text: str) -> dict:
-    """The argparse options of one LoopConfig field's flag; the command line's own default or help where it has one."""
-    from looptrain.config import CLIP_MODES
-
-    choices = {"clip_mode": CLIP_MODES, "metric_for_best": METRICS_FOR_BEST}
-    if name == "output_dir":
-        default = DEFAULT_OUTPUT_DIR
-        help_text = "metrics.jsonl, summary.json, run_config.json, checkpoint-<step>/ and final/ go here"
-    if name == "unfreeze_every":
-        help_text = ("gradual unfreezing: train the head alone, then one more block from the top every N updates "
-                     "(or every epoch), the embeddings last (docs/freezing.md)")
-    if name == "metric_for_best":
-        default = None
-        help_text = ("eval metric that picks the best checkpoint (loss and perplexity: lower is better; the others "
-                     "higher); default: f1, or loss for --task causal-lm")
-    options = {"dest": name, "default": default, "help": help_text}
-    if name == "unfreeze_every":
-        options["metavar"] = "N|epoch"
-    if annotation is bool:
-        options["action"] = "store_false" if default else "store_true"  # a --no-... flag turns a default on off
-    else:
-        options["type"] = _parser_for(name, annotation)
-        if name in choices:
-            options["choices"] = choices[name]
-    return options
-
-
-def _parser_for(name: str, annotation):
-    if name == "eval_every":
-        return _eval_every
-    if name == "unfreeze_every":
-        return _unfreeze_every
-    arguments = [a for a in typing.get_args(annotation) if a is not type(None)]
-    base = arguments[0] if arguments else annotation
-    if type(None) in typing.get_args(annotation):
-        return lambda text: None if text.lower() in ("none", "off") else base(text)
-    return base
-
-
-def _eval_every(text: str):
-    if text in ("epoch", "no"):
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'epoch', 'no' or a number of updates, got {text!r}") from None
-
-
-def _unfreeze_every(text: str):
-    if text == "epoch":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected 'epoch' or a number of optimizer updates per stage, got {text!r}"
-        ) from None
-
-
-def check_flags(args, parser: argparse.ArgumentParser) -> None:
-    """Rejects flag combinations that cannot work, naming the flags."""
-    given = {token.split("=")[0] for token in (args._argv or [])}
+def check_flags(args, given: frozenset[str] | set[str]) -> None:
+    """Rejects flag combinations that cannot work, naming the flags (`given`: the flags on the command line)."""
     check_task_flags(args, given)
     if args.amp and "--precision" in given and args.precision != "auto":
         raise UsageError(f"--amp and --precision {args.precision} contradict each other; pass one of them")
@@ -311,29 +244,12 @@ def check_flags(args, parser: argparse.ArgumentParser) -> None:
     if optimizer_options_problem("adamw" if args.optimizer == "auto" else args.optimizer, foreach=args.foreach):
         raise UsageError(f"--no-foreach applies to --optim {' and '.join(FOREACH_OPTIMIZERS)} only "
                          f"(got --optim {args.optimizer}); drop it")
-    for flag, value in (("--eval-batch-size", args.eval_batch_size),
-                        ("--max-length", args.max_length)):
-        if value < 1:
-            raise UsageError(f"{flag} must be >= 1 (got {value})")
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        raise UsageError(f"--lr must be a finite number > 0 (got {args.lr}); e.g. --lr 2e-5")
-    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
-        raise UsageError(f"--weight-decay must be a finite number >= 0 (got {args.weight_decay}); "
-                         "e.g. --weight-decay 0.01")
-    if not 0 <= args.warmup_ratio < 1:
-        raise UsageError("--warmup-ratio must be in [0, 1): the fraction of updates spent warming up "
-                         f"(got {args.warmup_ratio})")
-    if args.num_workers < 0:
-        raise UsageError(f"--num-workers must be >= 0 (got {args.num_workers}); 0 loads data in the training process")
-    if args.max_tokens is not None and args.max_tokens < 1:
-        raise UsageError(f"--max-tokens must be >= 1 (got {args.max_tokens})")
-    if args.eval_split is not None and not 0 <= args.eval_split < 1:
-        raise UsageError(f"--eval-split must be in [0, 1) (got {args.eval_split})")
+    for flag, valid, must, hint in FLAG_VALUE_CHECKS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and not valid(value):
+            raise UsageError(f"{flag} must be {must} (got {value}){hint}")
     if args.eval_data and args.eval_split:
         raise UsageError("--eval-data and --eval-split both choose the evaluation set; pass one")
-    if args.layer_lr_decay is not None and not 0 < args.layer_lr_decay <= 1:
-        raise UsageError(f"--layer-lr-decay must be in (0, 1] (got {args.layer_lr_decay}); "
-                         "0.9 is usual, 1 means no decay")
     if args.unfreeze_every is not None and args.freeze_encoder:
         raise UsageError("--unfreeze-schedule unfreezes blocks that --freeze-encoder keeps frozen for good: "
                          "pass one of them")
@@ -343,13 +259,17 @@ def check_flags(args, parser: argparse.ArgumentParser) -> None:
         if not launched_by_torchrun():
             raise UsageError("--fsdp shards across processes: launch with torchrun --nproc_per_node N "
                              "scripts/finetune.py ... (one process has nothing to shard across)")
-    if args.memory_budget is not None:
-        from looptrain.planning import PlanError, parse_size
+    check_budget_flags(args, given)
+    output_dir = Path(args.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UsageError(f"--output-dir {output_dir} is a file; pass a directory (it is created if missing)")
 
-        try:
-            args.memory_budget_bytes = parse_size(args.memory_budget)
-        except PlanError as error:
-            raise UsageError(f"--memory-budget: {error}") from None
+
+def check_budget_flags(args, given: frozenset[str] | set[str]) -> None:
+    """--memory-budget with the flags it plans or cannot plan, the planner's own flags without it, and
+    --effective-batch."""
+    if args.memory_budget is not None:
+        budget_bytes(args.memory_budget)
         if args.max_tokens is not None:
             raise UsageError("--memory-budget plans a fixed effective batch, which --max-tokens does not have; "
                              "drop one")
@@ -368,22 +288,23 @@ def check_flags(args, parser: argparse.ArgumentParser) -> None:
     if args.json and not args.plan_only:
         raise UsageError("--json prints the plan of --plan-only as JSON (scripts/plan.py --json); add --plan-only, "
                          "or drop --json (a training run writes its figures to summary.json)")
-    if args.effective_batch is not None:
-        if args.effective_batch < 1:
-            raise UsageError(f"--effective-batch must be >= 1 (got {args.effective_batch})")
-        if args.memory_budget is None:
-            if "--accum" in given:
-                raise UsageError(f"--effective-batch {args.effective_batch} and --accum {args.accum_steps} both set "
-                                 "the accumulation: drop --accum (it follows: the effective batch / --batch-size)")
-            if args.effective_batch % args.batch_size:
-                raise UsageError(f"--effective-batch {args.effective_batch} is not a multiple of --batch-size "
-                                 f"{args.batch_size}: pass an effective batch that --batch-size divides")
-            args.accum_steps = args.effective_batch // args.batch_size
-    if args.plan_time is not None and not args.plan_time >= 0:
-        raise UsageError(f"--plan-time must be a number of seconds >= 0 (got {args.plan_time})")
-    output_dir = Path(args.output_dir)
-    if output_dir.exists() and not output_dir.is_dir():
-        raise UsageError(f"--output-dir {output_dir} is a file; pass a directory (it is created if missing)")
+    if args.effective_batch is not None and args.memory_budget is None:
+        if "--accum" in given:
+            raise UsageError(f"--effective-batch {args.effective_batch} and --accum {args.accum_steps} both set "
+                             "the accumulation: drop --accum (it follows: the effective batch / --batch-size)")
+        if args.effective_batch % args.batch_size:
+            raise UsageError(f"--effective-batch {args.effective_batch} is not a multiple of --batch-size "
+                             f"{args.batch_size}: pass an effective batch that --batch-size divides")
+
+
+def budget_bytes(size: str) -> int:
+    """--memory-budget in bytes, or a UsageError naming the units it takes."""
+    from looptrain.planning import PlanError, parse_size
+
+    try:
+        return parse_size(size)
+    except PlanError as error:
+        raise UsageError(f"--memory-budget: {error}") from None
 
 
 def check_lora_flags(args) -> None:
@@ -393,12 +314,11 @@ def check_lora_flags(args) -> None:
                          "drop --merge-lora (a full fine-tune's final/ holds full weights already)")
     if not args.lora_rank:
         return
-    frozen = [flag for flag, given in (("--freeze-embeddings", args.freeze_embeddings),
-                                       ("--freeze-layers", args.freeze_layers),
-                                       ("--freeze-encoder", args.freeze_encoder)) if given]
-    if frozen:
-        raise UsageError(f"--lora freezes the whole base already (only the adapters and a classifier's head train): "
-                         f"drop {' and '.join(frozen)}")
+    from looptrain import strategy
+
+    problem = strategy.lora_freezing_problem(args, name=flag_of)  # the Strategy's own check, in flag names
+    if problem:
+        raise UsageError(problem)
     if args.layer_lr_decay is not None:
         raise UsageError("--layer-lr-decay scales the learning rate of each block's own weights, which --lora "
                          "freezes (only the adapters train): drop --layer-lr-decay (or --lora)")
@@ -437,35 +357,43 @@ def check_task_flags(args, given: set[str]) -> None:
         if args.metric_for_best == "perplexity":
             raise UsageError("--metric-for-best perplexity scores a causal LM (--task causal-lm); a classifier is "
                              "picked by f1, accuracy, f1_binary or loss")
-    if args.metric_for_best is None:
-        args.metric_for_best = DEFAULT_METRIC_FOR_BEST[args.task]
 
 
-def loop_config(args, identity: dict | None = None):
-    """The LoopConfig of these flags (validated: a bad value or combination raises ConfigError)."""
-    from looptrain import LoopConfig
+def loop_config(request, identity: dict | None = None):
+    """The LoopConfig of a `RunRequest`'s flags (validated: a bad value or combination raises ConfigError)."""
+    from looptrain import LoopConfig, strategy
 
-    fields = {name: getattr(args, name) for name in LOOP_FLAGS}
-    fields.update(strategy_of(args, precision="auto" if args.amp else args.precision).loop_fields())
-    fields["progress_bar"] = not args.no_progress_bar
-    fields["track_memory"] = not args.no_track_memory
-    fields["track_every_update"] = args.track_every_update
+    flags = request.flags
+    fields = {spec.name: getattr(flags, spec.name) for spec in strategy.declared(LoopConfig)
+              if "option" in spec.metadata and spec.metadata["option"]["flag"]}
+    fields.update(strategy_of(flags, precision="auto" if flags.amp else flags.precision).loop_fields())
+    fields["progress_bar"] = not flags.no_progress_bar
+    fields["track_memory"] = not flags.no_track_memory
+    fields["track_every_update"] = flags.track_every_update
     fields["run_identity"] = identity or {}
-    fields["extra"] = {"command_line": args._argv}
+    fields["extra"] = {"command_line": list(request.process.argv)}
     return LoopConfig(**fields)
 
 
-def effective_batch(args) -> int:
+def effective_batch(flags) -> int:
     """Samples per update on one process: --effective-batch, else --batch-size x --accum."""
-    return args.effective_batch if args.effective_batch is not None else args.batch_size * args.accum_steps
+    return flags.effective_batch if flags.effective_batch is not None else flags.batch_size * flags.accum_steps
+
+
+def flag_of(field: str) -> str:
+    """The command-line flag of a `Strategy` or `LoopConfig` field (`looptrain.strategy.flag_names`)."""
+    return _flag_names()[field]
+
+
+def _flag_names() -> dict[str, str]:
+    from looptrain import strategy
+    from looptrain.config import LoopConfig
+
+    return strategy.flag_names(strategy.Strategy, LoopConfig)
 
 
 def flag_names_for(message: str) -> str:
     """For a LoopConfig or Strategy error: which command-line flag sets each field the message names."""
-    from looptrain import strategy
-
-    flags = {spec.name: spec.metadata["lever"]["flag"] for spec in strategy.levers(strategy.Strategy)}
-    flags.update((field, flag) for field, (flag, _) in LOOP_FLAGS.items())
-    named = [f"{field} is {flag}" for field, flag in sorted(flags.items()) if f"{field}=" in message
+    named = [f"{field} is {flag}" for field, flag in sorted(_flag_names().items()) if f"{field}=" in message
              or f"{field} " in message]
     return f"\n  (on the command line: {'; '.join(named)})" if named else ""

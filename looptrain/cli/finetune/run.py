@@ -3,19 +3,18 @@ evaluated and saved."""
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import dataclasses
-import functools
-import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from looptrain.cli.finetune.arguments import UsageError, loop_config, strategy_of
-from looptrain.cli.finetune.budget import apply_settings, plan_only_output, planned_settings
+from looptrain.cli.console import Console, say, speaking
+from looptrain.cli.errors import UsageError
+from looptrain.cli.finetune.arguments import loop_config, strategy_of
+from looptrain.cli.finetune.budget import plan_only_output, planned_request
 from looptrain.cli.finetune.inputs import (
     Inputs,
     embedded_model_path,
@@ -26,19 +25,23 @@ from looptrain.cli.finetune.inputs import (
 )
 from looptrain.cli.finetune.reports import OutOfMemory, final_table, what_would_fit
 
+if TYPE_CHECKING:
+    from looptrain.cli.finetune.request import RunRequest
 
-def build_scheduler(optimizer, args, total_steps: int):
+
+def build_scheduler(optimizer, flags, total_steps: int):
+    """--scheduler after --warmup-ratio of the updates."""
     import torch
 
-    warmup = int(round(total_steps * args.warmup_ratio))
+    warmup = int(round(total_steps * flags.warmup_ratio))
 
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / (warmup + 1)
-        if args.scheduler == "constant":
+        if flags.scheduler == "constant":
             return 1.0
         progress = (step - warmup) / max(1, total_steps - warmup)
-        if args.scheduler == "cosine":
+        if flags.scheduler == "cosine":
             return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
         return max(0.0, 1.0 - progress)
 
@@ -46,41 +49,48 @@ def build_scheduler(optimizer, args, total_steps: int):
 
 
 # ---------------------------------------------------------------------- the run
-def run(args) -> dict:
-    """The command line's run: the output directory locked and checked first, then `train`."""
+def run(request: RunRequest) -> dict:
+    """The command line's run (a `RunRequest`): the output directory locked and checked first, then `train`.
+
+    Every message goes through this rank's console: rank 0 speaks (to stderr with --plan-only --json, whose stdout
+    holds the JSON alone), the other ranks stay silent.
+    """
     from transformers.utils import logging as hf_logging
 
-    from looptrain import distributed, ledger
-    from looptrain.config import check_process_group
+    from looptrain import distributed
 
     hf_logging.disable_progress_bar()  # no "Loading weights" / "Writing model shards" bars: the loop reports progress
-    place = distributed.init_distributed(args.device)  # under torchrun: join the group before building samplers
-    print = builtins.print if place.is_main else _silent  # one process speaks
-    if args.json and place.is_main:  # --plan-only --json: stdout holds the JSON alone, the progress goes to stderr
-        print = functools.partial(builtins.print, file=sys.stderr)
-    if getattr(args, "_capped_kernel_caches", None):
-        print(f"--memory-budget: {args._capped_kernel_caches}")
-    model_path = args.model
+    place = distributed.init_distributed(request.flags.device)  # under torchrun: join the group before samplers
+    with speaking(Console(speaks=place.is_main, to_stderr=request.flags.json)):
+        return _run_in_place(request, place)
+
+
+def _run_in_place(request: RunRequest, place) -> dict:
+    from looptrain import ledger
+    from looptrain.config import check_process_group
+
+    flags = request.flags
+    if request.process.capped_kernel_caches:
+        say(f"--memory-budget: {request.process.capped_kernel_caches}")
+    model_path = flags.model
     if model_path is None:
         model_path = str(embedded_model_path())
         os.environ["HF_HUB_OFFLINE"] = "1"  # the embedded model is loaded by path, never from a hub
-    config = loop_config(args, run_identity(args, model_path, place.world_size))  # validates every loop option
-    check_process_group(config, place.world_size, sharded=args.fsdp, optimizer_name=args.optimizer)
-    if args.plan_only:  # nothing is written: no lock, no ledger
-        return train(args, config, place, model_path, print)
+    config = loop_config(request, run_identity(flags, model_path, place.world_size))  # validates every option
+    check_process_group(config, place.world_size, sharded=flags.fsdp, optimizer_name=flags.optimizer)
+    request = dataclasses.replace(request, model_path=model_path, config=config)
+    if flags.plan_only:  # nothing is written: no lock, no ledger
+        return train(request, place)
     output_dir = Path(config.output_dir)
     if place.is_main:
         check_writable(output_dir)
-    with ledger.OutputDirLock(output_dir, echo=print) if place.is_main else contextlib.nullcontext():
-        if place.is_main:  # the output directory's verdict before any data or model is read (the Loop asks again)
-            plan = ledger.RunLedger(output_dir, echo=print).begin(config.identity(), config.resume, config.overwrite)
-            if plan["action"] == "finished":
-                summary_path = output_dir / "summary.json"
-                summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-                print(f"the run in {output_dir} finished at step {summary.get('optimizer_steps', '?')}: "
-                      "nothing to train; its summary.json, checkpoints and final/ are left as they are")
-                return {**summary, "interrupted": None, "already_finished": True}
-        return train(args, config, place, model_path, print)
+    with ledger.OutputDirLock(output_dir, echo=say) if place.is_main else contextlib.nullcontext():
+        if place.is_main:  # the output directory's verdict before any data or model is read, asked once: the Loop
+            # holding the same lock is given this verdict (`looptrain.ledger.RunLedger.begin`)
+            verdict = ledger.RunLedger(output_dir, echo=say).begin(config.identity(), config.resume, config.overwrite)
+            if verdict["action"] == "finished":
+                return {**ledger.finished_run_summary(output_dir, echo=say), "interrupted": None}
+        return train(request, place)
 
 
 def check_writable(output_dir: Path) -> None:
@@ -96,110 +106,114 @@ def check_writable(output_dir: Path) -> None:
                          "you can write to (e.g. --output-dir runs/exp1)") from None
 
 
-def train(args, config, place, model_path: str, print) -> dict:
+def train(request: RunRequest, place) -> dict:
     """Everything after the output directory's checks: data, model, the Loop, final/ and the tables."""
     from looptrain import Loop, distributed, seed_everything
     from looptrain.guards import OUT_OF_MEMORY_ERRORS
     from looptrain.precision import amp_precision, resolve_device, resolve_precision
 
+    config = request.config
     device = distributed.device_for(resolve_device(config.device), place)
-    if config.precision == "auto" and args.memory_budget is None and config.weights == "fp32":
-        print(amp_precision(device)[1])
+    if config.precision == "auto" and request.budget is None and config.weights == "fp32":
+        say(amp_precision(device)[1])
     elif config.weights == "bf16":  # the weights decide: bf16 compute, whatever --amp would pick on this CPU
-        print("--weights bf16: the forward and backward compute in bf16 (the weights are bf16)")
+        say("--weights bf16: the forward and backward compute in bf16 (the weights are bf16)")
     output_dir = Path(config.output_dir)
     seed_everything(config.seed)
-    inputs = load_inputs(args, model_path, print)
+    inputs = load_inputs(request.flags, request.model_path)
 
     plan_result = None
-    if args.memory_budget is not None:
-        settings, plan_result = planned_settings(args, config, inputs.model, inputs.train_set, inputs.collator,
-                                                 device, output_dir, print)
-        if args.plan_only:
-            return plan_only_output(args, plan_result, print)
-        apply_settings(args, settings)
-        config = dataclasses.replace(config, **settings.loop_fields())
-        if plan_result is not None and plan_result.meter != "of live tensors" and config.track_memory \
+    if request.budget is not None:
+        request, plan_result = planned_request(request, inputs.model, inputs.train_set, inputs.collator, device,
+                                               output_dir)
+        if request.budget.plan_only:
+            return plan_only_output(request, plan_result)
+        if plan_result is not None and plan_result.meter != "of live tensors" and request.config.track_memory \
                 and device.type == "cpu":
             # The budget is read by the OS, and the plan's speeds were probed without the tensor tracker, whose
-            # Python hook on every op slows small micro-batches (1 x 32: +45% measured). (On CUDA the allocator
-            # meters the run either way.)
-            config = dataclasses.replace(config, track_memory=False)
-            print("--memory-budget: the run's meter is the budget's (process RSS); the tensor tracker is off "
-                  "(--budget-meter tensors keeps it, with its breakdown)")
+            # Python hook on every op slows small micro-batches (docs/plan.md): the run meters what the plan did.
+            # (On CUDA the allocator meters the run either way.)
+            request = dataclasses.replace(request, config=dataclasses.replace(request.config, track_memory=False))
+            say("--memory-budget: the run's meter is the budget's (process RSS); the tensor tracker is off "
+                "(--budget-meter tensors keeps it, with its breakdown)")
+    config = request.config
     precision = resolve_precision(config.compute_precision, device)
-    train_loader, eval_loader, estimated_peak = make_loaders(args, config, place, inputs, plan_result, print)
-    optimizer, scheduler = build_optimization(args, config, inputs.model, device, len(train_loader))
-    prepare_output_dir(args, config, place, model_path, inputs.model, precision, device, plan_result)
+    train_loader, eval_loader, estimated_peak = make_loaders(request, place, inputs, plan_result)
+    optimizer, scheduler = build_optimization(request, inputs.model, device, len(train_loader))
+    prepare_output_dir(request, place, inputs.model, precision, device, plan_result)
 
     loop = Loop(inputs.model, optimizer, train_loader, eval_loader=eval_loader, scheduler=scheduler, config=config)
     try:
         summary = loop.fit()
     except OUT_OF_MEMORY_ERRORS as error:
-        raise OutOfMemory(f"{error}\n{what_would_fit(inputs.model.config, args, precision, loop.device)}") from error
+        raise OutOfMemory(f"{error}\n{what_would_fit(inputs.model.config, request.flags, precision, loop.device)}") \
+            from error
     if summary["interrupted"]:
         return summary  # a checkpoint was saved; no final/ for an unfinished run
-    summary["rss_at_start_bytes"] = args._rss_at_start  # what a budget of RSS counts from (None: not Linux)
-    summary = write_outputs(summary, place, inputs, output_dir, plan_result, estimated_peak, print,
-                            resumed_plan=args._resumed_plan)
-    if args.merge_lora and place.is_main:
-        write_merged(args, model_path, inputs, output_dir / "final", print)
+    summary["rss_at_start_bytes"] = request.process.rss_at_start  # what a budget of RSS counts from (None: not Linux)
+    summary = write_outputs(summary, place, inputs, output_dir, plan_result, estimated_peak,
+                            resumed_plan=request.resumed_plan)
+    if request.flags.merge_lora and place.is_main:
+        write_merged(request.flags, request.model_path, inputs, output_dir / "final")
     distributed.barrier()
     return summary
 
 
-def make_loaders(args, config, place, inputs: Inputs, plan_result, print):
-    """The train loader, this run's memory estimate over its batches, the eval loader; prints the padding."""
+def make_loaders(request: RunRequest, place, inputs: Inputs, plan_result):
+    """The train loader, this run's memory estimate over its batches, the eval loader; says the padding."""
     import torch
 
     from looptrain import data as data_module
 
-    grouping = "tokens" if args.max_tokens else ("length" if args.group_by_length else "random")
+    flags, config = request.flags, request.config
+    grouping = "tokens" if flags.max_tokens else ("length" if flags.group_by_length else "random")
     train_loader = data_module.make_train_loader(
-        inputs.train_set, args.batch_size, inputs.collator, grouping=grouping, max_tokens=args.max_tokens,
-        seed=config.seed, num_workers=args.num_workers, pin_memory=torch.cuda.is_available())
+        inputs.train_set, flags.batch_size, inputs.collator, grouping=grouping, max_tokens=flags.max_tokens,
+        seed=config.seed, num_workers=flags.num_workers, pin_memory=torch.cuda.is_available())
     started = time.perf_counter()
-    estimated_peak = run_estimate(args, config, inputs.model, inputs.train_set, inputs.collator, train_loader,
+    estimated_peak = run_estimate(flags, config, inputs.model, inputs.train_set, inputs.collator, train_loader,
                                   plan_result)
     inputs.estimate_seconds = time.perf_counter() - started
     eval_loader = None
     if inputs.eval_set is not None:
-        eval_batch_size = args.eval_batch_size
-        if plan_result is not None and "--eval-batch-size" not in {token.split("=")[0] for token in args._argv}:
+        eval_batch_size = flags.eval_batch_size
+        if plan_result is not None and "--eval-batch-size" not in request.process.given:
             # A forward without gradients at the training micro-batch holds less than the training step the plan
             # fitted; the default 64 rows at the worst width may not fit the budget.
-            eval_batch_size = min(eval_batch_size, args.batch_size)
-            print(f"--memory-budget: evaluating {eval_batch_size} rows at a time (the plan's micro-batch; "
+            eval_batch_size = min(eval_batch_size, flags.batch_size)
+            say(f"--memory-budget: evaluating {eval_batch_size} rows at a time (the plan's micro-batch; "
                   "--eval-batch-size to choose)")
         eval_loader = data_module.make_eval_loader(
-            inputs.eval_set, eval_batch_size, inputs.collator, num_workers=args.num_workers,
+            inputs.eval_set, eval_batch_size, inputs.collator, num_workers=flags.num_workers,
             num_replicas=place.world_size, rank=place.rank)
     _, padding_line = data_module.padding_stats(
-        train_loader, inputs.train_set.lengths, padding=args.padding, max_length=args.max_length,
-        pad_to_multiple_of=args.pad_to_multiple_of)
-    print(f"batches ({grouping}, {args.padding} padding): {padding_line}")
+        train_loader, inputs.train_set.lengths, padding=flags.padding, max_length=flags.max_length,
+        pad_to_multiple_of=flags.pad_to_multiple_of)
+    say(f"batches ({grouping}, {flags.padding} padding): {padding_line}")
     return train_loader, eval_loader, estimated_peak
 
 
-def build_optimization(args, config, model, device, batches_per_epoch: int):
+def build_optimization(request: RunRequest, model, device, batches_per_epoch: int):
     """The optimizer and the schedule (an FSDP model is sharded first: fully_shard replaces the parameters)."""
     from looptrain import distributed
     from looptrain.loop import planned_updates
 
-    if args.fsdp:  # shard before the optimizer is built: fully_shard replaces the parameters
+    flags = request.flags
+    if flags.fsdp:  # shard before the optimizer is built: fully_shard replaces the parameters
         model.to(device)
         distributed.shard_model(model)
-    optimizer = strategy_of(args).build_optimizer(model, args.lr, weight_decay=args.weight_decay,
-                                                  layer_lr_decay=args.layer_lr_decay)
-    scheduler = build_scheduler(optimizer, args, planned_updates(batches_per_epoch, config))
+    optimizer = strategy_of(flags).build_optimizer(model, flags.lr, weight_decay=flags.weight_decay,
+                                                   layer_lr_decay=flags.layer_lr_decay)
+    scheduler = build_scheduler(optimizer, flags, planned_updates(batches_per_epoch, request.config))
     return optimizer, scheduler
 
 
-def prepare_output_dir(args, config, place, model_path: str, model, precision: str, device, plan_result) -> None:
+def prepare_output_dir(request: RunRequest, place, model, precision: str, device, plan_result) -> None:
     """Checks a forced resume's weights fit the model, then writes run_config.json (main process)."""
     from looptrain.checkpoint import write_json_atomic
     from looptrain.precision import cpu_description
 
+    config = request.config
     output_dir = Path(config.output_dir)
     # a forced resume: a model that does not fit fails before anything is written
     if config.resume not in (None, "auto"):
@@ -208,14 +222,14 @@ def prepare_output_dir(args, config, place, model_path: str, model, precision: s
         check_weights_fit(resolve_resume_checkpoint(config.resume, output_dir), model)
     if place.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
-        resolved = {"arguments": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-                    "model_path": model_path, "loop_config": config.to_dict(), "world_size": place.world_size,
+        resolved = {"arguments": request.arguments(),
+                    "model_path": request.model_path, "loop_config": config.to_dict(), "world_size": place.world_size,
                     "resolved": {"precision": precision, "device": str(device), "cpu": cpu_description()},
-                    "plan": plan_result.to_dict() if plan_result is not None else args._resumed_plan}
+                    "plan": plan_result.to_dict() if plan_result is not None else request.resumed_plan}
         write_json_atomic(output_dir / "run_config.json", resolved)
 
 
-def write_outputs(summary: dict, place, inputs: Inputs, output_dir: Path, plan_result, estimated_peak, print,
+def write_outputs(summary: dict, place, inputs: Inputs, output_dir: Path, plan_result, estimated_peak,
                   resumed_plan: dict | None = None) -> dict:
     """A finished run's final/ and summary.json (its plan, or the saved plan a resumed run trained, and its
     estimate's error added), then the two tables."""
@@ -246,12 +260,12 @@ def write_outputs(summary: dict, place, inputs: Inputs, output_dir: Path, plan_r
         inputs.tokenizer.save_pretrained(final_dir)
         write_json_atomic(output_dir / "summary.json", summary)  # the loop's summary plus the two keys above
     distributed.barrier()
-    print(final_table(summary, baseline, output_dir))
-    print(memory.format_memory_table(summary))
+    say(final_table(summary, baseline, output_dir))
+    say(memory.format_memory_table(summary))
     return summary
 
 
-def write_merged(args, model_path: str, inputs: Inputs, final_dir: Path, print) -> Path:
+def write_merged(flags, model_path: str, inputs: Inputs, final_dir: Path) -> Path:
     """--merge-lora: final/merged/, the --model weights loaded in full precision with final/'s adapters merged in
     (`looptrain.lora.merge_lora`): never the trained model's 4-bit weights (QLoRA), whose rounding would be merged
     too. Loadable by `from_pretrained` alone, with the tokenizer."""
@@ -264,15 +278,15 @@ def write_merged(args, model_path: str, inputs: Inputs, final_dir: Path, print) 
     config = inputs.model.get_base_model().config  # the trained run's: labels, pad token
     import torch
 
-    base = load_weights(auto_class, model_path, config, args, dtype=torch.float32)
+    base = load_weights(auto_class, model_path, config, flags, dtype=torch.float32)
     with quiet_peft():
         merge_lora(base, final_dir, merged_dir)
     inputs.tokenizer.save_pretrained(merged_dir)
-    print(f"--merge-lora: merged full weights in {merged_dir} (the adapters of {final_dir} added into {model_path})")
+    say(f"--merge-lora: merged full weights in {merged_dir} (the adapters of {final_dir} added into {model_path})")
     return merged_dir
 
 
-def run_estimate(args, config, model, train_set, collator, train_loader, plan_result) -> int | None:
+def run_estimate(flags, config, model, train_set, collator, train_loader, plan_result) -> int | None:
     """`looptrain.estimation.estimate` of this run's settings over the batches its sampler will give it, where
     it gives them (every run reports its own error; a planned run reports its plan's worst-batch estimate)."""
     from looptrain.estimation import run_batches_estimate, run_windows
@@ -281,9 +295,9 @@ def run_estimate(args, config, model, train_set, collator, train_loader, plan_re
 
     if plan_result is not None:
         return plan_result.winner.estimated_peak_bytes
-    if args.fsdp or args.max_tokens:
+    if flags.fsdp or flags.max_tokens:
         return None  # the estimator models one process; token budgets give too many batch shapes to price
-    settings = strategy_of(args, **{**config.loop_fields(), "precision": resolve_precision_name(config)})
+    settings = strategy_of(flags, **{**config.loop_fields(), "precision": resolve_precision_name(config)})
     try:
         windows = run_windows(train_loader.batch_sampler, train_set.lengths, collator, config.accum_steps,
                               epochs=config.epochs, max_steps=config.max_steps,
@@ -296,7 +310,7 @@ def run_estimate(args, config, model, train_set, collator, train_loader, plan_re
                 num_labels=model.config.num_labels, device=device)) as worker:
             return worker(None)
     except Exception as error:  # noqa: BLE001  an estimate is a report, never a reason to stop a run
-        print(f"notice: no memory estimate for this run ({type(error).__name__}: {error})")
+        say(f"notice: no memory estimate for this run ({type(error).__name__}: {error})")
         return None
 
 
@@ -305,6 +319,3 @@ def resolve_precision_name(config) -> str:
 
     return resolve_precision(config.compute_precision, resolve_device(config.device))
 
-
-def _silent(*args, **kwargs) -> None:
-    """print() on ranks other than 0."""

@@ -1,0 +1,141 @@
+"""The command line parsed once: a frozen `RunRequest` that every step of a run reads and none writes.
+
+`request_of` checks the parsed flags (`arguments.check_flags`), resolves the defaults that depend on other flags
+(the metric for the task, the accumulation of ``--effective-batch``), and returns the request: the flags (`Flags`,
+read-only), the process it runs in (`Process`), the memory budget (`BudgetRequest`) and, for a resumed planned run,
+the plan it saved. The planner's answer is a new request (`RunRequest.planned`), never a change to this one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from looptrain.cli.errors import UsageError
+from looptrain.cli.finetune.arguments import DEFAULT_METRIC_FOR_BEST, check_flags, strategy_of
+
+if TYPE_CHECKING:
+    from looptrain.config import LoopConfig
+
+
+@dataclass(frozen=True)
+class Flags:
+    """Every flag's value by its argparse dest, read-only: ``flags.max_length``.
+
+    The functions that read flags take a `Flags` (or, from Python, the `argparse.Namespace` of `build_parser`).
+    """
+
+    values: Mapping[str, Any]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.__dict__["values"][name]
+        except KeyError:
+            raise AttributeError(f"no flag with dest {name!r}") from None
+
+    def replace(self, **changes: Any) -> Flags:
+        """These flags with `changes`, as if they had been given."""
+        return Flags(types.MappingProxyType({**self.values, **changes}))
+
+    def to_dict(self) -> dict:
+        return dict(self.values)
+
+
+@dataclass(frozen=True)
+class Process:
+    """The process a run happens in.
+
+    Args:
+        argv: the command line as given.
+        owns_process: the process is this run's alone (the console script's), so settings that outlive the run
+            may be changed (glibc's malloc thresholds, under a budget read as RSS).
+        rss_at_start: the process's RSS once the libraries are imported (None: not Linux).
+        capped_kernel_caches: what capping oneDNN's kernel caches said (a budget in a process of its own), said by
+            `run` once it knows where its messages go.
+    """
+
+    argv: tuple[str, ...] = ()
+    owns_process: bool = False
+    rss_at_start: int | None = None
+    capped_kernel_caches: str | None = None
+
+    @property
+    def given(self) -> frozenset[str]:
+        """The flags on the command line (``--name`` of ``--name=value`` too)."""
+        return frozenset(token.split("=")[0] for token in self.argv)
+
+
+@dataclass(frozen=True)
+class BudgetRequest:
+    """`--memory-budget` and the planner's flags."""
+
+    size: str  # as given: 4GiB
+    bytes: int
+    meter: str  # --budget-meter: auto, rss or tensors
+    plan_time: float | None
+    plan_only: bool
+    json: bool
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """One run of the command line, as asked: the flags, the process, the budget, a resumed plan; once the run
+    knows them, the model's path and the loop's configuration (`dataclasses.replace`: a new request)."""
+
+    flags: Flags
+    process: Process
+    budget: BudgetRequest | None = None
+    resumed_plan: dict | None = None  # a resumed planned run: the plan its run_config.json saved
+    model_path: str | None = None  # --model, or the embedded model's directory, once the run resolved it
+    config: LoopConfig | None = None  # once the run knows its identity (its model, data and world size)
+
+    @property
+    def strategy(self) -> Any:
+        """The `looptrain.Strategy` of the flags (--optim auto stands for adamw until the planner chooses)."""
+        return strategy_of(self.flags)
+
+    def planned(self, settings: Any, *, resumed_plan: dict | None = None) -> RunRequest:
+        """The request that trains `settings` (a plan's winner, or a resumed run's saved plan): its levers as if
+        their flags had been given, --amp resolved by the plan."""
+        from looptrain import strategy
+
+        levers = {spec.name: getattr(settings, spec.name) for spec in strategy.levers(type(settings))}
+        config = dataclasses.replace(self.config, **settings.loop_fields()) if self.config is not None else None
+        return dataclasses.replace(self, flags=self.flags.replace(**levers, amp=False), config=config,
+                                   resumed_plan=resumed_plan if resumed_plan is not None else self.resumed_plan)
+
+    def arguments(self) -> dict:
+        """run_config.json's "arguments": every flag's value (and the budget in bytes, with --memory-budget)."""
+        extra = {"memory_budget_bytes": self.budget.bytes} if self.budget is not None else {}
+        return {**self.flags.to_dict(), **extra}
+
+
+def request_of(arguments: argparse.Namespace, process: Process) -> RunRequest:
+    """The request of parsed flags: checked (a `UsageError` names the flags that cannot go together), with the
+    defaults that depend on other flags resolved."""
+    check_flags(arguments, process.given)
+    values = dict(vars(arguments))
+    if values["metric_for_best"] is None:
+        values["metric_for_best"] = DEFAULT_METRIC_FOR_BEST[values["task"]]
+    if values["effective_batch"] is not None and values["memory_budget"] is None:
+        values["accum_steps"] = values["effective_batch"] // values["batch_size"]
+    flags = Flags(types.MappingProxyType(values))
+    return RunRequest(flags=flags, process=process, budget=budget_of(flags))
+
+
+def budget_of(flags: Flags) -> BudgetRequest | None:
+    """`--memory-budget` read (a `UsageError` for a size that is not one), or None without it."""
+    if flags.memory_budget is None:
+        return None
+    from looptrain.planning import PlanError, parse_size
+
+    try:
+        size = parse_size(flags.memory_budget)
+    except PlanError as error:
+        raise UsageError(f"--memory-budget: {error}") from None
+    return BudgetRequest(size=flags.memory_budget, bytes=size, meter=flags.budget_meter, plan_time=flags.plan_time,
+                         plan_only=flags.plan_only, json=flags.json)
