@@ -32,7 +32,13 @@ from test_reliability import (
 )
 
 from looptrain import LedgerError, Loop, LoopConfig
-from looptrain.checkpoint import latest_checkpoint, list_checkpoints, rotate_checkpoints, save_checkpoint, write_json_atomic
+from looptrain.checkpoint import (
+    latest_checkpoint,
+    list_checkpoints,
+    rotate_checkpoints,
+    save_checkpoint,
+    write_json_atomic,
+)
 
 from conftest import WORDS, make_tiny_tokenizer
 

@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the command line; returns the exit code (0 ok, 2 for a user error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    from looptrain import DataError
+    from looptrain.data.errors import DataError
 
     try:
         check_flags(args)

@@ -67,9 +67,13 @@ def main(argv: list[str] | None = None, *, owns_process: bool = False) -> int:
 
         capped = allocator.cap_kernel_caches()
     process = Process(argv=tuple(argv), owns_process=owns_process, rss_at_start=rss, capped_kernel_caches=capped)
-    from looptrain import CheckpointError, ConfigError, DataError, EvaluationError, TrainingDiverged
+    from looptrain.checkpoint.layout import CheckpointError
+    from looptrain.data.errors import DataError
+    from looptrain.errors import ConfigError
+    from looptrain.guards import TrainingDiverged
     from looptrain.ledger import LedgerError
     from looptrain.planning import PlanError
+    from looptrain.run import EvaluationError
 
     user_errors = (UsageError, ConfigError, DataError, CheckpointError, TrainingDiverged, OutOfMemory, LedgerError,
                    EvaluationError, PlanError)

@@ -361,7 +361,8 @@ def check_task_flags(args, given: set[str]) -> None:
 
 def loop_config(request, identity: dict | None = None):
     """The LoopConfig of a `RunRequest`'s flags (validated: a bad value or combination raises ConfigError)."""
-    from looptrain import LoopConfig, strategy
+    from looptrain import strategy
+    from looptrain.config import LoopConfig
 
     flags = request.flags
     fields = {spec.name: getattr(flags, spec.name) for spec in strategy.declared(LoopConfig)

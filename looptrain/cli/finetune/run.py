@@ -108,9 +108,11 @@ def check_writable(output_dir: Path) -> None:
 
 def train(request: RunRequest, place) -> dict:
     """Everything after the output directory's checks: data, model, the Loop, final/ and the tables."""
-    from looptrain import Loop, distributed, seed_everything
+    from looptrain import distributed
     from looptrain.guards import OUT_OF_MEMORY_ERRORS
+    from looptrain.loop import Loop
     from looptrain.precision import amp_precision, resolve_device, resolve_precision
+    from looptrain.seeding import seed_everything
 
     config = request.config
     device = distributed.device_for(resolve_device(config.device), place)
