@@ -104,11 +104,11 @@ class SigtermAtStep3(Loop):
 
 def test_an_interrupted_lora_run_resumes_to_the_same_adapter_bitwise(bert_run, model_dir, bert_files, tmp_path,
                                                                       monkeypatch):
-    import looptrain
+    import looptrain.loop
 
     output_dir = tmp_path / "cut"
     with monkeypatch.context() as patch:
-        patch.setattr(looptrain, "Loop", SigtermAtStep3)
+        patch.setattr(looptrain.loop, "Loop", SigtermAtStep3)  # what the command line builds
         code, out = run_quietly(bert_argv(model_dir, bert_files, output_dir))
     assert code == 143, out
     checkpoint = output_dir / "checkpoint-3"
