@@ -11,12 +11,12 @@ Modules:
 Their command lines live in `looptrain.cli`.
 """
 
+from looptrain.planning.candidates import by_tokens
 from looptrain.planning.errors import PlanError
 from looptrain.planning.lowest import Lowest, lowest
 from looptrain.planning.planner import plan
 from looptrain.planning.plans import Candidate, Levers, Plan, parse_size
 from looptrain.planning.probes import rss_baseline_bytes
-from looptrain.planning.search import by_tokens
 
 __all__ = [
     "Candidate",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from looptrain.planning.errors import PlanError
@@ -91,6 +92,25 @@ class Candidate:
     # What its optimizer step allocates beyond what is alive before it (`Search.step_bytes`): a probe with a ceiling
     # stops before a step that would take it past, as nothing inside the step can stop it.
     step_bytes: int = 0
+
+    def record(self, probe: dict, seconds_per_epoch: float | None = None) -> None:
+        """Its probe's measurements, and the epoch's time they predict (None: no time measured, the prior's stands)."""
+        self.probe, self.probed = probe, True
+        if seconds_per_epoch is not None:
+            self.seconds_per_epoch = seconds_per_epoch
+
+    def predict(self, seconds_per_epoch: float) -> None:
+        """Its epoch's time predicted without its own probe: the prior, scaled to the probes or alone."""
+        self.seconds_per_epoch = seconds_per_epoch
+
+    def mark_baseline(self, baseline: bool) -> None:
+        """Whether it is the configuration the run would train without the planner."""
+        self.baseline = baseline
+
+    def realise(self, as_run: Callable[[Strategy], Strategy] = lambda settings: settings) -> None:
+        """Its settings become what the run trains: `trained` where it is cut by tokens, as `as_run` trains them."""
+        self.settings = as_run(self.trained if self.trained is not None else self.settings)
+        self.trained = None
 
 
 @dataclass
