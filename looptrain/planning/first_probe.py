@@ -4,7 +4,7 @@ safe default) is costed and probed (`first_probe`).
 Its probe predicts the run's time, which bounds planning's (`probe_fraction`, or `probe_budget`), and under a measured
 meter it measures what the process holds besides tensors, which the search then charges to every candidate
 (`Budget.with_process`). Under a budget of RSS with `make_lean`, a first probe over the budget makes the C allocator
-one step leaner and is measured again (`_lean_until_it_fits`; docs/plan.md, 'Which meter the budget counts').
+one step leaner and is measured again (`_measure_first`; docs/plan.md, 'Which meter the budget counts').
 """
 
 from __future__ import annotations

@@ -13,10 +13,10 @@ from looptrain.strategy import Strategy
 
 GIB = 1024**3
 
-# The share of the budget kept free above the estimate. CPU: the estimate is within 2.3% of the tensor
-# tracker on every mix of estimation.ACCURACY_MIXES; 5% leaves room for that and for batches the estimate
-# shapes differently. CUDA: the caching allocator rounds and fragments, and kernels take workspaces the
-# estimate does not see (about 10-20% of the peak on typical runs); 15% covers that, unchecked here.
+# The share of the budget kept free above the estimate. CPU: more than the estimate's error against the tensor
+# tracker on every mix of estimation.ACCURACY_MIXES (docs/memory.md), with room for batches the estimate shapes
+# differently. CUDA: the caching allocator rounds and fragments, and kernels take workspaces the estimate does not
+# see; the larger share covers them, unchecked here (docs/plan.md, 'How "fits" is decided').
 DEFAULT_MARGIN = {"cpu": 0.05, "cuda": 0.15}
 
 # What a budget counts, by `plan(meter=...)`, and how the plan names it.
@@ -24,7 +24,7 @@ METERS = {"tensors": "of live tensors", "rss": "of process RSS above the start",
           "cuda_reserved": "of CUDA reserved memory"}
 
 # Planning's time is 5% of the run (`probe_fraction`), but at least this many seconds, probes included: the search
-# of a small run would otherwise stop at its first estimates ("at most ~10 s for a small run").
+# of a small run would otherwise stop at its first estimates.
 MIN_PLANNING_SECONDS = 10.0
 _UNITS = {"b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
