@@ -931,7 +931,7 @@ def test_estimates_side_by_side_find_the_same_plan_and_charge_a_round_as_its_lon
 
 
 def test_a_round_side_by_side_is_charged_as_its_longest_and_a_failed_prefetch_is_not_kept():
-    """`Search.prefetch` sends one estimate to each worker and reads every answer: the round counts as its longest
+    """`EstimateBook.prefetch` sends one estimate to each worker and reads every answer: the round counts as its longest
     estimate, and an estimate that failed beside another is not memoised, so the search meets its error when it
     asks for it, and not before."""
     from looptrain.planning.book import EstimateBook
@@ -1265,7 +1265,7 @@ def test_the_last_step_of_the_search_is_estimated_beside_the_split_below_the_bes
 ])
 def test_a_splits_peak_is_predicted_phase_by_phase_from_two_estimates_at_other_micro_batches(mix):
     """For fixed settings at one width, each phase's peak is affine in the micro-batch's rows: from the estimates at
-    2 and 4 rows, `Search.predict` gives the estimator's own peak at 3 and 8 rows (interpolated and extrapolated),
+    2 and 4 rows, `EstimateBook.predict` gives the estimator's own peak at 3 and 8 rows (interpolated and extrapolated),
     checked against estimates made apart. One row of a padded worst batch is not padded: no prediction there, nor
     for other settings."""
     from looptrain import estimation
@@ -1650,9 +1650,9 @@ def test_a_probe_leaves_no_loop_or_optimizer_state_alive_behind_it():
 
 
 def test_the_optimizer_steps_bytes_come_from_the_estimate():
-    """`Search.step_bytes`: the estimate's optimizer phase less the weights and gradients, so at least the state the
-    first step creates: AdamW's two fp32 moments per parameter, Adafactor's factored rows and columns far less. The
-    same at every micro-batch (read from the nearest estimate), and nothing for the step fused into backward."""
+    """`EstimateBook.step_bytes`: the estimate's optimizer phase less the weights and gradients, so at least the state
+    the first step creates: AdamW's two fp32 moments per parameter, Adafactor's factored rows and columns far less.
+    The same at every micro-batch (read from the nearest estimate), and nothing for the step fused into backward."""
     from looptrain.planning.book import EstimateBook
 
     model = make_tiny_bert(num_labels=2)

@@ -41,13 +41,13 @@ from looptrain.planning.candidates import Searched, find_candidates, smaller_spl
 from looptrain.planning.errors import PlanError
 from looptrain.planning.first_probe import FirstProbe, first_probe
 from looptrain.planning.plans import Candidate, Levers, Plan, format_bytes
-from looptrain.planning.ranking import KEEP_BASELINE_WITHIN, Prober, Ranking, rank
+from looptrain.planning.ranking import Prober, Ranking, rank
 from looptrain.planning.request import Request, check
 from looptrain.planning.search import Search, import_optimizers, lightest_split
 from looptrain.planning.suggestions import lora_comparison, nothing_fits_message
 from looptrain.strategy import Strategy
 
-__all__ = ["KEEP_BASELINE_WITHIN", "plan"]
+__all__ = ["plan"]
 
 
 def plan(

@@ -47,6 +47,11 @@ CEILING_CHECK_SECONDS = 0.001
 MODEL_DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def describe_model(model: nn.Module) -> None:
+    """Describes `model` for the probes' cache keys (`MODEL_DIGESTS`), before a probe changes what it reads."""
+    MODEL_DIGESTS[model] = estimate_cache.model_digest(model)
+
+
 class Meter:
     """A measured budget's meter around a probe: the process's RSS above `baseline` (Linux: the kernel's peak
     mark, reset before the probe), or the CUDA caching allocator's peak reserved bytes."""

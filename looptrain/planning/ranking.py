@@ -33,7 +33,7 @@ KEEP_BASELINE_WITHIN = 0.05
 PRIOR_OPTIMISM = 0.75
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Prober:
     """What a probe needs: the model, where the worst batches come from (`order`: the dataset's indices, longest
     first), the device, the budget and its meter (None: the tensors meter), the model's FLOPs and the echo."""

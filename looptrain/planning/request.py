@@ -11,7 +11,6 @@ from typing import Any
 
 from torch import nn
 
-from looptrain.estimation import cache as estimate_cache
 from looptrain.flops import ModelFlops, count_model_flops
 from looptrain.lora import is_lora_model
 from looptrain.planning import probes
@@ -22,7 +21,7 @@ from looptrain.precision import resolve_device
 from looptrain.strategy import Strategy
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Request:
     """What `plan` was asked, checked and resolved (see `plan` for each argument).
 
@@ -107,7 +106,7 @@ def check(model: nn.Module, dataset: Any, collator: Any, *, memory_budget: int, 
                         "base.wrap_model(model)): the probes train it as it is")
     if is_module:
         base.prepare_model(model)
-        probes.MODEL_DIGESTS[model] = estimate_cache.model_digest(model)
+        probes.describe_model(model)
     if meter != "tensors" and not (options["probe"] and is_module):
         raise PlanError(f"a budget {METERS[meter]} is checked by probing a real model: pass probe=True, "
                         "or plan for a budget of live tensors (meter='tensors')")
