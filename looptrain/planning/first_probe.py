@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import looptrain.planning.probes as probes
 from looptrain.memory import allocator
-from looptrain.planning import probes
 from looptrain.planning.budget import Budget
 from looptrain.planning.candidates import costed
 from looptrain.planning.plans import MIN_PLANNING_SECONDS, Candidate, estimate_seconds, format_bytes

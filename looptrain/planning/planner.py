@@ -34,8 +34,8 @@ from typing import Any
 
 from torch import nn
 
+import looptrain.planning.probes as probes
 from looptrain.memory import allocator
-from looptrain.planning import probes
 from looptrain.planning.book import EstimateBook
 from looptrain.planning.candidates import Searched, find_candidates, smaller_split
 from looptrain.planning.errors import PlanError

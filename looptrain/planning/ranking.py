@@ -9,8 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import looptrain.planning.probes as probes
 from looptrain.flops import ModelFlops
-from looptrain.planning import probes
 from looptrain.planning.budget import Budget
 from looptrain.planning.errors import PlanError
 from looptrain.planning.plans import Candidate, format_bytes

@@ -11,9 +11,9 @@ from typing import Any
 
 from torch import nn
 
+import looptrain.planning.probes as probes
 from looptrain.flops import ModelFlops, count_model_flops
 from looptrain.lora import is_lora_model
-from looptrain.planning import probes
 from looptrain.planning.budget import Budget
 from looptrain.planning.errors import PlanError
 from looptrain.planning.plans import DEFAULT_MARGIN, METERS, Levers, lora_words

@@ -10,8 +10,8 @@ from typing import Any
 
 from torch import nn
 
+import looptrain.planning.probes as probes
 from looptrain.flops import ModelFlops
-from looptrain.planning import probes
 from looptrain.planning.plans import Candidate
 from looptrain.precision import cpu_has_native_bf16
 from looptrain.strategy import Strategy
