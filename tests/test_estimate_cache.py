@@ -9,7 +9,7 @@ import torch
 
 from looptrain.estimation import cache as estimate_cache
 from looptrain.estimation import estimate, estimator, preset_config, run_batches_estimate
-from looptrain.planning import search as plan_search
+from looptrain.planning.book import EstimateBook
 from looptrain.strategy import Strategy
 
 BATCH, WIDTH = 2, 8
@@ -203,7 +203,7 @@ def test_a_corrupt_entry_is_ignored_and_rewritten(cache_root, computed, content)
 def test_the_planner_counts_the_estimates_read_from_the_cache(cache_root, computed):
     lines: list[str] = []
     settings = Strategy(batch_size=BATCH, optimizer="adafactor")
-    searches = [plan_search.Search(bert_config(), WIDTH, 2**40, 0.0, 1.0, 2, lines.append) for _ in range(2)]
+    searches = [EstimateBook(bert_config(), WIDTH, echo=lines.append) for _ in range(2)]
     peaks = [search.peak(settings) for search in searches]
     assert peaks[0] == peaks[1] > 0
     assert [(search.count, search.cached) for search in searches] == [(1, 0), (1, 1)]

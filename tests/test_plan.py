@@ -533,7 +533,7 @@ def test_the_configuration_without_the_planner_is_kept_unless_another_is_measure
 
 @pytest.mark.slow  # over 4 s: make test stays under 5 minutes on 2 cores; .ci/run runs it
 def test_without_probe_time_only_the_baseline_and_the_favourite_are_probed(dataset, monkeypatch, tmp_path):
-    from looptrain.planning import planner
+    from looptrain.planning import book
 
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))  # a probe cached by another test costs 0 s
     train_set, collator = dataset
@@ -548,7 +548,7 @@ def test_without_probe_time_only_the_baseline_and_the_favourite_are_probed(datas
     monkeypatch.setattr(probes, "probe", lambda *args, **kwargs: calls.append(args[1]) or probe(*args, **kwargs))
     # One estimate at a time: two workers would estimate the lightest split beside the baseline before planning's
     # time is known (free where there are two cores), which the first plan's search did not need.
-    monkeypatch.setattr(planner, "estimate_workers", lambda: 1)
+    monkeypatch.setattr(book, "estimate_workers", lambda: 1)
     result = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH,
                   base=Strategy(batch_size=1, accum_steps=16), probe_budget=0.0)
     assert len(result.candidates) > 2
@@ -815,23 +815,27 @@ def test_the_fused_steps_bound_is_the_line_through_two_estimates_not_one_scaled(
     74 MiB at 32 rows) do not fit. Scaling one estimate's activations by the rows (26 MiB at 8 rows, x 4) would
     overstate them by the line's intercept, and rule out a fused step that fits."""
     from looptrain.planning import search as plan_search
+    from looptrain.planning.book import EstimateBook
+    from looptrain.planning.budget import Budget
 
     mib = 2**20
     for budget, ruled_out in ((240, False), (200, True)):  # the bound: 100 + 50 + 74 = 224 MiB
-        search = plan_search.Search(torch.nn.Linear(1, 1), 32, budget * mib, 0.0, 1.0, 2, lambda line: None)
+        book = EstimateBook(torch.nn.Linear(1, 1), 32)
+        search = plan_search.Search(book, Budget(budget * mib, 0.0))
         for rows in (4, 8):
             split = Strategy(batch_size=rows, accum_steps=32 // rows)
-            search.results[search.key(split)] = {"memory_breakdown": {
+            book.results[book.key(split)] = {"memory_breakdown": {
                 "peak_phase": "backward", "params": 100 * mib, "optimizer_state": 50 * mib,
                 "activations_and_temps": (10 + 2 * rows) * mib}}
-        assert plan_search.cannot_fit_fused(search, Strategy(batch_size=8, accum_steps=4), 32) == ruled_out
-        assert [s.batch_size for s in search.extrapolated] == ([32] if ruled_out else [])
+        extrapolated = plan_search.ruled_out_fused(search, Strategy(batch_size=8, accum_steps=4), 32)
+        assert (extrapolated is not None) == ruled_out
+        assert [s.batch_size for s in [extrapolated] if s is not None] == ([32] if ruled_out else [])
 
 
 def test_with_no_planning_time_the_search_stops_short_and_the_baseline_trains(dataset, monkeypatch, tmp_path):
     """Planning's time (estimates and probes) is bounded: with none left after the first probe and nothing cached,
     no further split is estimated, the note says so, and the configuration without the planner is the plan."""
-    from looptrain.planning import planner
+    from looptrain.planning import book
 
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cold"))
     train_set, collator = dataset
@@ -842,10 +846,10 @@ def test_with_no_planning_time_the_search_stops_short_and_the_baseline_trains(da
     result = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH, base=user,
                   probe_budget=0.0)
     # The baseline's own estimate (does it fit), and with two estimate workers the lightest split's beside it.
-    assert result.estimates == planner.estimate_workers() and result.cached_estimates == 0
+    assert result.estimates == book.estimate_workers() and result.cached_estimates == 0
     # The candidates are splits those estimates priced (the lightest, where it was estimated beside the baseline)
     # and nothing else; the configuration without the planner, probed, trains.
-    from looptrain.planning.search import by_tokens
+    from looptrain.planning.candidates import by_tokens
 
     lightest = by_tokens(Strategy(batch_size=1, accum_steps=EFFECTIVE_BATCH, gradient_checkpointing=True,
                                   checkpoint_every=1), result.worst_width)  # cut by tokens as the planner trains it
@@ -857,13 +861,13 @@ def test_with_no_planning_time_the_search_stops_short_and_the_baseline_trains(da
 def one_second_estimates(dataset, monkeypatch):
     """The dataset, a tiny BERT and a budget between micro-batches 4 and 8, with every estimate costed at 1 s
     (`compute_seconds`: what planning's time charges) and probes faked: planning's decisions depend on no clock."""
-    from looptrain.planning import search as plan_search
+    from looptrain.planning import book
 
     train_set, collator = dataset
     model = make_tiny_bert(num_labels=2)
     budget = budget_between(model, train_set, collator, 4, 8)
-    real = plan_search.estimate
-    monkeypatch.setattr(plan_search, "estimate",
+    real = book.estimate
+    monkeypatch.setattr(book, "estimate",
                         lambda *args, **kwargs: {**real(*args, **kwargs), "compute_seconds": 1.0})
     monkeypatch.setattr(probes, "probe", fake_probe(dict.fromkeys((1, 2, 4, 8, 16), 1.0)))
     return train_set, collator, model, budget
@@ -873,11 +877,11 @@ def test_a_rerun_on_the_cache_takes_the_same_decisions_in_a_fraction_of_the_time
     """Planning's time counts each estimate at what computing it cost, one read from the cache at its recorded cost:
     a rerun on the cache stops where the first run stopped (it does not spend the time again on splits the first did
     not reach), plans the same candidates and trains the same winner. Here every estimate costs 1 s."""
-    from looptrain.planning import planner
+    from looptrain.planning import book
 
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     train_set, collator, model, budget = one_second_estimates(dataset, monkeypatch)
-    monkeypatch.setattr(planner, "estimate_workers", lambda: 1)  # one at a time (side by side: the next test)
+    monkeypatch.setattr(book, "estimate_workers", lambda: 1)  # one at a time (side by side: the next test)
     options = {"memory_budget": budget, "effective_batch": EFFECTIVE_BATCH, "probe_budget": 3.5}
     first = plan(model, train_set, collator, **options)
     # 1 s each, of 3.48 s: the third ends at 3 s; a fourth would end past it, so it is not started.
@@ -896,8 +900,7 @@ def test_estimates_side_by_side_find_the_same_plan_and_charge_a_round_as_its_lon
     """With two estimate workers the search estimates the baseline beside the lightest split, and each binary-search
     step beside the step it takes when that one fits: the same candidates as one worker finds, its rounds charged
     as their longest estimate (here every estimate costs 1 s), so the same time searches as far."""
-    from looptrain.planning import planner
-    from looptrain.planning import search as plan_search
+    from looptrain.planning import book
 
     train_set, collator = dataset
     model = make_tiny_bert(num_labels=2)
@@ -909,13 +912,13 @@ def test_estimates_side_by_side_find_the_same_plan_and_charge_a_round_as_its_lon
                 "memory_breakdown": {"peak_phase": "backward", "params": 10 * 2**20, "optimizer_state": 0,
                                      "activations_and_temps": activations}}
 
-    monkeypatch.setattr(plan_search, "estimate", affine)
+    monkeypatch.setattr(book, "estimate", affine)
     monkeypatch.setattr(probes, "probe", fake_probe(dict.fromkeys((1, 2, 4, 8, 16), 1.0)))
     budget = int(1.05 * 36 * 2**20)  # no checkpointing: 4 rows fit (26 MiB), 8 do not (42 MiB); every other: 8
     results = {}
     for workers in (1, 2):
         monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / f"cache-{workers}"))
-        monkeypatch.setattr(planner, "estimate_workers", lambda workers=workers: workers)
+        monkeypatch.setattr(book, "estimate_workers", lambda workers=workers: workers)
         results[workers] = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH,
                                 probe_budget=100.0, token_micro_batches=False)  # the splits as searched
     one, two = results[1], results[2]
@@ -928,10 +931,10 @@ def test_estimates_side_by_side_find_the_same_plan_and_charge_a_round_as_its_lon
 
 
 def test_a_round_side_by_side_is_charged_as_its_longest_and_a_failed_prefetch_is_not_kept():
-    """`Search.prefetch` sends one estimate to each worker and reads every answer: the round counts as its longest
+    """`EstimateBook.prefetch` sends one estimate to each worker and reads every answer: the round counts as its longest
     estimate, and an estimate that failed beside another is not memoised, so the search meets its error when it
     asks for it, and not before."""
-    from looptrain.planning import search as plan_search
+    from looptrain.planning.book import EstimateBook
 
     class Worker:
         def submit(self, request):
@@ -943,8 +946,7 @@ def test_a_round_side_by_side_is_charged_as_its_longest_and_a_failed_prefetch_is
                 raise ValueError("no estimate at 16 rows")
             return {"peak_memory_bytes": settings.batch_size * 2**20, "compute_seconds": settings.batch_size / 4}
 
-    search = plan_search.Search(torch.nn.Linear(1, 1), 32, 2**30, 0.05, 1.0, 2, lambda line: None)
-    search.workers = [Worker(), Worker()]
+    search = EstimateBook(torch.nn.Linear(1, 1), 32, workers=[Worker(), Worker()])
     two, four, sixteen = (Strategy(batch_size=size, accum_steps=16 // size) for size in (2, 4, 16))
     search.prefetch([two, four])
     assert search.count == 2 and search.charged == pytest.approx(1.0)  # 0.5 s beside 1.0 s: the round is 1.0 s
@@ -976,7 +978,7 @@ def test_a_probe_times_a_small_micro_batch_and_a_candidates_epoch_counts_each_mi
     and its optimizer steps, so the same tokens cut into twice the micro-batches are predicted slower by that cost.
     """
     from looptrain.flops import ModelFlops, count_model_flops
-    from looptrain.planning import plans, ranking
+    from looptrain.planning import plans, timing
 
     model = make_tiny_bert(num_labels=2)
     rows, width = 2, 24  # wider than the warm-up's 16 columns, every one a real token
@@ -988,25 +990,25 @@ def test_a_probe_times_a_small_micro_batch_and_a_candidates_epoch_counts_each_mi
     assert 0 < accumulating["small_step_seconds"]
     whole = probes.measure_probe(model, Strategy(batch_size=2, accum_steps=1), batch, "cpu", 1.0)
     assert "small_step_seconds" not in whole
-    assert ranking.micro_batch_costs(whole, count_model_flops(model)) is None
+    assert timing.micro_batch_costs(whole, count_model_flops(model)) is None
 
     flops = ModelFlops(dense=100.0, attention=1.0)  # 2 x 16 rows: 3,712 FLOPs; 2 x 256: 182,272
     probe = {"micro_step_seconds": 0.1 + 182_272e-6, "small_step_seconds": 0.1 + 3_712e-6,
              "small_batch_shape": [2, 16], "batch_shape": [2, 256], "tokens": 512, "optimizer_step_seconds": 0.5}
-    fixed, per_flop = ranking.micro_batch_costs(probe, flops)
+    fixed, per_flop = timing.micro_batch_costs(probe, flops)
     assert fixed == pytest.approx(0.1) and per_flop == pytest.approx(1e-6)
-    assert ranking.micro_batch_costs({**probe, "small_step_seconds": 0.3}, flops) is None  # noise: slower than large
-    assert ranking.micro_batch_costs({**probe, "small_step_seconds": 0.001}, flops) == \
+    assert timing.micro_batch_costs({**probe, "small_step_seconds": 0.3}, flops) is None  # noise: slower than large
+    assert timing.micro_batch_costs({**probe, "small_step_seconds": 0.001}, flops) == \
         (0.0, pytest.approx(probe["micro_step_seconds"] / 182_272))  # a negative fixed cost: all of it work
 
     few, many = (plans.Candidate(Strategy(), 0, padded_tokens=4096, micro_batches=count, flops=2e6, updates=8)
                  for count in (10, 20))
     for candidate in (few, many):
-        ranking.record_probe(candidate, probe, flops)
+        timing.record_probe(candidate, probe, flops)
     assert few.seconds_per_epoch == pytest.approx(0.1 * 10 + 2.0 + 0.5 * 8)
     assert many.seconds_per_epoch - few.seconds_per_epoch == pytest.approx(0.1 * 10)
     tokens_only = plans.Candidate(Strategy(), 0, padded_tokens=4096, micro_batches=10, updates=8)  # no FLOPs
-    ranking.record_probe(tokens_only, probe, flops)
+    timing.record_probe(tokens_only, probe, flops)
     assert tokens_only.seconds_per_epoch == pytest.approx(probe["micro_step_seconds"] / 512 * 4096 + 0.5 * 8)
 
 
@@ -1016,7 +1018,7 @@ def test_a_probe_times_a_typical_micro_batch_after_the_worst_and_prices_the_run_
     of costs goes through it and the small step, not through the worst batch. A probe stopped at its ceiling by the
     worst batch never runs it."""
     from looptrain.flops import ModelFlops
-    from looptrain.planning import plans, ranking
+    from looptrain.planning import plans, timing
 
     seen = []
     real_compute_loss = Loop.compute_loss
@@ -1075,30 +1077,30 @@ def test_a_probe_times_a_typical_micro_batch_after_the_worst_and_prices_the_run_
              "typical_step_seconds": 0.1 + 41_984e-6, "typical_batch_shape": [4, 64],
              "micro_step_seconds": 0.1 + 1.5 * 182_272e-6, "batch_shape": [2, 256], "tokens": 512,
              "optimizer_step_seconds": 0.5}
-    assert ranking.micro_batch_costs(probe, flops) == (pytest.approx(0.1), pytest.approx(1e-6))
+    assert timing.micro_batch_costs(probe, flops) == (pytest.approx(0.1), pytest.approx(1e-6))
     without = {key: value for key, value in probe.items() if not key.startswith("typical")}
-    assert ranking.micro_batch_costs(without, flops)[1] == pytest.approx((1.5 * 182_272 - 3_712) / (182_272 - 3_712)
+    assert timing.micro_batch_costs(without, flops)[1] == pytest.approx((1.5 * 182_272 - 3_712) / (182_272 - 3_712)
                                                                          * 1e-6)  # the worst batch's dearer FLOPs
 
     # A split of the same kernels reuses that line, with its own optimizer steps: its probe times no typical batch.
-    assert ranking.same_kernels(Strategy(batch_size=2, accum_steps=16),
+    assert timing.same_kernels(Strategy(batch_size=2, accum_steps=16),
                                 Strategy(batch_size=32, accum_steps=1, micro_batch_tokens=512))
-    assert not ranking.same_kernels(Strategy(batch_size=2, accum_steps=16),
+    assert not timing.same_kernels(Strategy(batch_size=2, accum_steps=16),
                                     Strategy(batch_size=2, accum_steps=16, gradient_checkpointing=True))
     other = plans.Candidate(Strategy(batch_size=4, accum_steps=8), 0, padded_tokens=4096, micro_batches=10,
                             flops=2e6, updates=8)
-    ranking.record_probe(other, {**without, "optimizer_step_seconds": 0.25}, flops, line_from=probe)
+    timing.record_probe(other, {**without, "optimizer_step_seconds": 0.25}, flops, line_from=probe)
     assert other.seconds_per_epoch == pytest.approx(0.1 * 10 + 2.0 + 0.25 * 8)
     # Without a line (one micro-batch an update), the typical micro-batch's seconds per FLOP price the epoch (per
     # padded token without FLOPs counted).
     alone = {key: value for key, value in probe.items() if not key.startswith("small")}
     whole = plans.Candidate(Strategy(batch_size=8, accum_steps=1), 0, padded_tokens=4096, micro_batches=8,
                             flops=2e6, updates=8)
-    ranking.record_probe(whole, alone, flops)
+    timing.record_probe(whole, alone, flops)
     assert whole.seconds_per_epoch == pytest.approx((0.1 + 41_984e-6) / 41_984 * 2e6 + 0.5 * 8)
     uncounted = plans.Candidate(Strategy(batch_size=8, accum_steps=1), 0, padded_tokens=4096, micro_batches=8,
                                 updates=8)
-    ranking.record_probe(uncounted, alone, flops)
+    timing.record_probe(uncounted, alone, flops)
     assert uncounted.seconds_per_epoch == pytest.approx((0.1 + 41_984e-6) / 256 * 4096 + 0.5 * 8)
 
 
@@ -1136,7 +1138,7 @@ class AffineSearch:
 
     def __init__(self, budget: int, limit: float | None = None):
         self.budget, self.margin, self.overhead, self.measured, self.padded = budget, 0.0, 0, False, False
-        self.smallest_failure, self.results, self.estimated, self.cache = None, {}, [], set()
+        self.results, self.estimated, self.cache = {}, [], set()
         self.limit, self.rounds = limit, []  # a time limit (probes follow); the rounds `prefetch_all` was asked for
 
     def prefetch_all(self, settings_list) -> None:
@@ -1154,6 +1156,9 @@ class AffineSearch:
 
     def known(self, settings) -> bool:
         return False  # no predictions: every step is estimated
+
+    def memoised(self, settings) -> bool:
+        return self.key(settings) in self.cache
 
     def family_estimates(self, settings) -> list:
         return []  # no estimate results: the fused step is never ruled out without its own
@@ -1177,12 +1182,12 @@ def test_planning_hides_the_objects_it_found_from_the_collector_and_gives_them_b
     and unfreezes them when it returns; objects the caller had frozen stay frozen."""
     import gc
 
-    from looptrain.planning import search as plan_search
+    from looptrain.planning import book
 
     train_set, collator = dataset
     model = make_tiny_bert(num_labels=2)
     seen = []
-    monkeypatch.setattr(plan_search, "estimate", row_estimates)
+    monkeypatch.setattr(book, "estimate", row_estimates)
     probe = fake_probe(dict.fromkeys((1, 2, 4, 8, 16), 1.0))
     monkeypatch.setattr(probes, "probe", lambda *args, **kwargs: seen.append(gc.get_freeze_count())
                         or probe(*args, **kwargs))
@@ -1204,18 +1209,18 @@ def test_the_optimizers_libraries_are_imported_before_the_estimate_workers_fork(
     """Importing transformers' Adafactor (or bitsandbytes) costs about a second; imported once before the workers
     fork, each child finds it imported. Every optimizer the plan may try is imported; a missing library is left to
     the estimate, which says so."""
-    from looptrain.planning import planner
+    from looptrain.planning import book
     from looptrain.planning import search as plan_search
 
     events = []
-    monkeypatch.setattr(plan_search, "estimate", row_estimates)
+    monkeypatch.setattr(book, "estimate", row_estimates)
     monkeypatch.setattr(plan_search, "import_optimizer", lambda name: events.append(name))
-    real_worker = planner.EstimateWorker
-    monkeypatch.setattr(planner, "EstimateWorker", lambda serve: events.append("fork") or real_worker(serve))
+    real_worker = book.EstimateWorker
+    monkeypatch.setattr(book, "EstimateWorker", lambda serve: events.append("fork") or real_worker(serve))
     train_set, collator = dataset
     plan(make_tiny_bert(num_labels=2), train_set, collator, memory_budget=2**30, effective_batch=EFFECTIVE_BATCH,
          base=Strategy(batch_size=8, accum_steps=1, optimizer="adafactor"), probe=False)
-    assert events[0] == "adafactor" and events[1:] == ["fork"] * planner.estimate_workers()
+    assert events[0] == "adafactor" and events[1:] == ["fork"] * book.estimate_workers()
 
     events.clear()
     plan_search.import_optimizers(Strategy(optimizer="adamw"), Levers(optimizer_family=True), ())
@@ -1248,7 +1253,7 @@ def test_the_last_step_of_the_search_is_estimated_beside_the_split_below_the_bes
     template = Strategy(batch_size=1, accum_steps=32, gradient_checkpointing=True, checkpoint_every=1)
     for budget, best, last in ((38, 8, [8, 2]), (37, 4, [8, 2]), (50, 16, [32, 8])):
         search = Rounds(budget)  # every block checkpointed: 20 + 10 + a row each
-        assert plan_search.largest_fitting(search, template, [1, 2, 4, 8, 16, 32], 32) == best
+        assert plan_search.largest_fitting(search, template, [1, 2, 4, 8, 16, 32], 32).size == best
         assert search.rounds[0] == [4, 16] and search.rounds[-1] == last
 
 
@@ -1260,15 +1265,14 @@ def test_the_last_step_of_the_search_is_estimated_beside_the_split_below_the_bes
 ])
 def test_a_splits_peak_is_predicted_phase_by_phase_from_two_estimates_at_other_micro_batches(mix):
     """For fixed settings at one width, each phase's peak is affine in the micro-batch's rows: from the estimates at
-    2 and 4 rows, `Search.predict` gives the estimator's own peak at 3 and 8 rows (interpolated and extrapolated),
+    2 and 4 rows, `EstimateBook.predict` gives the estimator's own peak at 3 and 8 rows (interpolated and extrapolated),
     checked against estimates made apart. One row of a padded worst batch is not padded: no prediction there, nor
     for other settings."""
     from looptrain import estimation
-    from looptrain.planning import search as plan_search
+    from looptrain.planning.book import EstimateBook
 
     model = make_tiny_bert(num_labels=2, num_layers=3)
-    search = plan_search.Search(model, 24, 2**30, 0.05, 1.0, 2, lambda line: None)
-    search.padded = True
+    search = EstimateBook(model, 24, padded=True)
     split = lambda rows: Strategy(batch_size=rows, accum_steps=4, **mix)  # noqa: E731
     assert search.predict(split(3)) is None  # nothing estimated yet
     for rows in (2, 4):
@@ -1305,8 +1309,9 @@ def test_the_search_decides_steps_by_prediction_and_estimates_the_split_a_predic
     a line through the peaks themselves would not. Under the tensors meter a split a prediction chose is estimated
     before it is returned, and when that estimate does not fit, the search goes on below it; under a measured meter
     (each candidate's probe measures it) the prediction stands, and so it does when planning's time is spent."""
-    from looptrain.planning import plans
+    from looptrain.planning import book, plans
     from looptrain.planning import search as plan_search
+    from looptrain.planning.budget import Budget
 
     template = Strategy(batch_size=1, accum_steps=128)
     sizes = plans.divisors(128)
@@ -1316,18 +1321,20 @@ def test_the_search_decides_steps_by_prediction_and_estimates_the_split_a_predic
             (78, False, {16: 20}, 8, [8, 32, 16]),  # 16 estimated at 96 MiB: below it, 8 (44 MiB, estimated) fits
             (50, False, None, 8, [8, 32])):  # 16 predicted over the budget: 8 was estimated already
         stand_in, calls = phased_estimates(extra)
-        monkeypatch.setattr(plan_search, "estimate", stand_in)
-        search = plan_search.Search(torch.nn.Linear(1, 1), 32, int(budget * 2**20), 0.0, 1.0, 2, lambda line: None)
-        search.measured = measured
-        assert plan_search.largest_fitting(search, template, sizes, 128) == best
-        assert calls == estimated and search.key(template.__class__(batch_size=16, accum_steps=8)) in search.predicted
+        monkeypatch.setattr(book, "estimate", stand_in)
+        estimates = book.EstimateBook(torch.nn.Linear(1, 1), 32)
+        search = plan_search.Search(estimates, Budget(int(budget * 2**20), 0.0, "rss" if measured else "tensors"))
+        assert plan_search.largest_fitting(search, template, sizes, 128).size == best
+        assert calls == estimated and estimates.key(template.__class__(batch_size=16, accum_steps=8)) \
+            in estimates.predicted
 
     # Planning's time spent before the chosen split could be estimated: the prediction stands, as its peak too.
     stand_in, calls = phased_estimates(seconds=1.0)
-    monkeypatch.setattr(plan_search, "estimate", stand_in)
-    search = plan_search.Search(torch.nn.Linear(1, 1), 32, 78 * 2**20, 0.0, 1.0, 2, lambda line: None)
-    search.limit = 2.5  # two estimates of 1 s: a third would end past it
-    assert plan_search.largest_fitting(search, template, sizes, 128) == 16 and calls == [8, 32]
+    monkeypatch.setattr(book, "estimate", stand_in)
+    estimates = book.EstimateBook(torch.nn.Linear(1, 1), 32)
+    estimates.limit_time(2.5)  # two estimates of 1 s: a third would end past it
+    search = plan_search.Search(estimates, Budget(78 * 2**20, 0.0))
+    assert plan_search.largest_fitting(search, template, sizes, 128).size == 16 and calls == [8, 32]
     assert search.candidate_peak(Strategy(batch_size=16, accum_steps=8)) == 76 * 2**20 and calls == [8, 32]
 
 
@@ -1341,7 +1348,7 @@ def test_the_search_finds_the_lightest_mode_first_and_never_estimates_a_split_mo
 
     search = AffineSearch(budget=38)  # every block: 8 rows (38), every other: 4 (38), none: 2 (38); fused: 16 rows
     base = Strategy(batch_size=16, accum_steps=1)
-    chosen = plan_search.candidate_settings(search, 16, base, Levers(), set(), "cpu")
+    chosen = plan_search.candidate_settings(search, 16, base, Levers(), set(), "cpu").settings
     first = search.estimated[0]
     assert (first.gradient_checkpointing, first.checkpoint_every) == (True, 1)
     for settings in search.estimated:  # no mode is estimated above what a more checkpointed one fitted
@@ -1414,7 +1421,8 @@ def test_a_favourite_measured_over_the_budget_is_replaced_by_what_the_prior_rank
     (On the benchmark of docs/plan.md the favourite, every other block at 2 x 16, measured over, and its smaller
     split 1 x 32 stood in, while no block checkpointed at 1 x 32, ranked above that split, was never probed.)"""
     from looptrain.planning import ranking
-    from looptrain.planning.plans import Candidate, Plan
+    from looptrain.planning.budget import Budget
+    from looptrain.planning.plans import Candidate
 
     train_set, collator = dataset
 
@@ -1436,13 +1444,11 @@ def test_a_favourite_measured_over_the_budget_is_replaced_by_what_the_prior_rank
                 "measured_peak_bytes": (400 if settings == favourite.settings else 100) * 2**20}
 
     monkeypatch.setattr(probes, "probe", probe)
-    result = Plan(budget_bytes=300 * 2**20, margin=0.05, effective_batch=16, worst_width=32, device="cpu",
-                  candidates=[favourite, runner_up, safe], estimates=0, estimate_seconds=0.0, probe_seconds=0.0,
-                  probe_budget_seconds=None, num_samples=16, meter="of process RSS above the start")
     order = sorted(range(len(train_set.lengths)), key=lambda index: -train_set.lengths[index])
-    ranking.probe_candidates(result, None, train_set, collator, order, "cpu", 1, 1.0, probe_budget=0.0,
-                             probe_fraction=0.05, meter=probes.Meter("rss", 0), echo=lambda line: None,
-                             smaller=lambda over: smaller if over is favourite else None)
+    prober = ranking.Prober(None, train_set, collator, order, "cpu", 1.0, probes.Meter("rss", 0),
+                            Budget(300 * 2**20, 0.05, "rss"))
+    result = ranking.rank([favourite, runner_up, safe], prober, epochs=1, probe_budget=0.0, probe_fraction=0.05,
+                          smaller=lambda over, candidates: smaller if over is favourite else None)
     assert probed == [1, 4, stand_in]  # the baseline, the favourite (over the budget), its stand-in; no time for more
     assert favourite not in result.candidates and {id(c) for c in result.candidates} == \
         {id(safe), id(runner_up if stand_in == 16 else smaller)}
@@ -1459,7 +1465,7 @@ class KnownOnlySearch(AffineSearch):
         return self.key(settings) in self.known_keys
 
     def fits(self, settings) -> bool:
-        from looptrain.planning.search import SearchTimeSpent
+        from looptrain.planning.book import SearchTimeSpent
 
         if not self.known(settings):
             raise SearchTimeSpent
@@ -1475,10 +1481,10 @@ def test_a_search_cut_short_keeps_every_split_it_already_knows_to_fit():
     base = Strategy(batch_size=16, accum_steps=1)
     frontier = plan_search.mode_frontier(base, 16, set())
     search = KnownOnlySearch(budget=34, known=frontier)  # at 1 row, every block: 31, every other: 32, none: 34
-    chosen = plan_search.candidate_settings(search, 16, base, Levers(), set(), "cpu")
+    chosen = plan_search.candidate_settings(search, 16, base, Levers(), set(), "cpu").settings
     assert chosen == frontier
     search = KnownOnlySearch(budget=33, known=frontier)  # none at 1 row (34) is over: not a candidate
-    assert plan_search.candidate_settings(search, 16, base, Levers(), set(), "cpu") == frontier[:2]
+    assert plan_search.candidate_settings(search, 16, base, Levers(), set(), "cpu").settings == frontier[:2]
     assert all(dataclasses.replace(split, batch_size=1, accum_steps=16) == split for split in frontier)
 
 
@@ -1588,19 +1594,17 @@ def test_a_probe_stopped_at_its_ceiling_never_fits_whatever_the_rounding():
     down to a byte: on worked example 2 (a budget of 697.2 MiB) that byte let a first probe stopped before its step
     count as fitting, and the plan, with no time for it, failed. A stopped probe never fits; the most that fits
     (its ceiling) does."""
-    from looptrain.planning.ranking import first_probe_ceiling
-    from looptrain.planning.search import Search, probe_fits
+    from looptrain.planning.budget import Budget
 
-    settings, estimate = Strategy(batch_size=1, accum_steps=32), 379_772_616
+    estimate = 379_772_616
     rounded = []
     for budget in range(731_045_888, 731_045_888 + 64):
-        search = Search(None, 256, budget, 0.05, 1.0, 2, lambda line: None)
-        search.cache[search.key(settings)] = estimate
-        ceiling = first_probe_ceiling(budget, 0.05, estimate)
-        assert probe_fits({"measured_peak_bytes": ceiling}, search, settings)
-        assert not probe_fits({"stopped": True, "ceiling": ceiling, "measured_peak_bytes": ceiling + 1}, search,
-                              settings)
-        rounded.append(probe_fits({"measured_peak_bytes": ceiling + 1}, search, settings))
+        fit = Budget(budget, 0.05, "rss")
+        ceiling = fit.first_probe_ceiling(estimate)
+        assert fit.first_probe_fits({"measured_peak_bytes": ceiling}, estimate)
+        assert not fit.first_probe_fits({"stopped": True, "ceiling": ceiling, "measured_peak_bytes": ceiling + 1},
+                                        estimate)
+        rounded.append(fit.first_probe_fits({"measured_peak_bytes": ceiling + 1}, estimate))
     assert any(rounded)  # the byte the rounding lets through, which a stopped probe must not be
 
 
@@ -1646,14 +1650,14 @@ def test_a_probe_leaves_no_loop_or_optimizer_state_alive_behind_it():
 
 
 def test_the_optimizer_steps_bytes_come_from_the_estimate():
-    """`Search.step_bytes`: the estimate's optimizer phase less the weights and gradients, so at least the state the
-    first step creates: AdamW's two fp32 moments per parameter, Adafactor's factored rows and columns far less. The
-    same at every micro-batch (read from the nearest estimate), and nothing for the step fused into backward."""
-    from looptrain.planning.search import Search
+    """`EstimateBook.step_bytes`: the estimate's optimizer phase less the weights and gradients, so at least the state
+    the first step creates: AdamW's two fp32 moments per parameter, Adafactor's factored rows and columns far less.
+    The same at every micro-batch (read from the nearest estimate), and nothing for the step fused into backward."""
+    from looptrain.planning.book import EstimateBook
 
     model = make_tiny_bert(num_labels=2)
     weights = sum(parameter.numel() * 4 for parameter in model.parameters())
-    search = Search(model, 32, 2**30, 0.05, 1.0, 2, lambda line: None)
+    search = EstimateBook(model, 32)
     adamw = Strategy(batch_size=2, accum_steps=4)
     adafactor = dataclasses.replace(adamw, optimizer="adafactor")
     search.peak(adamw), search.peak(adafactor)

@@ -281,7 +281,7 @@ def test_the_first_probe_of_each_kernel_setting_times_the_runs_mean_micro_batch(
     real), and the other splits of those settings reuse its line of costs, probed for their memory and steps alone."""
     from looptrain import data
     from looptrain.flops import count_model_flops
-    from looptrain.planning import ranking
+    from looptrain.planning import ranking, timing
 
     train_set, collator = dataset
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
@@ -307,7 +307,7 @@ def test_the_first_probe_of_each_kernel_setting_times_the_runs_mean_micro_batch(
                   base=Strategy(batch_size=2, accum_steps=8, group_by_length=True), probe_budget=60.0)
     assert len(handed) >= 2 and all(candidate.probed for candidate in result.candidates)
     first_settings, first_typical = handed[0]
-    first = next(c for c in result.candidates if ranking.same_kernels(c.settings, first_settings) and c.baseline)
+    first = next(c for c in result.candidates if timing.same_kernels(c.settings, first_settings) and c.baseline)
     flops = count_model_flops(model)
     shapes = [shape for window in run_windows(data.make_train_loader(
         train_set, first.settings.batch_size, collator, grouping="length", seed=42).batch_sampler,
@@ -321,6 +321,6 @@ def test_the_first_probe_of_each_kernel_setting_times_the_runs_mean_micro_batch(
     reused = 0
     for index, (settings, typical) in enumerate(handed):
         lines = [other for other, given in handed[:index] if given is not None and other.accum_steps > 1]
-        reused += any(ranking.same_kernels(settings, other) for other in lines)
-        assert (typical is None) == any(ranking.same_kernels(settings, other) for other in lines)
+        reused += any(timing.same_kernels(settings, other) for other in lines)
+        assert (typical is None) == any(timing.same_kernels(settings, other) for other in lines)
     assert reused  # a split priced by the line of an earlier probe of the same kernels

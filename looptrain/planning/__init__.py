@@ -1,9 +1,13 @@
 """Planning: "which strategy do we train?", above the estimator (`looptrain.estimation`), which it asks.
 
 Modules:
-    planner     `plan`: a memory budget in, the fastest exact training configuration that fits out, from
-                `plans` (`Plan`, `Candidate`, `Levers`), `search` (what fits), `ranking` (probes and the
-                time model: what is fastest) and `suggestions` (when nothing fits; LoRA's saving)
+    planner     `plan`: a memory budget in, the fastest exact training configuration that fits out, in five
+                phases, each a function of values: check (`request`), first probe (`first_probe`), search
+                (`candidates`, over `search`), rank (`ranking`, over `timing`) and explain
+    budget      `Budget`: the fit rule, in one place (estimates, probes, probe ceilings, the run's growth)
+    book        `EstimateBook`: the estimates' memo, their predictions, the forked workers and planning's time
+    plans       `Plan`, `Candidate`, `Levers`: what a plan is made of, its table and JSON
+    suggestions what would fit when nothing does; LoRA's saving
     lowest      `lowest`: the full fine-tune with the lowest estimated peak (``--lowest``)
     probes      `probe`: one real update on the worst batch, timed and measured by the budget's meter
     errors      `PlanError`
@@ -11,12 +15,12 @@ Modules:
 Their command lines live in `looptrain.cli`.
 """
 
+from looptrain.planning.candidates import by_tokens
 from looptrain.planning.errors import PlanError
 from looptrain.planning.lowest import Lowest, lowest
 from looptrain.planning.planner import plan
 from looptrain.planning.plans import Candidate, Levers, Plan, parse_size
 from looptrain.planning.probes import rss_baseline_bytes
-from looptrain.planning.search import by_tokens
 
 __all__ = [
     "Candidate",

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from looptrain import strategy as strategies
+from looptrain.planning.book import EstimateBook
 from looptrain.planning.errors import PlanError
-from looptrain.planning.search import CHECKPOINT_MODES, Search, valid_settings
+from looptrain.planning.search import CHECKPOINT_MODES, valid_settings
 from looptrain.precision import cpu_has_native_bf16
 from looptrain.strategy import Strategy
 
@@ -96,7 +97,8 @@ def lowest(model_or_config: Any, batch_size: int, seq_len: int, base: Strategy |
     on_cuda = torch.device(device).type == "cuda"
     if native_bf16 is None:
         native_bf16 = on_cuda or cpu_has_native_bf16()
-    search = Search(model_or_config, seq_len, 0, 0.0, max_grad_norm, num_labels, echo, "cuda" if on_cuda else "cpu")
+    search = EstimateBook(model_or_config, seq_len, max_grad_norm=max_grad_norm, num_labels=num_labels, echo=echo,
+                          device_type="cuda" if on_cuda else "cpu")
     numerics = [{"precision": "fp32", "weights": "fp32"}]
     if native_bf16:
         numerics += [{"precision": "bf16", "weights": "fp32"}, {"precision": "bf16", "weights": "bf16"}]

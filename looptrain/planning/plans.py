@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from looptrain.planning.errors import PlanError
@@ -12,10 +13,10 @@ from looptrain.strategy import Strategy
 
 GIB = 1024**3
 
-# The share of the budget kept free above the estimate. CPU: the estimate is within 2.3% of the tensor
-# tracker on every mix of estimation.ACCURACY_MIXES; 5% leaves room for that and for batches the estimate
-# shapes differently. CUDA: the caching allocator rounds and fragments, and kernels take workspaces the
-# estimate does not see (about 10-20% of the peak on typical runs); 15% covers that, unchecked here.
+# The share of the budget kept free above the estimate. CPU: more than the estimate's error against the tensor
+# tracker on every mix of estimation.ACCURACY_MIXES (docs/memory.md), with room for batches the estimate shapes
+# differently. CUDA: the caching allocator rounds and fragments, and kernels take workspaces the estimate does not
+# see; the larger share covers them, unchecked here (docs/plan.md, 'How "fits" is decided').
 DEFAULT_MARGIN = {"cpu": 0.05, "cuda": 0.15}
 
 # What a budget counts, by `plan(meter=...)`, and how the plan names it.
@@ -23,7 +24,7 @@ METERS = {"tensors": "of live tensors", "rss": "of process RSS above the start",
           "cuda_reserved": "of CUDA reserved memory"}
 
 # Planning's time is 5% of the run (`probe_fraction`), but at least this many seconds, probes included: the search
-# of a small run would otherwise stop at its first estimates ("at most ~10 s for a small run").
+# of a small run would otherwise stop at its first estimates.
 MIN_PLANNING_SECONDS = 10.0
 _UNITS = {"b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -91,6 +92,25 @@ class Candidate:
     # What its optimizer step allocates beyond what is alive before it (`Search.step_bytes`): a probe with a ceiling
     # stops before a step that would take it past, as nothing inside the step can stop it.
     step_bytes: int = 0
+
+    def record(self, probe: dict, seconds_per_epoch: float | None = None) -> None:
+        """Its probe's measurements, and the epoch's time they predict (None: no time measured, the prior's stands)."""
+        self.probe, self.probed = probe, True
+        if seconds_per_epoch is not None:
+            self.seconds_per_epoch = seconds_per_epoch
+
+    def predict(self, seconds_per_epoch: float) -> None:
+        """Its epoch's time predicted without its own probe: the prior, scaled to the probes or alone."""
+        self.seconds_per_epoch = seconds_per_epoch
+
+    def mark_baseline(self, baseline: bool) -> None:
+        """Whether it is the configuration the run would train without the planner."""
+        self.baseline = baseline
+
+    def realise(self, as_run: Callable[[Strategy], Strategy] = lambda settings: settings) -> None:
+        """Its settings become what the run trains: `trained` where it is cut by tokens, as `as_run` trains them."""
+        self.settings = as_run(self.trained if self.trained is not None else self.settings)
+        self.trained = None
 
 
 @dataclass

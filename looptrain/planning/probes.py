@@ -14,6 +14,8 @@ import dataclasses
 import gc
 import time
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -37,11 +39,17 @@ PROBE_HELD_TOLERANCE = 32 * 1024**2
 # a worst-width micro-batch. Compiled probes warm up at the worst width: that first micro-batch compiles the graph.
 PROBE_WARM_UP_WIDTH = 16
 # A probe with a ceiling reads its meter at most this often (before and after each module's forward, as each
-# gradient is accumulated, before the optimizer's step): the process outgrows the ceiling by what it allocates in
-# between (20-70 MiB on worked example 2, docs/plan.md), and the checks add 1-2% to the timed worst micro-batch.
+# gradient is accumulated, before the optimizer's step): the process outgrows the ceiling only by what it allocates
+# in between, and the checks stay a small share of the timed worst micro-batch (docs/plan.md, 'How "fits" is
+# decided').
 CEILING_CHECK_SECONDS = 0.001
 # The models being planned, described when `plan` starts (`estimate_cache.model_digest`): the probes' cache keys.
 MODEL_DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def describe_model(model: nn.Module) -> None:
+    """Describes `model` for the probes' cache keys (`MODEL_DIGESTS`), before a probe changes what it reads."""
+    MODEL_DIGESTS[model] = estimate_cache.model_digest(model)
 
 
 class Meter:
@@ -61,7 +69,7 @@ class Meter:
     def settle(self) -> None:
         """Frees what the work before left: a collection, and under the RSS meter the C heap's free pages given back
         (`allocator.release_freed`). Left resident, a probe's holes are measured by the next probe and held through
-        the run: after worked example 2's plan the heap held 68 MiB free, all of it resident (docs/plan.md)."""
+        the run (docs/plan.md, 'How "fits" is decided': each probe leaves the heap trimmed)."""
         gc.collect()
         if self.kind == "rss":
             allocator.release_freed()
@@ -156,7 +164,8 @@ def probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_gr
 def trims(meter: Meter | None) -> bool:
     """Whether runs planned under `meter` trim the C heap before each micro-batch (``trim_heap``), and so their probes:
     a budget of process RSS with glibc's own thresholds, which keep freed blocks resident. A probe measures a fresh
-    heap; a whole run without trimming held 7-8% more than the budget its probes kept (docs/plan.md)."""
+    heap, and a whole run that keeps every earlier micro-batch's freed blocks outgrows the budget its probes kept
+    (docs/plan.md, 'Which meter the budget counts')."""
     return meter is not None and meter.kind == "rss" and allocator.keeps_freed()
 
 
@@ -205,10 +214,9 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
                   typical: dict | None = None) -> dict:
     """`_measure_probe`, then what it made freed (`Meter.settle`, or a collection): only once its frame is gone.
 
-    Inside it the probe's Loop is still referenced (its timed `compute_loss` closes over the Loop, a cycle), and
-    with it the optimizer and its state: a collection there freed nothing, and the cycle, long promoted to the
-    oldest generation, outlived the plan. A run then carried the probe's AdamW state (173 MiB on MiniLM) to its end:
-    `make demo`'s data at `--memory-budget 900MiB` peaked at 993 MiB instead of 825 (docs/plan.md)."""
+    Inside it the probe's Loop and optimizer are still referenced, and a collection there frees nothing; left to the
+    collector's oldest generation, a probe's optimizer state outlived the plan and the run carried it to its end
+    (docs/plan.md, 'Kernel caches, and a probe's Loop that outlived the plan')."""
     started = time.perf_counter()
     try:
         result = _measure_probe(model, settings, batch, device, max_grad_norm, meter, ceiling, step_bytes, typical)
@@ -220,52 +228,126 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
     return {**result, "probe_seconds": time.perf_counter() - started}  # the settling is the probe's time too
 
 
+@dataclass(frozen=True)
+class _Windows:
+    """The updates a probe runs (`windows`, each a list of micro-batches): its warm-up micro-batch, the typical one
+    it times (None: none), and the worst batch's place in the last window, from 1 (`worst`)."""
+
+    windows: list[list[dict]]
+    warm_up: dict
+    typical: dict | None
+    worst: int
+
+    @property
+    def armed_at(self) -> int:
+        """The worst batch's place among all the probe's micro-batches, from 1: where the ceiling is armed."""
+        return sum(map(len, self.windows[:-1])) + self.worst
+
+
+def _probe_windows(settings: Strategy, batch: dict, typical: dict | None) -> _Windows:
+    """The probe's updates (see `_measure_probe`). A window of micro-batches runs the warm-up twice: the second time,
+    warm, it is timed too (`small_step_seconds`), so that the planner tells a micro-batch's fixed cost from its work.
+    The typical micro-batch runs after the worst batch: the worst meets the heap as a probe without one did, and a
+    probe stopped at its ceiling by the worst batch does not pay for the typical one. A window of one micro-batch
+    (no accumulation, the fused step) times the typical one as an update of its own, between the warm-up and `batch`:
+    every micro-batch is then an update."""
+    warm_up = batch if settings.compile else warm_up_batch(batch, PROBE_WARM_UP_WIDTH)
+    typical = typical if typical is not None and warm_up is not batch \
+        and batch_shape(typical) not in (batch_shape(warm_up), batch_shape(batch)) else None
+    if min(settings.accum_steps, 2) == 1:
+        windows = [[warm_up], *([[typical]] if typical is not None else []), [batch]]
+        return _Windows(windows, warm_up, typical, len(windows[-1]))
+    windows = [[warm_up, warm_up, batch, *([typical] if typical is not None else [])] if warm_up is not batch
+               else [warm_up, batch]]
+    return _Windows(windows, warm_up, typical, len(windows[-1]) - (typical is not None))
+
+
+class _Watch:
+    """A probe's clock and its ceiling's hooks: marks each micro-batch's `compute_loss` and each optimizer step's
+    start and end, and arms the ceiling (`_Ceiling`) for the worst batch and the step after it, where the update
+    peaks (the warm-up holds less; the checks would slow the small micro-batch's timing more than the worst's)."""
+
+    def __init__(self, model: nn.Module, guard: _Ceiling | None, armed_at: int):
+        self.model, self.guard, self.armed_at = model, guard, armed_at
+        self.marks: list[tuple[str, float]] = []  # ("loss" | "step" | "stepped", when)
+        self.optimizers: list = []
+        self.hooks: list = []
+        self.watching: list = []
+        self.micro_batches = 0
+
+    def mark_steps(self, optimizers: list) -> None:
+        """Marks each step of `optimizers` (the Loop's inner optimizers)."""
+        self.optimizers = optimizers
+        for inner in optimizers:
+            self.hooks.append(inner.register_step_pre_hook(lambda *args: self._mark("step")))
+            self.hooks.append(inner.register_step_post_hook(lambda *args: self._mark("stepped")))
+
+    def _mark(self, kind: str) -> None:
+        self.marks.append((kind, time.perf_counter()))
+
+    def on_loss(self) -> None:
+        """Before each micro-batch's `compute_loss`."""
+        self._mark("loss")
+        self.micro_batches += 1
+        if self.guard is not None and self.micro_batches == self.armed_at:
+            self.watching.extend(self.guard.watch(self.model))
+            self.hooks.extend(self.guard.before_steps(self.optimizers))
+            self.guard.check()  # the warm-up may have passed it already
+        elif self.watching:  # the typical micro-batch, after the worst: smaller, untimed by the checks
+            for hook in self.watching:
+                hook.remove()
+            self.watching.clear()
+            # The worst batch's gradients are what the step meets: a probe whose step would pass its ceiling stops
+            # now, without paying for the typical micro-batch (its step is checked again before it runs).
+            self.guard.check_step()
+
+    def window(self, loop: Loop, window: list[dict], fused: bool) -> tuple[list[float], float]:
+        """Runs one update and returns its micro-batches' and optimizer steps' seconds (`_window_seconds`)."""
+        self.marks.clear()
+        loop.run_update(window)
+        return _window_seconds(self.marks, time.perf_counter(), fused)
+
+    def remove(self) -> None:
+        for hook in self.hooks + self.watching:
+            hook.remove()
+
+
+class _TimedLoop(Loop):
+    """The probe's Loop: its `compute_loss` tells the probe's `_Watch` first (`on_loss`)."""
+
+    def __init__(self, *args, on_loss: Callable[[], None], **kwargs):
+        self._on_loss = on_loss
+        super().__init__(*args, **kwargs)
+
+    def compute_loss(self, batch):
+        self._on_loss()
+        return super().compute_loss(batch)
+
+
 def _measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_grad_norm,
                    meter: Meter | None, ceiling: int | None, step_bytes: int, typical: dict | None) -> dict:
     """One update of the Loop on `batch` (two when it has one micro-batch), learning rate 0, timed.
 
-    An accumulating split's update is one window of micro-batches, as in the estimator: from the second
-    micro-batch on, the gradients of the first are held beside the activations, which is where an
-    accumulating run peaks. The first micro-batch is the warm-up (first-call costs, the gradients to hold):
-    `batch` cut to `PROBE_WARM_UP_WIDTH` columns (`warm_up_batch`), since the gradients' size does not depend on
-    the width. It runs again, warm, and is timed (`small_step_seconds`, `small_batch_shape`): beside a larger timed
-    micro-batch, it tells what a micro-batch costs whatever its size from what its work costs. `typical`, a
-    micro-batch of the run's mean work, is timed too (`typical_step_seconds`, `typical_batch_shape`):
-    the larger one the run is priced from, as the worst batch's time per FLOP is no run's (its longest rows cost
-    a fifth to a third more per FLOP than the run's typical micro-batches, docs/plan.md). In a window of
-    micro-batches it runs after `batch`, and not at all when the probe stops at `batch` or its optimizer step would
-    pass the ceiling. `batch` is timed from
-    its `compute_loss` to the optimizer step (the new width's kernel selection included, as a run of dynamic widths
-    pays it), and the step itself is timed by the optimizer's hooks (its first step: state creation included). A
-    window of one micro-batch (accumulation 1, the fused step) runs twice, the warm-up then `batch`, and times the
-    second; with `typical`, three times, the typical micro-batch timed as the second update. Returns the seconds per
-    micro-step and per optimizer step, the probe's own seconds, and with `meter` the peak it measured over the whole
-    probe (warm-up included: the run pays its first-call costs too).
+    An accumulating split's update is one window of micro-batches, as in the estimator: from the second micro-batch
+    on, the gradients of the first are held beside the activations, which is where an accumulating run peaks. The
+    first micro-batch is the warm-up (first-call costs, the gradients to hold): `batch` cut to `PROBE_WARM_UP_WIDTH`
+    columns (`warm_up_batch`), since the gradients' size does not depend on the width. It runs again, warm, and is
+    timed (`small_step_seconds`, `small_batch_shape`): beside a larger timed micro-batch, it tells what a
+    micro-batch costs whatever its size from what its work costs. `typical`, a micro-batch of the run's mean work, is
+    timed too (`typical_step_seconds`, `typical_batch_shape`): the run is priced from it, as the worst batch's time
+    per FLOP is no run's (docs/plan.md, 'How "fastest" is decided'); it runs after `batch` (`_probe_windows`), and
+    not at all when the probe stops at `batch`. `batch` is timed from its `compute_loss` to the optimizer step (the
+    new width's kernel selection included, as a run of dynamic widths pays it), and the step by the optimizer's
+    hooks (its first step: state creation included). Returns the seconds per micro-step and per optimizer step, and
+    with `meter` the peak it measured over the whole probe (warm-up included: the run pays its first-call costs too).
 
     With `meter` and a `ceiling` (bytes by that meter), the probe stops as soon as the meter reads above it, from
-    the worst batch on (`_Ceiling`; the warm-up holds less): the result then says ``"stopped": True`` and holds the
-    ceiling and the peak measured when it stopped (past it, or with ``"before_step_bytes"`` before an optimizer step
-    that would have taken it past), but no timings. A planner passes the most a fitting probe may
-    measure, so that no probe takes the process past its budget, and `step_bytes`, what the optimizer step
-    allocates (`Search.step_bytes`): the probe stops before a step that would cross the ceiling.
+    the worst batch on (`_Ceiling`): the result then says ``"stopped": True`` and holds the ceiling and the peak
+    measured when it stopped (past it, or with ``"before_step_bytes"`` before an optimizer step of `step_bytes`
+    that would have taken it past), but no timings.
     """
-    micro_batches = min(settings.accum_steps, 2)
-    warm_up = batch if settings.compile else warm_up_batch(batch, PROBE_WARM_UP_WIDTH)
-    # A window of micro-batches runs the warm-up twice: the second time, warm, it is timed too (`small_step_seconds`),
-    # so that the planner tells a micro-batch's fixed cost from its work (`micro_batch_costs`). The typical
-    # micro-batch runs after the worst batch: the worst meets the heap as a probe without one did, and a probe stopped
-    # at its ceiling by the worst batch does not pay for the typical one.
-    # A window of one micro-batch (no accumulation, the fused step) times the typical one as an update of its own,
-    # between the warm-up and `batch`: every micro-batch is then an update.
-    typical = typical if typical is not None and warm_up is not batch \
-        and batch_shape(typical) not in (batch_shape(warm_up), batch_shape(batch)) else None
-    if micro_batches == 1:
-        windows = [[warm_up], *([[typical]] if typical is not None else []), [batch]]
-    else:
-        windows = [[warm_up, warm_up, batch, *([typical] if typical is not None else [])] if warm_up is not batch
-                   else [warm_up, batch]]
-    worst = len(windows[-1]) - (typical is not None and micro_batches == 2)  # its place in the last window, from 1
-    config = LoopConfig(**settings.loop_fields() | {"accum_steps": len(windows[0])}, max_grad_norm=max_grad_norm,
+    plan = _probe_windows(settings, batch, typical)
+    config = LoopConfig(**settings.loop_fields() | {"accum_steps": len(plan.windows[0])}, max_grad_norm=max_grad_norm,
                         device=device, track_memory=False, progress_bar=False, eval_every="no", log_every=10**9)
     # bf16 weights: the Loop casts the model in place; its fp32 tensors are set aside and put back after.
     stash = _fp32_stash(model) if settings.weights == "bf16" else {}
@@ -274,47 +356,19 @@ def _measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: st
         meter.settle()
         meter.reset()
     optimizer = settings.build_optimizer(model, 0.0)
-    loop = Loop(model, optimizer, [], config=config)
-    marks: list[tuple[str, float]] = []  # ("loss" | "step" | "stepped", when)
-    compute_loss, optimizers = loop.compute_loss, inner_optimizers(loop.optimizer)
     guard = _Ceiling(meter, ceiling + stashed, step_bytes) if meter is not None and ceiling is not None else None
-    hooks, watching, started_micro_batches = [], [], 0
+    watch = _Watch(model, guard, plan.armed_at)
+    loop = _TimedLoop(model, optimizer, [], config=config, on_loss=watch.on_loss)
+    watch.mark_steps(inner_optimizers(loop.optimizer))
     timed: list[tuple[list[float], float]] = []  # per update: `_window_seconds`
-
-    def timed_loss(micro_batch):
-        nonlocal started_micro_batches
-        marks.append(("loss", time.perf_counter()))
-        started_micro_batches += 1
-        if guard is not None and started_micro_batches == sum(map(len, windows[:-1])) + worst:
-            # Armed for the worst batch and the step after it, where the update peaks (the warm-up holds less): its
-            # checks would add 5-8% to the small micro-batch's time, 1-2% to the worst batch's.
-            watching.extend(guard.watch(model))
-            hooks.extend(guard.before_steps(optimizers))
-            guard.check()  # the warm-up may have passed it already
-        elif watching:  # the typical micro-batch, after the worst: smaller, untimed by the checks
-            for hook in watching:
-                hook.remove()
-            watching.clear()
-            # The worst batch's gradients are what the step meets: a probe whose step would pass its ceiling stops
-            # now, without paying for the typical micro-batch (its step is checked again before it runs).
-            guard.check_step()
-        return compute_loss(micro_batch)
-
-    loop.compute_loss = timed_loss
-    for inner in optimizers:
-        hooks.append(inner.register_step_pre_hook(lambda *args: marks.append(("step", time.perf_counter()))))
-        hooks.append(inner.register_step_post_hook(lambda *args: marks.append(("stepped", time.perf_counter()))))
     try:
-        for window in windows:
-            marks.clear()
-            loop.run_update(window)
-            timed.append(_window_seconds(marks, time.perf_counter(), settings.optimizer_in_backward))
+        for window in plan.windows:
+            timed.append(watch.window(loop, window, settings.optimizer_in_backward))
     except Exception:
         if guard is None or not guard.tripped:  # autograd may re-raise a hook's exception as its own
             raise
     finally:
-        for hook in hooks + watching:
-            hook.remove()
+        watch.remove()
         if hasattr(loop.optimizer, "remove"):  # the wrappers' hooks (fused step, fp32 accumulation)
             loop.optimizer.remove()
         disable_gradient_checkpointing(model)
@@ -326,19 +380,25 @@ def _measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: st
     if guard is not None and guard.tripped:
         return {"stopped": True, "ceiling": ceiling, "measured_peak_bytes": max(peak, ceiling + 1),
                 **({"before_step_bytes": step_bytes} if guard.before_step else {}), **measured}
+    return {**_timings(settings, plan, timed), **({"measured_peak_bytes": peak} if peak is not None else {}),
+            **measured}
+
+
+def _timings(settings: Strategy, plan: _Windows, timed: list[tuple[list[float], float]]) -> dict:
+    """A whole probe's timings from its updates' seconds (`timed`): the worst batch's micro-step and the optimizer
+    step of the last update, the compile time, the warm-up's second run, the typical micro-batch."""
+    worst = plan.worst
     seconds, optimizer_seconds = timed[-1]  # the last window's: the worst batch's, and the typical one after it
     micro_step = seconds[worst - 1]
-    result = {"micro_step_seconds": micro_step, "optimizer_step_seconds": max(optimizer_seconds, 0.0), **measured}
-    if peak is not None:
-        result["measured_peak_bytes"] = peak
+    result = {"micro_step_seconds": micro_step, "optimizer_step_seconds": max(optimizer_seconds, 0.0)}
     if settings.compile and worst >= 2:  # the first micro-batch compiled the graph: what the run pays too
         result["compile_seconds"] = max(sum(seconds[:worst - 1]) - micro_step, 0.0)
     if worst >= 3:  # the warm-up's second run
         result["small_step_seconds"] = seconds[1]
-        result["small_batch_shape"] = batch_shape(warm_up)
-    if typical is not None:  # after the worst batch, or (one micro-batch an update) the second update
-        result["typical_step_seconds"] = seconds[worst] if micro_batches == 2 else timed[1][0][0]
-        result["typical_batch_shape"] = batch_shape(typical)
+        result["small_batch_shape"] = batch_shape(plan.warm_up)
+    if plan.typical is not None:  # after the worst batch, or (one micro-batch an update) the second update
+        result["typical_step_seconds"] = seconds[worst] if min(settings.accum_steps, 2) == 2 else timed[1][0][0]
+        result["typical_batch_shape"] = batch_shape(plan.typical)
     return result
 
 

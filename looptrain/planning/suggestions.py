@@ -5,10 +5,12 @@ fine-tune with the same settings (`lora_comparison`)."""
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
-from looptrain.planning.plans import Levers, Plan, format_bytes, lora_words
-from looptrain.planning.search import FULL_FINE_TUNE, Search, full_fine_tune_model, lightest_split, valid_settings
+from looptrain.planning.book import FULL_FINE_TUNE, full_fine_tune_model
+from looptrain.planning.plans import Candidate, Levers, format_bytes, lora_words
+from looptrain.planning.search import Search, lightest_split, valid_settings
 from looptrain.precision import amp_precision, resolve_device
 from looptrain.strategy import Strategy
 
@@ -35,7 +37,7 @@ def nothing_fits_message(search: Search, effective_batch: int, base: Strategy, l
     if base.weights == "fp32" and fast == "bf16":
         suggestions.append(("--weights bf16", dataclasses.replace(lightest, precision="bf16", weights="bf16"), None))
     if not base.lora_rank:  # freezing and LoRA do not mix (LoRA freezes the whole base)
-        blocks = block_count(search.model)
+        blocks = block_count(search.book.model)
         for count in sorted({blocks // 2, blocks - 1} - {0}) if blocks else []:
             suggestions.append((f"--freeze-layers {count}",
                                 dataclasses.replace(lightest, freeze_layers=count, freeze_encoder=False), None))
@@ -43,23 +45,25 @@ def nothing_fits_message(search: Search, effective_batch: int, base: Strategy, l
                             dataclasses.replace(lightest, freeze_encoder=True, freeze_layers=0,
                                                 freeze_embeddings=False), None))
     adapters = lora_suggestions(search, base, lightest)
-    if search.width > 16:
-        suggestions.append((f"--max-length {search.width // 2}", lightest, search.width // 2))
+    width = search.book.width
+    if width > 16:
+        suggestions.append((f"--max-length {width // 2}", lightest, width // 2))
     entries = [(*suggestion, None) for suggestion in suggestions] + adapters
     # Side by side where there are workers: each suggestion at micro-batch 1, then the fused step of those over.
     plain = [lightest] + [settings for _, settings, seq_len, model in entries if seq_len is None and model is None]
     search.prefetch_all(plain)
     if fusable:
         search.prefetch_all([fused_split(settings, effective_batch) for settings in plain
-                             if search.key(settings) in search.cache and may_fit_fused(search, settings)
+                             if search.memoised(settings) and may_fit_fused(search, settings)
                              and valid_settings(fused_split(settings, effective_batch))])
     peak, fused = lightest_peak(search, lightest, effective_batch, fusable)
     meter = "of CUDA reserved memory" if device_type == "cuda" else "of the process's RSS"
-    lines = [f"nothing fits {format_bytes(search.budget)} (with a {search.margin:.0%} margin) at the worst batch "
-             f"({search.width} tokens wide), even micro-batch 1 x {effective_batch} with gradient checkpointing: "
+    budget = search.budget
+    lines = [f"nothing fits {format_bytes(budget.bytes)} (with a {budget.margin:.0%} margin) at the worst "
+             f"batch ({width} tokens wide), even micro-batch 1 x {effective_batch} with gradient checkpointing: "
              f"estimated {format_bytes(search.peak(lightest))}"
              + (f" ({format_bytes(peak)} with the step fused into backward at {effective_batch} x 1)" if fused else "")
-             + (f" + {format_bytes(search.overhead)} {meter} measured besides tensors" if search.overhead else "")
+             + (f" + {format_bytes(budget.overhead)} {meter} measured besides tensors" if budget.overhead else "")
              + "."]
     fitting, lora_over = [], []
     for label, settings, seq_len, model in entries:
@@ -105,7 +109,7 @@ def may_fit_fused(search: Search, settings: Strategy, seq_len: int | None = None
     weights and optimizer state of their estimate, which the fused step holds too, do."""
     if search.within(search.peak(settings, seq_len, model)):
         return False
-    breakdown = search.results.get(search.key(settings, seq_len, model), {}).get("memory_breakdown", {})
+    breakdown = search.book.results.get(search.book.key(settings, seq_len, model), {}).get("memory_breakdown", {})
     return search.within(breakdown.get("params", 0) + breakdown.get("optimizer_state", 0))
 
 
@@ -123,7 +127,7 @@ def lora_suggestions(search: Search, base: Strategy, lightest: Strategy) -> list
     if base.qlora:
         return []
     if base.lora_rank:
-        if full_fine_tune_model(search.model) is None:
+        if full_fine_tune_model(search.book.model) is None:
             return []
         return [("--qlora", dataclasses.replace(lightest, qlora=True), None, FULL_FINE_TUNE)]
     frozen = [name for name in ("freeze_embeddings", "freeze_layers", "freeze_encoder")
@@ -135,49 +139,55 @@ def lora_suggestions(search: Search, base: Strategy, lightest: Strategy) -> list
             (f"--lora {LORA_SUGGESTED_RANK} --qlora{dropped}", dataclasses.replace(lora, qlora=True), None, None)]
 
 
-def lora_comparison(search: Search, result: Plan) -> dict | None:
+@dataclass(frozen=True)
+class LoraComparison:
+    """`lora_comparison`'s answer: `Plan.lora` (None when the estimate could not run), the note, and the estimates
+    it made and their seconds (the plan counts them)."""
+
+    lora: dict | None
+    note: str
+    estimates: int
+    estimate_seconds: float
+
+
+def lora_comparison(search: Search, winner: Candidate) -> LoraComparison:
     """The LoRA winner against the full fine-tune with the same settings, at the worst batch: one more estimate.
 
-    Sets `result.lora` (both estimates, the saving, whether the full fine-tune fits the budget too) and adds a
-    note; when LoRA saves less than `LORA_SMALL_SAVING` of the full fine-tune's peak (activations dominate: a
-    small model, long sequences), the note says so. An estimate that cannot run adds a note and nothing else.
+    Its `lora`: both estimates, the saving, whether the full fine-tune fits the budget too; its note says so, and
+    when LoRA saves less than `LORA_SMALL_SAVING` of the full fine-tune's peak (activations dominate: a small model,
+    long sequences), that it is small. An estimate that cannot run gives a note and nothing else.
     """
-    winner = result.winner
     settings = dataclasses.replace(winner.settings, **{name: Strategy.__dataclass_fields__[name].default
                                                        for name in LORA_LEVERS})
     flags = " ".join(settings.flags())
-    started, count = search.seconds, search.count
+    book = search.book
+    started, count = book.seconds, book.count
     try:
-        if full_fine_tune_model(search.model) is None:
+        if full_fine_tune_model(book.model) is None:
             raise ValueError("a 4-bit model without a transformers config")
         full = search.peak(settings, model=FULL_FINE_TUNE)
     except Exception as error:  # noqa: BLE001  a report: never a reason to fail the plan
-        result.notes.append(f"no comparison of {lora_words(winner.settings)} with a full fine-tune "
-                            f"({type(error).__name__}: {error})")
-        return None
-    finally:
-        result.estimates += search.count - count
-        result.estimate_seconds += search.seconds - started
+        return LoraComparison(None, f"no comparison of {lora_words(winner.settings)} with a full fine-tune "
+                              f"({type(error).__name__}: {error})", book.count - count, book.seconds - started)
     saving = full - winner.estimated_peak_bytes
     share = saving / full if full else 0.0
     fits = search.within(full)
-    result.lora = {"settings": dataclasses.asdict(winner.settings), "estimated_peak_bytes": winner.estimated_peak_bytes,
-                   "full_fine_tune_flags": settings.flags(), "full_fine_tune_peak_bytes": full,
-                   "saving_bytes": saving, "saving_share": round(share, 4), "full_fine_tune_fits": fits,
-                   "small_saving": share < LORA_SMALL_SAVING}
+    lora = {"settings": dataclasses.asdict(winner.settings), "estimated_peak_bytes": winner.estimated_peak_bytes,
+            "full_fine_tune_flags": settings.flags(), "full_fine_tune_peak_bytes": full,
+            "saving_bytes": saving, "saving_share": round(share, 4), "full_fine_tune_fits": fits,
+            "small_saving": share < LORA_SMALL_SAVING}
     words = lora_words(winner.settings)
     if saving <= 0:
         amount = f"{words} saves nothing"
     else:
         amount = f"{words} saves {'only ' if share < LORA_SMALL_SAVING else ''}{format_bytes(saving)} ({share:.0%})"
     text = (f"{amount} over the full fine-tune with the same settings ({flags}: est. {format_bytes(full)}, "
-            f"{words} est. {format_bytes(winner.estimated_peak_bytes)}) at this length ({search.width} tokens)")
+            f"{words} est. {format_bytes(winner.estimated_peak_bytes)}) at this length ({book.width} tokens)")
     if share < LORA_SMALL_SAVING:
         text += (": the activations dominate the peak, and LoRA trims only the weights' gradients and optimizer "
                  "state; " + ("the full fine-tune fits the budget too (drop --lora to train every weight)" if fits
                               else "still, with these settings only LoRA fits the budget"))
-    result.notes.append(text)
-    return result.lora
+    return LoraComparison(lora, text, book.count - count, book.seconds - started)
 
 
 def block_count(model: Any) -> int:
