@@ -15,6 +15,7 @@ from looptrain.checkpoint.layout import (
     MODEL_FILE,
     MODEL_INDEX_FILE,
     CheckpointError,
+    unreadable,
     unwrap_model,
 )
 from looptrain.lora import is_lora_model
@@ -53,10 +54,7 @@ def checkpoint_weight_shapes(checkpoint: str | os.PathLike) -> dict[str, tuple[i
                 for name in handle.keys():
                     shapes[name] = tuple(handle.get_slice(name).get_shape())
         except Exception as error:  # safetensors' own error type for a bad header
-            raise CheckpointError(
-                f"cannot read {path}: the file is corrupt or truncated ({type(error).__name__}: "
-                f"{str(error).splitlines()[0] if str(error) else ''}); resume from another checkpoint."
-            ) from error
+            raise unreadable(path, error) from error
     return shapes
 
 

@@ -26,6 +26,16 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written, found, trusted or applied; the message names path and fix."""
 
 
+def unreadable(path: Path, error: BaseException, *, no_detail: str = "") -> CheckpointError:
+    """The error for a checkpoint file that `error` could not read: corrupt or truncated (raise it ``from error``).
+
+    The detail is the first line of `error`'s message, `no_detail` when it has none.
+    """
+    detail = str(error).splitlines()[0] if str(error) else no_detail
+    return CheckpointError(f"cannot read {path}: the file is corrupt or truncated ({type(error).__name__}: {detail}); "
+                           "resume from another checkpoint.")
+
+
 def checkpoint_name(step: int) -> str:
     """The directory name of the checkpoint at optimizer step `step`."""
     return f"{CHECKPOINT_PREFIX}{int(step)}"

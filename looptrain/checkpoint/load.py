@@ -24,6 +24,7 @@ from looptrain.checkpoint.layout import (
     TRAINER_STATE_FILE,
     CheckpointError,
     is_complete_checkpoint,
+    unreadable,
     unwrap_model,
 )
 from looptrain.checkpoint.rng import restore_rng_state
@@ -42,10 +43,7 @@ def _safe_torch_load(path: Path, map_location: Any) -> Any:
             "with looptrain, or delete this checkpoint directory and resume from another one."
         ) from error
     except (RuntimeError, EOFError, OSError, ValueError) as error:
-        raise CheckpointError(
-            f"cannot read {path}: the file is corrupt or truncated ({type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else ''}); resume from another checkpoint."
-        ) from error
+        raise unreadable(path, error) from error
 
 
 def _read_model_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -76,11 +74,7 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
     except Exception as error:  # safetensors raises its own SafetensorError (and OSError) for bad files
-        detail = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise CheckpointError(
-            f"cannot read {path}: the file is corrupt or truncated ({type(error).__name__}: {detail}); "
-            "resume from another checkpoint."
-        ) from error
+        raise unreadable(path, error, no_detail=type(error).__name__) from error
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
