@@ -118,11 +118,7 @@ def load_data(flags):
         train, eval_data = split(everything, eval_fraction, TextClassificationData)
     else:
         train, eval_data = everything, None
-    if flags.max_train_samples is not None:
-        train = take(train, flags.max_train_samples, TextClassificationData)
-    if eval_data is not None and flags.max_eval_samples is not None:
-        eval_data = take(eval_data, flags.max_eval_samples, TextClassificationData)
-    return train, eval_data, description
+    return (*limited(train, eval_data, flags, TextClassificationData), description)
 
 
 def load_lm_data(flags):
@@ -144,10 +140,7 @@ def load_lm_data(flags):
                              "so that the eval loss is over the same tokens as training's")
     elif flags.eval_split:
         train, eval_data = split(everything, flags.eval_split, None)
-    if flags.max_train_samples is not None:
-        train = take(train, flags.max_train_samples, None)
-    if eval_data is not None and flags.max_eval_samples is not None:
-        eval_data = take(eval_data, flags.max_eval_samples, None)
+    train, eval_data = limited(train, eval_data, flags, None)
     columns = "/".join(map(repr, everything.columns))
     kinds = {"text": f"text column {columns}, loss on every token",
              "prompt_response": f"prompt/response columns {columns}, loss on the response only",
@@ -181,10 +174,16 @@ def subset(data, indices, cls):
     )
 
 
-def take(data, count: int, cls):
-    if count < 1:
-        raise UsageError(f"--max-train-samples/--max-eval-samples must be >= 1 (got {count})")
-    return subset(data, range(min(count, len(data))), cls)
+def limited(train, eval_data, flags, cls) -> tuple:
+    """The train and eval data cut to their first --max-train-samples and --max-eval-samples rows (when given)."""
+    def take(data, count: int | None):
+        if data is None or count is None:
+            return data
+        if count < 1:
+            raise UsageError(f"--max-train-samples/--max-eval-samples must be >= 1 (got {count})")
+        return subset(data, range(min(count, len(data))), cls)
+
+    return take(train, flags.max_train_samples), take(eval_data, flags.max_eval_samples)
 
 
 def load_model_config(model_path: str, flags):

@@ -15,8 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from looptrain.cli.errors import UsageError
-from looptrain.cli.finetune.arguments import DEFAULT_METRIC_FOR_BEST, check_flags, strategy_of
+from looptrain.cli.finetune.arguments import DEFAULT_METRIC_FOR_BEST, budget_bytes, check_flags, strategy_of
 
 if TYPE_CHECKING:
     from looptrain.config import LoopConfig
@@ -131,11 +130,5 @@ def budget_of(flags: Flags) -> BudgetRequest | None:
     """`--memory-budget` read (a `UsageError` for a size that is not one), or None without it."""
     if flags.memory_budget is None:
         return None
-    from looptrain.planning import PlanError, parse_size
-
-    try:
-        size = parse_size(flags.memory_budget)
-    except PlanError as error:
-        raise UsageError(f"--memory-budget: {error}") from None
-    return BudgetRequest(size=flags.memory_budget, bytes=size, meter=flags.budget_meter, plan_time=flags.plan_time,
-                         plan_only=flags.plan_only, json=flags.json)
+    return BudgetRequest(size=flags.memory_budget, bytes=budget_bytes(flags.memory_budget), meter=flags.budget_meter,
+                         plan_time=flags.plan_time, plan_only=flags.plan_only, json=flags.json)
