@@ -11,6 +11,7 @@ combinations in `COMBINATION_CHECKS` (run by `__post_init__`), and those against
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.util
 from collections.abc import Callable
@@ -33,27 +34,16 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _eval_every_flag(text: str):
-    if text in ("epoch", "no"):
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        import argparse
-
-        raise argparse.ArgumentTypeError(f"expected 'epoch', 'no' or a number of updates, got {text!r}") from None
-
-
-def _unfreeze_every_flag(text: str):
-    if text == "epoch":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        import argparse
-
-        raise argparse.ArgumentTypeError(
-            f"expected 'epoch' or a number of optimizer updates per stage, got {text!r}") from None
+def _word_or_count(words: tuple[str, ...], expected: str) -> Callable[[str], int | str]:
+    """A flag's parser for a value that is one of `words` or a whole number (argparse's error says `expected`)."""
+    def parse(text: str) -> int | str:
+        if text in words:
+            return text
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    return parse
 
 
 def _trackers(report_to) -> list[str]:
@@ -81,7 +71,8 @@ class LoopConfig(LoopLevers):
                        must="an integer from 0 to 2**32 - 1",
                        help="seeds python, numpy and torch before the model sees data")
     unfreeze_every: int | str | None = option(
-        None, flag="--unfreeze-schedule", metavar="N|epoch", parse=_unfreeze_every_flag,
+        None, flag="--unfreeze-schedule", metavar="N|epoch",
+        parse=_word_or_count(("epoch",), "'epoch' or a number of optimizer updates per stage"),
         check=lambda every: every is None or valid_every(every),
         must="None, 'epoch' or a positive number of optimizer updates",
         help="gradual unfreezing: train the head alone, then one more block from the top every N updates (or every "
@@ -102,7 +93,8 @@ class LoopConfig(LoopLevers):
                             help="optimizer updates between log lines")
     progress_bar: bool = option(True, help="tqdm bar on a terminal; plain log lines otherwise")
     eval_every: int | str = option(
-        "epoch", flag="--eval-every", group="evaluation/state", parse=_eval_every_flag,
+        "epoch", flag="--eval-every", group="evaluation/state",
+        parse=_word_or_count(("epoch", "no"), "'epoch', 'no' or a number of updates"),
         check=lambda every: every in ("epoch", "no") or (_is_int(every) and every >= 1),
         must="'epoch', 'no' or a positive number of updates", help='"epoch", N optimizer updates, or "no"')
     output_dir: str | None = option(None, flag="--output-dir", group="inputs",

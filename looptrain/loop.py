@@ -390,13 +390,13 @@ class Loop:
         was_training = self.wrapped_model.training
         self.wrapped_model.eval()
         self.meter.mark("eval")
-        evaluation = self.make_metrics()
+        evaluation, total = self.make_metrics(), length_of(loader)
+        of_total = "" if total is None else f"/{total}"
         for index, batch in enumerate(loader, 1):
             batch = move_to(batch, self.device)
             with self.precision.autocast():
                 evaluation.update(self.eval_step(batch))
-            self._log.heartbeat(lambda index=index: f"evaluating at step {self.step}: batch {index}"
-                                + ("" if length_of(loader) is None else f"/{length_of(loader)}"))
+            self._log.heartbeat(lambda index=index: f"evaluating at step {self.step}: batch {index}{of_total}")
         self.wrapped_model.train(was_training)
         shards = distributed.all_gather_objects(evaluation)  # under DDP each rank scored its own shard
         evaluation = shards[0]

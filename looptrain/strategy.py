@@ -257,8 +257,8 @@ class Strategy(LoopLevers):
                         if getattr(self, name) != _default(type(self), name)]
         if not self.lora_rank and lora_options:
             problems.append(f"{', '.join(lora_options)} need LoRA: set lora_rank (--lora R, e.g. --lora 16)")
-        if lora_freezing_problem(self):
-            problems.append(lora_freezing_problem(self))
+        if freezing := lora_freezing_problem(self):
+            problems.append(freezing)
         if isinstance(self.lora_dropout, (int, float)) and not 0 <= self.lora_dropout < 1:
             problems.append(f"lora_dropout must be in [0, 1) (got {self.lora_dropout!r})")
         return problems
