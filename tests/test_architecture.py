@@ -42,6 +42,16 @@ def _resolve(name: str, modules: dict[str, Path]) -> str | None:
     return name or None
 
 
+def imported_from(node: ast.ImportFrom, name: str, is_package: bool) -> str:
+    """The absolute module a ``from ... import`` in module `name` imports from (relative imports resolved)."""
+    base = node.module or ""
+    if not node.level:
+        return base
+    anchor = name.split(".") if is_package else name.split(".")[:-1]
+    anchor = anchor[:len(anchor) - (node.level - 1)]
+    return ".".join([*anchor, base] if base else anchor)
+
+
 def import_graph(package_root: Path) -> dict[str, set[str]]:
     """Module -> the package's modules it imports, at any depth of the file (function-level imports too).
 
@@ -57,11 +67,7 @@ def import_graph(package_root: Path) -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 imported = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = name.split(".") if is_package else name.split(".")[:-1]
-                    anchor = anchor[:len(anchor) - (node.level - 1)]
-                    base = ".".join([*anchor, base] if base else anchor)
+                base = imported_from(node, name, is_package)
                 imported = [f"{base}.{alias.name}" for alias in node.names]
             else:
                 continue
@@ -144,11 +150,7 @@ def package_init_imports(package_root: Path) -> list[str]:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
             if not isinstance(node, ast.ImportFrom):
                 continue
-            base = node.module or ""
-            if node.level:
-                anchor = name.split(".") if is_package else name.split(".")[:-1]
-                anchor = anchor[:len(anchor) - (node.level - 1)]
-                base = ".".join([*anchor, base] if base else anchor)
+            base = imported_from(node, name, is_package)
             if base not in modules or modules[base].name != "__init__.py" or not name.startswith(base + "."):
                 continue
             found.extend(f"{name} -> {base}: {alias.name}" for alias in node.names
