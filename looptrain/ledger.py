@@ -51,9 +51,12 @@ def file_fingerprint(path: str | os.PathLike, whole: bool = False, head_bytes: i
     with open(path, "rb") as handle:
         fingerprint = {"path": str(path.resolve()), "bytes": path.stat().st_size,
                        "head_sha256": hashlib.sha256(handle.read(head_bytes)).hexdigest()[:16]}
-        if whole:
+        if whole:  # streamed in 1 MiB reads (hashlib.file_digest is Python 3.11+; looptrain supports 3.10)
             handle.seek(0)
-            fingerprint["sha256"] = hashlib.file_digest(handle, "sha256").hexdigest()
+            digest = hashlib.sha256()
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+            fingerprint["sha256"] = digest.hexdigest()
     return fingerprint
 
 
