@@ -345,5 +345,5 @@ def is_lora_model(model: Any) -> bool:
 
 
 __all__ = ["apply_lora", "block_linear_names", "default_compute_dtype", "default_targets", "fake_params4bit",
-           "is_4bit_layer", "is_lora_model", "merge_lora", "parse_targets", "quant_state_tensors", "quantize_blocks_4bit",
-           "save_lora", "task_head_names"]
+           "is_4bit_layer", "is_lora_model", "merge_lora", "parse_targets", "quant_state_tensors",
+           "quantize_blocks_4bit", "save_lora", "task_head_names"]
