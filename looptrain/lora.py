@@ -134,6 +134,7 @@ def apply_lora(model: nn.Module, rank: int, *, alpha: int | None = None, dropout
                           f"LoRA targets {', '.join(names)} of {type(model).__name__} hold none: nothing would be "
                           f"quantized; target block layers ({', '.join(block_linear_names(model)) or 'none'}) or "
                           "drop --qlora")
+    # peft's own switch for the Conv1D layers it wraps now (none of them once QLoRA stored them as 4-bit Linears).
     config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=dropout, target_modules=names,
                         modules_to_save=task_head_names(model) or None, fan_in_fan_out=_targets_conv1d(model, names))
     wrapped = get_peft_model(model, config)
