@@ -34,8 +34,8 @@ def block_linear_names(model: nn.Module) -> list[str]:
     """The distinct attribute names of the ``nn.Linear`` modules inside the transformer blocks.
 
     ``["query", "key", "value", "dense"]`` for BERT, ``["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-    "up_proj", "down_proj"]`` for Qwen2/Llama, ``[]`` for GPT-2 (its projections are ``Conv1D``; peft takes
-    them by name: ``c_attn,c_proj,c_fc``, see `default_targets`).
+    "up_proj", "down_proj"]`` for Qwen2/Llama, ``["c_attn", "c_proj", "c_fc"]`` for GPT-2 (its projections are
+    transformers' ``Conv1D``, a Linear whose weight is stored transposed).
 
     Raises:
         ValueError: the model has no list of transformer blocks (`find_transformer_blocks`).
@@ -107,12 +107,13 @@ def apply_lora(model: nn.Module, rank: int, *, alpha: int | None = None, dropout
         dropout: dropout on each adapter's input.
         targets: module names (peft's ``target_modules``: a list or a comma-separated string); None: every
             Linear of the transformer blocks (`default_targets`).
-        qlora: store the targeted frozen Linears in 4-bit NF4 first (`quantize_blocks_4bit`).
+        qlora: store the targeted frozen Linears (and GPT-2 ``Conv1D``) in 4-bit NF4 first (`quantize_blocks_4bit`).
         compute_dtype: with `qlora`, the dtype the 4-bit layers compute in (default: bf16 where this CPU or GPU
             computes bf16 natively, else fp32).
 
     Raises:
-        ConfigError: rank < 1, a target that matches no module, peft missing.
+        ConfigError: rank < 1, a target that matches no module, peft missing, `qlora` with no target in the blocks'
+            Linears (nothing to quantize).
     """
     try:
         from peft import LoraConfig, get_peft_model
@@ -127,13 +128,27 @@ def apply_lora(model: nn.Module, rank: int, *, alpha: int | None = None, dropout
     if missing:
         raise ConfigError(f"LoRA targets {', '.join(missing)} match no module of {type(model).__name__}; "
                           f"its block Linears are {', '.join(block_linear_names(model)) or 'none'}")
-    if qlora:
-        quantize_blocks_4bit(model, names, compute_dtype)
-    conv1d = any(type(module).__name__ == "Conv1D" for name, module in model.named_modules()
-                 if name in names or name.rsplit(".", 1)[-1] in names)
+    conv1d = _targets_conv1d(model, names)  # before QLoRA replaces them
+    if qlora and not quantize_blocks_4bit(model, names, compute_dtype):
+        raise ConfigError(f"QLoRA stores the Linear (and Conv1D) layers of the transformer blocks in 4 bits, and the "
+                          f"LoRA targets {', '.join(names)} of {type(model).__name__} hold none: nothing would be "
+                          f"quantized; target block layers ({', '.join(block_linear_names(model)) or 'none'}) or "
+                          "drop --qlora")
+    # peft's own switch for the Conv1D layers it wraps now (none of them once QLoRA stored them as 4-bit Linears).
     config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=dropout, target_modules=names,
-                        modules_to_save=task_head_names(model) or None, fan_in_fan_out=conv1d)
-    return get_peft_model(model, config)
+                        modules_to_save=task_head_names(model) or None, fan_in_fan_out=_targets_conv1d(model, names))
+    wrapped = get_peft_model(model, config)
+    # GPT-2's Conv1D stores its weight [in, out], so peft transposes the adapters' update for it (fan_in_fan_out).
+    # Its 4-bit Linears store [out, in] and take no transposition; the saved adapter_config.json still describes the
+    # Conv1D base it merges into (`merge_lora`, from_pretrained of the original weights).
+    config.fan_in_fan_out = conv1d
+    return wrapped
+
+
+def _targets_conv1d(model: nn.Module, names: list[str]) -> bool:
+    """Whether the modules named `names` include a transformers ``Conv1D`` (GPT-2's projections)."""
+    return any(_is_conv1d(module) for name, module in model.named_modules()
+               if name in names or name.rsplit(".", 1)[-1] in names)
 
 
 def save_lora(model: nn.Module, directory: str | Path) -> Path:
@@ -182,7 +197,8 @@ def default_compute_dtype(device: torch.device | str = "cpu") -> torch.dtype:
 
 def quantize_blocks_4bit(model: nn.Module, names: Iterable[str] | None = None,
                          compute_dtype: torch.dtype | None = None) -> int:
-    """Replaces the frozen ``nn.Linear`` layers of the blocks named `names` by bitsandbytes' 4-bit NF4 Linears.
+    """Replaces the frozen ``nn.Linear`` (and GPT-2 ``Conv1D``) layers of the blocks named `names` by bitsandbytes'
+    4-bit NF4 Linears.
 
     One layer at a time, so the transient is one layer's weight. The weights are quantized where they are (CPU
     or CUDA) with bitsandbytes' default blocksize (64) and double quantization of the scales; biases stay in
@@ -205,30 +221,45 @@ def quantize_blocks_4bit(model: nn.Module, names: Iterable[str] | None = None,
             continue
         for attribute, child in list(parent.named_children()):
             qualified = f"{prefix}.{attribute}" if prefix else attribute
-            if type(child) is not nn.Linear or not (attribute in names or qualified in names):
-                continue
-            layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                                      compute_dtype=compute_dtype, compress_statistics=True, quant_type=QUANT_TYPE,
-                                      device="meta")
-            weight = child.weight.detach()
-            if is_fake(weight):  # the estimator's model: bitsandbytes' storage on fake tensors, nothing quantized
-                layer.weight = _fake_params4bit(weight, compute_dtype)
-            else:
-                weight = weight.to(compute_dtype)
-                try:
-                    layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, compress_statistics=True,
-                                                     quant_type=QUANT_TYPE)._quantize(weight.device)
-                except (RuntimeError, NotImplementedError) as error:
-                    raise ConfigError(f"this bitsandbytes cannot store weights in 4 bits on {weight.device} ({error}); "
-                                      "train LoRA without --qlora (the frozen base in bf16: --weights bf16)") from error
-            # bitsandbytes repacks the weights for AVX-512 BF16 CPUs on the first no-grad eval forward (in place,
-            # scales de-nested: more memory, and a layout only some CPUs get): every CPU keeps the training layout.
-            layer.support_avx512bf16_for_cpu = False
-            if child.bias is not None:
-                layer.bias = nn.Parameter(child.bias.detach().to(compute_dtype), requires_grad=False)
-            setattr(parent, attribute, layer)
-            replaced += 1
+            if (type(child) is nn.Linear or _is_conv1d(child)) and (attribute in names or qualified in names):
+                setattr(parent, attribute, _linear_4bit(bnb, child, compute_dtype))
+                replaced += 1
     return replaced
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2's projections): a Linear whose weight is stored transposed, ``[in, out]``."""
+    return type(module).__name__ == "Conv1D" and module.weight.dim() == 2
+
+
+def _linear_4bit(bnb: Any, child: nn.Module, compute_dtype: torch.dtype) -> nn.Module:
+    """bitsandbytes' 4-bit NF4 Linear computing what `child` (an ``nn.Linear`` or a ``Conv1D``) computes.
+
+    A ``Conv1D`` computes ``x @ W + b`` with ``W`` of ``[in, out]``: its 4-bit Linear stores ``W`` transposed, the
+    ``[out, in]`` layout a Linear's weight has.
+    """
+    weight = child.weight.detach()
+    if _is_conv1d(child):
+        weight = weight.t()
+    out_features, in_features = weight.shape
+    layer = bnb.nn.Linear4bit(in_features, out_features, bias=child.bias is not None, compute_dtype=compute_dtype,
+                              compress_statistics=True, quant_type=QUANT_TYPE, device="meta")
+    if is_fake(weight):  # the estimator's model: bitsandbytes' storage on fake tensors, nothing quantized
+        layer.weight = fake_params4bit(weight.shape, compute_dtype, fake_mode_of(weight), weight.device)
+    else:
+        weight = weight.to(compute_dtype).contiguous()
+        try:
+            layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, compress_statistics=True,
+                                             quant_type=QUANT_TYPE)._quantize(weight.device)
+        except (RuntimeError, NotImplementedError) as error:
+            raise ConfigError(f"this bitsandbytes cannot store weights in 4 bits on {weight.device} ({error}); "
+                              "train LoRA without --qlora (the frozen base in bf16: --weights bf16)") from error
+    # bitsandbytes repacks the weights for AVX-512 BF16 CPUs on the first no-grad eval forward (in place,
+    # scales de-nested: more memory, and a layout only some CPUs get): every CPU keeps the training layout.
+    layer.support_avx512bf16_for_cpu = False
+    if child.bias is not None:
+        layer.bias = nn.Parameter(child.bias.detach().to(compute_dtype), requires_grad=False)
+    return layer
 
 
 _QUANT_BLOCK_2 = 256  # double quantization: the 8-bit absmaxes are scaled by one fp32 absmax per 256 of them
@@ -247,28 +278,32 @@ def _quantized_4bit_bytes(shape: Iterable[int]) -> int:
     return (numel + 1) // 2 + blocks + 4 * -(-blocks // _QUANT_BLOCK_2) + 4 + 4 * (16 + 256)
 
 
-def _fake_params4bit(weight: torch.Tensor, compute_dtype: torch.dtype) -> nn.Parameter:
-    """The estimator's stand-in for ``Params4bit(weight)._quantize()``: fake tensors of bitsandbytes' sizes.
+def fake_params4bit(shape: Iterable[int], compute_dtype: torch.dtype, fake_mode: Any,
+                    device: torch.device | str = "cpu") -> nn.Parameter:
+    """The estimator's stand-in for ``Params4bit(weight)._quantize()`` of a weight of `shape`: fake tensors of
+    bitsandbytes' sizes, in `fake_mode`.
 
     bitsandbytes cannot wrap a fake tensor (``Params4bit`` is a tensor subclass), so the weight is a plain frozen
     ``nn.Parameter`` holding the packed uint8 storage, with the attributes and the `QuantState` (8-bit absmax, fp32
     offset, the second level's fp32 absmax, both code tables) that ``Linear4bit.forward`` and
     ``bnb.matmul_4bit`` read: the forward, the saved tensors and the backward's dequantization then run through
-    bitsandbytes' own code and its fake kernels, as they do for real.
+    bitsandbytes' own code and its fake kernels, as they do for real. A model quantized already (a real
+    ``Params4bit``) is priced through the same stand-in, built from its quantization state's shape and dtype.
     """
     from bitsandbytes.functional import QuantState
 
-    numel = weight.numel()
+    shape = torch.Size(shape)
+    numel = shape.numel()
     blocks = -(-numel // QUANT_BLOCK)
-    with fake_mode_of(weight):
-        packed = torch.empty(((numel + 1) // 2, 1), dtype=torch.uint8, device=weight.device)
-        absmax = torch.empty(blocks, dtype=torch.uint8, device=weight.device)
-        offset = torch.empty((), dtype=torch.float32, device=weight.device)
-        absmax_2 = torch.empty(-(-blocks // _QUANT_BLOCK_2), dtype=torch.float32, device=weight.device)
-        code = torch.empty(16, dtype=torch.float32, device=weight.device)
-        code_2 = torch.empty(256, dtype=torch.float32, device=weight.device)
+    with fake_mode:
+        packed = torch.empty(((numel + 1) // 2, 1), dtype=torch.uint8, device=device)
+        absmax = torch.empty(blocks, dtype=torch.uint8, device=device)
+        offset = torch.empty((), dtype=torch.float32, device=device)
+        absmax_2 = torch.empty(-(-blocks // _QUANT_BLOCK_2), dtype=torch.float32, device=device)
+        code = torch.empty(16, dtype=torch.float32, device=device)
+        code_2 = torch.empty(256, dtype=torch.float32, device=device)
     state_2 = QuantState(absmax=absmax_2, code=code_2, blocksize=_QUANT_BLOCK_2, dtype=torch.float32)
-    state = QuantState(absmax=absmax, shape=weight.shape, dtype=compute_dtype, blocksize=QUANT_BLOCK, code=code,
+    state = QuantState(absmax=absmax, shape=shape, dtype=compute_dtype, blocksize=QUANT_BLOCK, code=code,
                        quant_type=QUANT_TYPE, offset=offset, state2=state_2)
     parameter = nn.Parameter(packed, requires_grad=False)
     parameter.quant_state = state
@@ -310,6 +345,6 @@ def is_lora_model(model: Any) -> bool:
     return peft is not None and isinstance(model, peft.PeftModel)
 
 
-__all__ = ["apply_lora", "block_linear_names", "default_compute_dtype", "default_targets", "is_4bit_layer",
-           "is_lora_model", "merge_lora", "parse_targets", "quant_state_tensors", "quantize_blocks_4bit", "save_lora",
-           "task_head_names"]
+__all__ = ["apply_lora", "block_linear_names", "default_compute_dtype", "default_targets", "fake_params4bit",
+           "is_4bit_layer", "is_lora_model", "merge_lora", "parse_targets", "quant_state_tensors",
+           "quantize_blocks_4bit", "save_lora", "task_head_names"]

@@ -111,6 +111,10 @@ CASES = [
      r"--layer-lr-decay .* which --lora freezes.*drop --layer-lr-decay"),
     ("LoRA with gradual unfreezing", "finetune", ["--lora", "4", "--unfreeze-schedule", "2"],
      r"--unfreeze-schedule .* --lora keeps frozen.*drop --unfreeze-schedule"),
+    ("QLoRA that quantizes nothing", "finetune", ["--lora", "4", "--qlora", "--lora-targets", "bert.pooler.dense"],
+     r"QLoRA stores the Linear \(and Conv1D\) layers of the transformer blocks in 4 bits, and the LoRA targets "
+     r"bert\.pooler\.dense of BertForSequenceClassification hold none: nothing would be quantized; target block "
+     r"layers \(query, key, value, dense\) or drop --qlora"),
     ("resume a full fine-tune with LoRA", "finetune", ["--output-dir", "{done}", "--resume", "auto", "--lora", "4"],
      r'(?s)another run; these settings differ.*lora: null -> \{"rank": 4'),
     # --- runs and checkpoints (a finished run is in {done})

@@ -271,3 +271,69 @@ def test_bf16_weights_store_the_adapters_in_bf16_over_a_base_loaded_in_bf16():
     assert {parameter.dtype for parameter in model.parameters() if parameter.is_floating_point()} == {torch.bfloat16}
     fp32 = Strategy(lora_rank=4).wrap_model(tiny_qwen().to(torch.bfloat16))
     assert {parameter.dtype for parameter in fp32.parameters() if parameter.requires_grad} == {torch.float32}
+
+
+# ------------------------------------------------------------------ QLoRA on GPT-2's Conv1D layers
+def tiny_gpt2():
+    """A tiny GPT-2 (hidden 64, 2 blocks, dropout off): its projections are transformers' Conv1D, weight [in, out]."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    config = GPT2Config(vocab_size=100, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def test_qlora_quantizes_gpt2s_conv1d_layers_as_the_linears_they_are():
+    """GPT-2's c_attn, c_proj and c_fc (Conv1D: x @ W + b, W stored [in, out]) once quantized nothing (before: 0 layers
+    in 4 bits, printed as a "4-bit NF4 base"). Each is now a 4-bit Linear storing W transposed, computing what the
+    Conv1D computed up to NF4's rounding."""
+    import bitsandbytes as bnb
+
+    reference, model = tiny_gpt2().eval(), apply_lora(tiny_gpt2(), 4, qlora=True, compute_dtype=torch.float32).eval()
+    quantized = [name for name, module in model.named_modules() if isinstance(module, bnb.nn.Linear4bit)]
+    assert len(quantized) == 2 * 4  # c_attn, attn.c_proj, c_fc, mlp.c_proj in each block
+    assert not any(type(module).__name__ == "Conv1D" for module in model.modules())
+    conv = reference.transformer.h[0].attn.c_attn  # [64, 192]: a transposition shows in the shape
+    layer = model.base_model.model.transformer.h[0].attn.c_attn.base_layer
+    stored = bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+    assert stored.shape == conv.weight.t().shape == (192, 64)
+    assert (stored - conv.weight.t()).norm() < 0.1 * conv.weight.norm()  # NF4: about 1/16 of each block's range
+    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = reference(ids).logits, model(ids).logits
+    assert (got - expected).norm() < 0.1 * expected.norm()
+
+
+def test_a_qlora_gpt2_adapter_merges_into_its_full_precision_conv1d_base(tmp_path):
+    """The adapter trained over 4-bit Linears records the Conv1D base it belongs to (fan_in_fan_out): merged into
+    the full-precision GPT-2, each weight gains exactly (B @ A) transposed, and peft warns of nothing."""
+    import warnings
+
+    from looptrain.lora import merge_lora, save_lora
+
+    model = apply_lora(tiny_gpt2(), 4, qlora=True, compute_dtype=torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:  # B starts at zero: a trained adapter's update
+            parameter.data = torch.randn(parameter.shape, generator=generator)
+    save_lora(model, tmp_path / "adapter")
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["fan_in_fan_out"] is True
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*fan_in_fan_out.*")
+        merged = merge_lora(tiny_gpt2(), tmp_path / "adapter")
+    adapter = model.base_model.model.transformer.h[1].mlp.c_fc
+    update = adapter.lora_B["default"].weight @ adapter.lora_A["default"].weight * adapter.scaling["default"]
+    assert torch.allclose(merged.transformer.h[1].mlp.c_fc.weight, tiny_gpt2().transformer.h[1].mlp.c_fc.weight
+                          + update.t(), atol=1e-6)
+
+
+def test_a_qlora_that_quantizes_nothing_is_refused():
+    """QLoRA whose targets hold no block Linear (the head, outside the blocks) stores nothing in 4 bits: refused."""
+    from looptrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^QLoRA stores the Linear \(and Conv1D\) layers of the transformer blocks "
+                                          r"in 4 bits, and the LoRA targets lm_head of GPT2LMHeadModel hold none: "
+                                          r"nothing would be quantized; target block layers \(c_attn, c_proj, c_fc\) "
+                                          r"or drop --qlora$"):
+        apply_lora(tiny_gpt2(), 4, targets="lm_head", qlora=True)

@@ -179,3 +179,23 @@ def test_finetune_with_lora_and_a_budget_plans_and_trains(model_dir, tmp_path, c
     summary = json.loads((output_dir / "summary.json").read_text())
     assert summary["plan"]["settings"]["lora_rank"] == 4 and summary["plan"]["lora"]["full_fine_tune_peak_bytes"] > 0
     assert summary["peak_memory_bytes"] <= 2 * 2**20
+
+
+def test_finetune_with_qlora_and_a_budget_plans_and_trains(tmp_path, capsys):
+    """--qlora with --memory-budget failed on its first estimate (bitsandbytes' Params4bit cannot hold a FakeTensor):
+    the planner now prices the 4-bit model the run trains, keeps --qlora, and trains."""
+    from test_estimate_lora import qlora_argv
+
+    argv = qlora_argv(tmp_path, "llama", "--memory-budget", "8MiB", "--effective-batch", "1", "--grad-checkpoint",
+                           "--plan-time", "0", "--budget-meter", "tensors")
+    argv[argv.index("--batch-size") + 1] = "1"
+    code = finetune.main(argv)
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "Traceback" not in captured.err and "FakeTensor" not in captured.err
+    winner = next(line for line in captured.out.splitlines() if line.startswith("winner: "))
+    assert "--lora 4 --qlora" in winner and "--grad-checkpoint" in winner, winner
+    assert re.search(r"note: QLoRA r 4 saves (only )?[0-9.]+ MiB \(\d+%\) over the full fine-tune", captured.out)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["plan"]["settings"]["qlora"] and summary["estimated_peak_bytes"] > 0
+    assert summary["peak_memory_bytes"] <= 8 * 2**20

@@ -270,7 +270,8 @@ def _estimate_windows(model_or_config: Any, windows: Sequence[Sequence[tuple[int
             model = fake_model(model_or_config, num_labels, fake_mode)
             # LoRA's adapters are built by peft outside the fake mode (its device moves cannot swap fakes), then
             # made fakes like the base they wrap: a real adapter is copied into a fake at every use (counted
-            # twice). QLoRA's 4-bit storage is fake from the start (`quantize_blocks_4bit` on a fake weight).
+            # twice). QLoRA's 4-bit storage is fake from the start (`quantize_blocks_4bit` on a fake weight), or, for
+            # a model quantized already, copied as fakes of its packed bytes (`fakes.fake_model`).
             model = strategy.wrap_model(model)
             fake_tensors(model, fake_mode)
             # Built outside the fake mode: optimizers' constant tables (bitsandbytes' quantisation maps) are real.

@@ -21,18 +21,19 @@ from torch import nn
 
 from looptrain.estimation.shapes import is_causal_lm_config, named_config
 from looptrain.fake import is_fake
-from looptrain.lora import quant_state_tensors
+from looptrain.lora import fake_params4bit, quant_state_tensors
 from looptrain.memory.tracker import CATEGORY_PARAMS
 from looptrain.optim import OptimizerInBackward, wrap_for_config
 from looptrain.precision import Precision
 
 
 def fake_model(model_or_config: Any, num_labels: int, fake_mode) -> nn.Module:
-    """A copy of the model whose parameters and buffers are fake CPU tensors (no real memory)."""
+    """A copy of the model whose parameters and buffers are fake CPU tensors (no real memory); a QLoRA model's 4-bit
+    weights are copied as fakes of the bytes bitsandbytes stores (`_fake_parameter`)."""
     if isinstance(model_or_config, nn.Module):
         memo: dict[int, Any] = {}
         for parameter in model_or_config.parameters():
-            memo[id(parameter)] = nn.Parameter(_cpu_fake(parameter, fake_mode), requires_grad=parameter.requires_grad)
+            memo[id(parameter)] = _fake_parameter(parameter, fake_mode)
         for buffer in model_or_config.buffers():
             memo[id(buffer)] = _cpu_fake(buffer, fake_mode)
         return copy.deepcopy(model_or_config, memo)
@@ -48,6 +49,16 @@ def fake_model(model_or_config: Any, num_labels: int, fake_mode) -> nn.Module:
     with fake_mode:
         # The attention implementation is resolved as a real from_config resolves it (sdpa where torch has it).
         return auto_class.from_config(config)
+
+
+def _fake_parameter(parameter: nn.Parameter, fake_mode) -> nn.Parameter:
+    """A fake copy of `parameter`; a 4-bit weight of a model quantized already (QLoRA's bitsandbytes ``Params4bit``,
+    a tensor subclass that cannot hold a fake) becomes `fake_params4bit` of the weight it stores: its packed bytes
+    and its quantization state priced, its forward run through bitsandbytes' code as for a model quantized on fakes."""
+    state = getattr(parameter, "quant_state", None)
+    if state is not None:
+        return fake_params4bit(state.shape, state.dtype, fake_mode)
+    return nn.Parameter(_cpu_fake(parameter, fake_mode), requires_grad=parameter.requires_grad)
 
 
 def fake_tensors(model: nn.Module, fake_mode) -> None:

@@ -405,11 +405,16 @@ def wrap_lora(model, strategy, flags):
 
 def lora_line(model, strategy) -> str:
     """"LoRA rank R: T trainable of N parameters (P%) ..." for a peft model (4-bit weights counted unpacked)."""
+    from looptrain.lora import is_4bit_layer
+
     trainable, total = model.get_nb_trainable_parameters()
     config = model.peft_config[model.active_adapter]
     head = f"; trained fully: {', '.join(config.modules_to_save)}" if config.modules_to_save else ""
-    base = "4-bit NF4" if strategy.qlora else "frozen"
-    return (f"LoRA rank {config.r} (alpha {config.lora_alpha}) on {len(config.target_modules)} modules, {base} base: "
+    base = "frozen base"
+    if strategy.qlora:  # the layers stored in 4 bits, counted (`apply_lora` refuses a QLoRA that quantizes none)
+        quantized = sum(1 for module in model.modules() if is_4bit_layer(module))
+        base = f"frozen base, {quantized} of its layers in 4-bit NF4"
+    return (f"LoRA rank {config.r} (alpha {config.lora_alpha}) on {len(config.target_modules)} modules, {base}: "
             f"{trainable:,} trainable of {total:,} parameters ({trainable / total:.2%}){head}")
 
 
