@@ -22,7 +22,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from looptrain.cli.errors import UsageError
+from looptrain.cli.errors import UsageError, program_name
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     from looptrain.cli.finetune import DefaultOnceFormatter, add_loading_arguments
 
     parser = argparse.ArgumentParser(
-        prog="predict.py", formatter_class=DefaultOnceFormatter,
+        prog=program_name("predict.py"), formatter_class=DefaultOnceFormatter,
         description="Predict with a fine-tuned classifier (or generate with a causal LM); with --label-column, "
                     "evaluate it on the file's labels.")
     parser.add_argument("--model", required=True, help="the model directory: a run's final/ (or a hub id in the cache)")
@@ -387,7 +387,8 @@ def run(args, print=builtins.print) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line; returns the exit code (0 ok, 2 for a user error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     from looptrain.data.errors import DataError
 
     try:
@@ -396,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, DataError) as error:
         if args.debug:
             raise
-        print(f"predict.py: error: {error}", file=sys.stderr)
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2
     return 0
 
