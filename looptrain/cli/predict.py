@@ -207,7 +207,7 @@ def classify(model, tokenizer, data, args, device, precision, print):
     loader = data_module.make_eval_loader(dataset, args.batch_size, collator, num_replicas=1, rank=0)
     predictions = torch.zeros(len(dataset), dtype=torch.long)
     probabilities = torch.zeros(len(dataset), model.config.num_labels, dtype=torch.float32)
-    evaluation = EvalMetrics(num_labels=model.config.num_labels) if data.labels is not None else None
+    evaluation = EvalMetrics.for_model(model) if data.labels is not None else None
     bar = tqdm(total=len(dataset), desc="predicting", unit="rows", disable=True if args.no_progress_bar else None)
     with torch.no_grad(), bar:
         for rows, batch in zip(loader.batch_sampler, loader):
