@@ -112,7 +112,8 @@ def apply_lora(model: nn.Module, rank: int, *, alpha: int | None = None, dropout
             computes bf16 natively, else fp32).
 
     Raises:
-        ConfigError: rank < 1, a target that matches no module, peft missing.
+        ConfigError: rank < 1, a rank not below a target's width (`rank_width_problem`), a target that matches no
+            module, peft missing.
     """
     try:
         from peft import LoraConfig, get_peft_model
@@ -127,6 +128,9 @@ def apply_lora(model: nn.Module, rank: int, *, alpha: int | None = None, dropout
     if missing:
         raise ConfigError(f"LoRA targets {', '.join(missing)} match no module of {type(model).__name__}; "
                           f"its block Linears are {', '.join(block_linear_names(model)) or 'none'}")
+    rank_problem = rank_width_problem(model, names, rank)
+    if rank_problem:
+        raise ConfigError(rank_problem)
     if qlora:
         quantize_blocks_4bit(model, names, compute_dtype)
     conv1d = any(type(module).__name__ == "Conv1D" for name, module in model.named_modules()
@@ -134,6 +138,34 @@ def apply_lora(model: nn.Module, rank: int, *, alpha: int | None = None, dropout
     config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=dropout, target_modules=names,
                         modules_to_save=task_head_names(model) or None, fan_in_fan_out=conv1d)
     return get_peft_model(model, config)
+
+
+def rank_width_problem(model: nn.Module, targets: Iterable[str], rank: int) -> str | None:
+    """Why `rank` is too large for the narrowest module `targets` name, or None.
+
+    An adapter of rank r on an ``in x out`` layer trains ``r * (in + out)`` weights: at ``r >= min(in, out)`` that is
+    at least the layer's own ``in * out``, so "low-rank" adapters would train more than a full fine-tune does.
+    """
+    names = set(targets)
+    widths = [(min(_layer_shape(module)), name, _layer_shape(module)) for name, module in model.named_modules()
+              if (name in names or name.rsplit(".", 1)[-1] in names) and _layer_shape(module)]
+    if not widths:
+        return None
+    width, name, (rows, columns) = min(widths)
+    if rank < width:
+        return None
+    return (f"--lora {rank} is not below the width {width} of {name} ({rows} x {columns}); a rank that large trains "
+            f"more than full fine-tuning; pass a rank below {width} or drop --lora for a full fine-tune")
+
+
+def _layer_shape(module: nn.Module) -> tuple[int, int] | None:
+    """(inputs, outputs) of a Linear (4-bit ones included, whose weight is packed), a GPT-2 Conv1D or an Embedding."""
+    if isinstance(getattr(module, "in_features", None), int) and isinstance(getattr(module, "out_features", None), int):
+        return module.in_features, module.out_features
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and not isinstance(module, nn.LayerNorm):
+        return int(weight.shape[0]), int(weight.shape[1])
+    return None
 
 
 def save_lora(model: nn.Module, directory: str | Path) -> Path:
@@ -311,5 +343,5 @@ def is_lora_model(model: Any) -> bool:
 
 
 __all__ = ["apply_lora", "block_linear_names", "default_compute_dtype", "default_targets", "is_4bit_layer",
-           "is_lora_model", "merge_lora", "parse_targets", "quant_state_tensors", "quantize_blocks_4bit", "save_lora",
-           "task_head_names"]
+           "is_lora_model", "merge_lora", "parse_targets", "quant_state_tensors", "quantize_blocks_4bit",
+           "rank_width_problem", "save_lora", "task_head_names"]

@@ -271,3 +271,19 @@ def test_bf16_weights_store_the_adapters_in_bf16_over_a_base_loaded_in_bf16():
     assert {parameter.dtype for parameter in model.parameters() if parameter.is_floating_point()} == {torch.bfloat16}
     fp32 = Strategy(lora_rank=4).wrap_model(tiny_qwen().to(torch.bfloat16))
     assert {parameter.dtype for parameter in fp32.parameters() if parameter.requires_grad} == {torch.float32}
+
+
+def test_a_rank_not_below_a_targets_width_is_refused_and_one_below_is_taken():
+    """On a 64-wide Qwen2, r 64 would train r x (64 + 64) weights per 64 x 64 projection: more than the layer."""
+    from looptrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^--lora 64 is not below the width 32 of model\.layers\.0\.self_attn\."
+                                          r"[kv]_proj \(64 x 32\); a rank that large trains more than full "
+                                          r"fine-tuning; pass a rank below 32 or drop --lora for a full fine-tune$"):
+        apply_lora(tiny_qwen(), 64)
+    with pytest.raises(ConfigError, match=r"--lora 100000 is not below the width 64 of model\.layers\.0\.self_attn"
+                                          r"\.q_proj \(64 x 64\)"):
+        apply_lora(tiny_qwen(), 100000, targets="q_proj")
+    model = apply_lora(tiny_qwen(), 63, targets="q_proj")
+    trainable, total = model.get_nb_trainable_parameters()
+    assert trainable == 2 * 63 * (64 + 64)  # two blocks' q_proj adapters, each below the layer's 64 x 64
