@@ -136,8 +136,31 @@ def apply_lora(model: nn.Module, rank: int, *, alpha: int | None = None, dropout
     conv1d = any(type(module).__name__ == "Conv1D" for name, module in model.named_modules()
                  if name in names or name.rsplit(".", 1)[-1] in names)
     config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=dropout, target_modules=names,
-                        modules_to_save=task_head_names(model) or None, fan_in_fan_out=conv1d)
-    return get_peft_model(model, config)
+                        modules_to_save=task_head_names(model) or None, fan_in_fan_out=conv1d,
+                        task_type=task_type_of(model))
+    wrapped = get_peft_model(model, config)
+    config.base_model_name_or_path = resolved_base(wrapped.base_model.model)
+    return wrapped
+
+
+def task_type_of(model: nn.Module) -> str | None:
+    """peft's task type of a transformers model, from its class: ``SEQ_CLS`` for a sequence classifier, ``CAUSAL_LM``
+    for a causal LM, None for anything else. Saved in adapter_config.json: peft's ``AutoPeftModel*`` classes and
+    `looptrain-predict` read from it what the adapter is for."""
+    name = type(model).__name__
+    if name.endswith("ForSequenceClassification"):
+        return "SEQ_CLS"
+    if name.endswith(("ForCausalLM", "LMHeadModel")):
+        return "CAUSAL_LM"
+    return None
+
+
+def resolved_base(model: nn.Module) -> str | None:
+    """The base an adapter records (``base_model_name_or_path``): the directory `model` was loaded from as an absolute
+    path, so the adapter finds it from any working directory; a hub name (or anything that is not a local directory)
+    as it is."""
+    name = getattr(model, "name_or_path", None) or None
+    return str(Path(name).resolve()) if name and Path(name).is_dir() else name
 
 
 def rank_width_problem(model: nn.Module, targets: Iterable[str], rank: int) -> str | None:
@@ -344,4 +367,4 @@ def is_lora_model(model: Any) -> bool:
 
 __all__ = ["apply_lora", "block_linear_names", "default_compute_dtype", "default_targets", "is_4bit_layer",
            "is_lora_model", "merge_lora", "parse_targets", "quant_state_tensors", "quantize_blocks_4bit",
-           "rank_width_problem", "save_lora", "task_head_names"]
+           "rank_width_problem", "resolved_base", "save_lora", "task_head_names", "task_type_of"]

@@ -369,7 +369,10 @@ def lora_line(model, strategy) -> str:
     """"LoRA rank R: T trainable of N parameters (P%) ..." for a peft model (4-bit weights counted unpacked)."""
     trainable, total = model.get_nb_trainable_parameters()
     config = model.peft_config[model.active_adapter]
-    head = f"; trained fully: {', '.join(config.modules_to_save)}" if config.modules_to_save else ""
+    # The modules peft wraps to train fully (its SEQ_CLS task also names "classifier" and "score", present or not).
+    heads = [name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+             if type(module).__name__ == "ModulesToSaveWrapper"]
+    head = f"; trained fully: {', '.join(heads)}" if heads else ""
     base = "4-bit NF4" if strategy.qlora else "frozen"
     return (f"LoRA rank {config.r} (alpha {config.lora_alpha}) on {len(config.target_modules)} modules, {base} base: "
             f"{trainable:,} trainable of {total:,} parameters ({trainable / total:.2%}){head}")

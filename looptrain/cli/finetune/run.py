@@ -227,8 +227,16 @@ def prepare_output_dir(request: RunRequest, place, model, precision: str, device
         resolved = {"arguments": request.arguments(),
                     "model_path": request.model_path, "loop_config": config.to_dict(), "world_size": place.world_size,
                     "resolved": {"precision": precision, "device": str(device), "cpu": cpu_description()},
-                    "plan": plan_result.to_dict() if plan_result is not None else request.resumed_plan}
+                    "plan": plan_result.to_dict() if plan_result is not None else request.resumed_plan,
+                    # a LoRA run's final/ holds no config.json: looptrain-predict reads a classifier's labels here
+                    "labels": label_names(model) if request.flags.task == "sequence-classification" else None}
         write_json_atomic(output_dir / "run_config.json", resolved)
+
+
+def label_names(model) -> list[str]:
+    """The classifier's label names in id order (its config's id2label)."""
+    config = model.config
+    return [str(config.id2label.get(index, f"LABEL_{index}")) for index in range(config.num_labels)]
 
 
 def write_outputs(summary: dict, place, inputs: Inputs, output_dir: Path, plan_result, estimated_peak,
