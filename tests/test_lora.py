@@ -118,11 +118,17 @@ def predict_quietly(*argv) -> tuple[int, str]:
     return code, err.getvalue()
 
 
-def test_the_adapter_records_its_base_as_an_absolute_path_and_its_task(relative_run, model_dir):
+def test_the_adapter_records_its_base_as_an_absolute_path_and_its_task(relative_run, model_dir, tmp_path,
+                                                                        monkeypatch):
+    from transformers import AutoModelForSequenceClassification
+
     saved = json.loads((relative_run / "final" / "adapter_config.json").read_text())
     assert saved["base_model_name_or_path"] == str(model_dir.resolve())  # not "model" as typed
     assert saved["task_type"] == "SEQ_CLS"
     assert json.loads((relative_run / "run_config.json").read_text())["model_path"] == model_dir.name
+    monkeypatch.chdir(tmp_path)  # transformers' from_pretrained finds the base from anywhere too
+    loaded = AutoModelForSequenceClassification.from_pretrained(relative_run / "final")
+    assert loaded.name_or_path == str(model_dir.resolve())
 
 
 def test_predict_on_a_lora_final_from_elsewhere_reproduces_the_runs_evaluation(relative_run, bert_files, tmp_path,
