@@ -142,7 +142,6 @@ def load_model(model_path: str, config, kind: str, args):
 
 def check_model_exists(model_path: str) -> None:
     """Refuses a --model that is neither a directory nor a hub model in the local cache, before any download."""
-
     directory = Path(model_path)
     if directory.is_dir() and not (directory / "config.json").is_file() and (directory / "final").is_dir():
         raise UsageError(f"--model {model_path} is a run's output directory; pass the model it wrote: "
