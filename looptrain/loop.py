@@ -371,7 +371,7 @@ class Loop:
         The default scores the loss always, accuracy and F1 when `eval_step` returns class logits,
         and perplexity for token-level losses otherwise (see `looptrain.metrics.EvalMetrics`).
         """
-        return metrics.EvalMetrics(num_labels=getattr(getattr(self.model, "config", None), "num_labels", None))
+        return metrics.EvalMetrics.for_model(self.model)  # num_labels and label names from the model's config
 
     def compute_metrics(self, evaluation) -> dict:
         """The evaluation's scores from its metrics object; override to add or rename scores."""

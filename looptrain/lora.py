@@ -112,8 +112,8 @@ def apply_lora(model: nn.Module, rank: int, *, alpha: int | None = None, dropout
             computes bf16 natively, else fp32).
 
     Raises:
-        ConfigError: rank < 1, a target that matches no module, peft missing, `qlora` with no target in the blocks'
-            Linears (nothing to quantize).
+        ConfigError: rank < 1, a rank not below a target's width (`rank_width_problem`), a target that matches no
+            module, peft missing, `qlora` with no target in the blocks' Linears (nothing to quantize).
     """
     try:
         from peft import LoraConfig, get_peft_model
@@ -128,6 +128,9 @@ def apply_lora(model: nn.Module, rank: int, *, alpha: int | None = None, dropout
     if missing:
         raise ConfigError(f"LoRA targets {', '.join(missing)} match no module of {type(model).__name__}; "
                           f"its block Linears are {', '.join(block_linear_names(model)) or 'none'}")
+    rank_problem = rank_width_problem(model, names, rank)
+    if rank_problem:
+        raise ConfigError(rank_problem)
     conv1d = _targets_conv1d(model, names)  # before QLoRA replaces them
     if qlora and not quantize_blocks_4bit(model, names, compute_dtype):
         raise ConfigError(f"QLoRA stores the Linear (and Conv1D) layers of the transformer blocks in 4 bits, and the "
@@ -136,12 +139,14 @@ def apply_lora(model: nn.Module, rank: int, *, alpha: int | None = None, dropout
                           "drop --qlora")
     # peft's own switch for the Conv1D layers it wraps now (none of them once QLoRA stored them as 4-bit Linears).
     config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=dropout, target_modules=names,
-                        modules_to_save=task_head_names(model) or None, fan_in_fan_out=_targets_conv1d(model, names))
+                        modules_to_save=task_head_names(model) or None, fan_in_fan_out=_targets_conv1d(model, names),
+                        task_type=task_type_of(model))
     wrapped = get_peft_model(model, config)
     # GPT-2's Conv1D stores its weight [in, out], so peft transposes the adapters' update for it (fan_in_fan_out).
     # Its 4-bit Linears store [out, in] and take no transposition; the saved adapter_config.json still describes the
     # Conv1D base it merges into (`merge_lora`, from_pretrained of the original weights).
     config.fan_in_fan_out = conv1d
+    config.base_model_name_or_path = resolved_base(wrapped.base_model.model)
     return wrapped
 
 
@@ -149,6 +154,54 @@ def _targets_conv1d(model: nn.Module, names: list[str]) -> bool:
     """Whether the modules named `names` include a transformers ``Conv1D`` (GPT-2's projections)."""
     return any(_is_conv1d(module) for name, module in model.named_modules()
                if name in names or name.rsplit(".", 1)[-1] in names)
+
+
+def task_type_of(model: nn.Module) -> str | None:
+    """peft's task type of a transformers model, from its class: ``SEQ_CLS`` for a sequence classifier, ``CAUSAL_LM``
+    for a causal LM, None for anything else. Saved in adapter_config.json: peft's ``AutoPeftModel*`` classes and
+    `looptrain-predict` read from it what the adapter is for."""
+    name = type(model).__name__
+    if name.endswith("ForSequenceClassification"):
+        return "SEQ_CLS"
+    if name.endswith(("ForCausalLM", "LMHeadModel")):
+        return "CAUSAL_LM"
+    return None
+
+
+def resolved_base(model: nn.Module) -> str | None:
+    """The base an adapter records (``base_model_name_or_path``): the directory `model` was loaded from as an absolute
+    path, so the adapter finds it from any working directory; a hub name (or anything that is not a local directory)
+    as it is."""
+    name = getattr(model, "name_or_path", None) or None
+    return str(Path(name).resolve()) if name and Path(name).is_dir() else name
+
+
+def rank_width_problem(model: nn.Module, targets: Iterable[str], rank: int) -> str | None:
+    """Why `rank` is too large for the narrowest module `targets` name, or None.
+
+    An adapter of rank r on an ``in x out`` layer trains ``r * (in + out)`` weights: at ``r >= min(in, out)`` that is
+    at least the layer's own ``in * out``, so "low-rank" adapters would train more than a full fine-tune does.
+    """
+    names = set(targets)
+    widths = [(min(_layer_shape(module)), name, _layer_shape(module)) for name, module in model.named_modules()
+              if (name in names or name.rsplit(".", 1)[-1] in names) and _layer_shape(module)]
+    if not widths:
+        return None
+    width, name, (rows, columns) = min(widths)
+    if rank < width:
+        return None
+    return (f"--lora {rank} is not below the width {width} of {name} ({rows} x {columns}); a rank that large trains "
+            f"more than full fine-tuning; pass a rank below {width} or drop --lora for a full fine-tune")
+
+
+def _layer_shape(module: nn.Module) -> tuple[int, int] | None:
+    """(inputs, outputs) of a Linear (4-bit ones included, whose weight is packed), a GPT-2 Conv1D or an Embedding."""
+    if isinstance(getattr(module, "in_features", None), int) and isinstance(getattr(module, "out_features", None), int):
+        return module.in_features, module.out_features
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and not isinstance(module, nn.LayerNorm):
+        return int(weight.shape[0]), int(weight.shape[1])
+    return None
 
 
 def save_lora(model: nn.Module, directory: str | Path) -> Path:
@@ -347,4 +400,5 @@ def is_lora_model(model: Any) -> bool:
 
 __all__ = ["apply_lora", "block_linear_names", "default_compute_dtype", "default_targets", "fake_params4bit",
            "is_4bit_layer", "is_lora_model", "merge_lora", "parse_targets", "quant_state_tensors",
-           "quantize_blocks_4bit", "save_lora", "task_head_names"]
+           "quantize_blocks_4bit", "rank_width_problem", "resolved_base", "save_lora", "task_head_names",
+           "task_type_of"]

@@ -141,8 +141,19 @@ def _safe_divide(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
     return result
 
 
-def _scores_from_confusion(matrix: np.ndarray, num_labels: int | None) -> dict[str, Any]:
-    """Per-class precision, recall, F1 and their macro average from a confusion matrix."""
+def _absent_classes_message(absent: list[int], num_classes: int, label_names: Sequence[str] | None) -> str:
+    """The warning for classes with no true and no predicted item, named by their labels where known."""
+    named = [f"{label_names[index]!r} (id {index})" if label_names else str(index) for index in absent]
+    which = "class " + named[0] if len(named) == 1 else "classes " + ", ".join(named)
+    return (f"F1 is undefined for {which}: no item is labelled or predicted as it, so it counts 0 in the macro-F1 over "
+            f"all {num_classes} classes; evaluate on data holding every class (or pass num_labels=None to average "
+            "only over the classes present)")
+
+
+def _scores_from_confusion(matrix: np.ndarray, num_labels: int | None,
+                           label_names: Sequence[str] | None = None) -> dict[str, Any]:
+    """Per-class precision, recall, F1 and their macro average from a confusion matrix (`label_names`: the
+    classes' names in id order, for the warning about an absent class)."""
     classes = _classes_in_use(matrix, num_labels)
     if num_labels is not None and matrix.shape[0] < num_labels:
         padded = np.zeros((num_labels, num_labels), dtype=np.int64)
@@ -159,13 +170,7 @@ def _scores_from_confusion(matrix: np.ndarray, num_labels: int | None) -> dict[s
     f1 = _safe_divide(2 * true_positive, 2 * true_positive + false_positive + false_negative)
     absent = [classes[index] for index in np.flatnonzero(predicted_total + true_total == 0)]
     if absent:
-        warnings.warn(
-            f"F1 is undefined for classes {absent} (no true and no predicted items) and is set to 0 "
-            "in the macro average; evaluate on more data or pass num_labels=None to average only "
-            "over the classes present.",
-            UndefinedF1Warning,
-            stacklevel=3,
-        )
+        warnings.warn(_absent_classes_message(absent, len(classes), label_names), UndefinedF1Warning, stacklevel=3)
     scores: dict[str, Any] = {
         "f1_macro": float(f1.mean()) if len(classes) else 0.0,
         "classes": classes,
@@ -198,7 +203,8 @@ def accuracy(predictions: ArrayLike, labels: ArrayLike) -> float:
     return float(np.mean(prediction_array == label_array))
 
 
-def f1_scores(predictions: ArrayLike, labels: ArrayLike, num_labels: int | None = None) -> dict[str, Any]:
+def f1_scores(predictions: ArrayLike, labels: ArrayLike, num_labels: int | None = None,
+              label_names: Sequence[str] | None = None) -> dict[str, Any]:
     """F1 per class, macro F1 and (for two classes) binary F1, with precision and recall.
 
     See the module docstring for which classes are averaged and how undefined values are set.
@@ -208,6 +214,7 @@ def f1_scores(predictions: ArrayLike, labels: ArrayLike, num_labels: int | None 
         labels: True class ids, same size; items labelled -100 are skipped.
         num_labels: Number of classes; when given, the macro average is over `range(num_labels)`,
             else over the classes present in labels ∪ predictions.
+        label_names: the classes' names in id order, which the `UndefinedF1Warning` names them by.
 
     Returns:
         A dict with `f1_macro`, `classes` (the class ids averaged over, ascending),
@@ -215,7 +222,7 @@ def f1_scores(predictions: ArrayLike, labels: ArrayLike, num_labels: int | None 
         aligned with `classes`), and `f1_binary` (F1 of class 1) when the classes are {0, 1}.
     """
     matrix = confusion_matrix(predictions, labels, num_labels)
-    return _scores_from_confusion(matrix, num_labels)
+    return _scores_from_confusion(matrix, num_labels, label_names)
 
 
 def _predictions_from_outputs(logits_or_predictions: torch.Tensor) -> torch.Tensor:
@@ -243,7 +250,8 @@ class ClassificationMetrics:
         scores = metrics.compute()  # {"accuracy", "f1", "loss", "count"}
     """
 
-    def __init__(self, num_labels: int | None = None, ignore_index: int | None = IGNORE_INDEX):
+    def __init__(self, num_labels: int | None = None, ignore_index: int | None = IGNORE_INDEX,
+                 label_names: Sequence[str] | None = None):
         """Creates an empty accumulator.
 
         Args:
@@ -251,9 +259,11 @@ class ClassificationMetrics:
                 first update (2 for a single logit); with class-id predictions only, the macro
                 average is over the classes seen.
             ignore_index: Label value to skip (token-classification padding), or None.
+            label_names: the classes' names in id order (the warning about an absent class names them).
         """
         self.num_labels = num_labels
         self.ignore_index = ignore_index
+        self.label_names = list(label_names) if label_names else None
         self._num_labels_from_user = num_labels is not None
         self.reset()
 
@@ -372,7 +382,7 @@ class ClassificationMetrics:
         total = int(matrix.sum())
         if total == 0:
             raise ValueError("no labelled items were scored; call update() with evaluation batches first.")
-        scores = _scores_from_confusion(matrix, self.num_labels)
+        scores = _scores_from_confusion(matrix, self.num_labels, self.label_names)
         result: dict[str, float] = {
             "accuracy": float(np.trace(matrix) / total),
             "f1": scores["f1_macro"],
@@ -439,15 +449,28 @@ class EvalMetrics:
 
     Args:
         num_labels: the number of classes, when known (the macro F1 then averages over all of them).
+        label_names: the classes' names in id order, when known (the warning about an absent class names them).
     """
 
-    def __init__(self, num_labels: int | None = None):
+    def __init__(self, num_labels: int | None = None, label_names: Sequence[str] | None = None):
         self.num_labels = num_labels
+        self.label_names = label_names
         self.loss_sum = 0.0
         self.items = 0.0
         self.rows = 0
         self.token_level = False
         self.classification: ClassificationMetrics | None = None
+
+    @classmethod
+    def for_model(cls, model: Any) -> EvalMetrics:
+        """The metrics of `model`'s evaluation: its config's ``num_labels`` and label names (``id2label``, unless
+        they are the default ``LABEL_i``), when it has a config."""
+        config = getattr(model, "config", None)
+        num_labels = getattr(config, "num_labels", None)
+        id2label = getattr(config, "id2label", None) or {}
+        names = [str(id2label.get(index, f"LABEL_{index}")) for index in range(num_labels or 0)]
+        default = [f"LABEL_{index}" for index in range(num_labels or 0)]
+        return cls(num_labels=num_labels, label_names=names if names != default else None)
 
     def update(self, output: Mapping[str, Any]) -> None:
         """Adds one `eval_step` output: `loss_sum` and `num_items`, and `logits`/`predictions` with `labels`."""
@@ -467,7 +490,7 @@ class EvalMetrics:
             output.get("logits") is not None or output.get("predictions") is not None
         ):
             if self.classification is None:
-                self.classification = ClassificationMetrics(num_labels=self.num_labels)
+                self.classification = ClassificationMetrics(num_labels=self.num_labels, label_names=self.label_names)
             scores = output["logits"] if output.get("logits") is not None else output["predictions"]
             self.classification.update(scores, output["labels"])
             self.token_level = self.token_level or output["labels"].dim() > 1
@@ -480,7 +503,7 @@ class EvalMetrics:
         self.token_level = self.token_level or other.token_level
         if other.classification is not None:
             if self.classification is None:
-                self.classification = ClassificationMetrics(num_labels=self.num_labels)
+                self.classification = ClassificationMetrics(num_labels=self.num_labels, label_names=self.label_names)
             self.classification.merge(other.classification)
 
     def compute(self) -> dict[str, float]:

@@ -115,6 +115,9 @@ CASES = [
      r"QLoRA stores the Linear \(and Conv1D\) layers of the transformer blocks in 4 bits, and the LoRA targets "
      r"bert\.pooler\.dense of BertForSequenceClassification hold none: nothing would be quantized; target block "
      r"layers \(query, key, value, dense\) or drop --qlora"),
+    ("LoRA rank above a layer's width", "finetune", ["--lora", "100000"],
+     r"--lora 100000 is not below the width 32 of bert\.encoder\.layer\.0\.\S+ \(32 x 32\); a rank that large "
+     r"trains more than full fine-tuning; pass a rank below 32 or drop --lora for a full fine-tune"),
     ("resume a full fine-tune with LoRA", "finetune", ["--output-dir", "{done}", "--resume", "auto", "--lora", "4"],
      r'(?s)another run; these settings differ.*lora: null -> \{"rank": 4'),
     # --- runs and checkpoints (a finished run is in {done})

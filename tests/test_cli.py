@@ -103,3 +103,40 @@ def test_every_run_option_is_declared_like_a_lever_and_its_flag_comes_from_the_d
             assert actions[spec.name].option_strings == [meta["flag"]], spec.name
     assert strategy.flag_names(LoopConfig)["unfreeze_every"] == "--unfreeze-schedule"
     assert finetune.build_parser().parse_args(["--eval-every", "5", "--max-grad-norm", "none"]).max_grad_norm is None
+
+
+# ------------------------------------------------------------------ usage lines: the name the user typed
+@pytest.mark.parametrize("name", sorted(EXPECTED_SCRIPTS))
+def test_each_console_script_names_itself_in_its_usage_line(name, monkeypatch, capsys):
+    """Installed as bin/looptrain-predict, the usage line says looptrain-predict (not predict.py)."""
+    module_name, _, function_name = declared_console_scripts()[name].partition(":")
+    entry = getattr(importlib.import_module(module_name), function_name)
+    monkeypatch.setattr(sys, "argv", [f"/venv/bin/{name}", "--help", "--memory-budget", "1GiB"])
+    with pytest.raises(SystemExit) as exit_info:
+        entry()
+    assert exit_info.value.code in (0, None)
+    assert capsys.readouterr().out.startswith(f"usage: {name} ")
+
+
+@pytest.mark.parametrize("module, typed", [("looptrain.memory", "python -m looptrain.memory"),
+                                           ("looptrain.cli.predict", "python -m looptrain.cli.predict"),
+                                           ("looptrain.cli.finetune", "python -m looptrain.cli.finetune")])
+def test_a_module_run_names_the_module_in_its_usage_line(module, typed, monkeypatch, capsys):
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["ignored", "--help"])
+    monkeypatch.delitem(sys.modules, module, raising=False)  # run afresh, as `python -m` does
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    assert exit_info.value.code in (0, None)
+    assert capsys.readouterr().out.startswith(f"usage: {typed} ")
+
+
+def test_a_script_or_a_python_caller_sees_the_scripts_name(monkeypatch, capsys):
+    from looptrain.cli import estimate, predict
+
+    monkeypatch.setattr(sys, "argv", ["scripts/predict.py"])
+    for main, script in ((predict.main, "predict.py"), (finetune.main, "finetune.py"), (estimate.main, "estimate.py")):
+        with pytest.raises(SystemExit):
+            main(["--help"])
+        assert capsys.readouterr().out.startswith(f"usage: {script} ")

@@ -94,6 +94,102 @@ def test_merge_lora_writes_full_weights_that_load_alone_and_reproduce_the_eval(b
     assert eval_loss(merged, model_dir, bert_files) == pytest.approx(summary["final_eval"]["loss"], abs=1e-5)
 
 
+# ------------------------------------------------------------------ final/ used from elsewhere: the base it records
+@pytest.fixture(scope="module")
+def relative_run(model_dir, bert_files, tmp_path_factory):
+    """A --lora 4 run started in --model's parent directory with --model given as a relative path."""
+    output_dir = tmp_path_factory.mktemp("lora-relative") / "run"
+    before = os.getcwd()
+    os.chdir(model_dir.parent)
+    try:
+        code, out = run_quietly(bert_argv(model_dir.name, bert_files, output_dir))
+    finally:
+        os.chdir(before)
+    assert code == 0, out
+    return output_dir
+
+
+def predict_quietly(*argv) -> tuple[int, str]:
+    from looptrain.cli import predict
+
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = predict.main([str(value) for value in argv] + ["--no-progress-bar"])
+    return code, err.getvalue()
+
+
+def test_the_adapter_records_its_base_as_an_absolute_path_and_its_task(relative_run, model_dir, tmp_path,
+                                                                        monkeypatch):
+    from transformers import AutoModelForSequenceClassification
+
+    saved = json.loads((relative_run / "final" / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == str(model_dir.resolve())  # not "model" as typed
+    assert saved["task_type"] == "SEQ_CLS"
+    assert json.loads((relative_run / "run_config.json").read_text())["model_path"] == model_dir.name
+    monkeypatch.chdir(tmp_path)  # transformers' from_pretrained finds the base from anywhere too
+    loaded = AutoModelForSequenceClassification.from_pretrained(relative_run / "final")
+    assert loaded.name_or_path == str(model_dir.resolve())
+
+
+def test_predict_on_a_lora_final_from_elsewhere_reproduces_the_runs_evaluation(relative_run, bert_files, tmp_path,
+                                                                                 monkeypatch):
+    monkeypatch.chdir(tmp_path)  # neither the run's directory nor --model's
+    metrics = tmp_path / "metrics.json"
+    code, err = predict_quietly("--model", relative_run / "final", "--data", bert_files[1], "--label-column", "label",
+                                "--metrics-json", metrics, "--max-length", "32")
+    assert code == 0, err
+    scores = json.loads(metrics.read_text())["metrics"]
+    summary = json.loads((relative_run / "summary.json").read_text())
+    assert scores["loss"] == pytest.approx(summary["final_eval"]["loss"], abs=1e-5)
+    assert (scores["accuracy"], scores["f1"]) == (summary["final_eval"]["accuracy"], summary["final_eval"]["f1"])
+
+
+def test_an_adapter_whose_base_is_gone_names_base_model_and_merge_lora(relative_run, model_dir, bert_files, tmp_path):
+    import shutil
+
+    moved = tmp_path / "final"
+    shutil.copytree(relative_run / "final", moved)
+    saved = json.loads((moved / "adapter_config.json").read_text())
+    saved["base_model_name_or_path"] = "models/gone"  # an adapter saved by hand, from elsewhere, with a relative base
+    (moved / "adapter_config.json").write_text(json.dumps(saved))
+    code, err = predict_quietly("--model", moved, "--data", bert_files[1], "--output", tmp_path / "p.jsonl")
+    assert code == 2
+    assert err == (f"predict.py: error: --model {moved} holds LoRA adapters, and its base 'models/gone' (as "
+                   "adapter_config.json records it) is not here (no such directory, nor a hub model in the local "
+                   "cache); pass the base the run trained on with --base-model DIR, or merge the adapters into full "
+                   "weights with looptrain-finetune --merge-lora (its final/merged/ loads alone)\n")
+    assert not (tmp_path / "p.jsonl").exists()
+    code, err = predict_quietly("--model", moved, "--base-model", model_dir, "--data", bert_files[1],
+                                "--output", tmp_path / "p.jsonl")
+    assert code == 0, err
+    assert len((tmp_path / "p.jsonl").read_text().splitlines()) == 8
+    code, err = predict_quietly("--model", relative_run / "final", "--base-model", "nowhere", "--data", bert_files[1],
+                                "--output", tmp_path / "p.jsonl")
+    assert code == 2 and "--base-model nowhere is not here (no such directory" in err
+
+
+def test_base_model_with_a_full_model_is_refused(model_dir, bert_files, tmp_path):
+    code, err = predict_quietly("--model", model_dir, "--base-model", model_dir, "--data", bert_files[1],
+                                "--output", tmp_path / "p.jsonl")
+    assert code == 2
+    assert err == (f"predict.py: error: --base-model is for a LoRA adapter as --model, and {model_dir} holds a full "
+                   "model; drop --base-model\n")
+
+
+def test_a_causal_lm_adapter_says_causal_lm_and_a_relative_base_is_resolved(tmp_path, monkeypatch):
+    from looptrain.lora import save_lora
+
+    tiny_qwen().save_pretrained(tmp_path / "qwen")
+    monkeypatch.chdir(tmp_path)
+    from transformers import AutoModelForCausalLM
+
+    model = apply_lora(AutoModelForCausalLM.from_pretrained("qwen"), 4)
+    save_lora(model, tmp_path / "adapter")
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (saved["task_type"], saved["base_model_name_or_path"]) == ("CAUSAL_LM", str(tmp_path / "qwen"))
+    assert apply_lora(tiny_qwen(), 4).peft_config["default"].base_model_name_or_path is None  # built in code: none
+
+
 class SigtermAtStep3(Loop):
     """Sends itself SIGTERM at the end of update 3: the run saves checkpoint-3 and exits 143."""
 
@@ -337,3 +433,17 @@ def test_a_qlora_that_quantizes_nothing_is_refused():
                                           r"nothing would be quantized; target block layers \(c_attn, c_proj, c_fc\) "
                                           r"or drop --qlora$"):
         apply_lora(tiny_gpt2(), 4, targets="lm_head", qlora=True)
+def test_a_rank_not_below_a_targets_width_is_refused_and_one_below_is_taken():
+    """On a 64-wide Qwen2, r 64 would train r x (64 + 64) weights per 64 x 64 projection: more than the layer."""
+    from looptrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^--lora 64 is not below the width 32 of model\.layers\.0\.self_attn\."
+                                          r"[kv]_proj \(64 x 32\); a rank that large trains more than full "
+                                          r"fine-tuning; pass a rank below 32 or drop --lora for a full fine-tune$"):
+        apply_lora(tiny_qwen(), 64)
+    with pytest.raises(ConfigError, match=r"--lora 100000 is not below the width 64 of model\.layers\.0\.self_attn"
+                                          r"\.q_proj \(64 x 64\)"):
+        apply_lora(tiny_qwen(), 100000, targets="q_proj")
+    model = apply_lora(tiny_qwen(), 63, targets="q_proj")
+    trainable, total = model.get_nb_trainable_parameters()
+    assert trainable == 2 * 63 * (64 + 64)  # two blocks' q_proj adapters, each below the layer's 64 x 64

@@ -11,6 +11,7 @@ import torch
 
 from looptrain.metrics import (
     ClassificationMetrics,
+    EvalMetrics,
     UndefinedF1Warning,
     accuracy,
     confusion_matrix,
@@ -82,7 +83,7 @@ def test_absent_class_with_num_labels_counts_as_zero_and_warns():
     labels = [0, 0, 1, 1]
     predictions = [0, 1, 1, 1]
     # class 0: tp 1, fp 0, fn 1 -> 2/3; class 1: tp 2, fp 1, fn 0 -> 4/5; class 2 absent -> 0
-    with pytest.warns(UndefinedF1Warning, match=r"classes \[2\]"):
+    with pytest.warns(UndefinedF1Warning, match=r"F1 is undefined for class 2: no item is labelled or predicted"):
         scores = f1_scores(predictions, labels, num_labels=3)
     assert scores["classes"] == [0, 1, 2]
     assert scores["f1_per_class"] == pytest.approx([2 / 3, 4 / 5, 0.0])
@@ -246,3 +247,41 @@ def test_matches_scikit_learn_when_installed():
         if num_labels == 2:
             assert scores["f1_binary"] == pytest.approx(metrics_module.f1_score(labels, predictions))
     assert not math.isnan(scores["f1_macro"])
+
+
+@pytest.mark.parametrize("labels, predictions, absent", [
+    ([0, 0, 2], [0, 0, 2], [1, 3]),       # labels '1' and '3' only: '2' and '4' are absent
+    ([0, 0, 2], [0, 1, 2], [3]),          # '2' is predicted, never a label: present (labels ∪ predictions)
+    ([0, 1, 2, 3], [0, 0, 0, 0], []),     # every class is a label: none absent, whatever is predicted
+    ([3, 3], [3, 3], [0, 1, 2]),
+])
+def test_the_f1_warning_names_exactly_the_classes_neither_labelled_nor_predicted(labels, predictions, absent):
+    """The classes it names are range(num_labels) minus labels ∪ predictions, by their label names: with labels
+    '1'..'4', the class of id 1 is '2', never the label '1' that is present."""
+    names = ["1", "2", "3", "4"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        f1_scores(predictions, labels, num_labels=4, label_names=names)
+    messages = [str(warning.message) for warning in caught if warning.category is UndefinedF1Warning]
+    assert sorted(set(range(4)) - set(labels) - set(predictions)) == absent  # the definition, spelled out
+    if not absent:
+        assert messages == []
+        return
+    named = [f"'{names[index]}' (id {index})" for index in absent]
+    assert messages == [f"F1 is undefined for {'class' if len(absent) == 1 else 'classes'} {', '.join(named)}: no "
+                        f"item is labelled or predicted as it, so it counts 0 in the macro-F1 over all 4 classes; "
+                        "evaluate on data holding every class (or pass num_labels=None to average only over the "
+                        "classes present)"]
+
+
+def test_the_loops_metrics_name_the_absent_class_by_the_models_labels():
+    from conftest import make_tiny_bert
+
+    model = make_tiny_bert(num_labels=3)
+    model.config.id2label = {0: "1", 1: "2", 2: "3"}
+    evaluation = EvalMetrics.for_model(model)
+    evaluation.update({"logits": torch.tensor([[9.0, 0, 0], [0, 0, 9.0]]), "labels": torch.tensor([0, 2])})
+    with pytest.warns(UndefinedF1Warning, match=r"^F1 is undefined for class '2' \(id 1\): ") as caught:
+        evaluation.compute()
+    assert len(caught) == 1
+    assert EvalMetrics.for_model(make_tiny_bert(num_labels=3)).label_names is None  # LABEL_0..: ids

@@ -227,8 +227,9 @@ def test_a_planned_run_reports_its_plan_and_its_estimate_error(model_dir, train_
     assert settings["batch_size"] * settings["accum_steps"] == 16
     assert settings["gradient_checkpointing"] is True  # given explicitly: fixed
     assert summary["estimated_peak_bytes"] == summary["plan"]["estimated_peak_bytes"] <= 2 * 2**20
+    training_peak = max(peak for phase, peak in summary["phase_peak_bytes"].items() if phase != "eval")
     assert summary["estimate_error"] == pytest.approx(
-        (summary["peak_memory_bytes"] - summary["estimated_peak_bytes"]) / summary["estimated_peak_bytes"], abs=1e-4)
+        (training_peak - summary["estimated_peak_bytes"]) / summary["estimated_peak_bytes"], abs=1e-4)
     assert abs(summary["estimate_error"]) <= 0.10
     # When the process's RSS above its start (torch's buffers, the data, allocator caches) went over a budget of
     # live tensors, the table says so and how to plan for RSS instead; when it did not, there is no note. (In a
@@ -346,6 +347,45 @@ def test_the_end_of_run_table_computes_no_estimate_error_against_the_rss_rise():
     assert "| estimated peak (worst batch) | 300.0 MiB (live tensors; this run's meter is RSS, so no error" in table
     tracked = {**summary, "memory_meter": "cpu_tensor_tracker", "estimate_error": 0.0123}
     assert "| estimated peak (worst batch) | 300.0 MiB (error +1.2%) | |" in finetune.final_table(tracked, None, "x")
+
+
+def test_the_estimate_error_is_against_trainings_peak_and_a_higher_evaluation_peak_is_a_note():
+    from looptrain.cli.finetune import reports
+
+    summary = {"train_runtime_s": 1.0, "train_samples_per_s": 1.0, "optimizer_steps": 1, "skipped_steps": 0,
+               "memory_meter": "cpu_tensor_tracker", "peak_memory_bytes": 500 * 2**20,
+               "estimated_peak_bytes": 300 * 2**20,
+               "phase_peak_bytes": {"setup": 100 * 2**20, "forward": 250 * 2**20, "backward": 303 * 2**20,
+                                    "eval": 500 * 2**20}}
+    summary["estimate_error"] = reports.estimate_error(summary, summary["estimated_peak_bytes"])
+    assert summary["estimate_error"] == 0.01  # 303 against 300, not evaluation's 500 (+66.7%)
+    table = finetune.final_table(summary, None, "runs/x")
+    assert "| estimated peak (worst batch) | 300.0 MiB (error +1.0%) | |" in table
+    assert ("| note | evaluation peaked at 500.0 MiB, above training's 303.0 MiB; evaluation is not in the estimate "
+            "(--eval-batch-size lowers it) | |") in table
+    below = {**summary, "phase_peak_bytes": {**summary["phase_peak_bytes"], "eval": 200 * 2**20}}
+    assert "evaluation peaked" not in finetune.final_table(below, None, "runs/x")
+    # A meter of one peak (CUDA's) whose peak is evaluation's: no error, and the row says why.
+    cuda = {**summary, "memory_meter": "cuda_max_memory_allocated", "phase_peak_bytes": None,
+            "memory_breakdown": {"peak_phase": "eval"}}
+    assert reports.estimate_error(cuda, cuda["estimated_peak_bytes"]) is None
+    assert "(no error: evaluation holds this meter's one peak, and training's own is not known)" in \
+        finetune.final_table({**cuda, "estimate_error": None}, None, "runs/x")
+
+
+def test_a_run_whose_evaluation_peaks_higher_reports_trainings_error(model_dir, train_csv, tmp_path, capsys):
+    """Micro-batches of 1 and evaluation batches of 64: evaluation's peak is the run's, not the estimate's."""
+    assert cli(model_dir, train_csv, tmp_path, "--batch-size", "1", "--eval-batch-size", "64", "--eval-split", "0.5",
+               "--max-steps", "2", "--eval-every", "2", "--device", "cpu") == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    phases = summary["phase_peak_bytes"]
+    training = max(peak for phase, peak in phases.items() if phase != "eval")
+    assert phases["eval"] == summary["peak_memory_bytes"] > training  # the case: evaluation peaked higher
+    assert summary["estimate_error"] == round((training - summary["estimated_peak_bytes"])
+                                              / summary["estimated_peak_bytes"], 4)
+    assert abs(summary["estimate_error"]) <= 0.10
+    note = f"| note | evaluation peaked at {phases['eval'] / 2**20:.1f} MiB, above training's "
+    assert note in capsys.readouterr().out
 
 
 def test_every_run_reports_its_estimate_error(model_dir, train_csv, tmp_path):

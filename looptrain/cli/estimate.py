@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from looptrain import strategy as strategies
+from looptrain.cli.errors import program_name
 from looptrain.estimation.estimator import ESTIMATE_METER, estimate
 from looptrain.estimation.shapes import PRESETS, ladder, load_config, preset_config
 from looptrain.planning.errors import PlanError
@@ -56,7 +57,7 @@ def batching_only() -> tuple[str, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The estimate's command line: the model source and the shape, then every lever the estimator prices."""
-    parser = argparse.ArgumentParser(prog="python -m looptrain.memory",
+    parser = argparse.ArgumentParser(prog=program_name("estimate.py"),
                                      description="Estimate the peak memory of a training step on fake tensors.")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--preset", choices=sorted(PRESETS),

@@ -22,7 +22,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from looptrain.cli.errors import UsageError
+from looptrain.cli.errors import UsageError, program_name
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -35,10 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     from looptrain.cli.finetune import DefaultOnceFormatter, add_loading_arguments
 
     parser = argparse.ArgumentParser(
-        prog="predict.py", formatter_class=DefaultOnceFormatter,
+        prog=program_name("predict.py"), formatter_class=DefaultOnceFormatter,
         description="Predict with a fine-tuned classifier (or generate with a causal LM); with --label-column, "
                     "evaluate it on the file's labels.")
     parser.add_argument("--model", required=True, help="the model directory: a run's final/ (or a hub id in the cache)")
+    parser.add_argument("--base-model", default=None, metavar="DIR",
+                        help="with a LoRA adapter as --model (a --lora run's final/): the model it was trained on "
+                             "(default: the base its adapter_config.json records)")
     parser.add_argument("--data", required=True,
                         help="the rows to predict: any source looptrain-finetune's --data reads (.csv, .tsv, .jsonl, "
                              ".json, .parquet, a save_to_disk DIR[:SPLIT], a cached hub NAME[:SPLIT])")
@@ -116,8 +119,13 @@ def load_model(model_path: str, config, kind: str, args):
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        model, loading = auto_class.from_pretrained(model_path, config=config, trust_remote_code=args.trust_remote_code,
-                                                    output_loading_info=True)
+        if args.adapter is not None:
+            model, loading = load_adapter_model(auto_class, config, args.adapter, args)
+        else:
+            model, loading = auto_class.from_pretrained(model_path, config=config, output_loading_info=True,
+                                                        trust_remote_code=args.trust_remote_code)
+    except UsageError:
+        raise
     except Exception as error:  # safetensors' own error for a truncated file is a plain Exception subclass
         detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UsageError(f"cannot load the weights of --model {model_path}: {detail}; the file may be truncated or "
@@ -134,33 +142,126 @@ def load_model(model_path: str, config, kind: str, args):
 
 def check_model_exists(model_path: str) -> None:
     """Refuses a --model that is neither a directory nor a hub model in the local cache, before any download."""
-    from huggingface_hub import try_to_load_from_cache
-
     directory = Path(model_path)
     if directory.is_dir() and not (directory / "config.json").is_file() and (directory / "final").is_dir():
         raise UsageError(f"--model {model_path} is a run's output directory; pass the model it wrote: "
                          f"--model {directory / 'final'}")
-    if directory.is_dir():
-        return
-    try:
-        cached = try_to_load_from_cache(model_path, "config.json")
-    except Exception:  # noqa: BLE001  not even a valid hub id (runs/x/final): a missing directory
-        cached = None
-    if not isinstance(cached, str):
+    if not model_found(model_path):
         raise UsageError(f"--model {model_path}: no such directory (nor a hub model in the local cache); pass the "
                          "final/ directory of a fine-tuning run, e.g. --model runs/finetune/final")
 
 
-def training_max_length(model_path: str) -> int | None:
-    """The --max-length of the run that wrote `model_path` (a run's final/), from its run_config.json."""
-    run_config = Path(model_path).parent / "run_config.json"
-    if not (Path(model_path).name == "final" and run_config.is_file()):
+def model_found(model_path: str) -> bool:
+    """Whether `model_path` is a directory or a hub model in the local cache (nothing is downloaded)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if Path(model_path).is_dir():
+        return True
+    try:
+        cached = try_to_load_from_cache(model_path, "config.json")
+    except Exception:  # noqa: BLE001  not even a valid hub id (runs/x/final): a missing directory
+        cached = None
+    return isinstance(cached, str)
+
+
+# ---------------------------------------------------------------------- LoRA adapters
+def read_adapter(args) -> dict | None:
+    """The adapter_config.json of a LoRA adapter --model (a --lora run's final/), its "base" resolved: --base-model,
+    else the base it records; None for a full model. A UsageError naming both ways on when the base is not here."""
+    path = Path(args.model) / "adapter_config.json"
+    if not path.is_file() or (Path(args.model) / "config.json").is_file():
+        if args.base_model is not None:
+            raise UsageError(f"--base-model is for a LoRA adapter as --model, and {args.model} holds a full model; "
+                             "drop --base-model")
         return None
     try:
-        value = json.loads(run_config.read_text(encoding="utf-8"))["arguments"]["max_length"]
-    except (OSError, ValueError, KeyError, TypeError):
+        adapter = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise UsageError(f"--model {args.model}: cannot read its adapter_config.json ({error}); save the adapter "
+                         "again") from error
+    recorded = adapter.get("base_model_name_or_path") if isinstance(adapter, dict) else None
+    base = args.base_model or recorded
+    if not base or not model_found(base):
+        where = (f"--base-model {base}" if args.base_model else
+                 f"its base {recorded!r} (as adapter_config.json records it)" if recorded else "its base (unrecorded)")
+        raise UsageError(f"--model {args.model} holds LoRA adapters, and {where} is not here (no such directory, nor a "
+                         "hub model in the local cache); pass the base the run trained on with --base-model DIR, or "
+                         "merge the adapters into full weights with looptrain-finetune --merge-lora (its final/merged/ "
+                         "loads alone)")
+    return {**adapter, "base": base}
+
+
+def adapter_kind(adapter: dict, model_path: str) -> str:
+    """"classifier" or "causal_lm" from the adapter's task_type (or, for an older adapter, its base model class)."""
+    task = adapter.get("task_type")
+    base_class = str((adapter.get("auto_mapping") or {}).get("base_model_class") or "")
+    if task == "SEQ_CLS" or base_class.endswith(CLASSIFIER_SUFFIXES):
+        return "classifier"
+    if task == "CAUSAL_LM" or base_class.endswith(CAUSAL_LM_SUFFIXES):
+        return "causal_lm"
+    raise UsageError(f"--model {model_path} holds LoRA adapters for {task or base_class or 'an unrecorded task'}, not "
+                     "for a sequence classifier or a causal LM; pass a --lora run's final/ directory")
+
+
+def adapter_head_labels(model_path: str, adapter: dict) -> int | None:
+    """The number of labels of the classifier head the adapter trained fully (its modules_to_save), from the
+    saved weights' shapes: the head's output weight (RoBERTa's out_proj, else its one 2-D weight)."""
+    from safetensors import safe_open
+
+    weights = Path(model_path) / "adapter_model.safetensors"
+    heads = set(adapter.get("modules_to_save") or ())
+    if not weights.is_file() or not heads:
         return None
+    with safe_open(str(weights), "pt") as handle:
+        shapes = {key: handle.get_slice(key).get_shape() for key in handle.keys()
+                  if "lora_" not in key and key.endswith(".weight") and heads & set(key.split("."))}
+    matrices = {key: shape for key, shape in shapes.items() if len(shape) == 2}
+    chosen = [shape for key, shape in matrices.items() if "out_proj" in key] or list(matrices.values())
+    return int(chosen[0][0]) if len(chosen) == 1 else None
+
+
+def load_adapter_model(auto_class, config, adapter: dict, args):
+    """The base with the adapter's weights merged in (`PeftModel.from_pretrained(...).merge_and_unload()`): what the
+    run trained, as one plain model. The base's missing head is no error when the adapter trained it."""
+    try:
+        from peft import PeftModel
+    except ImportError as error:
+        raise UsageError("--model is a LoRA adapter, which needs peft: pip install peft (or pip install "
+                         "'looptrain[lora]')") from error
+    from looptrain.cli.finetune.inputs import quiet_peft
+
+    base, loading = auto_class.from_pretrained(adapter["base"], config=config, output_loading_info=True,
+                                               trust_remote_code=args.trust_remote_code)
+    heads = set(adapter.get("modules_to_save") or ())
+    missing = sorted(key for key in loading["missing_keys"] if not heads & set(key.split(".")))
+    with quiet_peft():
+        model = PeftModel.from_pretrained(base, args.model).merge_and_unload()
+    return model, {"missing_keys": missing}
+
+
+def training_run_config(model_path: str) -> dict:
+    """The run_config.json of the run that wrote `model_path` (a run's final/); {} when there is none."""
+    run_config = Path(model_path).parent / "run_config.json"
+    if not (Path(model_path).name == "final" and run_config.is_file()):
+        return {}
+    try:
+        saved = json.loads(run_config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
+def training_max_length(model_path: str) -> int | None:
+    """The --max-length of the run that wrote `model_path` (a run's final/), from its run_config.json."""
+    value = (training_run_config(model_path).get("arguments") or {}).get("max_length")
     return value if isinstance(value, int) and value > 0 else None
+
+
+def training_label_names(model_path: str, num_labels: int) -> list[str] | None:
+    """The label names of the classifier the run that wrote `model_path` trained (a LoRA run's final/ holds no
+    config.json with them), when its run_config.json has `num_labels` of them."""
+    names = training_run_config(model_path).get("labels")
+    return [str(name) for name in names] if isinstance(names, list) and len(names) == num_labels else None
 
 
 def model_label_names(config) -> list[str] | None:
@@ -207,7 +308,7 @@ def classify(model, tokenizer, data, args, device, precision, print):
     loader = data_module.make_eval_loader(dataset, args.batch_size, collator, num_replicas=1, rank=0)
     predictions = torch.zeros(len(dataset), dtype=torch.long)
     probabilities = torch.zeros(len(dataset), model.config.num_labels, dtype=torch.float32)
-    evaluation = EvalMetrics(num_labels=model.config.num_labels) if data.labels is not None else None
+    evaluation = EvalMetrics.for_model(model) if data.labels is not None else None
     bar = tqdm(total=len(dataset), desc="predicting", unit="rows", disable=True if args.no_progress_bar else None)
     with torch.no_grad(), bar:
         for rows, batch in zip(loader.batch_sampler, loader):
@@ -316,8 +417,20 @@ def model_config_and_kind(args):
     # finetune.py's reader of the config, which names the fix for a bad one; it checks an explicit --max-length.
     checks = argparse.Namespace(trust_remote_code=args.trust_remote_code, max_length=args.max_length or 1,
                                 freeze_layers=0)
-    config = load_model_config(args.model, checks)
-    kind = model_kind(config, args.model)
+    args.adapter = read_adapter(args)
+    if args.adapter is None:
+        config = load_model_config(args.model, checks)
+        kind = model_kind(config, args.model)
+    else:  # the base's config, with the head the adapter trained
+        config = load_model_config(args.adapter["base"], checks)
+        kind = adapter_kind(args.adapter, args.model)
+        labels = adapter_head_labels(args.model, args.adapter) if kind == "classifier" else None
+        if labels is not None and labels != config.num_labels:
+            config.num_labels = labels
+        names = training_label_names(args.model, config.num_labels) if kind == "classifier" else None
+        if names:
+            config.id2label = dict(enumerate(names))
+            config.label2id = {name: index for index, name in enumerate(names)}
     if kind == "causal_lm" and (args.label_column or args.text_pair_column):
         raise UsageError(f"--model {args.model} is a causal LM: it generates text, which --label-column does not "
                          "score and --text-pair-column does not feed; drop them")
@@ -387,7 +500,8 @@ def run(args, print=builtins.print) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line; returns the exit code (0 ok, 2 for a user error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     from looptrain.data.errors import DataError
 
     try:
@@ -396,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, DataError) as error:
         if args.debug:
             raise
-        print(f"predict.py: error: {error}", file=sys.stderr)
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2
     return 0
 

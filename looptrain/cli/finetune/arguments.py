@@ -8,7 +8,7 @@ import argparse
 import math
 from pathlib import Path
 
-from looptrain.cli.errors import UsageError
+from looptrain.cli.errors import UsageError, program_name
 
 EMBEDDED_EVAL_FRACTION = 0.1
 
@@ -67,7 +67,7 @@ HELP_GROUPS = ("inputs", "training", "memory/speed", "LoRA", "evaluation/state",
 def build_parser() -> argparse.ArgumentParser:
     """The command line's parser: the hand-written flags of each help group, then the loop's own from LoopConfig."""
     parser = argparse.ArgumentParser(
-        prog="finetune.py",
+        prog=program_name("finetune.py"),
         description="Fine-tune a Hugging Face encoder for sequence classification (or, with --task causal-lm, a "
                     "decoder LM on text, prompt/response or chat data) with looptrain.",
         formatter_class=DefaultOnceFormatter,

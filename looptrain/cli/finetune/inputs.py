@@ -409,7 +409,10 @@ def lora_line(model, strategy) -> str:
 
     trainable, total = model.get_nb_trainable_parameters()
     config = model.peft_config[model.active_adapter]
-    head = f"; trained fully: {', '.join(config.modules_to_save)}" if config.modules_to_save else ""
+    # The modules peft wraps to train fully (its SEQ_CLS task also names "classifier" and "score", present or not).
+    heads = [name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+             if type(module).__name__ == "ModulesToSaveWrapper"]
+    head = f"; trained fully: {', '.join(heads)}" if heads else ""
     base = "frozen base"
     if strategy.qlora:  # the layers stored in 4 bits, counted (`apply_lora` refuses a QLoRA that quantizes none)
         quantized = sum(1 for module in model.modules() if is_4bit_layer(module))

@@ -83,10 +83,7 @@ def final_table(summary: dict, baseline: dict | None, output_dir: Path) -> str:
                       "micro-batches no larger")
         lines.append(f"| peak memory | {peak / 2**20:.1f} MiB ({summary['memory_meter']}{stage}) | |")
     if summary.get("estimated_peak_bytes"):
-        error = (f"error {summary['estimate_error']:+.1%}" if summary.get("estimate_error") is not None else
-                 "live tensors; this run's meter is RSS, so no error: --budget-meter tensors measures them")
-        lines.append(f"| estimated peak (worst batch) | {summary['estimated_peak_bytes'] / 2**20:.1f} MiB "
-                     f"({error}) | |")
+        lines.extend(_estimate_rows(summary))
     if summary.get("plan"):
         lines.append(f"| memory budget | {summary['plan']['budget_bytes'] / 2**20:.1f} MiB "
                      f"{summary['plan'].get('meter', '')} (plan: {summary['plan']['settings']['batch_size']} x "
@@ -104,6 +101,42 @@ def final_table(summary: dict, baseline: dict | None, output_dir: Path) -> str:
     if summary.get("best_checkpoint"):
         lines.append(f"| best checkpoint | {summary['best_checkpoint']} ({summary['best_metric']:.4f}) | |")
     return "\n".join(lines)
+
+
+def training_peak_bytes(summary: dict) -> int | None:
+    """The measured peak of training alone, what the estimate prices (evaluation is not in it): the tensor
+    meter's highest phase but "eval"; a meter of one peak (CUDA's) gives it unless evaluation holds that peak.
+    None for a meter of RSS, which counts more than tensors."""
+    if summary.get("memory_meter") == "cpu_rss_delta" or summary.get("peak_memory_bytes") is None:
+        return None
+    phases = summary.get("phase_peak_bytes")
+    if phases:
+        return max((peak for phase, peak in phases.items() if phase != "eval"), default=None)
+    if (summary.get("memory_breakdown") or {}).get("peak_phase") == "eval":
+        return None
+    return summary["peak_memory_bytes"]
+
+
+def estimate_error(summary: dict, estimated_peak: int | None) -> float | None:
+    """(training's measured peak - the estimate) / the estimate: like with like, evaluation left out of both."""
+    measured = training_peak_bytes(summary)
+    return round((measured - estimated_peak) / estimated_peak, 4) if estimated_peak and measured is not None else None
+
+
+def _estimate_rows(summary: dict) -> list[str]:
+    """The estimate's row (its error against training's peak) and, when evaluation peaked above training, a note."""
+    if summary.get("estimate_error") is not None:
+        error = f"error {summary['estimate_error']:+.1%}"
+    elif summary.get("memory_meter") == "cpu_rss_delta":
+        error = "live tensors; this run's meter is RSS, so no error: --budget-meter tensors measures them"
+    else:
+        error = "no error: evaluation holds this meter's one peak, and training's own is not known"
+    rows = [f"| estimated peak (worst batch) | {summary['estimated_peak_bytes'] / 2**20:.1f} MiB ({error}) | |"]
+    training, evaluation = training_peak_bytes(summary), (summary.get("phase_peak_bytes") or {}).get("eval")
+    if training is not None and evaluation is not None and evaluation > training:
+        rows.append(f"| note | evaluation peaked at {evaluation / 2**20:.1f} MiB, above training's "
+                    f"{training / 2**20:.1f} MiB; evaluation is not in the estimate (--eval-batch-size lowers it) | |")
+    return rows
 
 
 def _budget_note(plan: dict | None, rss: int | None, start: int | None) -> list[str]:

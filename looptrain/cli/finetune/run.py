@@ -23,7 +23,7 @@ from looptrain.cli.finetune.inputs import (
     quiet_peft,
     run_identity,
 )
-from looptrain.cli.finetune.reports import OutOfMemory, final_table, what_would_fit
+from looptrain.cli.finetune.reports import OutOfMemory, estimate_error, final_table, what_would_fit
 
 if TYPE_CHECKING:
     from looptrain.cli.finetune.request import RunRequest
@@ -227,8 +227,16 @@ def prepare_output_dir(request: RunRequest, place, model, precision: str, device
         resolved = {"arguments": request.arguments(),
                     "model_path": request.model_path, "loop_config": config.to_dict(), "world_size": place.world_size,
                     "resolved": {"precision": precision, "device": str(device), "cpu": cpu_description()},
-                    "plan": plan_result.to_dict() if plan_result is not None else request.resumed_plan}
+                    "plan": plan_result.to_dict() if plan_result is not None else request.resumed_plan,
+                    # a LoRA run's final/ holds no config.json: looptrain-predict reads a classifier's labels here
+                    "labels": label_names(model) if request.flags.task == "sequence-classification" else None}
         write_json_atomic(output_dir / "run_config.json", resolved)
+
+
+def label_names(model) -> list[str]:
+    """The classifier's label names in id order (its config's id2label)."""
+    config = model.config
+    return [str(config.id2label.get(index, f"LABEL_{index}")) for index in range(config.num_labels)]
 
 
 def write_outputs(summary: dict, place, inputs: Inputs, output_dir: Path, plan_result, estimated_peak,
@@ -252,11 +260,9 @@ def write_outputs(summary: dict, place, inputs: Inputs, output_dir: Path, plan_r
     summary["planning_seconds"] = round(estimating + probing, 3)
     summary["planning_estimate_seconds"] = round(estimating, 3)
     summary["planning_probe_seconds"] = round(probing, 3)
-    # The estimate prices tensors: its error is against a meter of tensors (the tracker, CUDA's allocated bytes),
-    # not against the RSS rise, which holds what the process held besides tensors at the loop's start.
-    measured = summary.get("peak_memory_bytes") if summary.get("memory_meter") != "cpu_rss_delta" else None
-    summary["estimate_error"] = (round((measured - estimated_peak) / estimated_peak, 4)
-                                 if estimated_peak and measured is not None else None)
+    # The estimate prices training's tensors: its error is against training's peak on a meter of tensors, never
+    # evaluation's peak nor the RSS rise (`estimate_error`).
+    summary["estimate_error"] = estimate_error(summary, estimated_peak)
     distributed.save_pretrained(inputs.model, final_dir)  # safetensors; gathers a sharded model's weights first
     if place.is_main:
         inputs.tokenizer.save_pretrained(final_dir)
