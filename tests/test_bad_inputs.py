@@ -206,9 +206,8 @@ def test_a_bad_input_exits_2_with_a_message_that_names_the_fix(files, tmp_path, 
     assert code == 2, err
     assert "Traceback" not in err
     assert re.search(message, err), err
-    # A refused run writes nothing: at most the lock of an output directory it checked (no run.json, no config).
-    written = {path.name for path in (tmp_path / "out").rglob("*")} if (tmp_path / "out").is_dir() else set()
-    assert written <= {".looptrain.lock"}, written
+    # A refused run writes nothing: not even the output directory it checked, nor a lock file in it.
+    assert not (tmp_path / "out").exists(), sorted(path.name for path in (tmp_path / "out").rglob("*"))
     for run, files_before in before.items():  # the runs already there are untouched
         assert snapshot(files[run]) == files_before, run
 
@@ -257,8 +256,10 @@ def test_a_second_ctrl_c_stops_at_once_with_exit_130_and_keeps_the_saved_checkpo
     captured = capsys.readouterr()
     assert "SIGINT received: stopping after this window and saving a checkpoint (send it again to stop at once" \
         in captured.out
-    assert "finetune.py: stopped at once: the window in progress was not saved. Checkpoints already in" in captured.err
-    assert "--resume auto continues from the last one" in captured.err and "Traceback" not in captured.err
+    assert "finetune.py: stopped at once: what was in progress (a window of training, or final/) was not saved. " \
+           f"Checkpoints already in {output_dir} are intact" in captured.err
+    assert "--resume auto continues from the last one (checkpoint-1)" in captured.err
+    assert "Traceback" not in captured.err
     assert sorted(path.name for path in output_dir.glob("*checkpoint*")) == ["checkpoint-1"]
     assert (output_dir / "checkpoint-1" / "COMPLETE").is_file()
     monkeypatch.undo()

@@ -100,8 +100,8 @@ def test_a_forced_resume_from_another_directory_into_a_finished_run_refuses_and_
     assert run_in_process(argv(model_dir, data_files, finished, "--resume", str(checkpoint))) == 2
     err = error_of(capsys)
     assert re.search(rf"--resume {re.escape(str(checkpoint))}: that checkpoint is not in {re.escape(str(finished))}, "
-                     r"which already holds another run \(checkpoint-\d+.*\); resume it into its own directory",
-                     err), err
+                     r"which already holds another run \(checkpoint-\d+.*\); continue that run in a directory of its "
+                     rf"own: --resume {re.escape(str(checkpoint))} --output-dir NEW_DIR \(new or empty\)$", err), err
     assert tree_snapshot(finished) == before  # final/, checkpoints, summary, run.json and metrics: byte for byte
     # Into an empty directory, the same forced resume is allowed (the original guarantee of --resume DIR).
     assert run_in_process(argv(model_dir, data_files, tmp_path / "fresh", "--resume", str(checkpoint))) == 0
