@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,10 @@ CASES = [
      r'(?s)another run; these settings differ \(saved -> now\):.*weights: null -> "bf16"'),
     ("resume another run's checkpoint", "finetune", ["--output-dir", "{done}", "--resume", "{other_checkpoint}"],
      r"already holds another run"),
+    ("resume another run's checkpoint copied into the run", "finetune",
+     ["--output-dir", "{done_copy}", "--resume", "{copied_checkpoint}"],
+     r"(?s)that checkpoint belongs to another run than the one in .*seed: 42 -> 7.*Nothing was changed\. To continue "
+     r"that run in a directory of its own: --resume \S+ --output-dir NEW_DIR"),
     ("resume a missing checkpoint", "finetune", ["--resume", "/nonexistent/checkpoint-3"], r"checkpoint"),
     # --- the estimate's command line
     ("compile with chunked CE on", "finetune", ["--compile", "--chunked-ce", "on"],
@@ -174,6 +179,10 @@ def files(tmp_path_factory, model_dir):
         extra = ["--seed", seed, "--eval-every", "1"]  # a checkpoint at step 1
         assert finetune.main(format_argv(BASE, {**paths, "out": paths[name]}) + extra) == 0
     paths["other_checkpoint"] = sorted(paths["other"].glob("checkpoint-*"))[-1]
+    paths["done_copy"] = root / "done-copy"  # the finished run, with the other run's checkpoint copied in as its own
+    shutil.copytree(paths["done"], paths["done_copy"])
+    paths["copied_checkpoint"] = paths["done_copy"] / "checkpoint-7"
+    shutil.copytree(paths["other_checkpoint"], paths["copied_checkpoint"])
     return paths
 
 
@@ -195,7 +204,7 @@ def test_a_bad_input_exits_2_with_a_message_that_names_the_fix(files, tmp_path, 
                             lambda module, *args: None if module == "tensorboard" else real_find_spec(module, *args))
         flags = [flag for flag in flags if flag != "{no_tensorboard}"]
     paths = {**files, "out": tmp_path / "out"}
-    before = {run: snapshot(files[run]) for run in ("done", "other")}
+    before = {run: snapshot(files[run]) for run in ("done", "other", "done_copy")}
     main = finetune.main if command == "finetune" else estimate_cli.main
     argv = format_argv((BASE if command == "finetune" else []) + flags, paths)
     try:
