@@ -43,8 +43,9 @@ RUN_FILE = "run.json"
 RUN_ARTIFACTS = (RUN_FILE, "metrics.jsonl", "summary.json", "final")
 # Files that belong to a run but do not by themselves mean a run lives here; --overwrite moves them aside too.
 MOVED_WITH_A_RUN = ("run_config.json",)
-# Directories a run manages inside its output directory: a file in them is the run's (moved, replaced, rotated).
-RUN_DIRECTORY_PREFIXES = ("final", CHECKPOINT_PREFIX, "previous-", ".tmp-", ".old-", ".deleting-")
+# Directories a run manages inside its output directory besides final/: a file in them is the run's (moved,
+# replaced, rotated away).
+RUN_DIRECTORY_PREFIXES = (CHECKPOINT_PREFIX, "previous-", ".tmp-", ".old-", ".deleting-")
 # Locks this process holds (re-entrant): path -> [file descriptor, count, verdict, (entries found, directories made)]
 _HELD: dict[str, list] = {}
 
@@ -120,14 +121,19 @@ class OutputDirLock:
         if held[1] == 0:
             del _HELD[key]
             os.ftruncate(held[0], 0)  # an empty lock file: free
-            found, created = held[3]
-            if set(os.listdir(self.path.parent)) - found <= {LOCK_FILE} and LOCK_FILE not in found:
-                # This run wrote nothing: the lock file and the directories it created go (see `_lock_file`).
-                self.path.unlink(missing_ok=True)
-                for directory in created:  # the deepest first; one that holds anything stays
-                    with contextlib.suppress(OSError):
-                        directory.rmdir()
+            with contextlib.suppress(OSError):
+                self._remove_if_nothing_written(*held[3])
             os.close(held[0])  # closing releases the flock
+
+    def _remove_if_nothing_written(self, found: set[str], created: list[Path]) -> None:
+        """A run that wrote nothing but the lock file it created (a refused run) removes it, and the directories it
+        created: the deepest first, each only when empty. Unlinked while held: see `_lock_file`."""
+        if LOCK_FILE in found or set(os.listdir(self.path.parent)) - found - {LOCK_FILE}:
+            return
+        self.path.unlink(missing_ok=True)
+        for directory in created:
+            with contextlib.suppress(OSError):
+                directory.rmdir()
 
     def _lock_file(self) -> tuple[int, dict]:
         """The lock file's descriptor, locked, and what the previous holder wrote in it.
@@ -378,7 +384,8 @@ def run_file_owner(path: str | os.PathLike) -> Path | None:
             continue
         first, *rest = path.relative_to(directory).parts
         own_file = not rest and first in (*RUN_ARTIFACTS, *MOVED_WITH_A_RUN, LOCK_FILE)
-        return directory if own_file or (rest and first.startswith(RUN_DIRECTORY_PREFIXES)) else None
+        managed = first == "final" or first.startswith(RUN_DIRECTORY_PREFIXES)
+        return directory if own_file or (rest and managed) else None
     return None
 
 

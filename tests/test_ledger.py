@@ -361,6 +361,22 @@ def test_a_refused_run_leaves_no_directory_and_no_lock_file(model_dir, data_file
     assert tree_snapshot(finished) == before
 
 
+def test_run_file_owner_names_a_runs_own_files_and_nothing_else(tmp_path):
+    from looptrain.ledger import run_file_owner
+
+    run = tmp_path / "run"
+    save_checkpoint(run, 2, model=torch.nn.Linear(2, 2), trainer_state={})
+    write_json_atomic(run / "run.json", {"status": "finished"})
+    (run / "final").mkdir()
+    owned = ["run.json", "summary.json", "metrics.jsonl", "run_config.json", ".looptrain.lock", "final/x.jsonl",
+             "final/merged/config.json", "checkpoint-2/metrics.json", "previous-1-2/summary.json"]
+    for name in owned:
+        assert run_file_owner(run / name) == run.resolve(), name
+    for name in ["predictions.jsonl", "final_report/summary.json", "notes/metrics.jsonl"]:
+        assert run_file_owner(run / name) is None, name
+    assert run_file_owner(tmp_path / "summary.json") is None  # not in a run directory
+
+
 def test_the_directory_is_asked_once_while_its_lock_is_held(tmp_path, monkeypatch):
     """The command line asks the ledger before it reads any data; the Loop it runs under the same lock is given that
     verdict, not a second reading of the directory (which the command line's run_config.json has changed)."""
