@@ -308,3 +308,42 @@ def test_ctrl_c_while_final_is_written(files_for_disk, tmp_path, capsys, monkeyp
     monkeypatch.setattr(distributed, "save_pretrained", real_save)
     assert run_in_process(flags + ["--resume", "auto"]) == 0  # as the message says
     assert status(output_dir) == "finished" and (output_dir / "final" / "model.safetensors").is_file()
+
+
+def test_the_loops_save_final_door_runs_before_the_run_is_finished(tmp_path):
+    """In Python: `Loop(save_final=...)` is called once training ends, while run.json still says "running"; an error
+    there leaves the run unfinished, and `resume="auto"` continues it and calls the door again."""
+    import torch
+
+    from looptrain import Loop, LoopConfig
+
+    seen = []
+
+    def make(save_final):
+        model = torch.nn.Linear(4, 2)
+
+        class Classifier(Loop):
+            def compute_loss(self, batch):
+                return torch.nn.functional.cross_entropy(self.wrapped_model(batch[0]), batch[1])
+
+        batches = [(torch.randn(4, 4), torch.randint(0, 2, (4,))) for _ in range(4)]
+        config = LoopConfig(output_dir=str(tmp_path), eval_every=2, progress_bar=False, track_memory=False,
+                            device="cpu", resume="auto")
+        return Classifier(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, config=config,
+                          save_final=save_final)
+
+    def failing(summary):
+        seen.append(status(tmp_path))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def writing(summary):
+        seen.append(status(tmp_path))
+        return {**summary, "final": "written"}
+
+    with pytest.raises(OSError):
+        make(failing).fit()
+    assert status(tmp_path) == "running" and not (tmp_path / "summary.json").exists()
+    summary = make(writing).fit()
+    assert seen == ["running", "running"] and summary["final"] == "written"
+    assert json.loads((tmp_path / "summary.json").read_text())["final"] == "written"
+    assert status(tmp_path) == "finished"
