@@ -329,7 +329,8 @@ class RunLedger:
         """A new run in the place of one that saved nothing: that run's files are moved aside, with a notice."""
         differences = identity_differences(saved["identity"], identity)
         settings = f" with other settings ({'; '.join(differences)})" if differences else ""
-        self.echo(f"notice: the run in {self.output_dir} stopped ({saved.get('status', 'unknown')}) at step "
+        ended = {"failed": "failed", "interrupted": "was interrupted", "running": "was killed"}
+        self.echo(f"notice: the run in {self.output_dir} {ended.get(saved.get('status'), 'stopped')} at step "
                   f"{saved.get('step', '?')} without saving a checkpoint or final/: nothing of it can be resumed, so "
                   f"this run takes its place{settings}")
         self._move_aside(previous + [name for name in MOVED_WITH_A_RUN if (self.output_dir / name).exists()])
