@@ -31,10 +31,13 @@ class SignalGuard:
 
     Args:
         echo: prints a line when a signal arrives.
+        stopping: what the first signal waits for, as its line says.
     """
 
-    def __init__(self, echo: Callable[[str], None] = print):
+    def __init__(self, echo: Callable[[str], None] = print,
+                 stopping: str = "stopping after this window and saving a checkpoint"):
         self.echo = echo
+        self.stopping = stopping
         self.received: str | None = None  # the name of the first signal caught ("SIGTERM", "SIGINT")
         self._previous: dict = {}
 
@@ -55,8 +58,7 @@ class SignalGuard:
             signal.signal(signal_number, self._previous.get(signal_number, signal.SIG_DFL))
             raise KeyboardInterrupt
         self.received = signal.Signals(signal_number).name
-        self.echo(f"{self.received} received: stopping after this window and saving a checkpoint "
-                  "(send it again to stop at once, without saving)")
+        self.echo(f"{self.received} received: {self.stopping} (send it again to stop at once, without saving)")
 
     def stop_requested(self, device: torch.device) -> bool:
         """Whether any rank caught a signal (one tiny all-reduce under torchrun, so all ranks stop together)."""

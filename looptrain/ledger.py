@@ -6,18 +6,24 @@ resume another run's state:
 - `OutputDirLock`: a lock held for the whole run (an `flock` on `output_dir/.looptrain.lock`, which
   the kernel releases when the process dies, so a killed run leaves no live lock). A second run gets
   an error naming the PID that holds it; a lock file left by a dead process is taken over with a notice.
+  A run that wrote nothing (refused, or failed before its first file) removes the lock file and the
+  directories it created: no directory holding only a lock is left behind.
 - `run.json`: the run's identity (what makes it the same run: the schedule, the seed, and whatever
   the caller adds, such as the model and data files and their hashes) and its status.
 - `RunLedger.begin` decides, before anything is read or written: a fresh run into a directory that
   holds another run refuses (or with `overwrite` moves that run aside, never deleting it);
   `resume="auto"` continues only a run with the same identity, from its newest checkpoint that can
-  be read; a finished run is reported as finished (`finished_run_summary`) and left alone. The directory
+  be read; a finished run is reported as finished (`finished_run_summary`) and left alone; a checkpoint
+  whose saved identity is another run's is refused wherever it sits; a run that saved nothing (no
+  checkpoint, no final/, not finished) is no run to protect: a new run moves its files aside and starts.
+  `run_file_owner` tells other commands which paths are a run's own files. The directory
   is asked once while its lock is held: the command line asks before it reads any data, and the Loop it
   then runs under the same lock is given that verdict.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -27,7 +33,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from looptrain.checkpoint import list_checkpoints, write_json_atomic
+from looptrain.checkpoint import list_checkpoints, resolve_resume_checkpoint, write_json_atomic
+from looptrain.checkpoint.layout import CHECKPOINT_PREFIX, TRAINER_STATE_FILE
 
 LOCK_FILE = ".looptrain.lock"
 RUN_FILE = "run.json"
@@ -36,7 +43,11 @@ RUN_FILE = "run.json"
 RUN_ARTIFACTS = (RUN_FILE, "metrics.jsonl", "summary.json", "final")
 # Files that belong to a run but do not by themselves mean a run lives here; --overwrite moves them aside too.
 MOVED_WITH_A_RUN = ("run_config.json",)
-_HELD: dict[str, list] = {}  # locks this process holds: path -> [file descriptor, count, verdict] (re-entrant)
+# Directories a run manages inside its output directory besides final/: a file in them is the run's (moved,
+# replaced, rotated away).
+RUN_DIRECTORY_PREFIXES = (CHECKPOINT_PREFIX, "previous-", ".tmp-", ".old-", ".deleting-")
+# Locks this process holds (re-entrant): path -> [file descriptor, count, verdict, (entries found, directories made)]
+_HELD: dict[str, list] = {}
 
 
 class LedgerError(RuntimeError):
@@ -89,16 +100,11 @@ class OutputDirLock:
             return self
         if self.path.parent.exists() and not self.path.parent.is_dir():
             raise LedgerError(f"output directory {self.path.parent} is a file; pass a directory (--output-dir)")
+        created = _missing_directories(self.path.parent)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        found = set(os.listdir(self.path.parent))
+        descriptor, holder = self._lock_file()
         try:
-            holder = self._read(descriptor)
-            if not _try_lock(descriptor):
-                raise LedgerError(
-                    f"{self.path.parent} is in use by another looptrain run (PID {holder.get('pid', '?')} on "
-                    f"{holder.get('host', '?')}, since {holder.get('started', '?')}); wait for it to finish, or "
-                    "pass another --output-dir (output_dir)"
-                )
             if holder.get("pid") and not (
                 holder.get("host") == socket.gethostname() and _pid_alive(int(holder["pid"]))
             ):
@@ -110,7 +116,8 @@ class OutputDirLock:
         except BaseException:
             os.close(descriptor)
             raise
-        _HELD[key] = [descriptor, 1, None]  # the verdict: (what was asked, RunLedger.begin's answer), once asked
+        # the verdict: (what was asked, RunLedger.begin's answer), once asked; what this lock found and created
+        _HELD[key] = [descriptor, 1, None, (found, created)]
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -121,8 +128,44 @@ class OutputDirLock:
         held[1] -= 1
         if held[1] == 0:
             del _HELD[key]
-            os.ftruncate(held[0], 0)  # an empty lock file: free (the file stays: unlinking races with openers)
+            os.ftruncate(held[0], 0)  # an empty lock file: free
+            with contextlib.suppress(OSError):
+                self._remove_if_nothing_written(*held[3])
             os.close(held[0])  # closing releases the flock
+
+    def _remove_if_nothing_written(self, found: set[str], created: list[Path]) -> None:
+        """A run that wrote nothing but the lock file it created (a refused run) removes it, and the directories it
+        created: the deepest first, each only when empty. Unlinked while held: see `_lock_file`."""
+        if LOCK_FILE in found or set(os.listdir(self.path.parent)) - found - {LOCK_FILE}:
+            return
+        self.path.unlink(missing_ok=True)
+        for directory in created:
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+
+    def _lock_file(self) -> tuple[int, dict]:
+        """The lock file's descriptor, locked, and what the previous holder wrote in it.
+
+        A run that wrote nothing unlinks its lock file while it holds it (`__exit__`): an opener that got that file
+        finds it unlinked once it holds the lock, and opens the path again, so that two runs never hold two files.
+        """
+        while True:
+            descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                holder = self._read(descriptor)
+                if not _try_lock(descriptor):
+                    raise LedgerError(
+                        f"{self.path.parent} is in use by another looptrain run (PID {holder.get('pid', '?')} on "
+                        f"{holder.get('host', '?')}, since {holder.get('started', '?')}); wait for it to finish, or "
+                        "pass another --output-dir (output_dir)"
+                    )
+                with contextlib.suppress(FileNotFoundError):
+                    if os.stat(self.path).st_ino == os.fstat(descriptor).st_ino:
+                        return descriptor, holder
+            except BaseException:
+                os.close(descriptor)
+                raise
+            os.close(descriptor)
 
     @staticmethod
     def _read(descriptor: int) -> dict:
@@ -130,6 +173,15 @@ class OutputDirLock:
             return json.loads(os.pread(descriptor, 4096, 0).decode() or "{}")
         except (ValueError, UnicodeDecodeError):
             return {}
+
+
+def _missing_directories(directory: Path) -> list[Path]:
+    """The directories `mkdir(parents=True)` would create for `directory`, the deepest first."""
+    missing = []
+    while not directory.exists():
+        missing.append(directory)
+        directory = directory.parent
+    return missing
 
 
 def _try_lock(descriptor: int) -> bool:
@@ -256,15 +308,13 @@ class RunLedger:
     def _decide(self, identity: dict, resume: str | None, overwrite: bool) -> dict:
         saved = self.read()
         previous = self.another_run_lives_here()
+        if previous and self._saved_nothing(saved) and (
+                resume != "auto" or identity_differences(saved["identity"], identity)):
+            self._start_over(saved, previous, identity)  # its files moved aside: nothing lives here now
+            saved, previous = None, []
         if resume not in (None, "auto"):
-            checkpoint = Path(resume)
-            if previous and checkpoint.resolve().parent != self.output_dir.resolve():
-                # A checkpoint of another directory would continue into this one: its checkpoints, final/ and
-                # summary would be overwritten, then rotated away. Only the run's own checkpoints may be forced.
-                raise LedgerError(
-                    f"--resume {checkpoint}: that checkpoint is not in {self.output_dir}, which already holds "
-                    f"another run ({', '.join(previous)}); resume it into its own directory, into an empty "
-                    "--output-dir, or copy the checkpoint into this directory to continue this run from it")
+            checkpoint = resolve_resume_checkpoint(resume, self.output_dir)  # a CheckpointError unless complete
+            self._check_forced_checkpoint(checkpoint, saved, previous)
             return {"action": "resume", "checkpoints": [checkpoint], "run": saved}
         if resume == "auto" and previous:
             if saved is None:
@@ -295,6 +345,45 @@ class RunLedger:
             self._move_aside(previous + [name for name in MOVED_WITH_A_RUN if (self.output_dir / name).exists()])
         return {"action": "fresh", "checkpoints": [], "run": None}
 
+    def _check_forced_checkpoint(self, checkpoint: Path, saved: dict | None, previous: list[str]) -> None:
+        """A forced resume continues into this directory: its checkpoints, final/ and summary are overwritten, then
+        rotated away. So the checkpoint must sit here, and be this directory's run's by its saved identity (a copy of
+        another run's checkpoint put here is another run's)."""
+        if not previous:
+            return  # an empty directory: any checkpoint may start it
+        safe = f"continue that run in a directory of its own: --resume {checkpoint} --output-dir NEW_DIR (new or empty)"
+        if checkpoint.resolve().parent != self.output_dir.resolve():
+            raise LedgerError(
+                f"--resume {checkpoint}: that checkpoint is not in {self.output_dir}, which already holds "
+                f"another run ({', '.join(previous)}); {safe}")
+        theirs = checkpoint_identity(checkpoint)
+        if saved is None or theirs is None or not isinstance(saved.get("identity"), dict):
+            return  # a checkpoint saved without its identity (an older looptrain): its place decides
+        ours = [saved["identity"], *saved.get("earlier_identities", [])]  # forced resumes may have changed it
+        if any(not identity_differences(identity, theirs) for identity in ours):
+            return
+        differences = identity_differences(saved["identity"], theirs)
+        raise LedgerError(
+            f"--resume {checkpoint}: that checkpoint belongs to another run than the one in {self.output_dir} "
+            f"({', '.join(previous)}), which it would overwrite; these settings differ (this directory's run -> the "
+            "checkpoint's):\n  " + "\n  ".join(differences) + f"\nNothing was changed. To {safe}")
+
+    def _saved_nothing(self, saved: dict | None) -> bool:
+        """Whether the run here saved nothing a resume could continue from: no checkpoint, no final/, not finished
+        (it failed, or was killed, before its first checkpoint)."""
+        return (saved is not None and saved.get("status") != "finished" and isinstance(saved.get("identity"), dict)
+                and not list_checkpoints(self.output_dir) and not (self.output_dir / "final").exists())
+
+    def _start_over(self, saved: dict, previous: list[str], identity: dict) -> None:
+        """A new run in the place of one that saved nothing: that run's files are moved aside, with a notice."""
+        differences = identity_differences(saved["identity"], identity)
+        settings = f" with other settings ({'; '.join(differences)})" if differences else ""
+        ended = {"failed": "failed", "interrupted": "was interrupted", "running": "was killed"}
+        self.echo(f"notice: the run in {self.output_dir} {ended.get(saved.get('status'), 'stopped')} at step "
+                  f"{saved.get('step', '?')} without saving a checkpoint or final/: nothing of it can be resumed, so "
+                  f"this run takes its place{settings}")
+        self._move_aside(previous + [name for name in MOVED_WITH_A_RUN if (self.output_dir / name).exists()])
+
     def _move_aside(self, names: list[str]) -> None:
         aside = self.output_dir / f"previous-{datetime.datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}"
         aside.mkdir()
@@ -307,9 +396,52 @@ class RunLedger:
         return finished_run_summary(self.output_dir, self.echo)
 
     def write(self, identity: dict, status: str, **fields: Any) -> None:
-        """Records this run's identity and status ("running", "interrupted", "finished") in run.json."""
+        """Records this run's identity and status ("running", "interrupted", "failed", "finished") in run.json.
+
+        The run.json already here is this run's (another run's is moved aside or refused before): when a forced
+        resume changed the identity, the earlier ones are kept (`earlier_identities`), so that the run's own older
+        checkpoints are still recognised as its own.
+        """
+        earlier = []
+        if (saved := self.read()) is not None and isinstance(saved.get("identity"), dict):
+            earlier = [item for item in [saved["identity"], *saved.get("earlier_identities", [])]
+                       if identity_differences(item, identity)]
         record = {"identity": identity, "status": status, "updated": _now(), **fields}
+        if earlier:
+            record["earlier_identities"] = earlier
         write_json_atomic(self.run_file, record)
+
+
+def checkpoint_identity(checkpoint: str | os.PathLike) -> dict | None:
+    """The identity of the run that saved `checkpoint` (its trainer_state.json), or None when it does not say."""
+    try:
+        identity = json.loads((Path(checkpoint) / TRAINER_STATE_FILE).read_text(encoding="utf-8")).get("identity")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return identity if isinstance(identity, dict) else None
+
+
+def run_file_owner(path: str | os.PathLike) -> Path | None:
+    """The run directory whose own file `path` is, or None.
+
+    A run directory holds run.json, the lock, final/ or a checkpoint; its own files are those a run writes at its
+    top (run.json, run_config.json, metrics.jsonl, summary.json, the lock) and everything under the directories it
+    manages (final/, checkpoint-N/, previous-*/ and the temporary ones). Another command must never write there.
+    """
+    path = Path(path).resolve()
+    for directory in path.parents:
+        if not _is_run_directory(directory):
+            continue
+        first, *rest = path.relative_to(directory).parts
+        own_file = not rest and first in (*RUN_ARTIFACTS, *MOVED_WITH_A_RUN, LOCK_FILE)
+        managed = first == "final" or first.startswith(RUN_DIRECTORY_PREFIXES)
+        return directory if own_file or (rest and managed) else None
+    return None
+
+
+def _is_run_directory(directory: Path) -> bool:
+    return ((directory / RUN_FILE).is_file() or (directory / LOCK_FILE).is_file() or (directory / "final").is_dir()
+            or bool(list_checkpoints(directory)))
 
 
 def finished_run_summary(output_dir: str | os.PathLike, echo: Callable[[str], None] = print) -> dict:

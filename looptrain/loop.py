@@ -79,6 +79,7 @@ class Loop:
         make_precision, wrap_optimizer: doors for the layers above (docs/loop.md): factories called once, as
             `make_precision(device, precision_name)` and `wrap_optimizer(model, optimizer, config)`, in place of
             `Precision` and `looptrain.optim.wrap_for_config` (the estimator's fake-tensor behaviour).
+        save_final: `save_final(summary)` writes the final outputs before run.json says "finished" (`Run.finish`).
 
     Attributes:
         model: the bare model (configs, saving, evaluation hooks read it).
@@ -92,7 +93,8 @@ class Loop:
 
     def __init__(self, model: nn.Module, optimizer: Any, train_loader, *, eval_loader=None, scheduler=None,
                  config: LoopConfig | None = None, make_precision: Callable[[torch.device, str], Precision] = Precision,
-                 wrap_optimizer: Callable[[nn.Module, Any, LoopConfig], Any] = wrap_for_config):
+                 wrap_optimizer: Callable[[nn.Module, Any, LoopConfig], Any] = wrap_for_config,
+                 save_final: Callable[[dict], dict] | None = None):
         self.config = config if config is not None else LoopConfig()
         self._place = distributed.init_distributed(self.config.device)  # torchrun's group, if launched by it
         self.device = distributed.device_for(resolve_device(self.config.device), self._place)
@@ -125,7 +127,7 @@ class Loop:
                                 track_every_update=self.config.track_every_update)
         self.progress = Progress()  # the counters and the data position; a resume replaces it with the saved one
         self.interrupted: str | None = None
-        self.run = Run(self.config, is_main=self._place.is_main)
+        self.run = Run(self.config, is_main=self._place.is_main, save_final=save_final)
         self._log = self.run.log  # the events the loop itself reports (unfreezing, auto_batch, skipped windows)
         # None: the model's own loss. Else a causal LM's head and loss in chunks of tokens (--chunked-ce).
         self._lm_loss = lm_loss.ChunkedLMLoss.for_model(self.model, self.config, self._shifted_labels, self._log.echo)
@@ -321,10 +323,9 @@ class Loop:
         its labels that are not -100 (after the shift, for a causal LM), or its number of rows when it has no labels.
         """
         if not isinstance(batch, Mapping):
-            raise TypeError(
-                f"the default compute_loss calls model(**batch) and needs dict batches, got a {type(batch).__name__}; "
-                "override Loop.compute_loss(batch) to run the model on this batch and return its loss"
-            )
+            raise TypeError(f"the default compute_loss calls model(**batch) and needs dict batches, got a "
+                            f"{type(batch).__name__}; override Loop.compute_loss(batch) to run the model on this "
+                            "batch and return its loss")
         if self._lm_loss is not None:
             return self._lm_loss(self.wrapped_model, batch)
         outputs = self.wrapped_model(**batch)
@@ -398,9 +399,8 @@ class Loop:
                 evaluation.update(self.eval_step(batch))
             self._log.heartbeat(lambda index=index: f"evaluating at step {self.step}: batch {index}{of_total}")
         self.wrapped_model.train(was_training)
-        shards = distributed.all_gather_objects(evaluation)  # under DDP each rank scored its own shard
-        evaluation = shards[0]
-        for other in shards[1:]:
+        evaluation, *others = distributed.all_gather_objects(evaluation)  # under DDP each rank scored its own shard
+        for other in others:
             evaluation.merge(other)  # every sample counted once, the same result on every rank
         return self.compute_metrics(evaluation)
 

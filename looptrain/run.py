@@ -33,6 +33,7 @@ from looptrain.checkpoint import (
     write_json_atomic,
 )
 from looptrain.config import LoopConfig
+from looptrain.guards import SignalGuard
 from looptrain.precision import cpu_description, emulation_warning
 from looptrain.progress import Progress, length_of
 from looptrain.run_log import RunLog
@@ -73,6 +74,8 @@ class Run:
     Args:
         config: the run's `LoopConfig` (`output_dir`, `resume`, `overwrite`, `save_total_limit`, ...).
         is_main: rank 0; only it locks, writes the ledger and the summary, and prints.
+        save_final: called (on every rank) as `save_final(summary)` once training has ended, before the summary is
+            written and run.json says "finished"; returns the summary to record (`Loop`'s door of the same name).
 
     Attributes:
         output_dir: the run's directory, or None (nothing is written).
@@ -84,8 +87,9 @@ class Run:
         peak: this device's matmul peak (`looptrain.flops.matmul_peak_flops`), likewise.
     """
 
-    def __init__(self, config: LoopConfig, *, is_main: bool):
+    def __init__(self, config: LoopConfig, *, is_main: bool, save_final: Any = None):
         self.config = config
+        self._save_final = save_final  # the final outputs (`Loop(save_final=...)`), written before "finished"
         self.is_main = is_main
         self.output_dir = Path(config.output_dir) if config.output_dir else None
         metric = config.metric_for_best or "loss"  # until the Loop's first evaluation check resolves it
@@ -179,6 +183,7 @@ class Run:
         """The counters and positions an exact resume needs (JSON-ready)."""
         return {
             **progress.state_dict(),
+            "identity": self.config.identity(),  # whose checkpoint this is, wherever it is copied (`looptrain.ledger`)
             "run_checkpoints": sorted(self._checkpoints),
             # The data order of an epoch is drawn from torch's RNG when its iterator starts: keep the
             # state of that moment so a resume in mid-epoch replays the same order.
@@ -353,7 +358,16 @@ class Run:
         return result
 
     def finish(self, summary: dict) -> dict:
-        """Writes summary.json (rank 0), records the run as finished or interrupted, closes the log."""
+        """Writes the final outputs (`save_final`), then summary.json (rank 0); records the run as finished or
+        interrupted; closes the log.
+
+        A run that stops while its final outputs are written (a kill, a full disk) is not finished: run.json still
+        says "running", and `resume="auto"` continues it from its last checkpoint. SIGTERM or SIGINT meanwhile waits
+        for them to be written (a second one stops at once, without them).
+        """
+        if self._save_final is not None and not summary["interrupted"]:
+            with SignalGuard(echo=self.log.echo, stopping="writing the final outputs first"):
+                summary = self._save_final(summary)
         if self.output_dir is not None and self.is_main:
             write_json_atomic(self.output_dir / "summary.json", summary)
         self.record_status("interrupted" if summary["interrupted"] else "finished", step=summary["optimizer_steps"])

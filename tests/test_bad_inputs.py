@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,10 @@ CASES = [
      r'(?s)another run; these settings differ \(saved -> now\):.*weights: null -> "bf16"'),
     ("resume another run's checkpoint", "finetune", ["--output-dir", "{done}", "--resume", "{other_checkpoint}"],
      r"already holds another run"),
+    ("resume another run's checkpoint copied into the run", "finetune",
+     ["--output-dir", "{done_copy}", "--resume", "{copied_checkpoint}"],
+     r"(?s)that checkpoint belongs to another run than the one in .*seed: 42 -> 7.*Nothing was changed\. To continue "
+     r"that run in a directory of its own: --resume \S+ --output-dir NEW_DIR"),
     ("resume a missing checkpoint", "finetune", ["--resume", "/nonexistent/checkpoint-3"], r"checkpoint"),
     # --- the estimate's command line
     ("compile with chunked CE on", "finetune", ["--compile", "--chunked-ce", "on"],
@@ -181,6 +186,10 @@ def files(tmp_path_factory, model_dir):
         extra = ["--seed", seed, "--eval-every", "1"]  # a checkpoint at step 1
         assert finetune.main(format_argv(BASE, {**paths, "out": paths[name]}) + extra) == 0
     paths["other_checkpoint"] = sorted(paths["other"].glob("checkpoint-*"))[-1]
+    paths["done_copy"] = root / "done-copy"  # the finished run, with the other run's checkpoint copied in as its own
+    shutil.copytree(paths["done"], paths["done_copy"])
+    paths["copied_checkpoint"] = paths["done_copy"] / "checkpoint-7"
+    shutil.copytree(paths["other_checkpoint"], paths["copied_checkpoint"])
     return paths
 
 
@@ -202,7 +211,7 @@ def test_a_bad_input_exits_2_with_a_message_that_names_the_fix(files, tmp_path, 
                             lambda module, *args: None if module == "tensorboard" else real_find_spec(module, *args))
         flags = [flag for flag in flags if flag != "{no_tensorboard}"]
     paths = {**files, "out": tmp_path / "out"}
-    before = {run: snapshot(files[run]) for run in ("done", "other")}
+    before = {run: snapshot(files[run]) for run in ("done", "other", "done_copy")}
     main = finetune.main if command == "finetune" else estimate_cli.main
     argv = format_argv((BASE if command == "finetune" else []) + flags, paths)
     try:
@@ -213,9 +222,8 @@ def test_a_bad_input_exits_2_with_a_message_that_names_the_fix(files, tmp_path, 
     assert code == 2, err
     assert "Traceback" not in err
     assert re.search(message, err), err
-    # A refused run writes nothing: at most the lock of an output directory it checked (no run.json, no config).
-    written = {path.name for path in (tmp_path / "out").rglob("*")} if (tmp_path / "out").is_dir() else set()
-    assert written <= {".looptrain.lock"}, written
+    # A refused run writes nothing: not even the output directory it checked, nor a lock file in it.
+    assert not (tmp_path / "out").exists(), sorted(path.name for path in (tmp_path / "out").rglob("*"))
     for run, files_before in before.items():  # the runs already there are untouched
         assert snapshot(files[run]) == files_before, run
 
@@ -264,8 +272,10 @@ def test_a_second_ctrl_c_stops_at_once_with_exit_130_and_keeps_the_saved_checkpo
     captured = capsys.readouterr()
     assert "SIGINT received: stopping after this window and saving a checkpoint (send it again to stop at once" \
         in captured.out
-    assert "finetune.py: stopped at once: the window in progress was not saved. Checkpoints already in" in captured.err
-    assert "--resume auto continues from the last one" in captured.err and "Traceback" not in captured.err
+    assert "finetune.py: stopped at once: what was in progress (a window of training, or final/) was not saved. " \
+           f"Checkpoints already in {output_dir} are intact" in captured.err
+    assert "--resume auto continues from the last one (checkpoint-1)" in captured.err
+    assert "Traceback" not in captured.err
     assert sorted(path.name for path in output_dir.glob("*checkpoint*")) == ["checkpoint-1"]
     assert (output_dir / "checkpoint-1" / "COMPLETE").is_file()
     monkeypatch.undo()

@@ -284,3 +284,18 @@ def test_bf16_weights_with_amp_say_what_they_compute_in_on_any_cpu(model_dir, tr
     assert "--weights bf16: the forward and backward compute in bf16 (the weights are bf16)" in out
     assert "training in fp32" not in out and "--amp: " not in out
     assert json.loads((tmp_path / "summary.json").read_text())["precision"] == "bf16"
+
+
+def test_the_majority_baselines_macro_f1_averages_over_the_models_classes(model_dir, tmp_path):
+    """Evaluation data without one of the three classes: the model's macro F1 counts that class as 0, and the
+    baseline's must too, or the table compares unlike figures. Always 'a' on labels a, a, b, over a, b, c:
+    F1(a) = 2 * (2/3 * 1) / (2/3 + 1) = 0.8, F1(b) = F1(c) = 0, so the macro F1 is 0.8 / 3 (0.4 over two classes)."""
+    train = tmp_path / "train.csv"
+    train.write_text("text,label\n" + "".join(f"row {index} of {name},{name}\n" for index in range(8)
+                                              for name in ("a", "b", "c")))
+    evaluation = tmp_path / "eval.csv"
+    evaluation.write_text("text,label\none a,a\ntwo a,a\none b,b\n")
+    assert run(model_dir, train, tmp_path / "out", "--max-steps", "1", "--eval-every", "no", eval_data=evaluation) == 0
+    baseline = json.loads((tmp_path / "out" / "summary.json").read_text())["majority_baseline"]
+    assert baseline["majority_class"] == 0 and baseline["accuracy"] == pytest.approx(2 / 3)
+    assert baseline["f1"] == pytest.approx(0.8 / 3)

@@ -101,11 +101,44 @@ def test_a_forced_resume_from_another_directory_into_a_finished_run_refuses_and_
     assert run_in_process(argv(model_dir, data_files, finished, "--resume", str(checkpoint))) == 2
     err = error_of(capsys)
     assert re.search(rf"--resume {re.escape(str(checkpoint))}: that checkpoint is not in {re.escape(str(finished))}, "
-                     r"which already holds another run \(checkpoint-\d+.*\); resume it into its own directory",
-                     err), err
+                     r"which already holds another run \(checkpoint-\d+.*\); continue that run in a directory of its "
+                     rf"own: --resume {re.escape(str(checkpoint))} --output-dir NEW_DIR \(new or empty\)$", err), err
     assert tree_snapshot(finished) == before  # final/, checkpoints, summary, run.json and metrics: byte for byte
     # Into an empty directory, the same forced resume is allowed (the original guarantee of --resume DIR).
     assert run_in_process(argv(model_dir, data_files, tmp_path / "fresh", "--resume", str(checkpoint))) == 0
+
+
+def test_another_runs_checkpoint_copied_into_a_finished_run_is_refused_and_the_advice_is_safe(
+        model_dir, data_files, uninterrupted, tmp_path, capsys):
+    """The refusal above once said "copy the checkpoint into this directory": done, a forced resume overwrote the
+    finished run's final/, checkpoints, summary, run.json and run_config.json, and mixed two runs in metrics.jsonl.
+    The checkpoint's saved identity (seed 4) is not the directory's run's (seed 3), wherever it sits."""
+    other = tmp_path / "other"
+    assert run_in_process(argv(model_dir, data_files, other, "--seed", "4", "--max-steps", "3", "--eval-every",
+                               "3")) == 0
+    finished = copy_run(uninterrupted, tmp_path / "finished")
+    copied = finished / "checkpoint-3"
+    shutil.copytree(other / "checkpoint-3", copied)  # as the old advice said
+    before = tree_snapshot(finished)
+    capsys.readouterr()
+    assert run_in_process(argv(model_dir, data_files, finished, "--resume", str(copied))) == 2
+    err = error_of(capsys)
+    assert re.search(rf"--resume {re.escape(str(copied))}: that checkpoint belongs to another run than the one in "
+                     rf"{re.escape(str(finished))} \(checkpoint-\d+.*final\), which it would overwrite; these settings "
+                     r"differ \(this directory's run -> the checkpoint's\):\n  (.*\n  )*seed: 3 -> 4\n(  .*\n)*"
+                     rf"Nothing was changed\. To continue that run in a directory of its own: --resume "
+                     rf"{re.escape(str(copied))} --output-dir NEW_DIR \(new or empty\)$", err), err
+    assert tree_snapshot(finished) == before  # final/, checkpoints, summary, run.json, run_config.json, metrics
+    # The advice leads somewhere safe: that run continues (and finishes) in a directory of its own.
+    assert run_in_process(argv(model_dir, data_files, tmp_path / "continued", "--seed", "4", "--max-steps", "3",
+                               "--eval-every", "3", "--resume", str(copied))) == 0
+    assert tree_snapshot(finished) == before
+    # The run's own checkpoint is still forced as before, even after a forced resume changed the run's settings.
+    own = latest_checkpoint(finished)
+    restored = copy_run(uninterrupted, tmp_path / "forced")
+    assert run_in_process(argv(model_dir, data_files, restored, "--resume", str(restored / own.name),
+                               "--accum", "2", "--max-steps", "1")) == 0
+    assert run_in_process(argv(model_dir, data_files, restored, "--resume", str(restored / own.name))) == 0
 
 
 def test_resume_auto_with_other_weights_storage_refuses_before_writing(model_dir, data_files, uninterrupted,
@@ -281,6 +314,68 @@ def test_resume_auto_on_a_finished_run_says_so_and_leaves_everything(model_dir, 
     assert f"the run in {output_dir} finished at step {TOTAL_STEPS}: nothing to train" in capsys.readouterr().out
     assert {name: content for name, content in tree_snapshot(output_dir).items() if name != ".looptrain.lock"} == \
         {name: content for name, content in before.items() if name != ".looptrain.lock"}
+
+
+def test_a_run_that_failed_before_saving_anything_is_replaced_by_the_rerun_with_a_notice(
+        model_dir, data_files, tmp_path, capsys, monkeypatch):
+    """A run that fails at its first update saved nothing a resume could continue from: its directory once refused
+    the corrected rerun as "another run". The rerun takes its place; the failed run's files are moved aside."""
+    def fail(self, window, **_):
+        raise RuntimeError("a bug in the first update")
+
+    output_dir = tmp_path / "run"
+    flags = argv(model_dir, data_files, output_dir, "--max-steps", "2")
+    with monkeypatch.context() as patched:
+        patched.setattr(Loop, "run_update", fail)
+        with pytest.raises(RuntimeError, match="a bug in the first update"):
+            run_in_process(flags)
+    saved = json.loads((output_dir / "run.json").read_text())
+    assert (saved["status"], saved["step"]) == ("failed", 0) and not list_checkpoints(output_dir)
+    left = {name: content for name, content in tree_snapshot(output_dir).items() if name != ".looptrain.lock"}
+    capsys.readouterr()
+    assert run_in_process(flags + ["--lr", "2e-3"]) == 0  # corrected: another learning rate
+    out = capsys.readouterr().out
+    assert re.search(rf"notice: the run in {re.escape(str(output_dir))} failed at step 0 without saving a "
+                     r"checkpoint or final/: nothing of it can be resumed, so this run takes its place with other "
+                     r"settings \(schedule: \{\"lr\": 0\.001, .*\} -> \{\"lr\": 0\.002, .*\}\)\n"
+                     r"notice: moved the previous run's files \(run\.json, .*run_config\.json\) aside into ", out), out
+    (aside,) = output_dir.glob("previous-*")
+    assert tree_snapshot(aside) == left  # nothing of the failed run is lost
+    assert json.loads((output_dir / "summary.json").read_text())["optimizer_steps"] == 2
+    assert json.loads((output_dir / "run.json").read_text())["status"] == "finished"
+
+
+def test_a_refused_run_leaves_no_directory_and_no_lock_file(model_dir, data_files, uninterrupted, tmp_path, capsys):
+    nested = tmp_path / "runs" / "new" / "exp"
+    missing = tmp_path / "missing.csv"
+    assert run_in_process(argv(model_dir, (missing, data_files[1]), nested)) == 2  # refused after the lock
+    assert "data file not found" in error_of(capsys)
+    assert not (tmp_path / "runs").exists()  # every directory it created is gone again
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "notes.txt").write_text("mine")
+    assert run_in_process(argv(model_dir, (missing, data_files[1]), existing)) == 2
+    assert sorted(path.name for path in existing.iterdir()) == ["notes.txt"]  # the lock file it created is gone
+    finished = copy_run(uninterrupted, tmp_path / "finished")
+    before = tree_snapshot(finished)
+    assert run_in_process(argv(model_dir, data_files, finished)) == 2  # another run lives here: its lock file stays
+    assert tree_snapshot(finished) == before
+
+
+def test_run_file_owner_names_a_runs_own_files_and_nothing_else(tmp_path):
+    from looptrain.ledger import run_file_owner
+
+    run = tmp_path / "run"
+    save_checkpoint(run, 2, model=torch.nn.Linear(2, 2), trainer_state={})
+    write_json_atomic(run / "run.json", {"status": "finished"})
+    (run / "final").mkdir()
+    owned = ["run.json", "summary.json", "metrics.jsonl", "run_config.json", ".looptrain.lock", "final/x.jsonl",
+             "final/merged/config.json", "checkpoint-2/metrics.json", "previous-1-2/summary.json"]
+    for name in owned:
+        assert run_file_owner(run / name) == run.resolve(), name
+    for name in ["predictions.jsonl", "final_report/summary.json", "notes/metrics.jsonl"]:
+        assert run_file_owner(run / name) is None, name
+    assert run_file_owner(tmp_path / "summary.json") is None  # not in a run directory
 
 
 def test_the_directory_is_asked_once_while_its_lock_is_held(tmp_path, monkeypatch):

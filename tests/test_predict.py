@@ -149,6 +149,30 @@ def test_evaluation_equals_the_fine_tuning_runs_final_eval(finetuned, tmp_path, 
     assert scores["accuracy"] == sum(p == t for p, t in zip(predicted, truth)) / len(truth)
 
 
+@pytest.mark.parametrize("flag, target", [
+    ("--metrics-json", "summary.json"), ("--metrics-json", "run.json"), ("--output", "metrics.jsonl"),
+    ("--output", "final/predictions.jsonl"), ("--metrics-json", "checkpoint-2/metrics.json"),
+])
+def test_the_outputs_never_overwrite_a_fine_tuning_runs_own_files(finetuned, tmp_path, capsys, flag, target):
+    output_dir, eval_csv = finetuned
+    before = {path: path.read_bytes() for path in sorted(output_dir.rglob("*")) if path.is_file()}
+    outputs = {"--output": tmp_path / "predictions.jsonl", "--metrics-json": tmp_path / "metrics.json", flag: None}
+    outputs[flag] = output_dir / target
+    argv = ["--model", output_dir / "final", "--data", eval_csv, "--label-column", "label"]
+    assert predict_main(*argv, *[item for option, path in outputs.items() for item in (option, path)]) == 2
+    err = capsys.readouterr().err
+    example = output_dir / ("predictions.jsonl" if flag == "--output" else "predict-metrics.json")
+    assert err == (f"predict.py: error: {flag} {output_dir / target} is one of the files of the fine-tuning run in "
+                   f"{output_dir} (its run.json, summary.json, metrics.jsonl, run_config.json, checkpoints and final/ "
+                   f"are the run's own), which would be overwritten; pass another path, e.g. {flag} {example}\n")
+    assert {path: path.read_bytes() for path in sorted(output_dir.rglob("*")) if path.is_file()} == before
+    # The path the message names is the run directory's, and not one of its own files: it is written.
+    outputs[flag] = example
+    assert predict_main(*argv, *[item for option, path in outputs.items() for item in (option, path)]) == 0
+    assert example.is_file()
+    example.unlink()
+
+
 def test_a_model_without_label_names_reads_integer_ids(tmp_path):
     model = save_classifier(tmp_path / "model", label_names=None)  # id2label: LABEL_0..LABEL_2
     data = tmp_path / "ids.jsonl"

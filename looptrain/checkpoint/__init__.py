@@ -21,7 +21,8 @@ Modules:
     files     `write_json_atomic`; the fsync and the rename that publish a finished directory
     rng       `capture_rng_state`, `restore_rng_state`: the global RNGs, loadable with weights_only
     best      `BestTracker`, `is_better`, `default_mode`: the best value of one metric and its checkpoint
-    save      `save_checkpoint`: temp dir, fsync, COMPLETE, rename (a full disk named as such)
+    save      `save_checkpoint`: temp dir, fsync, COMPLETE, rename (a full disk named as such);
+              `published_directory`: any other directory of a run (final/) written the same way
     fit       `check_weights_fit`, `checkpoint_weight_shapes`: whether the weights fit a model (headers only)
     load      `load_checkpoint`, `load_model_weights`: read back strictly, nothing that can run code
     find      `list_checkpoints`, `latest_checkpoint`, `resolve_resume_checkpoint`

@@ -1,10 +1,13 @@
-"""Writing a checkpoint directory atomically: temp dir, fsync, COMPLETE marker, rename into place."""
+"""Writing a checkpoint directory atomically: temp dir, fsync, COMPLETE marker, rename into place; any other
+directory of a run (its final/) through the same temp dir and rename (`published_directory`)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -133,11 +136,38 @@ def save_checkpoint(
         # A failed save leaves no temp dir behind when it can; rotate_checkpoints sweeps the rest.
         shutil.rmtree(temporary_path, ignore_errors=True)
         if _is_write_failure(error):
-            raise CheckpointError(_write_failure_message(error, output_path, final_path.name, model, optimizer)) \
-                from error
+            needed = _tensor_bytes(model.state_dict()) + (_tensor_bytes(optimizer.state_dict()) if optimizer else 0)
+            raise CheckpointError(write_failure_message(error, output_path, final_path.name, needed)) from error
         raise
     files.publish(temporary_path, final_path)
     return final_path
+
+
+@contextlib.contextmanager
+def published_directory(final_path: str | os.PathLike, *, model: nn.Module, advice: str) -> Iterator[Path]:
+    """Yields a temporary directory beside `final_path` to write into; once the block ends, it is fsynced and renamed
+    to `final_path` (an existing one replaced): a reader or a crash sees the old directory or the whole new one.
+
+    An exception (a signal included) removes the temporary directory; a full disk, a quota or a file-size limit is a
+    `CheckpointError` saying how much `model`'s weights need, how much is free, and `advice`. Leftovers of a killed
+    writer (`.tmp-<name>-*`) are removed first: call it from the one process that writes `final_path`.
+    """
+    final_path = Path(final_path)
+    for leftover in final_path.parent.glob(f".tmp-{final_path.name}-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    temporary_path = final_path.parent / f".tmp-{final_path.name}-{os.getpid()}"
+    temporary_path.mkdir(parents=True)
+    try:
+        yield temporary_path
+        files.fsync_tree(temporary_path)
+    except BaseException as error:
+        shutil.rmtree(temporary_path, ignore_errors=True)
+        if _is_write_failure(error):
+            message = write_failure_message(error, final_path.parent, final_path.name,
+                                            _tensor_bytes(unwrap_model(model).state_dict()), advice)
+            raise CheckpointError(message) from error
+        raise
+    files.publish(temporary_path, final_path)
 
 
 # What a full disk (ENOSPC), a quota (EDQUOT) or a file-size limit (EFBIG) looks like from each writer: an
@@ -153,18 +183,21 @@ def _is_write_failure(error: BaseException) -> bool:
     return isinstance(error, Exception) and any(text in str(error) for text in _WRITE_FAILURE_TEXT)
 
 
-def _write_failure_message(error: BaseException, output_path: Path, name: str, model: nn.Module,
-                           optimizer: Any) -> str:
-    """Why a checkpoint could not be written, how much it needs and how much is free, and what to do."""
-    needed = _tensor_bytes(model.state_dict()) + (_tensor_bytes(optimizer.state_dict()) if optimizer else 0)
+CHECKPOINT_ADVICE = ("Free some space or pass an output directory on a larger disk (--output-dir) and --resume the "
+                     "last checkpoint; earlier checkpoints are left as they were.")
+
+
+def write_failure_message(error: BaseException, output_path: Path, name: str, needed: int,
+                          advice: str = CHECKPOINT_ADVICE) -> str:
+    """Why `name` could not be written in `output_path`, how much it needs (`needed` bytes) and how much is free,
+    and what to do (`advice`). The error's own text is quoted, as it was raised."""
     try:
         free = f"{shutil.disk_usage(output_path).free / 1e6:,.1f} MB free"
     except OSError:
         free = "free space unknown"
     return (f"cannot write {name} in {output_path}: no space left (the disk is full, or a quota or file-size limit "
             f"was reached; {type(error).__name__}: {str(error).strip()[:200]}). It needs about {needed / 1e6:,.1f} MB; "
-            f"{output_path} has {free}. Free some space or pass an output directory on a larger disk "
-            "(--output-dir) and --resume the last checkpoint; earlier checkpoints are left as they were.")
+            f"{output_path} has {free}. {advice}")
 
 
 def _tensor_bytes(value: Any) -> int:

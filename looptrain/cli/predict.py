@@ -70,7 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_flags(args) -> None:
-    """Rejects flags that cannot work, naming them, before anything is read."""
+    """Rejects flags that cannot work, naming them, before anything is read: the outputs never overwrite --data nor a
+    fine-tuning run's own files (`looptrain.ledger.run_file_owner`)."""
+    from looptrain.ledger import run_file_owner
+
     for flag, value in (("--batch-size", args.batch_size), ("--max-length", args.max_length),
                         ("--max-new-tokens", args.max_new_tokens)):
         if value is not None and value < 1:
@@ -90,6 +93,11 @@ def check_flags(args) -> None:
         if Path(path).resolve() == Path(args.data).resolve():
             raise UsageError(f"{option} {path} is the --data file itself, which would be overwritten; "
                              "pass another path")
+        if (run_directory := run_file_owner(path)) is not None:
+            example = run_directory / ("predictions.jsonl" if flag == "output" else "predict-metrics.json")
+            raise UsageError(f"{option} {path} is one of the files of the fine-tuning run in {run_directory} (its "
+                             "run.json, summary.json, metrics.jsonl, run_config.json, checkpoints and final/ are the "
+                             f"run's own), which would be overwritten; pass another path, e.g. {option} {example}")
 
 
 # ---------------------------------------------------------------------- the model
@@ -489,7 +497,8 @@ def run(args, print=builtins.print) -> dict:
         print(f"wrote {args.output}")
     if evaluation is not None:
         summary["metrics"] = evaluation.compute()
-        summary["majority_baseline"] = majority_baseline(data.labels)  # as finetune.py's summary.json has it
+        # as finetune.py's summary.json has it: over the model's classes, as its own macro F1
+        summary["majority_baseline"] = majority_baseline(data.labels, num_labels=config.num_labels)
         print(evaluation_table(summary["metrics"], summary["majority_baseline"]))
         if args.metrics_json is not None:
             write_json_atomic(args.metrics_json, summary)

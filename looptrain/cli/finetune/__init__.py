@@ -79,20 +79,37 @@ def main(argv: list[str] | None = None, *, owns_process: bool = False) -> int:
                    EvaluationError, PlanError)
     try:
         summary = run(request_of(args, process))  # the flags checked, then parsed once into a frozen request
-    except KeyboardInterrupt:  # a second Ctrl-C (or SIGTERM) during training, or one before it began
+    except KeyboardInterrupt:  # a second Ctrl-C (or SIGTERM) during training or final/, or one before it began
         if args.debug:
             raise
-        print(f"finetune.py: stopped at once: the window in progress was not saved. Checkpoints already in "
-              f"{args.output_dir} are intact; --resume auto continues from the last one", file=sys.stderr)
+        print(f"finetune.py: {stopped_at_once(args.output_dir)}", file=sys.stderr)
         return INTERRUPTED_EXIT_CODES["SIGINT"]
     except user_errors as error:
         if args.debug:
             raise
-        print(f"finetune.py: error: {error}{flag_names_for(str(error))}", file=sys.stderr)
+        # The command line's own messages, the ledger's and those about files name their flags already, and their
+        # words are not field names ("no space left on device" is no --device).
+        own_words = (UsageError, DataError, CheckpointError, LedgerError)
+        hint = "" if isinstance(error, own_words) else flag_names_for(str(error))
+        print(f"finetune.py: error: {error}{hint}", file=sys.stderr)
         return 2
     if summary.get("interrupted"):
         return INTERRUPTED_EXIT_CODES.get(summary["interrupted"], 1)
     return 0
+
+
+def stopped_at_once(output_dir: str | None) -> str:
+    """What a run stopped at once (a second signal) left: the newest checkpoint --resume auto continues from, or
+    none, so that --resume auto trains the run again from its start."""
+    from looptrain.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(output_dir) if output_dir else None
+    if latest is None:
+        return (f"stopped at once: what was in progress was not saved, and {output_dir} holds no checkpoint of this "
+                "run yet (none is saved before the first evaluation point; --eval-every sets them): --resume auto "
+                "trains it again from the start")
+    return (f"stopped at once: what was in progress (a window of training, or final/) was not saved. Checkpoints "
+            f"already in {output_dir} are intact; --resume auto continues from the last one ({latest.name})")
 
 
 def main_entry() -> None:

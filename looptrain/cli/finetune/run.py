@@ -94,9 +94,16 @@ def _run_in_place(request: RunRequest, place) -> dict:
 
 
 def check_writable(output_dir: Path) -> None:
-    """The output directory exists (it is created) and takes a file, or a UsageError naming it."""
+    """The output directory can be created and takes a file, or a UsageError naming it. The directories made to
+    find out are removed again: the run's lock creates them (`looptrain.ledger.OutputDirLock`), and removes them
+    if the run writes nothing."""
     import tempfile
 
+    missing = []
+    for directory in (output_dir, *output_dir.parents):
+        if directory.exists():
+            break
+        missing.append(directory)
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=output_dir):
@@ -104,11 +111,15 @@ def check_writable(output_dir: Path) -> None:
     except OSError as error:
         raise UsageError(f"--output-dir {output_dir} is not writable ({error.strerror or error}): pass a directory "
                          "you can write to (e.g. --output-dir runs/exp1)") from None
+    finally:
+        for directory in missing:  # the deepest first
+            with contextlib.suppress(OSError):
+                directory.rmdir()
 
 
 def train(request: RunRequest, place) -> dict:
     """Everything after the output directory's checks: data, model, the Loop, final/ and the tables."""
-    from looptrain import distributed
+    from looptrain import distributed, memory
     from looptrain.guards import OUT_OF_MEMORY_ERRORS
     from looptrain.loop import Loop
     from looptrain.precision import amp_precision, resolve_device, resolve_precision
@@ -144,7 +155,13 @@ def train(request: RunRequest, place) -> dict:
     optimizer, scheduler = build_optimization(request, inputs.model, device, len(train_loader))
     prepare_output_dir(request, place, inputs.model, precision, device, plan_result)
 
-    loop = Loop(inputs.model, optimizer, train_loader, eval_loader=eval_loader, scheduler=scheduler, config=config)
+    def save_final(summary: dict) -> dict:  # before run.json says "finished" (`looptrain.run.Run.finish`)
+        summary = summary_of_run(summary, request, inputs, plan_result, estimated_peak)
+        write_final(request, place, inputs, output_dir / "final")
+        return summary
+
+    loop = Loop(inputs.model, optimizer, train_loader, eval_loader=eval_loader, scheduler=scheduler, config=config,
+                save_final=save_final)
     try:
         summary = loop.fit()
     except OUT_OF_MEMORY_ERRORS as error:
@@ -152,11 +169,8 @@ def train(request: RunRequest, place) -> dict:
             from error
     if summary["interrupted"]:
         return summary  # a checkpoint was saved; no final/ for an unfinished run
-    summary["rss_at_start_bytes"] = request.process.rss_at_start  # what a budget of RSS counts from (None: not Linux)
-    summary = write_outputs(summary, place, inputs, output_dir, plan_result, estimated_peak,
-                            resumed_plan=request.resumed_plan)
-    if request.flags.merge_lora and place.is_main:
-        write_merged(request.flags, request.model_path, inputs, output_dir / "final")
+    say(final_table(summary, summary["majority_baseline"], output_dir))
+    say(memory.format_memory_table(summary))
     distributed.barrier()
     return summary
 
@@ -239,20 +253,20 @@ def label_names(model) -> list[str]:
     return [str(config.id2label.get(index, f"LABEL_{index}")) for index in range(config.num_labels)]
 
 
-def write_outputs(summary: dict, place, inputs: Inputs, output_dir: Path, plan_result, estimated_peak,
-                  resumed_plan: dict | None = None) -> dict:
-    """A finished run's final/ and summary.json (its plan, or the saved plan a resumed run trained, and its
-    estimate's error added), then the two tables."""
-    from looptrain import distributed, memory, metrics
-    from looptrain.checkpoint import write_json_atomic
+def summary_of_run(summary: dict, request: RunRequest, inputs: Inputs, plan_result, estimated_peak) -> dict:
+    """A finished run's summary with the command line's keys: the task, the majority baseline, final/, its plan (or
+    the saved plan a resumed run trained) and its estimate's error, the cost of planning, the RSS at the start."""
+    from looptrain import metrics
 
-    final_dir = output_dir / "final"
+    summary["rss_at_start_bytes"] = request.process.rss_at_start  # what a budget of RSS counts from (None: not Linux)
     classifier = inputs.task == "sequence-classification"
-    baseline = metrics.majority_baseline(inputs.eval_set.labels) if classifier and inputs.eval_set else None
+    # over the model's classes, as its own macro F1 (a class the evaluation data lacks counts as 0 in both)
+    baseline = (metrics.majority_baseline(inputs.eval_set.labels, num_labels=inputs.model.config.num_labels)
+                if classifier and inputs.eval_set else None)
     summary["task"] = inputs.task
     summary["majority_baseline"] = baseline
-    summary["final_dir"] = str(final_dir)
-    summary["plan"] = plan_result.to_dict() if plan_result is not None else resumed_plan
+    summary["final_dir"] = str(Path(request.config.output_dir) / "final")
+    summary["plan"] = plan_result.to_dict() if plan_result is not None else request.resumed_plan
     summary["estimated_peak_bytes"] = estimated_peak
     # Planning's cost (a plan's estimates and probes; an unplanned run's own estimate), beside the training's.
     estimating, probing = ((plan_result.estimate_seconds, plan_result.probe_seconds) if plan_result is not None
@@ -263,20 +277,36 @@ def write_outputs(summary: dict, place, inputs: Inputs, output_dir: Path, plan_r
     # The estimate prices training's tensors: its error is against training's peak on a meter of tensors, never
     # evaluation's peak nor the RSS rise (`estimate_error`).
     summary["estimate_error"] = estimate_error(summary, estimated_peak)
-    distributed.save_pretrained(inputs.model, final_dir)  # safetensors; gathers a sharded model's weights first
-    if place.is_main:
-        inputs.tokenizer.save_pretrained(final_dir)
-        write_json_atomic(output_dir / "summary.json", summary)  # the loop's summary plus the two keys above
-    distributed.barrier()
-    say(final_table(summary, baseline, output_dir))
-    say(memory.format_memory_table(summary))
     return summary
 
 
-def write_merged(flags, model_path: str, inputs: Inputs, final_dir: Path) -> Path:
+def write_final(request: RunRequest, place, inputs: Inputs, final_dir: Path) -> None:
+    """final/: the trained weights (safetensors; a sharded model's gathered first), the tokenizer and, with
+    --merge-lora, merged/. Written into a temporary directory and renamed into place (`published_directory`), so
+    a kill or a full disk leaves no final/ (nor a partial one), and the run unfinished: --resume auto continues it."""
+    from looptrain import distributed
+    from looptrain.checkpoint import latest_checkpoint
+    from looptrain.checkpoint.save import published_directory
+
+    latest = latest_checkpoint(final_dir.parent)
+    advice = (f"Free some space and run the same command with --resume auto: it continues from {latest.name} and "
+              "writes final/" if latest is not None else "Free some space and run the same command with --resume "
+              "auto: no checkpoint was saved (--eval-every), so it trains this run again from the start")
+    writing = (published_directory(final_dir, model=inputs.model, advice=advice) if place.is_main
+               else contextlib.nullcontext(final_dir))
+    with writing as directory:
+        distributed.save_pretrained(inputs.model, directory)  # every rank: a sharded model's weights are gathered
+        if place.is_main:
+            inputs.tokenizer.save_pretrained(directory)
+            if request.flags.merge_lora:
+                write_merged(request.flags, request.model_path, inputs, directory, shown=final_dir)
+
+
+def write_merged(flags, model_path: str, inputs: Inputs, final_dir: Path, shown: Path | None = None) -> Path:
     """--merge-lora: final/merged/, the --model weights loaded in full precision with final/'s adapters merged in
     (`looptrain.lora.merge_lora`): never the trained model's 4-bit weights (QLoRA), whose rounding would be merged
-    too. Loadable by `from_pretrained` alone, with the tokenizer."""
+    too. Loadable by `from_pretrained` alone, with the tokenizer. `final_dir` is where final/ is being written,
+    `shown` the name it will have."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from looptrain.lora import merge_lora
@@ -290,7 +320,8 @@ def write_merged(flags, model_path: str, inputs: Inputs, final_dir: Path) -> Pat
     with quiet_peft():
         merge_lora(base, final_dir, merged_dir)
     inputs.tokenizer.save_pretrained(merged_dir)
-    say(f"--merge-lora: merged full weights in {merged_dir} (the adapters of {final_dir} added into {model_path})")
+    shown = shown or final_dir
+    say(f"--merge-lora: merged full weights in {shown / 'merged'} (the adapters of {shown} added into {model_path})")
     return merged_dir
 
 
