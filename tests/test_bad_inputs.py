@@ -419,3 +419,24 @@ def test_a_checkpoint_whose_trainer_state_lacks_the_step_is_refused_naming_the_f
     assert "Traceback" not in err
     assert re.search(rf"finetune\.py: error: {re.escape(str(state_file))} has no 'step': it is damaged or not "
                      r"looptrain's; resume from another checkpoint", err), err
+
+
+def test_the_estimate_builds_its_model_from_a_config_never_leaving_trust_remote_code_unset(monkeypatch):
+    """`from_config` with trust_remote_code left None asks "run the custom code? [y/N]" for a config that ships code:
+    the estimate always decides (True only for a config class that is itself the checkpoint's trusted code)."""
+    from transformers import AutoModelForSequenceClassification, BertConfig
+
+    from looptrain.estimation import estimate
+
+    seen = []
+    real = AutoModelForSequenceClassification.from_config.__func__
+
+    def recording(cls, config, **options):
+        seen.append(options.get("trust_remote_code", "unset"))
+        return real(cls, config, **options)
+
+    monkeypatch.setattr(AutoModelForSequenceClassification, "from_config", classmethod(recording))
+    config = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=20, max_position_embeddings=32)
+    estimate(config, 1, 8, cache=False)
+    assert seen == [False]
