@@ -12,7 +12,6 @@ import importlib.util
 import io
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -379,6 +378,8 @@ def test_a_model_that_ships_code_is_refused_without_asking_and_none_of_its_code_
                                                                                    monkeypatch, command):
     """transformers asks "Do you wish to run the custom code? [y/N]" when trust_remote_code is left None, and a "y"
     on stdin runs the model's own files: every command line passes False (True with --trust-remote-code)."""
+    import sys
+
     from looptrain.cli import plan, predict
 
     marker = tmp_path / "SHIPPED_CODE_RAN"
