@@ -122,6 +122,7 @@ def apply_lora(model: nn.Module, rank: int, *, alpha: int | None = None, dropout
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ConfigError(f"LoRA rank must be an integer >= 1 (got {rank!r})")
     names = parse_targets(targets) or default_targets(model)
+    _refuse_head_targets(model, names)
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()} | {name for name, _ in
                                                                                 model.named_modules()}
     missing = [name for name in names if name not in present]
@@ -202,6 +203,19 @@ def _layer_shape(module: nn.Module) -> tuple[int, int] | None:
     if isinstance(weight, torch.Tensor) and weight.dim() == 2 and not isinstance(module, nn.LayerNorm):
         return int(weight.shape[0]), int(weight.shape[1])
     return None
+
+
+def _refuse_head_targets(model: nn.Module, names: list[str]) -> None:
+    """A ConfigError for a target that names only modules of the task head (`task_head_names`): the head trains
+    fully beside the adapters (peft's ``modules_to_save``), so peft would find nothing to adapt there
+    (``NoMatchingPeftModuleError``). Targets match as peft matches them: a module's name or its dotted tail."""
+    heads = task_head_names(model)
+    for target in names:
+        matched = [name for name, _ in model.named_modules() if name == target or name.endswith("." + target)]
+        if matched and all(name.split(".", 1)[0] in heads for name in matched):
+            raise ConfigError(f"LoRA target {target} is the task head ({', '.join(heads)}), which is trained fully "
+                              "beside the adapters, not adapted; target modules of the transformer blocks instead: "
+                              f"{', '.join(block_linear_names(model)) or 'none'} (--lora-targets)")
 
 
 def save_lora(model: nn.Module, directory: str | Path) -> Path:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 import torch
 from torch import nn
@@ -20,12 +20,18 @@ from torch import nn
 from looptrain import distributed
 from looptrain.checkpoint import (
     capture_rng_state,
+    check_trainer_state,
     checkpoint_name,
     load_checkpoint,
     restore_rng_state,
     rotate_checkpoints,
     save_checkpoint,
 )
+from looptrain.checkpoint.layout import TRAINER_STATE_FILE
+from looptrain.progress import Progress
+
+# What a resume reads from trainer_state.json (`Progress.from_state_dict`, `Run.restore`), each of its type.
+RESUME_STATE = {**get_type_hints(Progress), "best": dict, "epoch_rng_state": list | None}
 
 
 def set_epoch(loader: Any, epoch: int) -> None:
@@ -124,6 +130,7 @@ def load_training_checkpoint(
     model_view, optimizer_view = _full_state_views(model, optimizer, gather=False)
     saved = load_checkpoint(path, model=model_view, optimizer=optimizer_view, scheduler=scheduler,
                             scaler=precision, map_location=device)
+    check_trainer_state(saved, Path(path) / TRAINER_STATE_FILE, RESUME_STATE)
     place = distributed.current()
     rank_rng_states = saved.get("rank_rng_states")
     if rank_rng_states and len(rank_rng_states) == place.world_size:

@@ -9,6 +9,7 @@ already there is left byte for byte as it was.
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import re
 import shutil
@@ -16,11 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_finetune_causal_lm import make_lm_tokenizer
 
 from looptrain.cli import estimate as estimate_cli
 from looptrain.cli import finetune
 
-from conftest import WORDS, make_tiny_tokenizer, write_csv
+from conftest import WORDS, make_tiny_tokenizer, save_tiny_bert, write_csv
 
 BASE = ["--model", "{model}", "--data", "{train}", "--output-dir", "{out}", "--max-length", "32", "--max-steps", "1",
         "--eval-every", "no", "--no-track-memory", "--no-progress-bar"]
@@ -145,7 +147,73 @@ CASES = [
      r"argument --seq-len: must be >= 1 \(got -5\)"),
     ("estimate: bf16 weights with fp16", "estimate", ["--preset", "bert-base", "--weights", "bf16", "--precision",
                                                      "fp16"], r"weights='bf16' computes in bf16 and cannot run fp16"),
+    # --- lengths beyond the model's positions, as finetune's --max-length (learned positions, and RoPE's trained span)
+    ("estimate: seq len beyond a BERT preset's positions", "estimate", ["--preset", "bert-base", "--seq-len", "1024"],
+     r"error: --seq-len 1024 is longer than the model's 512 positions; use --seq-len 512 or less"),
+    ("estimate: seq len beyond a RoPE preset's positions", "estimate",
+     ["--preset", "qwen2.5-0.5b", "--seq-len", "40000", "--lowest"],
+     r"error: --seq-len 40000 is longer than the model's 32768 positions; use --seq-len 32768 or less"),
+    ("estimate: seq len beyond a model's positions", "estimate", ["--model", "{model}", "--seq-len", "128", "--ladder"],
+     r"--seq-len 128 is longer than the model's 64 positions; use --seq-len 64 or less"),
+    # --- a model that ships its own code (auto_map): refused, never asked (tests below: stdin is never read)
+    ("estimate: model with custom code", "estimate", ["--model", "{custom_code}"],
+     r"--model '.*custom-code' ships custom code .*pass --trust-remote-code only if you trust that code"),
+    # --- LoRA targets that peft would find nothing in (NoMatchingPeftModuleError)
+    ("LoRA targets the task head", "finetune", ["--lora", "4", "--lora-targets", "classifier"],
+     r"LoRA target classifier is the task head \(classifier\), which is trained fully beside the adapters, not "
+     r"adapted; target modules of the transformer blocks instead: query, key, value, dense \(--lora-targets\)"),
+    ("LoRA targets a block and the task head", "finetune", ["--lora", "4", "--lora-targets", "query,classifier"],
+     r"LoRA target classifier is the task head"),
+    ("estimate: LoRA targets the task head", "estimate",
+     ["--model", "{model}", "--seq-len", "16", "--lora", "4", "--lora-targets", "classifier"],
+     r"LoRA target classifier is the task head.*query, key, value, dense"),
+    # --- a tokenizer with more tokens than the model's input embedding has rows (checked before training)
+    ("tokenizer larger than a classifier's embedding", "finetune", ["--model", "{small_vocab_bert}"],
+     r"the tokenizer of --model .*small-vocab-bert has 35 tokens and the model's input embedding 10 rows, so ids 10 "
+     r"and up have no embedding; pass the model's own tokenizer, or resize the embedding to the tokenizer first "
+     r"\(model.resize_token_embeddings\(35\), then save_pretrained\)"),
+    ("tokenizer larger than a causal LM's embedding", "finetune", ["--model", "{small_vocab_llama}", "--task",
+                                                                   "causal-lm"],
+     r"has 35 tokens and the model's input embedding 12 rows.*resize_token_embeddings\(35\)"),
 ]
+
+
+def save_small_vocab_llama(directory: Path) -> Path:
+    """A tiny Llama causal LM whose embedding has 12 rows, saved with the 35-token tokenizer of the causal-LM tests."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tokenizer = make_lm_tokenizer()
+    config = LlamaConfig(vocab_size=12, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+REMOTE_CODE = "import pathlib\npathlib.Path({marker!r}).write_text('the shipped code ran')\n"
+
+
+def save_custom_code_model(model_dir: Path, directory: Path, marker: Path) -> Path:
+    """The tiny BERT with a config whose auto_map points at Python files shipped beside it, which would write
+    `marker` if anything imported them (its model type is unknown to transformers: only that code could load it)."""
+    import shutil
+
+    shutil.copytree(model_dir, directory)
+    config = json.loads((directory / "config.json").read_text())
+    config.update(model_type="custom-bert", architectures=["CustomModel"],
+                  auto_map={"AutoConfig": "configuration_custom.CustomConfig",
+                            "AutoModelForSequenceClassification": "modeling_custom.CustomModel"})
+    (directory / "config.json").write_text(json.dumps(config))
+    payload = REMOTE_CODE.format(marker=str(marker))
+    (directory / "configuration_custom.py").write_text(
+        payload + "from transformers import BertConfig\n"
+        "class CustomConfig(BertConfig):\n    model_type = 'custom-bert'\n")
+    (directory / "modeling_custom.py").write_text(
+        payload + "from transformers import BertForSequenceClassification\n"
+        "class CustomModel(BertForSequenceClassification):\n    pass\n")
+    return directory
 
 
 def save_tiny_xlm(directory: Path) -> Path:
@@ -181,6 +249,10 @@ def files(tmp_path_factory, model_dir):
     paths["a_file"] = root / "a_file"
     paths["a_file"].write_text("not a directory")
     paths["xlm"] = save_tiny_xlm(root / "xlm")
+    paths["small_vocab_bert"] = save_tiny_bert(root / "small-vocab-bert", vocab_size=10)
+    paths["small_vocab_llama"] = save_small_vocab_llama(root / "small-vocab-llama")
+    paths["code_ran"] = root / "SHIPPED_CODE_RAN"
+    paths["custom_code"] = save_custom_code_model(model_dir, root / "custom-code", paths["code_ran"])
     for name, seed in (("done", "42"), ("other", "7")):  # "done" has BASE's settings; "other" is another run
         paths[name] = root / name
         extra = ["--seed", seed, "--eval-every", "1"]  # a checkpoint at step 1
@@ -300,3 +372,89 @@ def test_an_unfreezing_schedule_longer_than_the_run_is_said_at_the_start(files, 
     assert out.index(notice) < out.index("unfreeze: stage 1/4")  # said before training starts
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["unfreeze"]["stage"] == 1 and summary["unfreeze"]["stages"] == 4  # what the notice said
+
+
+class RecordingStdin(io.StringIO):
+    """A stdin holding "y" (the answer that would run a model's shipped code), which records every read."""
+
+    def __init__(self):
+        super().__init__("y\n")
+        self.reads = 0
+
+    def read(self, *args):
+        self.reads += 1
+        return super().read(*args)
+
+    def readline(self, *args):
+        self.reads += 1
+        return super().readline(*args)
+
+
+@pytest.mark.parametrize("command", ["estimate", "plan", "predict", "finetune"])
+def test_a_model_that_ships_code_is_refused_without_asking_and_none_of_its_code_runs(files, tmp_path, capsys,
+                                                                                   monkeypatch, command):
+    """transformers asks "Do you wish to run the custom code? [y/N]" when trust_remote_code is left None, and a "y"
+    on stdin runs the model's own files: every command line passes False (True with --trust-remote-code)."""
+    import sys
+
+    from looptrain.cli import plan, predict
+
+    marker = tmp_path / "SHIPPED_CODE_RAN"
+    model, data = str(save_custom_code_model(files["model"], tmp_path / "custom-code", marker)), str(files["train"])
+    stdin = RecordingStdin()
+    monkeypatch.setattr(sys, "stdin", stdin)
+    argv, main = {
+        "estimate": (["--model", model, "--seq-len", "16", "--batch-size", "2"], estimate_cli.main),
+        "plan": (format_argv(BASE, {**files, "out": tmp_path / "out"}) + ["--model", model, "--memory-budget", "4GiB"],
+                 plan.main),
+        "predict": (["--model", model, "--data", data, "--label-column", "label"], predict.main),
+        "finetune": (format_argv(BASE, {**files, "out": tmp_path / "out"}) + ["--model", model], finetune.main),
+    }[command]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "[y/N]" not in captured.out + captured.err and "Traceback" not in captured.err
+    assert re.search(r"error: --model '.*custom-code' ships custom code \(its own model classes\), which looptrain "
+                     r"never runs unless asked \(trust_remote_code\): pass --trust-remote-code only if you trust "
+                     r"that code",
+                     captured.err), captured.err
+    assert stdin.reads == 0
+    assert not marker.exists()
+
+
+def test_a_checkpoint_whose_trainer_state_lacks_the_step_is_refused_naming_the_file_and_the_key(files, tmp_path,
+                                                                                               capsys):
+    import shutil
+
+    checkpoint = tmp_path / "copied" / "checkpoint-1"
+    shutil.copytree(sorted(files["done"].glob("checkpoint-*"))[-1], checkpoint)
+    state_file = checkpoint / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    del state["step"]
+    state_file.write_text(json.dumps(state))
+    argv = format_argv(BASE, {**files, "out": tmp_path / "out"}) + ["--resume", str(checkpoint)]
+    assert finetune.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert re.search(rf"finetune\.py: error: {re.escape(str(state_file))} has no 'step': it is damaged or not "
+                     r"looptrain's; resume from another checkpoint", err), err
+
+
+def test_the_estimate_builds_its_model_from_a_config_never_leaving_trust_remote_code_unset(monkeypatch):
+    """`from_config` with trust_remote_code left None asks "run the custom code? [y/N]" for a config that ships code:
+    the estimate always decides (True only for a config class that is itself the checkpoint's trusted code)."""
+    from transformers import AutoModelForSequenceClassification, BertConfig
+
+    from looptrain.estimation import estimate
+
+    seen = []
+    real = AutoModelForSequenceClassification.from_config.__func__
+
+    def recording(cls, config, **options):
+        seen.append(options.get("trust_remote_code", "unset"))
+        return real(cls, config, **options)
+
+    monkeypatch.setattr(AutoModelForSequenceClassification, "from_config", classmethod(recording))
+    config = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=20, max_position_embeddings=32)
+    estimate(config, 1, 8, cache=False)
+    assert seen == [False]

@@ -60,6 +60,25 @@ def test_plan_entry_point_exits_with_the_code_main_returns(monkeypatch, capsys):
     assert "--memory-budget SIZE is required" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name", [*sorted(EXPECTED_SCRIPTS), "python -m looptrain.memory"])
+def test_help_prints_the_usage_and_exits_0(name, monkeypatch, capsys):
+    """Every console script's --help, and the estimate's module run: `looptrain-plan --help` once said that
+    --memory-budget is required instead."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", [name.split()[-1], "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        if name.startswith("python -m "):
+            monkeypatch.delitem(sys.modules, "looptrain.memory.__main__", raising=False)
+            runpy.run_module(name.split()[-1], run_name="__main__", alter_sys=True)
+        else:
+            module_name, _, function_name = declared_console_scripts()[name].partition(":")
+            getattr(importlib.import_module(module_name), function_name)()
+    captured = capsys.readouterr()
+    assert exit_info.value.code in (0, None), captured.err
+    assert captured.out.startswith("usage:") and "--help" in captured.out and "error" not in captured.err
+
+
 def test_the_scripts_shim_runs_from_a_checkout(tmp_path):
     """`python scripts/finetune.py` is public contract: the shim finds its checkout's looptrain from any directory.
 

@@ -255,7 +255,7 @@ def test_command_line_bf16_weights_rung(capsys, tmp_path):
     assert estimate_main(["--config", str(config), "--batch-size", "2", "--seq-len", "16", "--weights", "bf16",
                         "--optim", "adafactor", "--optim-in-backward", "--grad-checkpoint"]) == 0
     assert any(line.startswith("| as given") for line in capsys.readouterr().out.splitlines())
-    assert estimate_main(["--config", str(config), "--weights", "bf16", "--precision", "fp16"]) == 2
+    assert estimate_main(["--config", str(config), "--seq-len", "16", "--weights", "bf16", "--precision", "fp16"]) == 2
     assert "weights='bf16' computes in bf16 and cannot run fp16 autocast" in capsys.readouterr().err
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -277,6 +278,39 @@ def test_not_a_checkpoint_errors_name_the_fix(tmp_path):
     with pytest.raises(CheckpointError, match="has no optimizer.pt"):
         load_checkpoint(run / "checkpoint-3", model=SmallMLP(),
                         optimizer=torch.optim.SGD(SmallMLP().parameters(), lr=1))
+
+
+@pytest.mark.parametrize("state, message", [
+    ({"epoch": 0}, r"trainer_state\.json has no 'step': it is damaged or not looptrain's; resume from another"),
+    ({"step": "3"}, r"trainer_state\.json: 'step' is \"3\", not int; it is damaged"),
+    ({"step": True}, r"trainer_state\.json: 'step' is true, not int"),
+    ([3], r"trainer_state\.json holds a JSON list, not the object of counters a checkpoint saves"),
+])
+def test_a_trainer_state_without_an_integer_step_names_the_file_and_the_key(tmp_path, state, message):
+    path = _save_simple(tmp_path, 3)
+    (path / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match=re.escape(str(path)) + "/" + message):
+        load_checkpoint(path, model=SmallMLP())
+
+
+def test_a_resume_names_a_missing_or_mistyped_counter_of_its_trainer_state(tmp_path):
+    from looptrain import resume
+
+    model = SmallMLP()
+    state = {"step": 3, "micro_step": 3, "epoch": 0, "batch_in_epoch": 3, "skipped_steps": 0, "last_eval": None,
+             "last_eval_step": -1, "best": {}, "epoch_rng_state": None}
+    path = save_checkpoint(tmp_path, 3, model=model, trainer_state={**state, "micro_step": None})
+    with pytest.raises(CheckpointError, match=r"trainer_state\.json: 'micro_step' is null, not int"):
+        resume.load_training_checkpoint(path, model=model, optimizer=None, scheduler=None, precision=None,
+                                        device=torch.device("cpu"))
+    path = save_checkpoint(tmp_path, 4, model=model, trainer_state={**state, "epoch_rng_state": "lost"})
+    with pytest.raises(CheckpointError, match=r"'epoch_rng_state' is \"lost\", not list \| None"):
+        resume.load_training_checkpoint(path, model=model, optimizer=None, scheduler=None, precision=None,
+                                        device=torch.device("cpu"))
+    path = save_checkpoint(tmp_path, 5, model=model, trainer_state=state)
+    saved, _ = resume.load_training_checkpoint(path, model=model, optimizer=None, scheduler=None, precision=None,
+                                               device=torch.device("cpu"))
+    assert {key: saved[key] for key in state} == state
 
 
 class _TiedModel(nn.Module):

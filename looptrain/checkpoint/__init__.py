@@ -24,7 +24,8 @@ Modules:
     save      `save_checkpoint`: temp dir, fsync, COMPLETE, rename (a full disk named as such);
               `published_directory`: any other directory of a run (final/) written the same way
     fit       `check_weights_fit`, `checkpoint_weight_shapes`: whether the weights fit a model (headers only)
-    load      `load_checkpoint`, `load_model_weights`: read back strictly, nothing that can run code
+    load      `load_checkpoint`, `load_model_weights`: read back strictly, nothing that can run code;
+              `check_trainer_state`: the counters a reader needs, each of its type
     find      `list_checkpoints`, `latest_checkpoint`, `resolve_resume_checkpoint`
     rotation  `rotate_checkpoints`, `remove_stale_temporary_dirs`: the newest N plus the best kept
 """
@@ -34,7 +35,7 @@ from looptrain.checkpoint.files import write_json_atomic
 from looptrain.checkpoint.find import latest_checkpoint, list_checkpoints, resolve_resume_checkpoint
 from looptrain.checkpoint.fit import check_weights_fit, checkpoint_weight_shapes
 from looptrain.checkpoint.layout import CheckpointError, checkpoint_name, unwrap_model
-from looptrain.checkpoint.load import load_checkpoint, load_model_weights
+from looptrain.checkpoint.load import check_trainer_state, load_checkpoint, load_model_weights
 from looptrain.checkpoint.rng import capture_rng_state, restore_rng_state
 from looptrain.checkpoint.rotation import remove_stale_temporary_dirs, rotate_checkpoints
 from looptrain.checkpoint.save import save_checkpoint
@@ -46,6 +47,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "load_model_weights",
+    "check_trainer_state",
     "check_weights_fit",
     "checkpoint_weight_shapes",
     "list_checkpoints",

@@ -190,6 +190,29 @@ def load_checkpoint(
             restore_rng_state(_safe_torch_load(rng_path, "cpu"))
     state_path = checkpoint / TRAINER_STATE_FILE
     try:
-        return json.loads(state_path.read_text(encoding="utf-8"))
+        state = json.loads(state_path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as error:
         raise CheckpointError(f"cannot read {state_path}: {error}; resume from another checkpoint.") from error
+    return check_trainer_state(state, state_path, {"step": int})  # save_checkpoint always writes the step
+
+
+def check_trainer_state(state: Any, path: Path, kinds: dict[str, Any]) -> dict[str, Any]:
+    """`state` (read from `path`, a trainer_state.json), checked to be a JSON object holding each key of `kinds`
+    with a value of its type (an ``int`` is never a bool); returns it.
+
+    Raises:
+        CheckpointError: naming the file and the key that is missing or of another type.
+    """
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(state).__name__}, not the object of counters a checkpoint "
+                              "saves; it is damaged or not looptrain's: resume from another checkpoint.")
+    for key, kind in kinds.items():
+        if key not in state:
+            raise CheckpointError(f"{path} has no {key!r}: it is damaged or not looptrain's; resume from another "
+                                  "checkpoint.")
+        value = state[key]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            expected = getattr(kind, "__name__", kind)
+            raise CheckpointError(f"{path}: {key!r} is {json.dumps(value)[:40]}, not {expected}; it is damaged or "
+                                  "not looptrain's: resume from another checkpoint.")
+    return state

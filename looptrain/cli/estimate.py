@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "parameter, breakdown) or --lowest's search")
     parser.add_argument("--max-grad-norm", type=float, default=1.0,
                         help="the Loop's clipping threshold (clipping temporaries)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="with --model: allow model code shipped with the checkpoint (an auto_map in its "
+                             "config) to run (off: such a model is refused, and nothing asks)")
     # Every lever of looptrain.Strategy the estimator prices, from its field metadata (as in looptrain-finetune).
     strategies.add_arguments(parser, cls=strategies.Strategy, exclude=batching_only(), defaults={"batch_size": 32})
     return parser
@@ -131,6 +134,28 @@ def _lowest(arguments: argparse.Namespace, config: Any, argv: Sequence[str]) -> 
     return 0
 
 
+def source_config(arguments: argparse.Namespace) -> tuple[Any, str]:
+    """The config the estimate prices and its name: a preset's, a config.json's, or a model directory's, read as
+    looptrain-finetune reads it (a model that ships its own code needs --trust-remote-code; nothing asks). --seq-len
+    is checked against its positions as finetune's --max-length is.
+
+    Raises:
+        UsageError: a model that ships code without --trust-remote-code, a config that cannot be read, or a
+            --seq-len beyond the model's positions.
+    """
+    from looptrain.cli.finetune.inputs import check_length, read_model_config
+
+    if arguments.preset:
+        config, source = preset_config(arguments.preset, arguments.num_labels), arguments.preset
+    elif arguments.config:
+        config, source = load_config(arguments.config, arguments.num_labels), arguments.config
+    else:
+        config, source = read_model_config(arguments.model, arguments.trust_remote_code), arguments.model
+        config.num_labels = arguments.num_labels
+    check_length(config, arguments.seq_len, "--seq-len")
+    return config, source
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: print one estimate, with ``--ladder`` the table of strategy mixes, with ``--lowest`` the
     full fine-tune with the lowest estimate (``--json``: as JSON)."""
@@ -139,13 +164,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if arguments.json and arguments.ladder:
         print("error: --json prints one estimate or --lowest's result, not --ladder's table", file=sys.stderr)
         return 2
+    from looptrain.cli.errors import UsageError
+
     try:
-        if arguments.preset:
-            config = preset_config(arguments.preset, arguments.num_labels)
-            source = arguments.preset
-        else:
-            source = arguments.config or arguments.model
-            config = load_config(source, arguments.num_labels)
+        config, source = source_config(arguments)
         if arguments.lowest:
             return _lowest(arguments, config, argv)
         if arguments.ladder:
@@ -159,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows = [("as given", estimate(config, arguments.batch_size, arguments.seq_len, strategy,
                                           num_labels=arguments.num_labels, max_grad_norm=arguments.max_grad_norm,
                                           device=arguments.device))]
-    except (ValueError, PlanError) as error:
+    except (ValueError, PlanError, UsageError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     result = rows[0][1]

@@ -465,6 +465,7 @@ def run(args, print=builtins.print) -> dict:
 
     from looptrain import data as data_module
     from looptrain.checkpoint import write_json_atomic
+    from looptrain.cli.finetune.inputs import check_vocabulary
     from looptrain.metrics import majority_baseline
 
     hf_logging.disable_progress_bar()  # no "Loading weights" bar: predict.py has its own
@@ -476,6 +477,7 @@ def run(args, print=builtins.print) -> dict:
     tokenizer = data_module.load_tokenizer(args.model, allow_slow=args.allow_slow_tokenizer,
                                            trust_remote_code=args.trust_remote_code)
     model = load_model(args.model, config, kind, args).to(device)
+    check_vocabulary(model, tokenizer, args.model)
     print(f"model {args.model} ({kind.replace('_', ' ')}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
           f"params) on {device} in {precision.name}; data {args.data}: {len(data)} rows, at most {args.max_length} "
           f"tokens ({args.max_length_source})")

@@ -48,7 +48,7 @@ def fake_model(model_or_config: Any, num_labels: int, fake_mode) -> nn.Module:
     auto_class = AutoModelForCausalLM if is_causal_lm_config(config) else AutoModelForSequenceClassification
     with fake_mode:
         # The attention implementation is resolved as a real from_config resolves it (sdpa where torch has it).
-        return auto_class.from_config(config)
+        return auto_class.from_config(config, trust_remote_code=_is_checkpoint_code(config))
 
 
 def _fake_parameter(parameter: nn.Parameter, fake_mode) -> nn.Parameter:
@@ -86,6 +86,13 @@ def _cpu_fake(tensor: torch.Tensor, fake_mode) -> torch.Tensor:
         return fake_mode.from_tensor(tensor)
     with fake_mode:
         return torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype, device="cpu")
+
+
+def _is_checkpoint_code(config: Any) -> bool:
+    """Whether `config`'s class is a checkpoint's own code (transformers imports it as ``transformers_modules``,
+    only under ``trust_remote_code=True``): its model class, from the same files, may then run. For any other
+    config the model is built without running shipped code, and transformers never asks "run the custom code?"."""
+    return type(config).__module__.startswith("transformers_modules.")
 
 
 def vocab_size(model: nn.Module) -> int:

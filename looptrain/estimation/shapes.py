@@ -65,12 +65,16 @@ def is_causal_lm_config(config: Any) -> bool:
             and model_type not in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)
 
 
-def load_config(path: str, num_labels: int = 2):
-    """A transformers config from a model directory or a config.json file (local only)."""
+def load_config(path: str, num_labels: int = 2, trust_remote_code: bool = False):
+    """A transformers config from a model directory or a config.json file (local only).
+
+    A directory whose config ships its own code (an ``auto_map``) raises ValueError unless `trust_remote_code`:
+    nothing asks "run the custom code?" on stdin.
+    """
     from transformers import AutoConfig
 
     if os.path.isdir(path):
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     elif os.path.isfile(path):
         with open(path, encoding="utf-8") as handle:
             values = json.load(handle)

@@ -224,12 +224,14 @@ def limited(train, eval_data, flags, cls) -> tuple:
     return take(train, flags.max_train_samples), take(eval_data, flags.max_eval_samples)
 
 
-def load_model_config(model_path: str, flags):
-    """The model's config, read and checked against the flags before any weight is loaded."""
+def read_model_config(model_path: str, trust_remote_code: bool):
+    """`AutoConfig.from_pretrained(model_path)`, never asking: a model that ships its own code (an ``auto_map`` to
+    Python files) is a UsageError naming --trust-remote-code unless `trust_remote_code` (transformers would otherwise
+    ask "run the custom code? [y/N]" on stdin, and a "y" would run it)."""
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(model_path, trust_remote_code=flags.trust_remote_code)
+        return AutoConfig.from_pretrained(model_path, trust_remote_code=bool(trust_remote_code))
     except (OSError, ValueError) as error:
         if "trust_remote_code" in str(error):
             raise UsageError(f"--model {model_path!r} ships custom code (its own model classes), which looptrain "
@@ -237,10 +239,21 @@ def load_model_config(model_path: str, flags):
                              "trust that code") from error
         raise UsageError(f"cannot load a model config from --model {model_path!r} ({error}); pass a local "
                          "model directory or a hub id that is in the local cache") from error
+
+
+def check_length(config, length: int, flag: str) -> None:
+    """A UsageError when `length` tokens (`flag`'s value) are more than the model's positions
+    (``max_position_embeddings``: learned positions would be indexed past their table; a RoPE model was not trained
+    that long)."""
     limit = getattr(config, "max_position_embeddings", None)
-    if limit is not None and flags.max_length > limit:
-        raise UsageError(f"--max-length {flags.max_length} is longer than the model's {limit} positions; "
-                         f"use --max-length {limit} or less")
+    if isinstance(limit, int) and length > limit:
+        raise UsageError(f"{flag} {length} is longer than the model's {limit} positions; use {flag} {limit} or less")
+
+
+def load_model_config(model_path: str, flags):
+    """The model's config, read and checked against the flags before any weight is loaded."""
+    config = read_model_config(model_path, flags.trust_remote_code)
+    check_length(config, flags.max_length, "--max-length")
     depth = next((getattr(config, name) for name in ("num_hidden_layers", "n_layer", "num_layers")
                   if isinstance(getattr(config, name, None), int)), None)
     if depth is not None and flags.freeze_layers > depth:
@@ -274,6 +287,21 @@ def load_model(model_path: str, config, train, flags):
     config.label2id = train.label2id
     return load_weights(AutoModelForSequenceClassification, model_path, config, flags,
                         ignore_mismatched_sizes=mismatched)
+
+
+def check_vocabulary(model, tokenizer, model_path: str) -> None:
+    """A UsageError when the tokenizer has more tokens than the model's input embedding has rows: a token id past
+    the last row would fail the first forward (an IndexError, or a classifier's misleading error), once the run
+    had begun."""
+    try:
+        rows = model.get_input_embeddings().num_embeddings
+    except (AttributeError, NotImplementedError):  # no embedding table that transformers knows of: nothing to check
+        return
+    if len(tokenizer) > rows:
+        raise UsageError(f"the tokenizer of --model {model_path} has {len(tokenizer)} tokens and the model's input "
+                         f"embedding {rows} rows, so ids {rows} and up have no embedding; pass the model's own "
+                         f"tokenizer, or resize the embedding to the tokenizer first "
+                         f"(model.resize_token_embeddings({len(tokenizer)}), then save_pretrained)")
 
 
 def check_decoder(model_path: str, config) -> None:
@@ -358,6 +386,7 @@ def load_inputs(flags, model_path: str) -> Inputs:
     tokenizer = data_module.load_tokenizer(model_path, allow_slow=flags.allow_slow_tokenizer,
                                            trust_remote_code=flags.trust_remote_code)
     model = load_model(model_path, model_config, train_data, flags)
+    check_vocabulary(model, tokenizer, model_path)
     say(f"model {model_path} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params), "
           f"data {data_description}: {len(train_data)} train / {len(eval_data) if eval_data else 0} eval samples")
 
