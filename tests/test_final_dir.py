@@ -347,3 +347,31 @@ def test_the_loops_save_final_door_runs_before_the_run_is_finished(tmp_path):
     assert seen == ["running", "running"] and summary["final"] == "written"
     assert json.loads((tmp_path / "summary.json").read_text())["final"] == "written"
     assert status(tmp_path) == "finished"
+
+
+@pytest.mark.parametrize("checkpoints", [True, False], ids=["with-checkpoints", "without"])
+def test_a_run_recorded_finished_without_final_says_so_and_its_advice_writes_final(model_dir, data_files, tmp_path,
+                                                                                  capsys, checkpoints):
+    """A directory an earlier looptrain left when a kill cut off its final/ write: run.json "finished", no final/.
+    `--resume auto` says what is missing and what to do, and the advice leads to the uninterrupted run's weights."""
+    output_dir = tmp_path / "run"
+    flags = (argv(model_dir, data_files, output_dir, "--max-steps", "4") if checkpoints else  # no evaluation data
+             ["--model", str(model_dir), "--data", str(data_files[0]), "--output-dir", str(output_dir), *TRAINING,
+              "--eval-every", "no", "--max-steps", "4"])
+    assert run_in_process(flags) == 0
+    reference = final_weights(output_dir)
+    for path in sorted((output_dir / "final").rglob("*"), reverse=True):
+        path.rmdir() if path.is_dir() else path.unlink()
+    (output_dir / "final").rmdir()
+    before = earlier_files(output_dir)
+    capsys.readouterr()
+    assert run_in_process(flags + ["--resume", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert f"warning: the run in {output_dir} is recorded as finished but has no final/ (its write was cut off); " in out
+    assert earlier_files(output_dir) == before  # nothing is trained or written by being told
+    advice = re.search(r"--resume (\S+) \(it trains|(--overwrite) \(which moves", out)
+    assert advice is not None and bool(advice.group(1)) == checkpoints, out
+    follow = ["--resume", advice.group(1)] if checkpoints else ["--overwrite"]
+    assert run_in_process(flags + follow) == 0
+    assert_bitwise_equal(reference, final_weights(output_dir))
+    assert status(output_dir) == "finished"

@@ -89,8 +89,22 @@ def _run_in_place(request: RunRequest, place) -> dict:
             # holding the same lock is given this verdict (`looptrain.ledger.RunLedger.begin`)
             verdict = ledger.RunLedger(output_dir, echo=say).begin(config.identity(), config.resume, config.overwrite)
             if verdict["action"] == "finished":
+                if not (output_dir / "final").is_dir():
+                    say(missing_final_notice(output_dir))
                 return {**ledger.finished_run_summary(output_dir, echo=say), "interrupted": None}
         return train(request, place)
+
+
+def missing_final_notice(output_dir: Path) -> str:
+    """What to do with a run whose run.json says finished but which has no final/: a looptrain before final/ was
+    published atomically marked a run finished before writing it, so a kill during that write left this."""
+    from looptrain.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(output_dir)
+    again = (f"continue from its newest checkpoint with --resume {latest} (it trains the last updates again and "
+             "writes final/)" if latest is not None else "it saved no checkpoint: train it again with --overwrite "
+             "(which moves these files aside)")
+    return f"warning: the run in {output_dir} is recorded as finished but has no final/ (its write was cut off); {again}"
 
 
 def check_writable(output_dir: Path) -> None:
