@@ -367,7 +367,8 @@ def test_a_run_recorded_finished_without_final_says_so_and_its_advice_writes_fin
     capsys.readouterr()
     assert run_in_process(flags + ["--resume", "auto"]) == 0
     out = capsys.readouterr().out
-    assert f"warning: the run in {output_dir} is recorded as finished but has no final/ (its write was cut off); " in out
+    assert (f"warning: the run in {output_dir} is recorded as finished but has no final/ (its write was cut off); "
+            in out)
     assert earlier_files(output_dir) == before  # nothing is trained or written by being told
     advice = re.search(r"--resume (\S+) \(it trains|(--overwrite) \(which moves", out)
     assert advice is not None and bool(advice.group(1)) == checkpoints, out

@@ -104,7 +104,8 @@ def missing_final_notice(output_dir: Path) -> str:
     again = (f"continue from its newest checkpoint with --resume {latest} (it trains the last updates again and "
              "writes final/)" if latest is not None else "it saved no checkpoint: train it again with --overwrite "
              "(which moves these files aside)")
-    return f"warning: the run in {output_dir} is recorded as finished but has no final/ (its write was cut off); {again}"
+    return (f"warning: the run in {output_dir} is recorded as finished but has no final/ (its write was cut off); "
+            f"{again}")
 
 
 def check_writable(output_dir: Path) -> None:
