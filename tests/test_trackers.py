@@ -239,3 +239,15 @@ def test_a_tracker_that_cannot_start_stops_the_run_before_it_trains(local_mlflow
                                           r"MLFLOW_TRACKING_URI to a tracking server or store"):
         train(tmp_path / "run", "mlflow")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # not one step trained
+
+
+def test_overwrite_moves_the_tracker_runs_aside_with_the_run(local_mlflow, tmp_path):
+    """A fresh run in the place of another (--overwrite) opens tracker runs of its own: trackers.json goes aside
+    with the run it belonged to."""
+    train(tmp_path / "run", "mlflow")
+    first = json.loads((tmp_path / "run" / "trackers.json").read_text())["mlflow"]["run_id"]
+    train(tmp_path / "run", "mlflow", overwrite=True)
+    second = json.loads((tmp_path / "run" / "trackers.json").read_text())["mlflow"]["run_id"]
+    [aside] = (tmp_path / "run").glob("previous-*/trackers.json")
+    assert json.loads(aside.read_text())["mlflow"]["run_id"] == first != second
+    assert [metric.step for metric in local_mlflow.get_metric_history(second, "train/loss")] == [1, 2, 3, 4]
