@@ -103,12 +103,12 @@ def test_wandb_offline_run_holds_every_logged_number_the_config_and_the_summary(
     summary = train(tmp_path / "run", "wandb")
     [run_dir] = (tmp_path / "run" / "wandb").glob("offline-run-*")
     saved = json.loads((tmp_path / "run" / "trackers.json").read_text())
-    assert run_dir.name.endswith(saved["wandb"]["id"])
     logged = logged_numbers(tmp_path / "run")
     assert {key for key, _ in logged} >= {"train/loss", "train/lr", "train/grad_norm", "eval/loss", "eval/accuracy"}
     assert wandb_history(run_dir) == logged
     [state] = wandb_records(run_dir, "--summary")
     assert state["state"] == "finished" and state["name"] == "run" and state["project"] == "looptrain"
+    assert state["run_id"] == saved["wandb"]["id"]
     assert state["config"] == without_empty_dicts({"loop_config": json.loads(json.dumps(summary["config"]))})
     for key in ("train_runtime_s", "optimizer_steps", "peak_memory_bytes", "memory_breakdown", "final_eval"):
         assert state["summary"][key] == summary[key], key
@@ -129,9 +129,12 @@ def test_mlflow_file_store_holds_every_logged_number_the_config_and_the_summary(
     for category, size in summary["memory_breakdown"].items():
         if isinstance(size, int):
             assert run.data.metrics[f"summary/memory_breakdown/{category}"] == size, category
-    artifacts = Path(run.info.artifact_uri.removeprefix("file://"))
-    assert json.loads((artifacts / "summary.json").read_text()) == json.loads(json.dumps(
+    from mlflow.artifacts import load_dict
+
+    assert load_dict(f"{run.info.artifact_uri}/summary.json") == json.loads(json.dumps(
         {key: value for key, value in summary.items() if key != "config"}))
+    assert load_dict(f"{run.info.artifact_uri}/run_config.json") == {"loop_config": json.loads(json.dumps(
+        summary["config"]))}
 
 
 def test_a_resumed_run_continues_the_same_tracker_runs_without_a_step_twice(offline_wandb, local_mlflow, tmp_path,
@@ -153,10 +156,10 @@ def test_a_resumed_run_continues_the_same_tracker_runs_without_a_step_twice(offl
     held = {(metric.key, metric.step): metric.value for key in {key for key, _ in logged}
             for metric in local_mlflow.get_metric_history(run_id, key)}
     assert held == {key: value for key, value in logged.items() if not key[0].startswith("resume/")}
-    first, second = sorted((tmp_path / "wandb-files" / "wandb").glob("offline-run-*"))
-    assert first.name.endswith(saved["wandb"]["id"]) and second.name.endswith(saved["wandb"]["id"])
+    first, second = sorted((tmp_path / "wandb-files" / "wandb").glob("offline-run-*"))  # by start time
     [state] = wandb_records(first, "--summary")
-    assert state["state"] == "failed"
+    assert state["state"] == "failed" and state["run_id"] == saved["wandb"]["id"]
+    assert wandb_records(second, "--summary")[0]["run_id"] == saved["wandb"]["id"]
     history = {**wandb_history(first), **wandb_history(second)}
     assert sorted(step for key, step in wandb_history(second) if key == "train/loss") == [4]
     assert history == {key: value for key, value in logged.items() if not key[0].startswith("resume/")}
