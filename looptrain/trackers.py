@@ -35,6 +35,8 @@ __all__ = ["ENDINGS", "PACKAGES", "STATE_FILE", "TRACKERS", "ContinuedRun", "Mlf
 class Tracker(Protocol):
     """What the run log needs of an experiment tracker (opened with the run's configuration)."""
 
+    state: dict | None  # what a resume needs to continue this tracker's run (kept in trackers.json), or None
+
     def log(self, record: dict) -> None:
         """Receives one event (it has "event" and "step" keys, and numbers)."""
 

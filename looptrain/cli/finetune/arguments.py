@@ -34,6 +34,7 @@ FLAG_VALUE_CHECKS = (
     ("--plan-time", lambda seconds: seconds >= 0, "a number of seconds >= 0", ""),
 )
 
+
 class CommaList(argparse.Action):
     """A flag whose values add up when it is repeated: `--report-to wandb --report-to mlflow` is
     `--report-to wandb,mlflow` (the first one given replaces the default)."""
