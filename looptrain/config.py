@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,8 +20,8 @@ from looptrain.checkpoint import default_mode
 from looptrain.compilation import compile_problems
 from looptrain.optim.in_backward import CLIP_MODES as FUSED_CLIP_MODES
 from looptrain.precision import precision_problem, resolve_device
-from looptrain.run_log import TRACKERS
 from looptrain.strategy import CONFIG_PRECISIONS, GRAD_DTYPES, WEIGHT_DTYPES, ConfigError, LoopLevers, option
+from looptrain.trackers import TRACKERS, missing_package, tracker_names
 from looptrain.unfreeze import valid_every
 
 CLIP_MODES = ("auto", "global", *FUSED_CLIP_MODES)  # the fused step's own modes come from optim
@@ -136,7 +135,8 @@ class LoopConfig(LoopLevers):
              "start (about a second, then cached on disk)")
     report_to: str = option("none", flag="--report-to", group="evaluation/state", check=_valid_report_to,
                             must=f"'none' or comma-separated names from {', '.join(TRACKERS)}",
-                            help="experiment trackers besides metrics.jsonl: none or tensorboard (comma-separated)")
+                            help="experiment trackers besides metrics.jsonl: none, or tensorboard, wandb and mlflow "
+                                 "(comma-separated, or the flag repeated; each an optional package, docs/finetune.md)")
     extra: dict = option(default_factory=dict,
                          help="free-form values recorded in summary.json (e.g. CLI options)")
 
@@ -211,11 +211,8 @@ def _report_to_problems(config: LoopConfig) -> list[str]:
         return []  # named by the field's own check
     if config.output_dir is None and "none" not in trackers:
         return [f"report_to={config.report_to!r} writes its files under output_dir: set output_dir"]
-    if "tensorboard" in trackers and importlib.util.find_spec("tensorboard") is None:
-        # Checked now, not at the first log line after minutes of training.
-        return ["report_to='tensorboard' needs the tensorboard package: pip install tensorboard "
-                "(or pip install 'looptrain[tensorboard]')"]
-    return []
+    # Checked now, not as training begins after the model and data have loaded.
+    return [problem for name in tracker_names(config.report_to) if (problem := missing_package(name))]
 
 
 def _fused_step_problems(config: LoopConfig) -> list[str]:

@@ -35,6 +35,7 @@ from typing import Any
 
 from looptrain.checkpoint import list_checkpoints, resolve_resume_checkpoint, write_json_atomic
 from looptrain.checkpoint.layout import CHECKPOINT_PREFIX, TRAINER_STATE_FILE
+from looptrain.trackers import STATE_FILE as TRACKERS_STATE_FILE
 
 LOCK_FILE = ".looptrain.lock"
 RUN_FILE = "run.json"
@@ -42,7 +43,7 @@ RUN_FILE = "run.json"
 # (run_config.json is not among them: it is written just before a run begins.)
 RUN_ARTIFACTS = (RUN_FILE, "metrics.jsonl", "summary.json", "final")
 # Files that belong to a run but do not by themselves mean a run lives here; --overwrite moves them aside too.
-MOVED_WITH_A_RUN = ("run_config.json",)
+MOVED_WITH_A_RUN = ("run_config.json", TRACKERS_STATE_FILE)  # the second: the tracker runs a resume continues
 # Directories a run manages inside its output directory besides final/: a file in them is the run's (moved,
 # replaced, rotated away).
 RUN_DIRECTORY_PREFIXES = (CHECKPOINT_PREFIX, "previous-", ".tmp-", ".old-", ".deleting-")

@@ -171,7 +171,7 @@ class Loop:
                 with self._signals:
                     self._train()
             except BaseException:
-                self.run.record_status("failed", step=self.step)
+                self.run.fail(step=self.step)  # run.json says "failed"; the trackers close
                 raise
             finally:  # an exception must not leave the memory tracker installed or the bar open
                 self._log.close_progress()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ from looptrain.precision import cpu_description, emulation_warning
 from looptrain.progress import Progress, length_of
 from looptrain.run_log import RunLog
 
-__all__ = ["MFU_KEYS", "EvaluationError", "Run", "TrainingParts", "planned_updates"]
+__all__ = ["MFU_KEYS", "EvaluationError", "Run", "TrainingParts", "planned_updates", "tracked_configuration"]
 
 # The summary's model FLOP utilisation figures (None without `measure_mfu`); see `Run.flops_figures`.
 MFU_KEYS = ("mfu", "model_flops_per_token", "model_flops_per_s", "peak_flops_per_s", "peak_flops_dtype",
@@ -95,7 +96,8 @@ class Run:
         metric = config.metric_for_best or "loss"  # until the Loop's first evaluation check resolves it
         self.best = BestTracker(metric, config.best_mode_for(metric))
         self.log = RunLog(self.output_dir, is_main=is_main, report_to=config.report_to,
-                          progress_bar=config.progress_bar)
+                          progress_bar=config.progress_bar,
+                          config=tracked_configuration(config, self.output_dir) if is_main else None)
         self.last_checkpoint_step = -1
         self.model_flops: flops.ModelFlops | None = None
         self.peak: dict | None = None
@@ -142,6 +144,11 @@ class Run:
             self._ledger.write(self.config.identity(), status, step=step,
                                last_checkpoint=checkpoint_name(self.last_checkpoint_step)
                                if self.last_checkpoint_step >= 0 else None)
+
+    def fail(self, *, step: int) -> None:
+        """Training raised: run.json says "failed", and the trackers close their runs as failed."""
+        self.record_status("failed", step=step)
+        self.log.close("failed")
 
     def finished_run_summary(self) -> dict:
         """`resume="auto"` on a finished run: nothing to train; its summary.json is left as it is."""
@@ -260,6 +267,7 @@ class Run:
         `measure_mfu`, the model's FLOPs per token are counted (trainability as it is now) and this device's
         matmul peak is read from the cache or measured once: before training's clock starts.
         """
+        self.log.open_trackers()  # a tracker that cannot start stops the run now, before it trains
         planned, config = self.planned_updates(parts.train_loader), self.config
         if planned is not None and 0 < planned < config.max_steps:
             self.log.echo(f"notice: max_steps={config.max_steps} (--max-steps) but {config.epochs} epoch(s) of this "
@@ -370,6 +378,20 @@ class Run:
                 summary = self._save_final(summary)
         if self.output_dir is not None and self.is_main:
             write_json_atomic(self.output_dir / "summary.json", summary)
-        self.record_status("interrupted" if summary["interrupted"] else "finished", step=summary["optimizer_steps"])
-        self.log.close()
+        ending = "interrupted" if summary["interrupted"] else "finished"
+        self.record_status(ending, step=summary["optimizer_steps"])
+        self.log.log_summary(summary)
+        self.log.close(ending)
         return summary
+
+
+def tracked_configuration(config: LoopConfig, output_dir: Path | None) -> dict:
+    """What the trackers record as the run's configuration: the command line's run_config.json when it is this
+    run's (its loop_config is this config), else this config alone, under "loop_config" as there."""
+    loop_config = json.loads(json.dumps(config.to_dict(), default=str))
+    if output_dir is not None and (output_dir / "run_config.json").is_file():
+        with contextlib.suppress(OSError, ValueError):
+            saved = json.loads((output_dir / "run_config.json").read_text(encoding="utf-8"))
+            if isinstance(saved, dict) and saved.get("loop_config") == loop_config:
+                return saved
+    return {"loop_config": loop_config}

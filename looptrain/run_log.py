@@ -2,8 +2,9 @@
 
 Every event (a train log line, an evaluation, a skipped window, a resume) is one JSON object: it is
 appended to `output_dir/metrics.jsonl`, handed to each tracker named in `LoopConfig.report_to`
-(TensorBoard today; a tracker is any object with `log(record)` and `close()`) and printed as one
-line. Only rank 0 writes and prints.
+(TensorBoard, Weights & Biases, MLflow: `looptrain.trackers`) and printed as one line; the trackers
+also receive the run's configuration and, at the end, its summary. Only rank 0 writes, prints and
+opens trackers.
 """
 
 from __future__ import annotations
@@ -13,61 +14,12 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
 
 from tqdm.auto import tqdm
 
-TRACKERS = ("tensorboard",)  # names LoopConfig.report_to accepts, besides "none"
+from looptrain.trackers import open_trackers, tracker_names
+
 HEARTBEAT_SECONDS = 10.0  # without a progress bar, a line at least this often while training or evaluating
-
-
-class Tracker(Protocol):
-    """What the run log needs of an experiment tracker."""
-
-    def log(self, record: dict) -> None:
-        """Receives one event (it has "event" and "step" keys, and numbers)."""
-
-    def close(self) -> None:
-        """Flushes and releases the tracker."""
-
-
-class TensorBoardTracker:
-    """Writes every number of every event as a TensorBoard scalar named `<event>/<key>`, at its step.
-
-    Args:
-        log_dir: where the event files go (`output_dir/tensorboard`).
-    """
-
-    def __init__(self, log_dir: Path):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as error:  # torch imports it lazily; the tensorboard package is the missing piece
-            raise ImportError(
-                "report_to='tensorboard' needs the tensorboard package: pip install tensorboard "
-                "(or pip install 'looptrain[tensorboard]')"
-            ) from error
-        self.writer = SummaryWriter(log_dir=str(log_dir))
-
-    def log(self, record: dict) -> None:
-        step = int(record.get("step", 0))
-        event = record.get("event", "event")
-        for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.writer.add_scalar(f"{event}/{key}", value, step)
-
-    def close(self) -> None:
-        self.writer.flush()
-        self.writer.close()
-
-
-def make_trackers(report_to: str, output_dir: Path | None) -> list:
-    """The trackers `report_to` names ("none", or comma-separated names from `TRACKERS`)."""
-    names = [name.strip() for name in report_to.split(",") if name.strip() and name.strip() != "none"]
-    trackers = []
-    for name in names:
-        if name == "tensorboard":
-            trackers.append(TensorBoardTracker(output_dir / "tensorboard"))
-    return trackers
 
 
 class Totals:
@@ -145,18 +97,21 @@ class RunLog:
     Args:
         output_dir: where `metrics.jsonl` (and tracker files) are written; None writes nothing.
         is_main: rank 0 (only it writes and prints).
-        report_to: "none" or comma-separated tracker names (`TRACKERS`).
+        report_to: "none" or comma-separated tracker names (`looptrain.trackers.TRACKERS`).
         progress_bar: show a tqdm bar when stderr is a terminal.
+        config: the run's configuration, which the trackers record.
     """
 
-    def __init__(self, output_dir: Path | None, *, is_main: bool, report_to: str = "none", progress_bar: bool = True):
+    def __init__(self, output_dir: Path | None, *, is_main: bool, report_to: str = "none", progress_bar: bool = True,
+                 config: dict | None = None):
         self.output_dir = output_dir
         self.is_main = is_main
         self.totals = Totals()
         self._want_bar = progress_bar
         self._bar = None
         self._report_to = report_to
-        self._trackers: list | None = None  # made at the first event: nothing is written before the run begins
+        self._config = config or {}
+        self._trackers: list | None = None  # opened as the run begins (`open_trackers`), not before
         self._last_line = time.monotonic()
 
     def echo(self, line: str) -> None:
@@ -183,15 +138,28 @@ class RunLog:
         """
         if not self.is_main:
             return
+        self.open_trackers()  # before metrics.jsonl grows: it says which steps a continued tracker run holds
         if self.output_dir is not None:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             with open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(record) + "\n")
-        if self._trackers is None:
-            self._trackers = make_trackers(self._report_to, self.output_dir)
         for tracker in self._trackers:
             tracker.log(record)
         self.echo(format_record(record) if line is None else line)
+
+    def open_trackers(self) -> None:
+        """Opens the trackers `report_to` names (rank 0), once: as the run begins, so that one which cannot start
+        (a missing login, an unreachable store) stops the run before it trains (`looptrain.trackers.open_trackers`)."""
+        if self._trackers is None and self.is_main:
+            named = self.output_dir is not None and tracker_names(self._report_to)
+            self._trackers = open_trackers(self._report_to, self.output_dir, self._config) if named else []
+
+    def log_summary(self, summary: dict) -> None:
+        """Hands the run's summary (less its config, which the trackers hold already) to every tracker (rank 0)."""
+        if self.is_main:
+            self.open_trackers()
+            for tracker in self._trackers:
+                tracker.log_summary({key: value for key, value in summary.items() if key != "config"})
 
     def open_progress(self, total: int | None, initial: int) -> None:
         """A tqdm bar over optimizer updates, on a terminal only (elsewhere the log lines report progress)."""
@@ -210,9 +178,9 @@ class RunLog:
             self._bar.close()
             self._bar = None
 
-    def close(self) -> None:
-        """Closes the bar and every tracker."""
+    def close(self, ending: str = "finished") -> None:
+        """Closes the bar and every tracker; `ending` is how the run ended (`looptrain.trackers.ENDINGS`)."""
         self.close_progress()
         for tracker in self._trackers or []:
-            tracker.close()
+            tracker.close(ending)
         self._trackers = None

@@ -99,6 +99,15 @@ CASES = [
      r"--output-dir /sys/fs/looptrain-cannot-write-here is not writable .*pass a directory you can write to"),
     ("tensorboard missing", "finetune", ["--report-to", "tensorboard", "{no_tensorboard}"],
      r"needs the tensorboard package: pip install tensorboard"),
+    ("wandb missing", "finetune", ["--report-to", "wandb", "{no_wandb}"],
+     r"(?s)report_to='wandb' needs the wandb package: pip install wandb \(or pip install 'looptrain\[wandb\]'\).*"
+     r"report_to is --report-to"),
+    ("mlflow missing, the flag repeated", "finetune", ["--report-to", "tensorboard", "--report-to", "mlflow",
+                                                       "{no_mlflow}"],
+     r"report_to='mlflow' needs the mlflow package: pip install mlflow-skinny "
+     r"\(or pip install 'looptrain\[mlflow\]'\)"),
+    ("unknown tracker", "finetune", ["--report-to", "wandb,comet"],
+     r"report_to must be 'none' or comma-separated names from tensorboard, wandb, mlflow \(got 'wandb,comet'\)"),
     # --- a model without a list of transformer blocks (XLM keeps attentions and ffns side by side)
     ("no blocks: layer-wise decay", "finetune", ["--model", "{xlm}", "--layer-lr-decay", "0.9"],
      r"--layer-lr-decay works block by block, and XLMForSequenceClassification has no list of transformer blocks"),
@@ -277,11 +286,12 @@ def snapshot(directory: Path) -> dict[str, bytes]:
 @pytest.mark.parametrize("name, command, flags, message", CASES, ids=[case[0] for case in CASES])
 def test_a_bad_input_exits_2_with_a_message_that_names_the_fix(files, tmp_path, capsys, monkeypatch, name, command,
                                                                flags, message):
-    if "{no_tensorboard}" in flags:
+    missing = [flag[len("{no_"):-1] for flag in flags if flag.startswith("{no_")]  # a package not installed
+    if missing:
         real_find_spec = importlib.util.find_spec
         monkeypatch.setattr(importlib.util, "find_spec",
-                            lambda module, *args: None if module == "tensorboard" else real_find_spec(module, *args))
-        flags = [flag for flag in flags if flag != "{no_tensorboard}"]
+                            lambda module, *args: None if module in missing else real_find_spec(module, *args))
+        flags = [flag for flag in flags if not flag.startswith("{no_")]
     paths = {**files, "out": tmp_path / "out"}
     before = {run: snapshot(files[run]) for run in ("done", "other", "done_copy")}
     main = finetune.main if command == "finetune" else estimate_cli.main

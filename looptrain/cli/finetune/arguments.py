@@ -34,6 +34,16 @@ FLAG_VALUE_CHECKS = (
     ("--plan-time", lambda seconds: seconds >= 0, "a number of seconds >= 0", ""),
 )
 
+
+class CommaList(argparse.Action):
+    """A flag whose values add up when it is repeated: `--report-to wandb --report-to mlflow` is
+    `--report-to wandb,mlflow` (the first one given replaces the default)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        earlier = getattr(namespace, self.dest)
+        setattr(namespace, self.dest, values if earlier == self.default else f"{earlier},{values}")
+
+
 # What the command line says its own way about a run option (`LoopConfig`'s declaration says the rest).
 OPTION_FLAGS = {
     "output_dir": {"default": DEFAULT_OUTPUT_DIR,
@@ -41,6 +51,7 @@ OPTION_FLAGS = {
     "metric_for_best": {"choices": METRICS_FOR_BEST,
                         "help": "eval metric that picks the best checkpoint (loss and perplexity: lower is better; the "
                                 "others higher); default: f1, or loss for --task causal-lm"},
+    "report_to": {"action": CommaList, "metavar": "NAMES"},
 }
 
 
