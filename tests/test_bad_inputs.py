@@ -19,6 +19,7 @@ import torch
 
 from looptrain.cli import estimate as estimate_cli
 from looptrain.cli import finetune
+from looptrain.cli import report as report_cli
 
 from conftest import WORDS, make_tiny_tokenizer, write_csv
 
@@ -145,6 +146,15 @@ CASES = [
      r"argument --seq-len: must be >= 1 \(got -5\)"),
     ("estimate: bf16 weights with fp16", "estimate", ["--preset", "bert-base", "--weights", "bf16", "--precision",
                                                      "fp16"], r"weights='bf16' computes in bf16 and cannot run fp16"),
+    # --- the picture's command line (looptrain-report RUN_DIR)
+    ("report: not a run", "report", ["{xlm}"],
+     r"xlm is not a run: it has no metrics\.jsonl \(.*\) nor summary\.json \(at its end\): pass the --output-dir "
+     r"of a looptrain-finetune run$"),
+    ("report: no such directory", "report", ["{out}"], r"out does not exist: pass the --output-dir of a looptrain-"),
+    ("report: --output onto another run's picture", "report", ["{done}", "--output", "{other}/report.png"],
+     r"--output \S+/other/report\.png is a file of the run in \S+/other; pass a path outside any run's own files"),
+    ("report: --output not a PNG", "report", ["{done}", "--output", "{done}/summary.json"],
+     r"--output \S+/done/summary\.json does not end in \.png: the picture is a PNG; pass a PATH\.png"),
 ]
 
 
@@ -212,7 +222,7 @@ def test_a_bad_input_exits_2_with_a_message_that_names_the_fix(files, tmp_path, 
         flags = [flag for flag in flags if flag != "{no_tensorboard}"]
     paths = {**files, "out": tmp_path / "out"}
     before = {run: snapshot(files[run]) for run in ("done", "other", "done_copy")}
-    main = finetune.main if command == "finetune" else estimate_cli.main
+    main = {"finetune": finetune.main, "estimate": estimate_cli.main, "report": report_cli.main}[command]
     argv = format_argv((BASE if command == "finetune" else []) + flags, paths)
     try:
         code = main(argv)
