@@ -37,6 +37,7 @@ from looptrain.loop import EvaluationError, Loop
 from looptrain.metrics import EvalMetrics
 from looptrain.optim import build_optimizer, optimizer_state_bytes
 from looptrain.planning import PlanError, plan
+from looptrain.report import run_series, write_report
 from looptrain.seeding import seed_everything
 from looptrain.strategy import Strategy
 
@@ -70,9 +71,11 @@ __all__ = [
     "plan",
     "read_classification_data",
     "read_lm_data",
+    "run_series",
     "seed_everything",
     "tokenize",
     "tokenize_lm",
     "trainable_parameters",
+    "write_report",
 ]
 __version__ = "0.1.0"

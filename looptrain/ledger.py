@@ -35,6 +35,7 @@ from typing import Any
 
 from looptrain.checkpoint import list_checkpoints, resolve_resume_checkpoint, write_json_atomic
 from looptrain.checkpoint.layout import CHECKPOINT_PREFIX, TRAINER_STATE_FILE
+from looptrain.report import REPORT_FILE  # the run's picture
 from looptrain.trackers import STATE_FILE as TRACKERS_STATE_FILE
 
 LOCK_FILE = ".looptrain.lock"
@@ -43,7 +44,8 @@ RUN_FILE = "run.json"
 # (run_config.json is not among them: it is written just before a run begins.)
 RUN_ARTIFACTS = (RUN_FILE, "metrics.jsonl", "summary.json", "final")
 # Files that belong to a run but do not by themselves mean a run lives here; --overwrite moves them aside too.
-MOVED_WITH_A_RUN = ("run_config.json", TRACKERS_STATE_FILE)  # the second: the tracker runs a resume continues
+# (trackers.json: the tracker runs a resume continues; report.png: the run's picture)
+MOVED_WITH_A_RUN = ("run_config.json", TRACKERS_STATE_FILE, REPORT_FILE)
 # Directories a run manages inside its output directory besides final/: a file in them is the run's (moved,
 # replaced, rotated away).
 RUN_DIRECTORY_PREFIXES = (CHECKPOINT_PREFIX, "previous-", ".tmp-", ".old-", ".deleting-")
@@ -426,8 +428,9 @@ def run_file_owner(path: str | os.PathLike) -> Path | None:
     """The run directory whose own file `path` is, or None.
 
     A run directory holds run.json, the lock, final/ or a checkpoint; its own files are those a run writes at its
-    top (run.json, run_config.json, metrics.jsonl, summary.json, the lock) and everything under the directories it
-    manages (final/, checkpoint-N/, previous-*/ and the temporary ones). Another command must never write there.
+    top (run.json, run_config.json, metrics.jsonl, summary.json, report.png, the lock) and everything under the
+    directories it manages (final/, checkpoint-N/, previous-*/ and the temporary ones). Another command must never
+    write there.
     """
     path = Path(path).resolve()
     for directory in path.parents:

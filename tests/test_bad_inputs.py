@@ -21,6 +21,7 @@ from test_finetune_causal_lm import make_lm_tokenizer
 
 from looptrain.cli import estimate as estimate_cli
 from looptrain.cli import finetune
+from looptrain.cli import report as report_cli
 
 from conftest import WORDS, make_tiny_tokenizer, save_tiny_bert, write_csv
 
@@ -184,6 +185,15 @@ CASES = [
     ("tokenizer larger than a causal LM's embedding", "finetune", ["--model", "{small_vocab_llama}", "--task",
                                                                    "causal-lm"],
      r"has 35 tokens and the model's input embedding 12 rows.*resize_token_embeddings\(35\)"),
+    # --- the picture's command line (looptrain-report RUN_DIR)
+    ("report: not a run", "report", ["{xlm}"],
+     r"xlm is not a run: it has no metrics\.jsonl \(.*\) nor summary\.json \(at its end\): pass the --output-dir "
+     r"of a looptrain-finetune run$"),
+    ("report: no such directory", "report", ["{out}"], r"out does not exist: pass the --output-dir of a looptrain-"),
+    ("report: --output onto another run's picture", "report", ["{done}", "--output", "{other}/report.png"],
+     r"--output \S+/other/report\.png is a file of the run in \S+/other; pass a path outside any run's own files"),
+    ("report: --output not a PNG", "report", ["{done}", "--output", "{done}/summary.json"],
+     r"--output \S+/done/summary\.json does not end in \.png: the picture is a PNG; pass a PATH\.png"),
 ]
 
 
@@ -294,7 +304,7 @@ def test_a_bad_input_exits_2_with_a_message_that_names_the_fix(files, tmp_path, 
         flags = [flag for flag in flags if not flag.startswith("{no_")]
     paths = {**files, "out": tmp_path / "out"}
     before = {run: snapshot(files[run]) for run in ("done", "other", "done_copy")}
-    main = finetune.main if command == "finetune" else estimate_cli.main
+    main = {"finetune": finetune.main, "estimate": estimate_cli.main, "report": report_cli.main}[command]
     argv = format_argv((BASE if command == "finetune" else []) + flags, paths)
     try:
         code = main(argv)

@@ -15,7 +15,8 @@ import pytest
 from looptrain.cli import finetune, plan
 
 ROOT = Path(__file__).resolve().parent.parent
-EXPECTED_SCRIPTS = {"looptrain-finetune", "looptrain-plan", "looptrain-estimate", "looptrain-predict"}
+EXPECTED_SCRIPTS = {"looptrain-finetune", "looptrain-plan", "looptrain-estimate", "looptrain-predict",
+                    "looptrain-report"}
 
 
 def declared_console_scripts() -> dict[str, str]:
@@ -139,7 +140,8 @@ def test_each_console_script_names_itself_in_its_usage_line(name, monkeypatch, c
 
 @pytest.mark.parametrize("module, typed", [("looptrain.memory", "python -m looptrain.memory"),
                                            ("looptrain.cli.predict", "python -m looptrain.cli.predict"),
-                                           ("looptrain.cli.finetune", "python -m looptrain.cli.finetune")])
+                                           ("looptrain.cli.finetune", "python -m looptrain.cli.finetune"),
+                                           ("looptrain.report", "python -m looptrain.report")])
 def test_a_module_run_names_the_module_in_its_usage_line(module, typed, monkeypatch, capsys):
     import runpy
 

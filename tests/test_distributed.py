@@ -117,6 +117,9 @@ def test_only_rank_zero_writes(runs):
     # The final table is printed by rank 0 alone.
     assert (root / "two.rank0.out").read_text().count("looptrain run in") == 1
     assert "looptrain run in" not in (root / "two.rank1.out").read_text()
+    # The run's picture is drawn by rank 0 alone (`looptrain.report`), after the tables.
+    assert (root / "two" / "report.png").is_file()
+    assert (root / "two.rank0.out").read_text().count(f"the run's picture: {root / 'two' / 'report.png'}") == 1
 
 
 def test_fsdp2_with_checkpointing_equals_one_rank(runs):

@@ -138,6 +138,7 @@ def train(request: RunRequest, place) -> dict:
     from looptrain.guards import OUT_OF_MEMORY_ERRORS
     from looptrain.loop import Loop
     from looptrain.precision import amp_precision, resolve_device, resolve_precision
+    from looptrain.report import report_after_run
     from looptrain.seeding import seed_everything
 
     config = request.config
@@ -186,6 +187,8 @@ def train(request: RunRequest, place) -> dict:
         return summary  # a checkpoint was saved; no final/ for an unfinished run
     say(final_table(summary, summary["majority_baseline"], output_dir))
     say(memory.format_memory_table(summary))
+    if place.is_main:  # the picture of the run (rank 0 alone), or a notice: never a reason to fail a finished run
+        say(report_after_run(output_dir))
     distributed.barrier()
     return summary
 
