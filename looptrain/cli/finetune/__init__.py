@@ -43,6 +43,7 @@ from looptrain.cli.finetune.inputs import (
 from looptrain.cli.finetune.reports import OutOfMemory, final_table
 from looptrain.cli.finetune.request import Flags, Process, RunRequest, request_of
 from looptrain.cli.finetune.run import run
+from looptrain.cli.recipe import expand_config
 
 __all__ = ["EMBEDDED_DATA_PACKAGE", "EMBEDDED_MODEL_PACKAGE", "DefaultOnceFormatter", "Flags", "Process",
            "RunRequest", "UsageError", "add_loading_arguments", "build_parser", "final_table", "load_data",
@@ -58,8 +59,9 @@ def main(argv: list[str] | None = None, *, owns_process: bool = False) -> int:
     `owns_process`: the process is this run's alone (the console script's), so settings that outlive the run may
     be changed: under a budget read as RSS, glibc's malloc thresholds where the planner needs them (`lean_allocator`).
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = expand_config(parser, sys.argv[1:] if argv is None else argv)  # a --config file's flags, then the typed
+    args = parser.parse_args(argv)
     rss = rss_at_start()
     capped = None  # said by `run` once it knows where its messages go (stderr with --json)
     if args.memory_budget and owns_process:  # before the process's first kernel: the caches read it then
