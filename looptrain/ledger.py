@@ -42,7 +42,7 @@ RUN_FILE = "run.json"
 # (run_config.json is not among them: it is written just before a run begins.)
 RUN_ARTIFACTS = (RUN_FILE, "metrics.jsonl", "summary.json", "final")
 # Files that belong to a run but do not by themselves mean a run lives here; --overwrite moves them aside too.
-MOVED_WITH_A_RUN = ("run_config.json",)
+MOVED_WITH_A_RUN = ("run_config.json", "config.yaml")  # config.yaml: the command line's recipe of the run
 # Directories a run manages inside its output directory besides final/: a file in them is the run's (moved,
 # replaced, rotated away).
 RUN_DIRECTORY_PREFIXES = (CHECKPOINT_PREFIX, "previous-", ".tmp-", ".old-", ".deleting-")

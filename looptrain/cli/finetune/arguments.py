@@ -298,6 +298,13 @@ def check_budget_flags(args, given: frozenset[str] | set[str]) -> None:
                          "writes its recipe to OUTPUT_DIR/config.yaml itself)")
     if problem := check_recipe_path("--save-config", args.save_config):
         raise UsageError(problem)
+    if args.save_config is not None:
+        from looptrain.ledger import run_file_owner
+
+        if (run_directory := run_file_owner(args.save_config)) is not None:
+            raise UsageError(f"--save-config {args.save_config} is one of the files of the run in {run_directory} "
+                             "(its config.yaml is the recipe it trained), which would be overwritten; pass another "
+                             f"path, e.g. --save-config {run_directory.parent / 'planned.yaml'}")
     if args.json and not args.plan_only:
         raise UsageError("--json prints the plan of --plan-only as JSON (scripts/plan.py --json); add --plan-only, "
                          "or drop --json (a training run writes its figures to summary.json)")
