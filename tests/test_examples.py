@@ -87,7 +87,7 @@ def test_token_classification_learns_with_compute_loss_alone():
 
 # ------------------------------------------------------------------ docs/sft.md: a recipe, a run, predictions
 SFT_PAGE = EXAMPLES.parent / "docs" / "sft.md"
-TINY_RUN = ["--max-length", "40", "--max-steps", "2", "--no-progress-bar", "--no-track-memory"]  # on the tiny Llama, two updates
+TINY_RUN = ["--max-length", "40", "--max-steps", "2", "--no-progress-bar", "--no-track-memory"]  # the tiny Llama's
 
 
 def page_commands(page: Path) -> list[list[str]]:
@@ -107,10 +107,9 @@ def test_the_sft_page_runs_as_written(tmp_path, monkeypatch):
     import json
 
     import yaml
+    from test_finetune_causal_lm import CHAT_TEMPLATE, save_tiny_llama
 
     from looptrain.cli import finetune, predict
-
-    from test_finetune_causal_lm import CHAT_TEMPLATE, save_tiny_llama
 
     model = save_tiny_llama(tmp_path / "tiny-llama", CHAT_TEMPLATE)
     monkeypatch.chdir(EXAMPLES.parent)  # the recipe's paths are relative to the checkout's root

@@ -158,3 +158,20 @@ def test_the_estimate_needs_a_model_from_the_command_line_or_the_recipe(tmp_path
     assert exit_info.value.code == 2
     assert "one of the arguments --preset --model is required (or preset or model in the --config file)" in \
         capsys.readouterr().err
+
+
+def test_loop_configs_switched_fields_may_be_named_by_their_field(tmp_path):
+    recipe = write(tmp_path / "run.yaml", "track_memory: false\nprogress_bar: true\n")
+    parser = finetune.build_parser()
+    args = parser.parse_args(expand_config(parser, ["--config", recipe], finetune.SWITCHED_FIELDS))
+    assert (args.no_track_memory, args.no_progress_bar) == (True, False)
+
+
+def test_a_runs_recipe_is_its_own_file(tmp_path):
+    """config.yaml belongs to its run: --overwrite moves it aside with the run, predict and --save-config never write
+    it (`looptrain.ledger.run_file_owner`)."""
+    from looptrain.checkpoint import write_json_atomic
+    from looptrain.ledger import run_file_owner
+
+    write_json_atomic(tmp_path / "run" / "run.json", {"status": "finished"})
+    assert run_file_owner(tmp_path / "run" / "config.yaml") == (tmp_path / "run").resolve()

@@ -19,9 +19,11 @@ def main(argv: list[str] | None = None, *, owns_process: bool = False) -> int:
     """Runs `finetune.py --plan-only` with these arguments; returns its exit code (`owns_process`: as
     `finetune.main`'s: the console script's process may have its allocator's thresholds fixed)."""
     from looptrain.cli import finetune
+    from looptrain.cli.finetune.arguments import SWITCHED_FIELDS
     from looptrain.cli.recipe import expand_config
 
-    argv = expand_config(finetune.build_parser(), sys.argv[1:] if argv is None else argv)  # a --config file's flags
+    argv = expand_config(finetune.build_parser(), sys.argv[1:] if argv is None else argv,
+                         SWITCHED_FIELDS)  # a --config file's flags, then the typed ones
     if "--memory-budget" not in {token.split("=")[0] for token in argv}:
         print("plan.py: error: --memory-budget SIZE is required (e.g. --memory-budget 4GiB, or memory_budget: 4GiB "
               "in the --config file)", file=sys.stderr)

@@ -29,12 +29,14 @@ CONFIG_FLAG = "--config"
 NOT_IN_A_RECIPE = ("help", "config")  # the dests no recipe sets
 
 
-def expand_config(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+def expand_config(parser: argparse.ArgumentParser, argv: Sequence[str],
+                  switch_fields: Mapping[str, str] | None = None) -> list[str]:
     """`argv` with its ``--config FILE`` replaced by the file's flags, in front; a flag on the command line wins.
 
     The file's flags for a flag the command line gives (or for one it excludes, in a mutually exclusive group) are
     left out, so each flag appears once. An unreadable file, an unknown key or a bad value is `parser.error`:
-    exit 2, naming the file and the key.
+    exit 2, naming the file and the key. `switch_fields`: keys that name a field a ``--no-...`` switch turns off
+    (``{"track_memory": "--no-track-memory"}``: ``track_memory: false`` sets the switch).
     """
     path, typed = _config_path(parser, argv)
     if path is None:
@@ -45,10 +47,10 @@ def expand_config(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[
                         if set(group._group_actions) & given for action in group._group_actions}
     tokens = []
     for key, value in read_recipe(parser, path).items():
-        action, by_flag_name = _action_of(parser, key, path)
+        action, on, off = _action_of(parser, key, path, switch_fields or {})
         if action in excluded:
             continue
-        key_tokens = _tokens_of(parser, action, by_flag_name, value, f"{path}: {key}")
+        key_tokens = _tokens_of(parser, action, (on, off), value, f"{path}: {key}")
         _check_value(parser, key_tokens, f"{path}: {key}")
         tokens += key_tokens
     return tokens + typed
@@ -150,22 +152,24 @@ def _actions_by_option(parser: argparse.ArgumentParser) -> dict[str, argparse.Ac
     return {option: action for action in parser._actions for option in action.option_strings}
 
 
-def _keys(parser: argparse.ArgumentParser) -> dict[str, tuple[argparse.Action, bool]]:
-    """Every key a recipe may use -> (the flag's action, whether the key is the flag's name rather than its dest)."""
-    keys = {}
+def _keys(parser: argparse.ArgumentParser, switch_fields: Mapping[str, str]) -> dict[str, tuple]:
+    """Every key a recipe may use -> (the flag's action, the value that sets a switch, the value that leaves it off):
+    a switch's own name takes true/false, its field's name (its dest) the field's value."""
+    keys, options = {}, _actions_by_option(parser)
     for action in parser._actions:
         if not action.option_strings or action.dest in NOT_IN_A_RECIPE:
             continue
-        keys[action.dest] = (action, False)
+        keys[action.dest] = (action, action.const, action.default)
         for option in action.option_strings:
             if option.startswith("--"):
-                keys.setdefault(option[2:].replace("-", "_"), (action, True))
+                keys.setdefault(option[2:].replace("-", "_"), (action, True, False))
+    keys.update({field: (options[flag], False, True) for field, flag in switch_fields.items()})
     return keys
 
 
-def _action_of(parser: argparse.ArgumentParser, key: Any, path: str) -> tuple[argparse.Action, bool]:
-    """The flag a recipe key sets, or `parser.error` naming the closest key."""
-    keys = _keys(parser)
+def _action_of(parser: argparse.ArgumentParser, key: Any, path: str, switch_fields: Mapping[str, str]) -> tuple:
+    """The flag a recipe key sets (`_keys`), or `parser.error` naming the closest key."""
+    keys = _keys(parser, switch_fields)
     name = str(key).replace("-", "_")
     if name in keys:
         return keys[name]
@@ -178,12 +182,13 @@ def _action_of(parser: argparse.ArgumentParser, key: Any, path: str) -> tuple[ar
     raise AssertionError  # parser.error exits
 
 
-def _tokens_of(parser: argparse.ArgumentParser, action: argparse.Action, by_flag_name: bool, value: Any,
+def _tokens_of(parser: argparse.ArgumentParser, action: argparse.Action, switch: tuple, value: Any,
                where: str) -> list[str]:
-    """The command-line tokens of one recipe value (a switch's flag, or ``--flag=value``)."""
+    """The command-line tokens of one recipe value (a switch's flag when `value` is `switch`'s on value, or
+    ``--flag=value``)."""
     flag = max(action.option_strings, key=len)
-    if action.nargs == 0:  # a switch: its flag's name takes true/false; its field's name the field's value
-        on, off = (True, False) if by_flag_name else (action.const, action.default)
+    if action.nargs == 0:
+        on, off = switch
         if isinstance(value, bool) is isinstance(on, bool) and value == on:
             return [flag]
         if value == off and (off is None or isinstance(value, bool) is isinstance(off, bool)):

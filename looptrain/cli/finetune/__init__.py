@@ -25,6 +25,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from looptrain.cli.errors import UsageError
 from looptrain.cli.finetune.arguments import (
+    SWITCHED_FIELDS,
     DefaultOnceFormatter,
     add_loading_arguments,
     build_parser,
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None, *, owns_process: bool = False) -> int:
     be changed: under a budget read as RSS, glibc's malloc thresholds where the planner needs them (`lean_allocator`).
     """
     parser = build_parser()
-    argv = expand_config(parser, sys.argv[1:] if argv is None else argv)  # a --config file's flags, then the typed
+    argv = expand_config(parser, sys.argv[1:] if argv is None else argv, SWITCHED_FIELDS)  # a --config file's, typed
     args = parser.parse_args(argv)
     rss = rss_at_start()
     capped = None  # said by `run` once it knows where its messages go (stderr with --json)

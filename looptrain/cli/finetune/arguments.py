@@ -396,6 +396,9 @@ def loop_config(request, identity: dict | None = None):
     return LoopConfig(**fields)
 
 
+# LoopConfig's fields that a --no-... switch turns off: a recipe may say them by their field's name.
+SWITCHED_FIELDS = {"track_memory": "--no-track-memory", "progress_bar": "--no-progress-bar"}
+
 # What a recipe that trains a run again leaves out: how the run was planned (its levers say the plan) or started.
 NOT_IN_A_RUN_RECIPE = ("save_config", "plan_only", "json", "memory_budget", "plan_time", "budget_meter",
                        "effective_batch", "resume", "overwrite")
