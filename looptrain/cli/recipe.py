@@ -2,7 +2,8 @@
 
 A recipe is one flat mapping: each key is a flag's name without its dashes (``grad_checkpoint``, ``lr``; ``-`` and
 ``_`` alike) or the field it sets (``gradient_checkpointing``, ``accum_steps``), each value what the flag takes: a
-number or a string, ``true`` for a switch, a list for a flag of several values, ``null`` for "none". The file is
+number or a string, ``true`` for a switch, a list for a flag of several values (or one whose repeats add up),
+``null`` for "none". The file is
 written out as the flags it holds, in front of the command line (`expand_config`), so argparse reads it as it reads
 every flag: a flag given on the command line overrides the file's, and everything downstream (the checks of
 flags that go together, the planner's "flags you give are kept", the command line a plan prints) sees one command
@@ -198,9 +199,11 @@ def _tokens_of(parser: argparse.ArgumentParser, action: argparse.Action, switch:
     if isinstance(value, Mapping):
         parser.error(f"{where}: {flag} takes a value, not a mapping")
     if isinstance(value, list):
-        if action.nargs in (None, "?"):
+        if action.nargs not in (None, "?"):
+            return [flag, *(_text(item) for item in value)]
+        if type(action) is argparse._StoreAction:  # given twice, the last value would win: one value only
             parser.error(f"{where}: {flag} takes one value, not a list")
-        return [flag, *(_text(item) for item in value)]
+        return [f"{flag}={_text(item)}" for item in value]  # a flag whose repeats add up (append, --report-to)
     if value is None:
         return [] if action.default is None else [f"{flag}=none"]  # the flag's own reading of "none"
     return [f"{flag}={_text(value)}"]
