@@ -44,8 +44,9 @@ RUN_FILE = "run.json"
 # (run_config.json is not among them: it is written just before a run begins.)
 RUN_ARTIFACTS = (RUN_FILE, "metrics.jsonl", "summary.json", "final")
 # Files that belong to a run but do not by themselves mean a run lives here; --overwrite moves them aside too.
-# (trackers.json: the tracker runs a resume continues; report.png: the run's picture)
-MOVED_WITH_A_RUN = ("run_config.json", TRACKERS_STATE_FILE, REPORT_FILE)
+# (trackers.json: the tracker runs a resume continues; report.png: the run's picture; config.yaml: the command
+# line's recipe of the run)
+MOVED_WITH_A_RUN = ("run_config.json", TRACKERS_STATE_FILE, REPORT_FILE, "config.yaml")
 # Directories a run manages inside its output directory besides final/: a file in them is the run's (moved,
 # replaced, rotated away).
 RUN_DIRECTORY_PREFIXES = (CHECKPOINT_PREFIX, "previous-", ".tmp-", ".old-", ".deleting-")

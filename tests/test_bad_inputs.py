@@ -146,6 +146,36 @@ CASES = [
      r"(?s)that checkpoint belongs to another run than the one in .*seed: 42 -> 7.*Nothing was changed\. To continue "
      r"that run in a directory of its own: --resume \S+ --output-dir NEW_DIR"),
     ("resume a missing checkpoint", "finetune", ["--resume", "/nonexistent/checkpoint-3"], r"checkpoint"),
+    # --- --config recipes (the files the `files` fixture writes) and --save-config
+    ("recipe: misspelled key", "finetune", ["--config", "{recipe_misspelled}"],
+     r"misspelled\.yaml: unknown key 'grad_checkpiont'; did you mean 'grad_checkpoint'\?"),
+    ("recipe: bad value", "finetune", ["--config", "{recipe_bad_value}"],
+     r"bad_value\.yaml: lr: argument --lr: invalid float value: 'fast'"),
+    ("recipe: bad choice", "finetune", ["--config", "{recipe_bad_choice}"],
+     r"bad_choice\.json: precision: argument --precision: invalid choice: 'fp8'"),
+    ("recipe: a number for a switch", "finetune", ["--config", "{recipe_switch}"],
+     r"switch\.yaml: grad_checkpoint: --grad-checkpoint is a switch: write true \(--grad-checkpoint\) or false"),
+    ("recipe: a list for a one-value flag", "finetune", ["--config", "{recipe_list}"],
+     r"list\.yaml: seed: --seed takes one value, not a list"),
+    ("recipe: not YAML", "finetune", ["--config", "{recipe_not_yaml}"], r"not_yaml\.yaml: not YAML at line 2"),
+    ("recipe: not a mapping", "finetune", ["--config", "{recipe_sequence}"],
+     r"a recipe is a mapping of flags to values \(key: value lines\), not a list"),
+    ("recipe: another suffix", "finetune", ["--config", "{a_file}"],
+     r"--config \S+a_file: a recipe is a \.yaml, \.yml or \.json file \(got no suffix\)"),
+    ("recipe: missing file", "finetune", ["--config", "{missing_recipe}"],
+     r"--config \S+nothing\.yaml: cannot read it \(No such file or directory\)"),
+    ("recipe: flags that contradict each other", "finetune", ["--config", "{recipe_contradiction}"],
+     r"--amp and --precision fp32 contradict each other"),
+    ("save-config without plan-only", "finetune", ["--save-config", "{out}/plan.yaml"],
+     r"--save-config writes the plan of --plan-only as a recipe: add --plan-only"),
+    ("save-config with another suffix", "finetune", ["--memory-budget", "1GiB", "--plan-only", "--save-config",
+                                                     "{out}/plan.txt"],
+     r"a recipe is written as \.yaml, \.yml or \.json"),
+    ("save-config over a run's recipe", "finetune", ["--memory-budget", "1GiB", "--plan-only", "--save-config",
+                                                     "{done}/config.yaml"],
+     r"--save-config \S+config\.yaml is one of the files of the run in \S+done .*pass another path"),
+    ("estimate: recipe misspelled key", "estimate", ["--config", "{recipe_misspelled}"],
+     r"unknown key 'grad_checkpiont'; did you mean 'grad_checkpoint'\?"),
     # --- the estimate's command line
     ("compile with chunked CE on", "finetune", ["--compile", "--chunked-ce", "on"],
      r"compile=True \(--compile\).*chunked_ce='on'.*use --chunked-ce auto or off with --compile"),
@@ -265,6 +295,14 @@ def files(tmp_path_factory, model_dir):
     paths["latin1"].write_bytes("text,label\ncaf\u00e9 words,pos\n".encode("latin-1"))
     paths["bad_jsonl"] = root / "bad.jsonl"
     paths["bad_jsonl"].write_text('{"text": "good", "label": "pos"}\n{"text": null, "label": "neg"}\n')
+    recipes = {"misspelled.yaml": "grad_checkpiont: true\n", "bad_value.yaml": "lr: fast\n",
+               "bad_choice.json": '{"precision": "fp8"}', "switch.yaml": "grad_checkpoint: 3\n",
+               "list.yaml": "seed: [1, 2]\n", "not_yaml.yaml": "lr: [1\nseed: 2\n", "sequence.yaml": "- lr: 1\n",
+               "contradiction.yaml": "amp: true\nprecision: fp32\n"}
+    for name, text in recipes.items():
+        paths[f"recipe_{name.split('.')[0]}"] = root / name
+        paths[f"recipe_{name.split('.')[0]}"].write_text(text, encoding="utf-8")
+    paths["missing_recipe"] = root / "nothing.yaml"
     paths["a_file"] = root / "a_file"
     paths["a_file"].write_text("not a directory")
     paths["xlm"] = save_tiny_xlm(root / "xlm")

@@ -83,3 +83,58 @@ def test_token_classification_learns_with_compute_loss_alone():
     majority_accuracy = (labelled == 0).float().mean().item()  # always "O"
     assert scores["accuracy"] > majority_accuracy + 0.05
     assert scores["f1"] > 0.5  # the majority tagger's macro F1 over 4 tags is below 0.25
+
+
+# ------------------------------------------------------------------ docs/sft.md: a recipe, a run, predictions
+SFT_PAGE = EXAMPLES.parent / "docs" / "sft.md"
+TINY_RUN = ["--max-length", "40", "--max-steps", "2", "--no-progress-bar", "--no-track-memory"]  # the tiny Llama's
+
+
+def page_commands(page: Path) -> list[list[str]]:
+    """The looptrain commands of a page's bash blocks, each split as a shell would."""
+    import re
+    import shlex
+
+    blocks = re.findall(r"```bash\n(.*?)```", page.read_text(encoding="utf-8"), re.S)
+    lines = "\n".join(blocks).replace("\\\n", " ").splitlines()
+    return [shlex.split(line) for line in lines if line.startswith("looptrain-")]
+
+
+def test_the_sft_page_runs_as_written(tmp_path, monkeypatch):
+    """Each command of docs/sft.md, from the checkout's root as the page says, with the recipe of examples/sft/: a
+    tiny Llama (with a chat template) in place of Qwen and two updates, given on the command line, which overrides
+    the recipe; runs/ goes under tmp_path."""
+    import json
+
+    import yaml
+    from test_finetune_causal_lm import CHAT_TEMPLATE, save_tiny_llama
+
+    from looptrain.cli import finetune, predict
+
+    model = save_tiny_llama(tmp_path / "tiny-llama", CHAT_TEMPLATE)
+    monkeypatch.chdir(EXAMPLES.parent)  # the recipe's paths are relative to the checkout's root
+    commands = page_commands(SFT_PAGE)
+    assert [command[0] for command in commands] == ["looptrain-finetune", "looptrain-finetune", "looptrain-predict"]
+
+    def here(token: str) -> str:  # the page's runs/ under tmp_path
+        return str(tmp_path / token) if token.startswith("runs/") else token
+
+    recipe = yaml.safe_load((EXAMPLES / "sft" / "recipe.yaml").read_text(encoding="utf-8"))
+    for name, *argv in commands:
+        argv = [here(token) for token in argv]
+        if name == "looptrain-finetune":
+            output = [] if "--output-dir" in argv else ["--output-dir", here(recipe["output_dir"])]
+            assert finetune.main([*argv, "--model", str(model), *TINY_RUN, *output]) == 0
+        else:
+            assert predict.main([*argv, "--no-progress-bar"]) == 0
+    for run in ("runs/sft", "runs/sft-chat"):
+        summary = json.loads((tmp_path / run / "summary.json").read_text(encoding="utf-8"))
+        assert summary["task"] == "causal-lm" and summary["optimizer_steps"] == 2
+        assert set(summary["final_eval"]) >= {"loss", "perplexity"}  # eval_split held rows out
+        assert (tmp_path / run / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # matplotlib: the test extra
+        written = yaml.safe_load((tmp_path / run / "config.yaml").read_text(encoding="utf-8"))
+        assert {key: written[key] for key in ("task", "response_column", "accum", "grad_checkpoint", "lr")} == \
+            {key: recipe[key] for key in ("task", "response_column", "accum", "grad_checkpoint", "lr")}
+    predictions = (tmp_path / "runs" / "sft" / "predictions.jsonl").read_text(encoding="utf-8").splitlines()
+    prompts = (EXAMPLES / "sft" / "prompts.jsonl").read_text(encoding="utf-8").splitlines()
+    assert len(predictions) == len(prompts) and all("generated" in json.loads(line) for line in predictions)

@@ -338,7 +338,8 @@ def test_a_run_that_failed_before_saving_anything_is_replaced_by_the_rerun_with_
     assert re.search(rf"notice: the run in {re.escape(str(output_dir))} failed at step 0 without saving a "
                      r"checkpoint or final/: nothing of it can be resumed, so this run takes its place with other "
                      r"settings \(schedule\.lr: 0\.001 -> 0\.002\)\n"
-                     r"notice: moved the previous run's files \(run\.json, .*run_config\.json\) aside into ", out), out
+                     r"notice: moved the previous run's files \(run\.json, .*run_config\.json, config\.yaml\) aside "
+                     r"into ", out), out
     (aside,) = output_dir.glob("previous-*")
     assert tree_snapshot(aside) == left  # nothing of the failed run is lost
     assert json.loads((output_dir / "summary.json").read_text())["optimizer_steps"] == 2

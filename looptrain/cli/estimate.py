@@ -12,15 +12,19 @@ r"""The estimator's command line (`looptrain.estimation.estimate`): `python -m l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
+import os
 import platform
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from looptrain import strategy as strategies
 from looptrain.cli.errors import program_name
+from looptrain.cli.recipe import expand_config
 from looptrain.estimation.estimator import ESTIMATE_METER, estimate
 from looptrain.estimation.shapes import PRESETS, ladder, load_config, preset_config
 from looptrain.planning.errors import PlanError
@@ -59,11 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     """The estimate's command line: the model source and the shape, then every lever the estimator prices."""
     parser = argparse.ArgumentParser(prog=program_name("estimate.py"),
                                      description="Estimate the peak memory of a training step on fake tensors.")
-    source = parser.add_mutually_exclusive_group(required=True)
+    parser.add_argument("--config", metavar="FILE",
+                        help="a recipe: a YAML or JSON file of these flags by name without dashes (preset: "
+                             "bert-large, grad_checkpoint: true); flags on the command line override it (a "
+                             "config.json with model_type is read as --model FILE)")
+    source = parser.add_mutually_exclusive_group()  # one is required: `_parse_arguments` says so after --config
     source.add_argument("--preset", choices=sorted(PRESETS),
                         help="a built-in shape (no download): BERT classifiers, Qwen2.5 causal LMs")
-    source.add_argument("--config", help="a config.json file (with model_type)")
-    source.add_argument("--model", help="a local model directory (its config only is read)")
+    source.add_argument("--model", help="a local model directory, or its config.json (with model_type); only the "
+                                        "config is read")
     parser.add_argument("--seq-len", type=strategies.at_least(1), default=128)
     parser.add_argument("--num-labels", type=strategies.at_least(1), default=2)
     parser.add_argument("--ladder", action="store_true", help="print the table of strategy mixes")
@@ -91,8 +99,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+def _parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
+    parser = build_parser()
+    arguments = parser.parse_args(command_line(parser, argv))
+    if arguments.preset is None and arguments.model is None:
+        parser.error("one of the arguments --preset --model is required (or preset or model in the --config file)")
+    return arguments
+
+
+def command_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """The command line with a --config recipe's flags written out in front of it (`expand_config`)."""
+    return expand_config(parser, _model_config_as_model(argv))
+
+
+def _model_config_as_model(argv: Sequence[str]) -> list[str]:
+    """``--config config.json`` of a model (a JSON mapping with model_type), the flag's meaning before recipes, is
+    ``--model config.json``."""
+    argv = list(argv)
+    for index, token in enumerate(argv[:-1]):
+        if token == "--config" and argv[index + 1].endswith(".json") and os.path.isfile(argv[index + 1]):
+            with contextlib.suppress(OSError, ValueError):
+                values = json.loads(Path(argv[index + 1]).read_text(encoding="utf-8"))
+                if isinstance(values, dict) and "model_type" in values:
+                    argv[index] = "--model"
+    return argv
 
 
 def given_levers(argv: Sequence[str]) -> set[str]:
@@ -147,8 +177,9 @@ def source_config(arguments: argparse.Namespace) -> tuple[Any, str]:
 
     if arguments.preset:
         config, source = preset_config(arguments.preset, arguments.num_labels), arguments.preset
-    elif arguments.config:
-        config, source = load_config(arguments.config, arguments.num_labels), arguments.config
+    elif os.path.isfile(arguments.model):  # a config.json (--config is the recipe file)
+        config = load_config(arguments.model, arguments.num_labels, arguments.trust_remote_code)
+        source = arguments.model
     else:
         config, source = read_model_config(arguments.model, arguments.trust_remote_code), arguments.model
         config.num_labels = arguments.num_labels
@@ -159,7 +190,7 @@ def source_config(arguments: argparse.Namespace) -> tuple[Any, str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: print one estimate, with ``--ladder`` the table of strategy mixes, with ``--lowest`` the
     full fine-tune with the lowest estimate (``--json``: as JSON)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = command_line(build_parser(), sys.argv[1:] if argv is None else argv)
     arguments = _parse_arguments(argv)
     if arguments.json and arguments.ladder:
         print("error: --json prints one estimate or --lowest's result, not --ladder's table", file=sys.stderr)

@@ -19,12 +19,16 @@ def main(argv: list[str] | None = None, *, owns_process: bool = False) -> int:
     """Runs `finetune.py --plan-only` with these arguments; returns its exit code (`owns_process`: as
     `finetune.main`'s: the console script's process may have its allocator's thresholds fixed)."""
     from looptrain.cli import finetune
+    from looptrain.cli.finetune.arguments import SWITCHED_FIELDS
+    from looptrain.cli.recipe import expand_config
 
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = expand_config(finetune.build_parser(), sys.argv[1:] if argv is None else argv,
+                         SWITCHED_FIELDS)  # a --config file's flags, then the typed ones
     # Parsed as finetune.py parses it, so that --help prints the help (and exits 0) and --memory-budget is found
-    # however it is spelt (--memory-budget=4GiB).
+    # however it is spelt (--memory-budget=4GiB) or given (the --config file).
     if finetune.build_parser().parse_args(argv).memory_budget is None:
-        print("plan.py: error: --memory-budget SIZE is required (e.g. --memory-budget 4GiB)", file=sys.stderr)
+        print("plan.py: error: --memory-budget SIZE is required (e.g. --memory-budget 4GiB, or memory_budget: 4GiB "
+              "in the --config file)", file=sys.stderr)
         return 2
     return finetune.main([*argv, "--plan-only"], owns_process=owns_process)
 

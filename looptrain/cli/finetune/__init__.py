@@ -25,6 +25,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from looptrain.cli.errors import UsageError
 from looptrain.cli.finetune.arguments import (
+    SWITCHED_FIELDS,
     DefaultOnceFormatter,
     add_loading_arguments,
     build_parser,
@@ -43,6 +44,7 @@ from looptrain.cli.finetune.inputs import (
 from looptrain.cli.finetune.reports import OutOfMemory, final_table
 from looptrain.cli.finetune.request import Flags, Process, RunRequest, request_of
 from looptrain.cli.finetune.run import run
+from looptrain.cli.recipe import expand_config
 
 __all__ = ["EMBEDDED_DATA_PACKAGE", "EMBEDDED_MODEL_PACKAGE", "DefaultOnceFormatter", "Flags", "Process",
            "RunRequest", "UsageError", "add_loading_arguments", "build_parser", "final_table", "load_data",
@@ -58,8 +60,9 @@ def main(argv: list[str] | None = None, *, owns_process: bool = False) -> int:
     `owns_process`: the process is this run's alone (the console script's), so settings that outlive the run may
     be changed: under a budget read as RSS, glibc's malloc thresholds where the planner needs them (`lean_allocator`).
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = expand_config(parser, sys.argv[1:] if argv is None else argv, SWITCHED_FIELDS)  # a --config file's, typed
+    args = parser.parse_args(argv)
     rss = rss_at_start()
     capped = None  # said by `run` once it knows where its messages go (stderr with --json)
     if args.memory_budget and owns_process:  # before the process's first kernel: the caches read it then

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 from looptrain.cli.errors import UsageError, program_name
+from looptrain.cli.recipe import check_recipe_path, recipe_of
 
 EMBEDDED_EVAL_FRACTION = 0.1
 
@@ -95,7 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_input_arguments(group) -> None:
-    """Where the model and the data come from."""
+    """Where the model and the data come from (and the recipe file that may say every flag)."""
+    group.add_argument("--config", default=None, metavar="FILE",
+                       help="a recipe: a YAML or JSON file of flags by name without dashes (lr: 2.0e-5, "
+                            "grad_checkpoint: true); flags on the command line override it; a run writes its own "
+                            "to OUTPUT_DIR/config.yaml (docs/finetune.md, \"Recipe files\")")
     group.add_argument("--task", choices=TASKS, default="sequence-classification",
                        help="sequence-classification: AutoModelForSequenceClassification on text and label columns; "
                             "causal-lm: AutoModelForCausalLM on a text column (loss on every token), prompt and "
@@ -180,6 +185,9 @@ def _add_memory_arguments(group) -> None:
                        help="with --memory-budget: print the plan and the command line of the winner, train nothing "
                             "(scripts/plan.py)")
     group.add_argument("--json", action="store_true", help="with --plan-only: print the plan as JSON")
+    group.add_argument("--save-config", default=None, metavar="FILE",
+                       help="with --plan-only: write the planned run as a --config recipe (.yaml or .json) that "
+                            "trains the winner")
     group.add_argument("--max-tokens", type=int, default=None,
                        help="batch by a padded-token budget instead of --batch-size: bounded memory per micro-batch")
 
@@ -296,6 +304,18 @@ def check_budget_flags(args, given: frozenset[str] | set[str]) -> None:
     elif args.plan_only or args.plan_time is not None or args.budget_meter != "auto":
         raise UsageError("--plan-only, --plan-time and --budget-meter belong to --memory-budget: add "
                          "--memory-budget SIZE")
+    if args.save_config is not None and not args.plan_only:
+        raise UsageError("--save-config writes the plan of --plan-only as a recipe: add --plan-only (a training run "
+                         "writes its recipe to OUTPUT_DIR/config.yaml itself)")
+    if problem := check_recipe_path("--save-config", args.save_config):
+        raise UsageError(problem)
+    if args.save_config is not None:
+        from looptrain.ledger import run_file_owner
+
+        if (run_directory := run_file_owner(args.save_config)) is not None:
+            raise UsageError(f"--save-config {args.save_config} is one of the files of the run in {run_directory} "
+                             "(its config.yaml is the recipe it trained), which would be overwritten; pass another "
+                             f"path, e.g. --save-config {run_directory.parent / 'planned.yaml'}")
     if args.json and not args.plan_only:
         raise UsageError("--json prints the plan of --plan-only as JSON (scripts/plan.py --json); add --plan-only, "
                          "or drop --json (a training run writes its figures to summary.json)")
@@ -385,6 +405,23 @@ def loop_config(request, identity: dict | None = None):
     fields["run_identity"] = identity or {}
     fields["extra"] = {"command_line": list(request.process.argv)}
     return LoopConfig(**fields)
+
+
+# LoopConfig's fields that a --no-... switch turns off: a recipe may say them by their field's name.
+SWITCHED_FIELDS = {"track_memory": "--no-track-memory", "progress_bar": "--no-progress-bar"}
+
+# What a recipe that trains a run again leaves out: how the run was planned (its levers say the plan) or started.
+NOT_IN_A_RUN_RECIPE = ("save_config", "plan_only", "json", "memory_budget", "plan_time", "budget_meter",
+                       "effective_batch", "resume", "overwrite")
+
+
+def run_recipe(flags) -> dict:
+    """The --config recipe that trains these flags (a planned request's: the plan's levers) again: the split and
+    every flag off its default, without the planner's flags and --resume/--overwrite (`looptrain.cli.recipe`)."""
+    values = flags.to_dict()
+    if values["metric_for_best"] == DEFAULT_METRIC_FOR_BEST[values["task"]]:  # resolved from --task: not given
+        values["metric_for_best"] = None
+    return recipe_of(build_parser(), values, leave_out=NOT_IN_A_RUN_RECIPE, always=("batch_size", "accum_steps"))
 
 
 def effective_batch(flags) -> int:

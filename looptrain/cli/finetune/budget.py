@@ -19,7 +19,7 @@ if typing.TYPE_CHECKING:
 PLANNED_SPLIT = ("batch_size", "accum_steps")
 
 # The planner's own flags: valued, and switches.
-PLAN_FLAGS_WITH_VALUE = ("--memory-budget", "--plan-time", "--effective-batch", "--budget-meter")
+PLAN_FLAGS_WITH_VALUE = ("--memory-budget", "--plan-time", "--effective-batch", "--budget-meter", "--save-config")
 PLAN_SWITCHES = ("--plan-only", "--json", "--amp")
 
 
@@ -159,11 +159,26 @@ def plan_only_output(request: RunRequest, result) -> dict:
                *result.winner.settings.flags()]
     # Planned with glibc's thresholds fixed: the run keeps the budget only with them, so the command sets them.
     environment = lean_environment(result.malloc_threshold_bytes) if result.malloc else {}
+    if request.flags.save_config is not None:
+        save_plan_recipe(request, request.flags.save_config, environment)
     if request.budget.json:  # stdout holds the JSON alone (this rank's messages go to stderr)
         print(json.dumps({**result.to_dict(), "command": command, "environment": environment}, indent=2))
     else:
         say("train it with:\n  " + " ".join([f"{name}={value}" for name, value in environment.items()] + command))
     return {"plan": result.to_dict(), "command": command, "environment": environment, "interrupted": None}
+
+
+def save_plan_recipe(request: RunRequest, path: str, environment: dict) -> None:
+    """--save-config: the planned request's recipe (the winner's levers, no budget), with the environment the plan
+    needs said in its comments."""
+    from looptrain.cli.recipe import write_recipe
+
+    needs = [f"It needs: {' '.join(f'{name}={value}' for name, value in environment.items())} (the allocator's "
+             "thresholds the plan fitted with)."] if environment else []
+    write_recipe(path, request.recipe(), comments=[
+        f"--memory-budget {request.budget.size}'s plan: looptrain-finetune --config {path} trains its winner "
+        "(the flags of a command line override these).", *needs])
+    say(f"--save-config: the plan's recipe is in {path}: looptrain-finetune --config {path}")
 
 
 def without_plan_flags(argv: list[str]) -> list[str]:

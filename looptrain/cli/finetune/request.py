@@ -15,7 +15,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from looptrain.cli.finetune.arguments import DEFAULT_METRIC_FOR_BEST, budget_bytes, check_flags, strategy_of
+from looptrain.cli.finetune.arguments import (
+    DEFAULT_METRIC_FOR_BEST,
+    budget_bytes,
+    check_flags,
+    run_recipe,
+    strategy_of,
+)
 
 if TYPE_CHECKING:
     from looptrain.config import LoopConfig
@@ -49,7 +55,7 @@ class Process:
     """The process a run happens in.
 
     Args:
-        argv: the command line as given.
+        argv: the command line as given, a --config file's flags written out in front of it (`expand_config`).
         owns_process: the process is this run's alone (the console script's), so settings that outlive the run
             may be changed (glibc's malloc thresholds, under a budget read as RSS).
         rss_at_start: the process's RSS once the libraries are imported (None: not Linux).
@@ -106,6 +112,10 @@ class RunRequest:
         config = dataclasses.replace(self.config, **settings.loop_fields()) if self.config is not None else None
         return dataclasses.replace(self, flags=self.flags.replace(**levers, amp=False), config=config,
                                    resumed_plan=resumed_plan if resumed_plan is not None else self.resumed_plan)
+
+    def recipe(self) -> dict:
+        """The --config recipe that trains this request again (OUTPUT_DIR/config.yaml, --save-config)."""
+        return run_recipe(self.flags)
 
     def arguments(self) -> dict:
         """run_config.json's "arguments": every flag's value (and the budget in bytes, with --memory-budget)."""

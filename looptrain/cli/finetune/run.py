@@ -24,6 +24,9 @@ from looptrain.cli.finetune.inputs import (
     run_identity,
 )
 from looptrain.cli.finetune.reports import OutOfMemory, estimate_error, final_table, what_would_fit
+from looptrain.cli.recipe import write_recipe
+
+RUN_RECIPE = "config.yaml"  # beside run_config.json: the --config recipe that trains the run again
 
 if TYPE_CHECKING:
     from looptrain.cli.finetune.request import RunRequest
@@ -243,7 +246,8 @@ def build_optimization(request: RunRequest, model, device, batches_per_epoch: in
 
 
 def prepare_output_dir(request: RunRequest, place, model, precision: str, device, plan_result) -> None:
-    """Checks a forced resume's weights fit the model, then writes run_config.json (main process)."""
+    """Checks a forced resume's weights fit the model, then writes run_config.json and the run's recipe,
+    config.yaml (main process)."""
     from looptrain.checkpoint import write_json_atomic
     from looptrain.precision import cpu_description
 
@@ -263,6 +267,9 @@ def prepare_output_dir(request: RunRequest, place, model, precision: str, device
                     # a LoRA run's final/ holds no config.json: looptrain-predict reads a classifier's labels here
                     "labels": label_names(model) if request.flags.task == "sequence-classification" else None}
         write_json_atomic(output_dir / "run_config.json", resolved)
+        write_recipe(output_dir / RUN_RECIPE, request.recipe(), comments=(
+            f"The recipe of the run in {output_dir}: looptrain-finetune --config {output_dir / RUN_RECIPE} "
+            "--output-dir NEW_DIR", "trains it again (the flags of a command line override these).",))
 
 
 def label_names(model) -> list[str]:
