@@ -262,6 +262,18 @@ def _keep_kernel_cache_variables(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _report_png_only_where_tested(request, monkeypatch):
+    """Drawing report.png costs about 0.3 s a run, and the suite finishes over a hundred runs in-process: only the
+    tests marked `report` (tests/test_report.py, the SFT page, the bad `looptrain-report` inputs) draw it, with
+    matplotlib; the other in-process runs check everything else a run writes. Subprocess runs always draw."""
+    if request.node.get_closest_marker("report") is None:
+        import looptrain.report
+
+        monkeypatch.setattr(looptrain.report, "report_after_run",
+                            lambda run_dir: f"(report.png not drawn in this test: tests/conftest.py; {run_dir})")
+
+
+@pytest.fixture(autouse=True)
 def _reset_bnb_overrides():
     """bitsandbytes' GlobalOptimManager is process-global: start and end every test clean."""
     yield

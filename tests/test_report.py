@@ -19,6 +19,8 @@ from looptrain.cli import report as report_cli
 
 from conftest import write_csv
 
+pytestmark = pytest.mark.report  # its runs draw report.png (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PICTURE_SHAPE = (750, 1100, 4)  # 11 x 7.5 inches at 100 dpi, RGBA
