@@ -186,6 +186,7 @@ def test_repeated_and_comma_separated_names_are_one_list():
     assert tracker_names("none") == [] and tracker_names("wandb,none,wandb") == ["wandb"]
 
 
+@pytest.mark.slow  # a whole command-line run through both trackers, about 20 s cold: .ci/run runs it
 def test_the_command_line_reports_to_wandb_and_mlflow_at_once(offline_wandb, local_mlflow, model_dir, tmp_path):
     from looptrain.cli import finetune
 
