@@ -137,6 +137,7 @@ def test_mlflow_file_store_holds_every_logged_number_the_config_and_the_summary(
         summary["config"]))}
 
 
+@pytest.mark.slow  # 3-6 s on 2 cores: .ci/run runs it; make test stays under 5 minutes
 def test_a_resumed_run_continues_the_same_tracker_runs_without_a_step_twice(offline_wandb, local_mlflow, tmp_path,
                                                                             monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-files"))  # wandb's own setting wins over output_dir
