@@ -36,13 +36,14 @@ from typing import Any
 from looptrain.checkpoint import list_checkpoints, resolve_resume_checkpoint, write_json_atomic
 from looptrain.checkpoint.layout import CHECKPOINT_PREFIX, TRAINER_STATE_FILE
 from looptrain.report import REPORT_FILE  # the run's picture
+from looptrain.run_files import METRICS_FILE, read_json_object
 from looptrain.trackers import STATE_FILE as TRACKERS_STATE_FILE
 
 LOCK_FILE = ".looptrain.lock"
 RUN_FILE = "run.json"
 # What a run writes at the top of its output directory; their presence means a run lives there.
 # (run_config.json is not among them: it is written just before a run begins.)
-RUN_ARTIFACTS = (RUN_FILE, "metrics.jsonl", "summary.json", "final")
+RUN_ARTIFACTS = (RUN_FILE, METRICS_FILE, "summary.json", "final")
 # Files that belong to a run but do not by themselves mean a run lives here; --overwrite moves them aside too.
 # (trackers.json: the tracker runs a resume continues; report.png: the run's picture; config.yaml: the command
 # line's recipe of the run)
@@ -418,10 +419,7 @@ class RunLedger:
 
 def checkpoint_identity(checkpoint: str | os.PathLike) -> dict | None:
     """The identity of the run that saved `checkpoint` (its trainer_state.json), or None when it does not say."""
-    try:
-        identity = json.loads((Path(checkpoint) / TRAINER_STATE_FILE).read_text(encoding="utf-8")).get("identity")
-    except (OSError, ValueError, AttributeError):
-        return None
+    identity = read_json_object(Path(checkpoint) / TRAINER_STATE_FILE).get("identity")
     return identity if isinstance(identity, dict) else None
 
 

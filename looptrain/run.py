@@ -37,6 +37,7 @@ from looptrain.config import LoopConfig
 from looptrain.guards import SignalGuard
 from looptrain.precision import cpu_description, emulation_warning
 from looptrain.progress import Progress, length_of
+from looptrain.run_files import read_json_object
 from looptrain.run_log import RunLog
 
 __all__ = ["MFU_KEYS", "EvaluationError", "Run", "TrainingParts", "planned_updates", "tracked_configuration"]
@@ -389,9 +390,5 @@ def tracked_configuration(config: LoopConfig, output_dir: Path | None) -> dict:
     """What the trackers record as the run's configuration: the command line's run_config.json when it is this
     run's (its loop_config is this config), else this config alone, under "loop_config" as there."""
     loop_config = json.loads(json.dumps(config.to_dict(), default=str))
-    if output_dir is not None and (output_dir / "run_config.json").is_file():
-        with contextlib.suppress(OSError, ValueError):
-            saved = json.loads((output_dir / "run_config.json").read_text(encoding="utf-8"))
-            if isinstance(saved, dict) and saved.get("loop_config") == loop_config:
-                return saved
-    return {"loop_config": loop_config}
+    saved = read_json_object(output_dir / "run_config.json") if output_dir is not None else {}
+    return saved if saved.get("loop_config") == loop_config else {"loop_config": loop_config}

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from looptrain.run_files import METRICS_FILE
 from looptrain.trackers import open_trackers, tracker_names
 
 HEARTBEAT_SECONDS = 10.0  # without a progress bar, a line at least this often while training or evaluating
@@ -141,7 +142,7 @@ class RunLog:
         self.open_trackers()  # before metrics.jsonl grows: it says which steps a continued tracker run holds
         if self.output_dir is not None:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            with open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
+            with open(self.output_dir / METRICS_FILE, "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(record) + "\n")
         for tracker in self._trackers:
             tracker.log(record)

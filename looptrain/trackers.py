@@ -9,7 +9,6 @@ trackers (`looptrain.run_log.RunLog`).
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
 import json
@@ -20,6 +19,7 @@ from typing import Any, Protocol
 
 from looptrain.checkpoint import write_json_atomic
 from looptrain.errors import ConfigError
+from looptrain.run_files import METRICS_FILE, read_events, read_json_object
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # names LoopConfig.report_to accepts, besides "none"
 # A tracker's module and the pip package that brings it (the looptrain extra of the same name installs it).
@@ -285,7 +285,7 @@ def open_trackers(report_to: str, output_dir: Path, config: dict) -> list[Tracke
         ConfigError: a tracker's package is missing, or its run cannot be started (one line, with the fix).
     """
     state_file = output_dir / STATE_FILE
-    saved = _read_json(state_file)
+    saved = read_json_object(state_file)
     opened, state = [], dict(saved)
     for name in tracker_names(report_to):
         try:
@@ -295,7 +295,7 @@ def open_trackers(report_to: str, output_dir: Path, config: dict) -> list[Tracke
                 earlier.close("failed")
             raise
         if saved.get(name) is not None and tracker.state == saved[name]:
-            tracker = ContinuedRun(tracker, last_logged_step(output_dir / "metrics.jsonl"))
+            tracker = ContinuedRun(tracker, last_logged_step(output_dir / METRICS_FILE))
         elif tracker.state is not None:
             state[name] = tracker.state
         opened.append(tracker)
@@ -318,17 +318,8 @@ def _open(name: str, output_dir: Path, config: dict, saved: dict | None) -> Trac
 
 def last_logged_step(metrics_file: Path) -> int:
     """The highest step of the events in a metrics.jsonl (-1 without one); a line cut short by a kill is skipped."""
-    last = -1
-    with contextlib.suppress(FileNotFoundError), open(metrics_file, encoding="utf-8") as handle:
-        for line in handle:
-            with contextlib.suppress(ValueError, TypeError, AttributeError):
-                last = max(last, int(json.loads(line).get("step", -1)))
-    return last
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return saved if isinstance(saved, dict) else {}
+    if not metrics_file.is_file():
+        return -1
+    steps = [event.get("step") for event in read_events(metrics_file)]
+    return max((int(step) for step in steps if isinstance(step, (int, float)) and not isinstance(step, bool)),
+               default=-1)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from looptrain.checkpoint.layout import CheckpointError
+from looptrain.run_files import write_text_atomic
 
 
 def _json_default(value: Any) -> Any:
@@ -44,11 +45,7 @@ def write_json(value: dict[str, Any], path: Path) -> None:
 
 def write_json_atomic(path: str | os.PathLike, data: dict[str, Any]) -> None:
     """Writes JSON through a temporary file and a rename: a reader never sees half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
-    os.replace(temporary, path)
+    write_text_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
 def fsync_tree(directory: Path) -> None:

@@ -25,6 +25,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from looptrain.run_files import write_text_atomic
+
 RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
 CONFIG_FLAG = "--config"
 NOT_IN_A_RECIPE = ("help", "config")  # the dests no recipe sets
@@ -111,10 +113,7 @@ def write_recipe(path: str | os.PathLike, recipe: Mapping[str, Any], comments: S
     else:
         header = "".join(f"# {line}\n" for line in comments)
         text = header + _yaml().safe_dump(dict(recipe), sort_keys=False, default_flow_style=False, allow_unicode=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(text, encoding="utf-8")
-    os.replace(temporary, path)
+    write_text_atomic(path, text)
 
 
 def check_recipe_path(flag: str, path: str | None) -> str | None:

@@ -3,9 +3,9 @@ written through a temporary file and a rename, so that a reader never sees half 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from looptrain import run_files
 from looptrain.report.series import RunSeries, Series, run_series
 
 REPORT_FILE = "report.png"
@@ -132,10 +132,4 @@ def mebibytes(size: float) -> str:
 def write_atomically(figure, path: Path) -> None:
     """The figure as PNG through a temporary file beside `path` and a rename: `path` is either the old picture or
     the new one, never half of one; a failed write leaves no temporary file."""
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(temporary, "wb") as handle:
-            figure.savefig(handle, format="png", dpi=DPI)
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)  # gone after the rename; after a failure, what was written of it
+    run_files.write_atomically(path, lambda handle: figure.savefig(handle, format="png", dpi=DPI))

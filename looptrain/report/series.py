@@ -5,10 +5,10 @@ model and task, for the title). Nothing here draws."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
-METRICS_FILE = "metrics.jsonl"
+from looptrain.run_files import METRICS_FILE, read_events, read_json_object
+
 SUMMARY_FILE = "summary.json"
 # The memory at the peak by category, as summary.json's memory_breakdown names them, with the table's labels
 # (`looptrain.memory.format_memory_table`).
@@ -71,8 +71,8 @@ def run_series(run_dir: str | Path) -> RunSeries:
     run_dir = Path(run_dir)
     check_is_run(run_dir)
     events = current_events(read_events(run_dir / METRICS_FILE)) if (run_dir / METRICS_FILE).is_file() else []
-    summary = read_json(run_dir / SUMMARY_FILE)
-    run_config = read_json(run_dir / "run_config.json")
+    summary = read_json_object(run_dir / SUMMARY_FILE)
+    run_config = read_json_object(run_dir / "run_config.json")
     train = [event for event in events if event.get("event") == "train"]
     evaluations = [event for event in events if event.get("event") == "eval"]
     names = evaluation_names(evaluations)
@@ -103,21 +103,6 @@ def check_is_run(run_dir: Path) -> None:
     if not (run_dir / METRICS_FILE).is_file() and not (run_dir / SUMMARY_FILE).is_file():
         raise NotARunError(f"{run_dir} is not a run: it has no {METRICS_FILE} (a run writes it at its first log line "
                            f"or evaluation) nor {SUMMARY_FILE} (at its end): {fix}")
-
-
-def read_events(path: Path) -> list[dict]:
-    """The events of a metrics.jsonl, in order. A line that is not a JSON object (the half line a killed run may
-    leave at the end) is passed over."""
-    events = []
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        for line in handle:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(event, dict):
-                events.append(event)
-    return events
 
 
 def current_events(events: list[dict]) -> list[dict]:
@@ -158,15 +143,6 @@ def title_of(run_dir: Path, summary: dict, run_config: dict, train: list[dict]) 
     where = " on ".join(str(summary[key]) for key in ("precision", "device") if summary.get(key))
     unfinished = "" if summary else " (no summary.json: the run has not finished)"
     return f"{run_dir.resolve().name}: {', '.join(parts)}" + (f" ({where})" if where else "") + unfinished
-
-
-def read_json(path: Path) -> dict:
-    """A JSON object file's content; {} when it is missing or not a JSON object."""
-    try:
-        content = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return content if isinstance(content, dict) else {}
 
 
 def number(value) -> float | None:
