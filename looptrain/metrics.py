@@ -45,7 +45,9 @@ __all__ = [
     "ClassificationMetrics",
     "captured_output",
     "logits_of",
+    "label_names_of",
     "majority_baseline",
+    "named_labels",
     "scoreable_logits",
     "vocab_size_of",
 ]
@@ -466,11 +468,7 @@ class EvalMetrics:
         """The metrics of `model`'s evaluation: its config's ``num_labels`` and label names (``id2label``, unless
         they are the default ``LABEL_i``), when it has a config."""
         config = getattr(model, "config", None)
-        num_labels = getattr(config, "num_labels", None)
-        id2label = getattr(config, "id2label", None) or {}
-        names = [str(id2label.get(index, f"LABEL_{index}")) for index in range(num_labels or 0)]
-        default = [f"LABEL_{index}" for index in range(num_labels or 0)]
-        return cls(num_labels=num_labels, label_names=names if names != default else None)
+        return cls(num_labels=getattr(config, "num_labels", None), label_names=named_labels(config))
 
     def update(self, output: Mapping[str, Any]) -> None:
         """Adds one `eval_step` output: `loss_sum` and `num_items`, and `logits`/`predictions` with `labels`."""
@@ -524,6 +522,19 @@ class EvalMetrics:
             raise ValueError("nothing was evaluated: eval_step returned no loss_sum and no logits with labels")
         result.setdefault("count", int(self.items))
         return result
+
+
+def label_names_of(config: Any) -> list[str]:
+    """A classifier config's class names in id order: its ``id2label``, ``LABEL_i`` for an id it does not name (no
+    config or no ``num_labels``: none)."""
+    id2label = getattr(config, "id2label", None) or {}
+    return [str(id2label.get(index, f"LABEL_{index}")) for index in range(getattr(config, "num_labels", None) or 0)]
+
+
+def named_labels(config: Any) -> list[str] | None:
+    """`label_names_of`, or None where they are only transformers' default ``LABEL_i`` (ids, not names)."""
+    names = label_names_of(config)
+    return None if names == [f"LABEL_{index}" for index in range(len(names))] else names
 
 
 def majority_baseline(labels: ArrayLike, num_labels: int | None = None) -> dict[str, float]:

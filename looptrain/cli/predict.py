@@ -272,12 +272,6 @@ def training_label_names(model_path: str, num_labels: int) -> list[str] | None:
     return [str(name) for name in names] if isinstance(names, list) and len(names) == num_labels else None
 
 
-def model_label_names(config) -> list[str] | None:
-    """The label names in id order, or None when the config has only the default LABEL_i names (ids)."""
-    names = [str(config.id2label.get(index, f"LABEL_{index}")) for index in range(config.num_labels)]
-    return None if names == [f"LABEL_{index}" for index in range(config.num_labels)] else names
-
-
 # ---------------------------------------------------------------------- the data
 def read_data(args, config, kind: str):
     """The rows, with labels mapped to the model's ids when --label-column is given."""
@@ -286,7 +280,9 @@ def read_data(args, config, kind: str):
     text_column = (args.text_column, args.text_pair_column) if args.text_pair_column else args.text_column
     if kind == "causal_lm" or args.label_column is None:
         return read_classification_data(args.data, text_column, None, encoding_errors=args.encoding_errors)
-    names = model_label_names(config)
+    from looptrain.metrics import named_labels
+
+    names = named_labels(config)
     # The model's names map the file's labels to its ids; a label the model never learnt is an error naming it.
     data = read_classification_data(args.data, text_column, args.label_column, label_names=names,
                                     num_labels=config.num_labels, encoding_errors=args.encoding_errors)
@@ -466,7 +462,7 @@ def run(args, print=builtins.print) -> dict:
     from looptrain import data as data_module
     from looptrain.checkpoint import write_json_atomic
     from looptrain.cli.finetune.inputs import check_vocabulary
-    from looptrain.metrics import majority_baseline
+    from looptrain.metrics import label_names_of, majority_baseline
 
     hf_logging.disable_progress_bar()  # no "Loading weights" bar: predict.py has its own
     device, precision = compute_settings(args)
@@ -489,7 +485,7 @@ def run(args, print=builtins.print) -> dict:
         print(f"generated {len(generated)} rows in {time.perf_counter() - started:.1f} s; wrote {args.output}")
         return summary
 
-    label_names = [str(config.id2label.get(index, f"LABEL_{index}")) for index in range(config.num_labels)]
+    label_names = label_names_of(config)
     predictions, probabilities, evaluation = classify(model, tokenizer, data, args, device, precision, print)
     counts = Counter(predictions.tolist())
     print(f"predicted {len(data)} rows in {time.perf_counter() - started:.1f} s: "

@@ -267,19 +267,21 @@ def load_model(model_path: str, config, train, flags):
     checkpoint's head has another number of labels); with --task causal-lm, the decoder LM as it was saved."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    from looptrain.metrics import label_names_of, named_labels
+
     if flags.task == "causal-lm":
         check_decoder(model_path, config)
         return load_weights(AutoModelForCausalLM, model_path, config, flags)
 
     has_head = any(name.endswith("ForSequenceClassification")
                    for name in (getattr(config, "architectures", None) or []))
-    saved_names = [str(config.id2label.get(index, f"LABEL_{index}")) for index in range(config.num_labels)]
+    saved_names = label_names_of(config)
     data_names = [str(train.id2label[index]) for index in range(train.num_labels)]
     mismatched = has_head and config.num_labels != train.num_labels
     if mismatched:
         say(f"notice: --model {model_path} has a classification head of {config.num_labels} labels and the data "
               f"{train.num_labels}: that head is re-initialised (trained from scratch) for the data's labels")
-    elif has_head and saved_names != data_names and saved_names != [f"LABEL_{i}" for i in range(config.num_labels)]:
+    elif has_head and saved_names != data_names and named_labels(config) is not None:
         say(f"notice: --model {model_path}'s head was trained on the labels {saved_names}; "
               f"here its ids mean {data_names}")
     config.num_labels = train.num_labels

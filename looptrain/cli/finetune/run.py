@@ -249,6 +249,7 @@ def prepare_output_dir(request: RunRequest, place, model, precision: str, device
     """Checks a forced resume's weights fit the model, then writes run_config.json and the run's recipe,
     config.yaml (main process)."""
     from looptrain.checkpoint import write_json_atomic
+    from looptrain.metrics import label_names_of
     from looptrain.precision import cpu_description
 
     config = request.config
@@ -265,17 +266,11 @@ def prepare_output_dir(request: RunRequest, place, model, precision: str, device
                     "resolved": {"precision": precision, "device": str(device), "cpu": cpu_description()},
                     "plan": plan_result.to_dict() if plan_result is not None else request.resumed_plan,
                     # a LoRA run's final/ holds no config.json: looptrain-predict reads a classifier's labels here
-                    "labels": label_names(model) if request.flags.task == "sequence-classification" else None}
+                    "labels": label_names_of(model.config) if request.flags.task == "sequence-classification" else None}
         write_json_atomic(output_dir / "run_config.json", resolved)
         write_recipe(output_dir / RUN_RECIPE, request.recipe(), comments=(
             f"The recipe of the run in {output_dir}: looptrain-finetune --config {output_dir / RUN_RECIPE} "
             "--output-dir NEW_DIR", "trains it again (the flags of a command line override these).",))
-
-
-def label_names(model) -> list[str]:
-    """The classifier's label names in id order (its config's id2label)."""
-    config = model.config
-    return [str(config.id2label.get(index, f"LABEL_{index}")) for index in range(config.num_labels)]
 
 
 def summary_of_run(summary: dict, request: RunRequest, inputs: Inputs, plan_result, estimated_peak) -> dict:
