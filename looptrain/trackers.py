@@ -74,13 +74,19 @@ def _import(name: str) -> Any:
 def numbers_of(mapping: dict, prefix: str = "") -> dict[str, float]:
     """The numbers in `mapping` and the dicts nested in it, by their keys joined with "/" (booleans and None left
     out)."""
-    numbers = {}
+    return {key: value for key, value in flat_values(mapping, prefix, "/").items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
+def flat_values(mapping: dict, prefix: str = "", separator: str = ".") -> dict[str, Any]:
+    """Every value of a nested dict by its keys joined with `separator` (an empty dict is a value)."""
+    flat = {}
     for key, value in mapping.items():
-        if isinstance(value, dict):
-            numbers.update(numbers_of(value, f"{prefix}{key}/"))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            numbers[f"{prefix}{key}"] = value
-    return numbers
+        if isinstance(value, dict) and value:
+            flat.update(flat_values(value, f"{prefix}{key}{separator}", separator))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def event_numbers(record: dict) -> tuple[int, dict[str, float]]:
@@ -218,7 +224,7 @@ class MlflowTracker:
         from mlflow.entities import Param
         from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
 
-        params = [Param(key, str(value)[:MAX_PARAM_VAL_LENGTH]) for key, value in _flat(config).items()]
+        params = [Param(key, str(value)[:MAX_PARAM_VAL_LENGTH]) for key, value in flat_values(config).items()]
         for start in range(0, len(params), MAX_PARAMS_TAGS_PER_BATCH):
             self.client.log_batch(self.run_id, params=params[start:start + MAX_PARAMS_TAGS_PER_BATCH])
 
@@ -240,17 +246,6 @@ class MlflowTracker:
 
     def close(self, ending: str) -> None:
         self.client.set_terminated(self.run_id, status=self.STATUS[ending])
-
-
-def _flat(mapping: dict, prefix: str = "") -> dict[str, Any]:
-    """Every value of a nested dict by its keys joined with "."."""
-    flat = {}
-    for key, value in mapping.items():
-        if isinstance(value, dict) and value:
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 class ContinuedRun:
