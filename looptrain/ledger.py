@@ -105,7 +105,7 @@ class OutputDirLock:
             return self
         if self.path.parent.exists() and not self.path.parent.is_dir():
             raise LedgerError(f"output directory {self.path.parent} is a file; pass a directory (--output-dir)")
-        created = _missing_directories(self.path.parent)
+        created = missing_directories(self.path.parent)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         found = set(os.listdir(self.path.parent))
         descriptor, holder = self._lock_file()
@@ -180,7 +180,7 @@ class OutputDirLock:
             return {}
 
 
-def _missing_directories(directory: Path) -> list[Path]:
+def missing_directories(directory: Path) -> list[Path]:
     """The directories `mkdir(parents=True)` would create for `directory`, the deepest first."""
     missing = []
     while not directory.exists():
@@ -347,7 +347,7 @@ class RunLedger:
                     f"{self.output_dir} already holds another run ({', '.join(previous)}); continue it with "
                     "--resume auto, move it aside with --overwrite (overwrite=True: nothing is deleted), or pass "
                     "another --output-dir")
-            self._move_aside(previous + [name for name in MOVED_WITH_A_RUN if (self.output_dir / name).exists()])
+            self._move_aside(previous)
         return {"action": "fresh", "checkpoints": [], "run": None}
 
     def _check_forced_checkpoint(self, checkpoint: Path, saved: dict | None, previous: list[str]) -> None:
@@ -387,9 +387,12 @@ class RunLedger:
         self.echo(f"notice: the run in {self.output_dir} {ended.get(saved.get('status'), 'stopped')} at step "
                   f"{saved.get('step', '?')} without saving a checkpoint or final/: nothing of it can be resumed, so "
                   f"this run takes its place{settings}")
-        self._move_aside(previous + [name for name in MOVED_WITH_A_RUN if (self.output_dir / name).exists()])
+        self._move_aside(previous)
 
-    def _move_aside(self, names: list[str]) -> None:
+    def _move_aside(self, previous: list[str]) -> None:
+        """Moves the run that lives here (`previous`, and the files of `MOVED_WITH_A_RUN` that exist) into a
+        previous-<time>-<pid>/ directory, never deleting a byte of it."""
+        names = previous + [name for name in MOVED_WITH_A_RUN if (self.output_dir / name).exists()]
         aside = self.output_dir / f"previous-{datetime.datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}"
         aside.mkdir()
         for name in names:

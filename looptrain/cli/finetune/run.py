@@ -117,11 +117,9 @@ def check_writable(output_dir: Path) -> None:
     if the run writes nothing."""
     import tempfile
 
-    missing = []
-    for directory in (output_dir, *output_dir.parents):
-        if directory.exists():
-            break
-        missing.append(directory)
+    from looptrain.ledger import missing_directories
+
+    missing = missing_directories(output_dir)  # the deepest first
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=output_dir):
@@ -130,7 +128,7 @@ def check_writable(output_dir: Path) -> None:
         raise UsageError(f"--output-dir {output_dir} is not writable ({error.strerror or error}): pass a directory "
                          "you can write to (e.g. --output-dir runs/exp1)") from None
     finally:
-        for directory in missing:  # the deepest first
+        for directory in missing:
             with contextlib.suppress(OSError):
                 directory.rmdir()
 
