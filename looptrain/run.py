@@ -39,6 +39,7 @@ from looptrain.precision import cpu_description, emulation_warning
 from looptrain.progress import Progress, length_of
 from looptrain.run_files import read_json_object
 from looptrain.run_log import RunLog
+from looptrain.trackers import tracker_names
 
 __all__ = ["MFU_KEYS", "EvaluationError", "Run", "TrainingParts", "planned_updates", "tracked_configuration"]
 
@@ -98,7 +99,8 @@ class Run:
         self.best = BestTracker(metric, config.best_mode_for(metric))
         self.log = RunLog(self.output_dir, is_main=is_main, report_to=config.report_to,
                           progress_bar=config.progress_bar,
-                          config=tracked_configuration(config, self.output_dir) if is_main else None)
+                          config=tracked_configuration(config, self.output_dir)
+                          if is_main and tracker_names(config.report_to) else None)
         self.last_checkpoint_step = -1
         self.model_flops: flops.ModelFlops | None = None
         self.peak: dict | None = None
