@@ -101,7 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
     parser = build_parser()
-    arguments = parser.parse_args(command_line(parser, argv))
+    return _parsed(parser, command_line(parser, argv))
+
+
+def _parsed(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """`argv` (its --config written out already, `command_line`) parsed, with a model source required."""
+    arguments = parser.parse_args(argv)
     if arguments.preset is None and arguments.model is None:
         parser.error("one of the arguments --preset --model is required (or preset or model in the --config file)")
     return arguments
@@ -190,8 +195,9 @@ def source_config(arguments: argparse.Namespace) -> tuple[Any, str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: print one estimate, with ``--ladder`` the table of strategy mixes, with ``--lowest`` the
     full fine-tune with the lowest estimate (``--json``: as JSON)."""
-    argv = command_line(build_parser(), sys.argv[1:] if argv is None else argv)
-    arguments = _parse_arguments(argv)
+    parser = build_parser()
+    argv = command_line(parser, sys.argv[1:] if argv is None else argv)  # --lowest reads the levers given in it
+    arguments = _parsed(parser, argv)
     if arguments.json and arguments.ladder:
         print("error: --json prints one estimate or --lowest's result, not --ladder's table", file=sys.stderr)
         return 2
