@@ -151,10 +151,16 @@ def apply_lora(model: nn.Module, rank: int, *, alpha: int | None = None, dropout
     return wrapped
 
 
+def _targeted(model: nn.Module, targets: Iterable[str]) -> list[tuple[str, nn.Module]]:
+    """The modules `targets` name, as `apply_lora` matches them: by their full name or by its last part."""
+    names = set(targets)
+    return [(name, module) for name, module in model.named_modules()
+            if name in names or name.rsplit(".", 1)[-1] in names]
+
+
 def _targets_conv1d(model: nn.Module, names: list[str]) -> bool:
     """Whether the modules named `names` include a transformers ``Conv1D`` (GPT-2's projections)."""
-    return any(_is_conv1d(module) for name, module in model.named_modules()
-               if name in names or name.rsplit(".", 1)[-1] in names)
+    return any(_is_conv1d(module) for _, module in _targeted(model, names))
 
 
 def task_type_of(model: nn.Module) -> str | None:
@@ -183,9 +189,8 @@ def rank_width_problem(model: nn.Module, targets: Iterable[str], rank: int) -> s
     An adapter of rank r on an ``in x out`` layer trains ``r * (in + out)`` weights: at ``r >= min(in, out)`` that is
     at least the layer's own ``in * out``, so "low-rank" adapters would train more than a full fine-tune does.
     """
-    names = set(targets)
-    widths = [(min(_layer_shape(module)), name, _layer_shape(module)) for name, module in model.named_modules()
-              if (name in names or name.rsplit(".", 1)[-1] in names) and _layer_shape(module)]
+    widths = [(min(shape), name, shape) for name, module in _targeted(model, targets)
+              if (shape := _layer_shape(module))]
     if not widths:
         return None
     width, name, (rows, columns) = min(widths)
