@@ -61,8 +61,8 @@ class LedgerError(RuntimeError):
 
 def file_fingerprint(path: str | os.PathLike, whole: bool = False, head_bytes: int = 1 << 20) -> dict:
     """A file's identity: its path, its size and the SHA-256 of its first `head_bytes` bytes (`head_sha256`); with
-    `whole`, also the SHA-256 of its whole content (`sha256`, streamed: about 0.07 s per 100 MB on a CPU with SHA
-    instructions), so that a change anywhere in the file counts, even at the same size."""
+    `whole`, also the SHA-256 of its whole content (`sha256`, streamed in 1 MiB reads; its cost is in
+    docs/reliability.md), so that a change anywhere in the file counts, even at the same size."""
     path = Path(path)
     with open(path, "rb") as handle:
         fingerprint = {"path": str(path.resolve()), "bytes": path.stat().st_size,

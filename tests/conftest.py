@@ -263,9 +263,9 @@ def _keep_kernel_cache_variables(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _report_png_only_where_tested(request, monkeypatch):
-    """Drawing report.png costs about 0.3 s a run, and the suite finishes over a hundred runs in-process: only the
-    tests marked `report` (tests/test_report.py, the SFT page, the bad `looptrain-report` inputs) draw it, with
-    matplotlib; the other in-process runs check everything else a run writes. Subprocess runs always draw."""
+    """Drawing report.png is a large share of a tiny in-process run's time (docs/testing.md), over a hundred runs:
+    only the tests marked `report` (tests/test_report.py, the SFT page's test) draw it, with matplotlib; the other
+    in-process runs check everything else a run writes. Subprocess runs always draw."""
     if request.node.get_closest_marker("report") is None:
         import looptrain.report
 

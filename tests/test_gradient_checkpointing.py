@@ -191,7 +191,7 @@ def test_every_second_block_is_checkpointed_with_the_same_grads_and_less_memory_
         enable_gradient_checkpointing(every_other, every=0)
 
 
-@pytest.mark.slow  # 3-6 s on 2 cores: .ci/run runs it; make test stays under 5 minutes
+@pytest.mark.slow  # among the costliest fast checks (docs/results.md): .ci/run runs it, make test leaves it out
 def test_checkpointing_every_k_blocks_trades_memory_monotonically():
     from transformers import BertConfig
 

@@ -108,7 +108,7 @@ def test_a_forced_resume_from_another_directory_into_a_finished_run_refuses_and_
     assert run_in_process(argv(model_dir, data_files, tmp_path / "fresh", "--resume", str(checkpoint))) == 0
 
 
-@pytest.mark.slow  # 3-6 s on 2 cores: .ci/run runs it; make test stays under 5 minutes
+@pytest.mark.slow  # among the costliest fast checks (docs/results.md): .ci/run runs it, make test leaves it out
 def test_another_runs_checkpoint_copied_into_a_finished_run_is_refused_and_the_advice_is_safe(
         model_dir, data_files, uninterrupted, tmp_path, capsys):
     """The refusal above once said "copy the checkpoint into this directory": done, a forced resume overwrote the

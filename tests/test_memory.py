@@ -233,7 +233,7 @@ def test_invalid_mix_names_the_option():
         estimation.preset_config("bert-huge")
 
 
-@pytest.mark.slow  # 3-6 s on 2 cores: .ci/run runs it; make test stays under 5 minutes
+@pytest.mark.slow  # among the costliest fast checks (docs/results.md): .ci/run runs it, make test leaves it out
 def test_command_line_bert_large_persistent_state(capsys):
     assert estimate_main(["--preset", "bert-large", "--batch-size", "1", "--seq-len", "8"]) == 0
     output = capsys.readouterr().out

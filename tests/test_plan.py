@@ -1576,7 +1576,7 @@ def test_a_probe_of_process_rss_trims_the_heap_where_glibc_keeps_freed_blocks(mo
         assert measured.pop() == dataclasses.replace(settings, trim_heap=trims)
 
 
-@pytest.mark.slow  # 3-6 s on 2 cores: .ci/run runs it; make test stays under 5 minutes
+@pytest.mark.slow  # among the costliest fast checks (docs/results.md): .ci/run runs it, make test leaves it out
 def test_a_probe_stops_at_its_ceiling_and_leaves_the_model_as_it_was():
     """Under a measured meter a probe that reads above its ceiling stops there: a probe over the budget would have
     taken the process past it (docs/plan.md). Its peak is past the ceiling and far below the whole update's, it has
@@ -1667,7 +1667,7 @@ def test_a_probe_of_process_rss_starts_and_ends_with_the_heap_trimmed(monkeypatc
     assert trims == [1, 1]
 
 
-@pytest.mark.slow  # 3-6 s on 2 cores: .ci/run runs it; make test stays under 5 minutes
+@pytest.mark.slow  # among the costliest fast checks (docs/results.md): .ci/run runs it, make test leaves it out
 def test_a_probe_leaves_no_loop_or_optimizer_state_alive_behind_it():
     """A probe's Loop, its optimizer and the optimizer's state are freed when the probe returns, with no collection
     after it: the probe's timed `compute_loss` closes over its Loop (a cycle), and a collection made inside the probe

@@ -261,7 +261,7 @@ def test_resume_refuses_a_checkpoint_file_that_would_run_code(
 REMOTE_CODE = "import pathlib\npathlib.Path({marker!r}).write_text('remote code ran')\n"
 
 
-@pytest.mark.slow  # 3-6 s on 2 cores: .ci/run runs it; make test stays under 5 minutes
+@pytest.mark.slow  # among the costliest fast checks (docs/results.md): .ci/run runs it, make test leaves it out
 def test_model_with_custom_code_is_refused_without_trust_remote_code(model_dir, data_files, tmp_path):
     """A config whose auto_map points at Python files in the model dir: nothing of it may run.
 

@@ -137,7 +137,7 @@ def test_mlflow_file_store_holds_every_logged_number_the_config_and_the_summary(
         summary["config"]))}
 
 
-@pytest.mark.slow  # 3-6 s on 2 cores: .ci/run runs it; make test stays under 5 minutes
+@pytest.mark.slow  # among the costliest fast checks (docs/results.md): .ci/run runs it, make test leaves it out
 def test_a_resumed_run_continues_the_same_tracker_runs_without_a_step_twice(offline_wandb, local_mlflow, tmp_path,
                                                                             monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-files"))  # wandb's own setting wins over output_dir
@@ -187,7 +187,7 @@ def test_repeated_and_comma_separated_names_are_one_list():
     assert tracker_names("none") == [] and tracker_names("wandb,none,wandb") == ["wandb"]
 
 
-@pytest.mark.slow  # a whole command-line run through both trackers, about 20 s cold: .ci/run runs it
+@pytest.mark.slow  # a whole command-line run through both trackers, their imports cold: .ci/run runs it
 def test_the_command_line_reports_to_wandb_and_mlflow_at_once(offline_wandb, local_mlflow, model_dir, tmp_path):
     from looptrain.cli import finetune
 
