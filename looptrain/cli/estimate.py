@@ -12,14 +12,12 @@ r"""The estimator's command line (`looptrain.estimation.estimate`): `python -m l
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import os
 import platform
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from looptrain import strategy as strategies
@@ -30,6 +28,7 @@ from looptrain.estimation.shapes import PRESETS, ladder, load_config, preset_con
 from looptrain.planning.errors import PlanError
 from looptrain.planning.lowest import lowest
 from looptrain.precision import cpu_has_native_bf16
+from looptrain.run_files import read_json_object
 
 
 def _table(rows: list[tuple[str, dict[str, Any]]],
@@ -122,11 +121,9 @@ def _model_config_as_model(argv: Sequence[str]) -> list[str]:
     ``--model config.json``."""
     argv = list(argv)
     for index, token in enumerate(argv[:-1]):
-        if token == "--config" and argv[index + 1].endswith(".json") and os.path.isfile(argv[index + 1]):
-            with contextlib.suppress(OSError, ValueError):
-                values = json.loads(Path(argv[index + 1]).read_text(encoding="utf-8"))
-                if isinstance(values, dict) and "model_type" in values:
-                    argv[index] = "--model"
+        if token == "--config" and argv[index + 1].endswith(".json") and "model_type" in read_json_object(
+                argv[index + 1]):
+            argv[index] = "--model"
     return argv
 
 

@@ -250,13 +250,9 @@ def load_adapter_model(auto_class, config, adapter: dict, args):
 def training_run_config(model_path: str) -> dict:
     """The run_config.json of the run that wrote `model_path` (a run's final/); {} when there is none."""
     run_config = Path(model_path).parent / "run_config.json"
-    if not (Path(model_path).name == "final" and run_config.is_file()):
-        return {}
-    try:
-        saved = json.loads(run_config.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return saved if isinstance(saved, dict) else {}
+    from looptrain.run_files import read_json_object
+
+    return read_json_object(run_config) if Path(model_path).name == "final" else {}
 
 
 def training_max_length(model_path: str) -> int | None:
