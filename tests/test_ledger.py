@@ -629,7 +629,8 @@ def test_a_flag_given_at_its_default_is_the_same_run(model_dir, data_files, tmp_
     classifier = ["--model", str(model_dir), "--data", str(data_files[0]), "--output-dir", str(tmp_path)]
     language_model = [*classifier, "--task", "causal-lm"]
     lora = [*classifier, "--lora", "4"]
-    cases = [(language_model if flag in ("--prompt-column", "--response-column", "--messages-column") else classifier,
+    lm_flags = ("--prompt-column", "--response-column", "--messages-column", "--tools-column")
+    cases = [(language_model if flag in lm_flags else classifier,
               [flag, value]) for flag, value in flags_at_their_defaults()]
     assert len(cases) > 30 and ["--lora-alpha", "0"] in [given for _, given in cases]
     cases += [(lora, ["--lora-alpha", "8"]), (lora, ["--lora-dropout", "0"]),

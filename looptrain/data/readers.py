@@ -10,7 +10,7 @@ the fix; input that is legal but may not be what the user meant adds a one-line 
 from __future__ import annotations
 
 import difflib
-import json
+import itertools
 import math
 import os
 import re
@@ -19,8 +19,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from looptrain.data.chat_rows import (
+    check_has_assistant,
+    describe,
+    is_message_list,
+    read_chat,
+    read_tools,
+    sharegpt_notice,
+)
 from looptrain.data.errors import DataError
-from looptrain.data.sources import one_line, open_source
+from looptrain.data.sources import open_source
 
 _INTEGER_PATTERN = re.compile(r"^-?\d+$")
 # A number as spreadsheets and pandas write it: 0.5, +1, 1e-3, .5 (not nan / inf, which read as words).
@@ -135,9 +143,9 @@ def read_classification_data(
     for location, row in rows:
         if max_samples is not None and len(texts) >= max_samples:
             break
-        texts.append(_text_value(row, text_columns[0], source_name, location))
+        texts.append(_text_value(row, text_columns[0], f"{source_name} {location}"))
         if text_pairs is not None:
-            text_pairs.append(_text_value(row, text_columns[1], source_name, location))
+            text_pairs.append(_text_value(row, text_columns[1], f"{source_name} {location}"))
         if label_column is not None:
             raw_labels.append(_label_value(row, label_column, source_name, location))
             label_locations.append(location)
@@ -173,16 +181,21 @@ def _check_columns(columns: Sequence[str], wanted: Sequence[str], source_name: s
         )
 
 
-def _text_value(row: Mapping[str, Any], column: str, source_name: str, location: str) -> str:
+def _text_value(row: Mapping[str, Any], column: str, where: str) -> str:
+    """The string in `column` of a row (`where`: its source and location); a DataError for anything else."""
     if column not in row:
-        raise DataError(f"{source_name} {location}: column {column!r} is missing from this row; add it")
+        raise DataError(f"{where}: column {column!r} is missing from this row; add it")
     value = row[column]
     if value is None or (isinstance(value, float) and math.isnan(value)):
-        raise DataError(f"{source_name} {location}: text column {column!r} is null; fill or drop the row")
-    text = str(value)
-    if not text.strip():
-        raise DataError(f"{source_name} {location}: text column {column!r} is empty; fill or drop the row")
-    return text
+        raise DataError(f"{where}: text column {column!r} is null; fill or drop the row")
+    if not isinstance(value, str):
+        fix = ("chats go in a 'messages' column, or in 'prompt' and 'completion' columns that both hold lists of "
+               "messages (conversational prompt/completion)") if is_message_list(value) else \
+            "write the text as a string (quoted in JSON), or name the text's column with the column flag"
+        raise DataError(f"{where}: text column {column!r} holds {describe(value)}, not a string; {fix}")
+    if not value.strip():
+        raise DataError(f"{where}: text column {column!r} is empty; fill or drop the row")
+    return value
 
 
 def _label_value(row: Mapping[str, Any], column: str, source_name: str, location: str) -> str | int:
@@ -311,6 +324,8 @@ def _check_several_classes(labels: list[int], names: list[str] | None, label_col
 
 # ---------------------------------------------------------------------- language-modelling data (causal LMs)
 LM_KINDS = ("text", "prompt_response", "messages")
+RESPONSE_COLUMNS = ("completion", "response")  # the response column's names when none is given: TRL's, then ours
+SHAREGPT_COLUMN = "conversations"  # read as the chats when the data has no messages column
 
 
 @dataclass
@@ -318,23 +333,32 @@ class LanguageModelingData:
     """Samples for a causal LM, as read from one source: plain texts, prompt/response pairs, or chats.
 
     Attributes:
-        kind: ``"text"`` (loss on every token), ``"prompt_response"`` (loss on the response only) or
-            ``"messages"`` (a chat rendered with the tokenizer's chat template; loss on the last assistant turn).
+        kind: ``"text"`` (loss on every token), ``"prompt_response"`` (string prompt and completion: loss on the
+            completion) or ``"messages"`` (chats rendered with the tokenizer's chat template: a ``messages`` or
+            ShareGPT ``conversations`` column, or conversational prompt/completion columns).
         texts: The text of each sample (``"text"``), or its prompt (``"prompt_response"``); empty for chats.
-        responses: The response of each sample (``"prompt_response"``), else None.
-        messages: The chat of each sample (``"messages"``: a list of ``{"role", "content"}`` dicts), else None.
+        responses: The completion of each sample (``"prompt_response"``), else None.
+        messages: The chat of each sample (``"messages"``: a list of message dicts, see
+            :mod:`looptrain.data.chat_rows`; for conversational prompt/completion, the prompt's messages then the
+            completion's), else None.
         source: Where the data came from, for error messages.
         columns: The columns the samples were read from, in order (for the run's identity and messages).
         notices: One-line remarks on data that was read but may not be what the user meant.
+        prompt_turns: For conversational prompt/completion, how many of each sample's messages are the prompt;
+            None for the other kinds (plain chats included).
+        tools: Each chat's tool schemas (``tools=`` of ``apply_chat_template``; None for a row without them), or
+            None when the data has no tools column.
     """
 
     kind: str
     texts: list[str]
     responses: list[str] | None = None
-    messages: list[list[dict[str, str]]] | None = None
+    messages: list[list[dict[str, Any]]] | None = None
     source: str = "<rows>"
     columns: tuple[str, ...] = ()
     notices: list[str] = field(default_factory=list)
+    prompt_turns: list[int] | None = None
+    tools: list[list[dict[str, Any]] | None] | None = None
 
     def __len__(self) -> int:
         return len(self.messages) if self.messages is not None else len(self.texts)
@@ -342,13 +366,13 @@ class LanguageModelingData:
     def select(self, indices: Iterable[int]) -> LanguageModelingData:
         """The samples at ``indices``, in that order (a split, or the first N)."""
         indices = list(indices)
-        return LanguageModelingData(
-            self.kind,
-            [self.texts[i] for i in indices] if self.texts else [],
-            None if self.responses is None else [self.responses[i] for i in indices],
-            None if self.messages is None else [self.messages[i] for i in indices],
-            self.source, self.columns, list(self.notices),
-        )
+
+        def pick(values: list | None) -> list | None:
+            return None if values is None else [values[i] for i in indices]
+
+        return LanguageModelingData(self.kind, pick(self.texts) if self.texts else [], pick(self.responses),
+                                    pick(self.messages), self.source, self.columns, list(self.notices),
+                                    pick(self.prompt_turns), pick(self.tools))
 
 
 def read_lm_data(
@@ -356,75 +380,114 @@ def read_lm_data(
     *,
     text_column: str = "text",
     prompt_column: str = "prompt",
-    response_column: str = "response",
+    response_column: str | None = None,
     messages_column: str = "messages",
+    tools_column: str = "tools",
     encoding: str = "utf-8",
     encoding_errors: str = "strict",
     max_samples: int | None = None,
 ) -> LanguageModelingData:
-    """Reads a causal LM's data from any source :func:`read_classification_data` reads, picking the kind by columns.
+    """Reads a causal LM's data (every TRL SFT format) from any source :func:`read_classification_data` reads.
 
-    The first of these that the columns hold decides: a ``messages`` column (a chat per row: a list of
-    ``{"role": ..., "content": ...}`` objects, or that list as a JSON string in a CSV/TSV cell), ``prompt``
-    and ``response`` columns (the SFT convention: loss on the response only), a ``text`` column (loss on
-    every token). Other columns are ignored.
+    The first of these that the columns hold decides the kind:
+
+    - a ``messages`` column (a chat per row: a list of ``{"role": ..., "content": ...}`` messages, or that list
+      as JSON text in a CSV/TSV cell), or else a ShareGPT ``conversations`` column (``from``/``value``
+      messages, renamed with a notice): kind ``"messages"``;
+    - ``prompt`` and ``completion`` (or ``response``) columns: kind ``"prompt_response"`` when they hold strings,
+      ``"messages"`` when both hold lists of messages (TRL's conversational prompt/completion: the chat is the
+      prompt's messages then the completion's, and ``prompt_turns`` counts the prompt's);
+    - a ``text`` column: kind ``"text"``.
+
+    A ``tools`` column (a list of JSON-schema objects, or its JSON text) gives each chat its ``tools``. Messages
+    keep ``tool_calls``, ``name``, ``tool_call_id``, ``reasoning_content`` and ``thinking``; roles are checked
+    (:mod:`looptrain.data.chat_rows`). Other columns are ignored.
 
     Args:
         source: A file, a ``save_to_disk`` directory, a cached Hub dataset or an iterable of dict rows, as in
             :func:`read_classification_data`.
         text_column: The plain-text column.
-        prompt_column: The prompt column of prompt/response data.
-        response_column: The response column of prompt/response data.
+        prompt_column: The prompt column of prompt/completion data.
+        response_column: The completion column of prompt/completion data; None: ``completion`` or ``response``,
+            whichever the data holds.
         messages_column: The chat column.
+        tools_column: The column of each chat's tool schemas (read when present).
         encoding: File encoding.
         encoding_errors: ``"strict"`` or ``"replace"``, as in :func:`read_classification_data`.
         max_samples: Keep only the first this many rows.
 
     Returns:
-        A :class:`LanguageModelingData` of the kind the columns chose.
+        A :class:`LanguageModelingData` of the kind the columns (and, for prompt/completion, the values) chose.
 
     Raises:
         DataError: For every error :func:`read_classification_data` reports about the source itself; when the
-            columns hold none of the three kinds (the message names the columns found and the fix); a prompt
-            column without its response column (or the reverse); a null or empty text, prompt or response; a
-            chat that is not a non-empty list of role/content objects.
+            columns hold none of the kinds (the message names the columns found and the fix); a prompt column
+            without its completion column (or the reverse), or both ``completion`` and ``response`` with no
+            ``response_column``; a null or empty text, prompt or completion, or one that is not a string (a list
+            of messages in one and a string in the other, or rows of both formats); a chat that is not a non-empty
+            list of messages, a role that is not a chat role, a content that is not a string, a chat (or
+            completion) without an assistant message; tools that are not a list of objects.
     """
     rows, columns, source_name = open_source(source, encoding, encoding_errors)
     kind, wanted = _lm_kind(columns, text_column, prompt_column, response_column, messages_column, source_name)
-
-    texts: list[str] = []
-    responses: list[str] | None = [] if kind == "prompt_response" else None
-    chats: list[list[dict[str, str]]] | None = [] if kind == "messages" else None
-    count = 0
-    for location, row in rows:
-        if max_samples is not None and count >= max_samples:
-            break
-        if chats is not None:
-            chats.append(_messages_value(row, messages_column, source_name, location))
+    tools: list | None = [] if tools_column in columns and kind != "text" else None
+    samples, renamed, first = [], {}, None  # first: (location, is a chat) of the first prompt/completion row
+    for location, row in itertools.islice(rows, None if max_samples is None else max(max_samples, 0)):
+        where = f"{source_name} {location}"
+        if kind == "messages":
+            chat = read_chat(row.get(wanted[0]), f"{where}: column {wanted[0]!r}", renamed)
+            check_has_assistant(chat, f"{where}: the chat in column {wanted[0]!r}")
+            samples.append(chat)
+        elif kind == "prompt_response":
+            sample = _prompt_completion(row, wanted, where, renamed)
+            first = first or (location, isinstance(sample[0], list))
+            _check_same_format(sample, first, wanted, where)
+            samples.append(sample)
         else:
-            texts.append(_text_value(row, wanted[0], source_name, location))
-            if responses is not None:
-                responses.append(_text_value(row, response_column, source_name, location))
-        count += 1
-    if not count:
+            samples.append(_text_value(row, wanted[0], where))
+        if tools is not None:
+            tools.append(read_tools(row.get(tools_column), f"{where}: column {tools_column!r}"))
+    if not samples:
         raise DataError(f"{source_name} has a header but no data rows; add rows or point to the right file")
-    return LanguageModelingData(kind, texts, responses, chats, source_name, wanted)
+    notices = sharegpt_notice(wanted[0], renamed, source_name)
+    if kind == "messages":
+        return LanguageModelingData(kind, [], None, samples, source_name, wanted, notices, None, tools)
+    if kind == "text":
+        return LanguageModelingData(kind, samples, None, None, source_name, wanted, notices)
+    if first[1]:  # conversational prompt/completion
+        return LanguageModelingData("messages", [], None, [prompt + completion for prompt, completion in samples],
+                                    source_name, wanted, notices, [len(prompt) for prompt, _ in samples], tools)
+    if tools is not None:
+        notices.append(f"{source_name}: column {tools_column!r} is left unused: tools are rendered in chats, and "
+                       f"these rows hold string prompts and completions")
+    return LanguageModelingData(kind, [prompt for prompt, _ in samples], [completion for _, completion in samples],
+                                None, source_name, wanted, notices)
 
 
-def _lm_kind(columns: Sequence[str], text_column: str, prompt_column: str, response_column: str,
+def _lm_kind(columns: Sequence[str], text_column: str, prompt_column: str, response_column: str | None,
              messages_column: str, source_name: str) -> tuple[str, tuple[str, ...]]:
-    """Which kind of LM data the columns hold, and its columns; a DataError naming the columns found otherwise."""
+    """Which kind of LM data the columns hold, and its columns; a DataError naming the columns found otherwise.
+
+    ``"prompt_response"`` here means prompt and completion columns: their values decide between strings and chats.
+    """
     if messages_column in columns:
         return "messages", (messages_column,)
-    has_prompt, has_response = prompt_column in columns, response_column in columns
-    if has_prompt and has_response:
-        return "prompt_response", (prompt_column, response_column)
+    if messages_column == "messages" and SHAREGPT_COLUMN in columns:
+        return "messages", (SHAREGPT_COLUMN,)
     found = ", ".join(map(repr, columns)) or "(none)"
-    if has_prompt != has_response:
-        present, missing = (prompt_column, response_column) if has_prompt else (response_column, prompt_column)
+    names = (response_column,) if response_column is not None else RESPONSE_COLUMNS
+    responses = [name for name in names if name in columns]
+    if len(responses) > 1:
+        raise DataError(f"{source_name} has both {responses[0]!r} and {responses[1]!r} columns (columns: {found}); "
+                        f"name the one to train on with --response-column (response_column=)")
+    response_name = " or ".join(map(repr, names))
+    if prompt_column in columns and responses:
+        return "prompt_response", (prompt_column, responses[0])
+    if prompt_column in columns or responses:
+        present, missing = (prompt_column, response_name) if responses == [] else (responses[0], repr(prompt_column))
         raise DataError(
-            f"{source_name} has a {present!r} column but no {missing!r} column (columns: {found}); prompt/response "
-            f"data needs both (loss on the response only): add or rename the {missing!r} column "
+            f"{source_name} has a {present!r} column but no {missing} column (columns: {found}); prompt/completion "
+            f"data needs both (loss on the completion only): add or rename the {missing} column "
             f"(--prompt-column / --response-column)"
         )
     if text_column in columns:
@@ -433,30 +496,36 @@ def _lm_kind(columns: Sequence[str], text_column: str, prompt_column: str, respo
     hint = f" Did you mean --text-column {close[0]}?" if close else ""
     raise DataError(
         f"{source_name} has the columns {found}, and a causal LM's data needs a {text_column!r} column (loss on "
-        f"every token), {prompt_column!r} and {response_column!r} columns (loss on the response only), or a "
-        f"{messages_column!r} column (chats rendered with the tokenizer's chat template); rename a column, or name "
-        f"yours with --text-column / --prompt-column / --response-column / --messages-column.{hint}"
+        f"every token), {prompt_column!r} and {response_name} columns (loss on the completion only), or a "
+        f"{messages_column!r} column (chats rendered with the tokenizer's chat template; or ShareGPT's "
+        f"{SHAREGPT_COLUMN!r}); rename a column, or name yours with --text-column / --prompt-column / "
+        f"--response-column / --messages-column.{hint}"
     )
 
 
-def _messages_value(row: Mapping[str, Any], column: str, source_name: str, location: str) -> list[dict[str, str]]:
-    """A row's chat: a non-empty list of ``{"role": str, "content": str}`` (a JSON string of one is parsed)."""
-    where = f"{source_name} {location}: column {column!r}"
-    value = row.get(column)
-    if isinstance(value, str):  # a chat in a CSV / TSV cell is its JSON text
-        try:
-            value = json.loads(value)
-        except (json.JSONDecodeError, RecursionError, ValueError) as error:
-            raise DataError(f"{where} is a string that is not JSON ({one_line(error)}); write the chat as a JSON "
-                            '[{"role": "user", "content": "..."}, ...]') from error
-    if not isinstance(value, list) or not value:
-        raise DataError(f"{where} must hold a non-empty list of messages "
-                        f'[{{"role": "user", "content": "..."}}, ...], got {reprlib.repr(value)}; fix or drop the row')
-    chat = []
-    for index, message in enumerate(value):
-        if (not isinstance(message, Mapping) or not isinstance(message.get("role"), str)
-                or not isinstance(message.get("content"), str)):
-            raise DataError(f"{where}, message {index}: expected an object with string 'role' and 'content', got "
-                            f"{reprlib.repr(message)}; fix or drop the row")
-        chat.append({"role": message["role"], "content": message["content"]})
-    return chat
+def _prompt_completion(row: Mapping[str, Any], columns: tuple[str, ...], where: str,
+                       renamed: dict[str, str]) -> tuple[str, str] | tuple[list, list]:
+    """A row's prompt and completion: two strings, or two lists of messages (conversational)."""
+    prompt_column, completion_column = columns
+    prompt, completion = row.get(prompt_column), row.get(completion_column)
+    if not isinstance(prompt, list) and not isinstance(completion, list):
+        return _text_value(row, prompt_column, where), _text_value(row, completion_column, where)
+    if not (isinstance(prompt, list) and isinstance(completion, list)):
+        raise DataError(f"{where}: column {prompt_column!r} holds {describe(prompt)} and column "
+                        f"{completion_column!r} {describe(completion)}; conversational prompt/completion data holds "
+                        "lists of messages in both, plain prompt/completion data strings in both: fix or drop the row")
+    prompt = read_chat(prompt, f"{where}: column {prompt_column!r}", renamed)
+    completion = read_chat(completion, f"{where}: column {completion_column!r}", renamed)
+    check_has_assistant(completion, f"{where}: the completion in column {completion_column!r}")
+    return prompt, completion
+
+
+def _check_same_format(sample: tuple, first: tuple[str, bool], columns: tuple[str, ...], where: str) -> None:
+    """Refuses a prompt/completion row of the other format than the first row's (strings, or lists of messages)."""
+    if isinstance(sample[0], list) == first[1]:
+        return
+    formats = ("lists of messages", "strings")
+    here, there = formats if not first[1] else formats[::-1]
+    raise DataError(f"{where}: columns {columns[0]!r}/{columns[1]!r} hold {here}, and {there} in {first[0]}; "
+                    "write every row in one format (conversational prompt/completion: lists of messages in both "
+                    "columns; plain: strings)")

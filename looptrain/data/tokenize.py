@@ -266,11 +266,12 @@ def _lm_segments(data: LanguageModelingData, tokenizer) -> tuple[list[str] | Non
             "tokenizer.save_pretrained(MODEL_DIR)), or write the data as prompt/response or text columns"
         )
     prompts, responses = [], []
-    for chat in data.messages or []:
-        text = tokenizer.apply_chat_template(chat, tokenize=False)
+    for index, chat in enumerate(data.messages or []):
+        tools = data.tools[index] if data.tools is not None else None
+        text = tokenizer.apply_chat_template(chat, tools=tools, tokenize=False)
         prefix = ""
         if len(chat) > 1 and chat[-1]["role"] == "assistant":
-            before = tokenizer.apply_chat_template(chat[:-1], tokenize=False, add_generation_prompt=True)
+            before = tokenizer.apply_chat_template(chat[:-1], tools=tools, tokenize=False, add_generation_prompt=True)
             prefix = before if text.startswith(before) else ""
         prompts.append(prefix)
         responses.append(text[len(prefix):])

@@ -119,9 +119,15 @@ def _add_input_arguments(group) -> None:
     group.add_argument("--text-pair-column", default=None, help="second text column, for sentence-pair tasks")
     group.add_argument("--label-column", default="label", help="label column (strings or ids)")
     group.add_argument("--prompt-column", default="prompt", help="causal-lm: prompt column (its tokens get no loss)")
-    group.add_argument("--response-column", default="response", help="causal-lm: response column")
+    group.add_argument("--response-column", default=None,
+                       help="causal-lm: completion column of prompt/completion data (default: 'completion' or "
+                            "'response', whichever the data has)")
     group.add_argument("--messages-column", default="messages",
-                       help="causal-lm: chat column (a list of role/content messages)")
+                       help="causal-lm: chat column (a list of role/content messages; without it, a ShareGPT "
+                            "'conversations' column is read)")
+    group.add_argument("--tools-column", default="tools",
+                       help="causal-lm: column of each chat's tool schemas (a list of JSON-schema objects or its JSON "
+                            "text), passed to the chat template; read when present")
     add_loading_arguments(group)
 
 
@@ -364,7 +370,7 @@ def check_lora_flags(args) -> None:
 def check_task_flags(args, given: set[str]) -> None:
     """Flags that belong to the other task, or that a causal LM needs, named before anything is read."""
     classification_only = ("--text-pair-column", "--label-column", "--freeze-encoder")
-    language_model_only = ("--prompt-column", "--response-column", "--messages-column")
+    language_model_only = ("--prompt-column", "--response-column", "--messages-column", "--tools-column")
     if args.task == "causal-lm":
         wrong = [flag for flag in classification_only if flag in given]
         if wrong:

@@ -85,7 +85,8 @@ def data_identity(flags) -> dict:
             "max_train_samples": flags.max_train_samples, "max_eval_samples": flags.max_eval_samples,
             "columns": [flags.text_column, flags.text_pair_column, flags.label_column], "max_length": flags.max_length}
     if flags.task == "causal-lm":
-        data["columns"] = [flags.text_column, flags.prompt_column, flags.response_column, flags.messages_column]
+        data["columns"] = [flags.text_column, flags.prompt_column, flags.response_column, flags.messages_column,
+                           flags.tools_column]
         data["task"] = flags.task
     return data
 
@@ -166,6 +167,7 @@ def load_lm_data(flags):
     def read(source, max_samples=None):
         return read_lm_data(source, text_column=flags.text_column, prompt_column=flags.prompt_column,
                             response_column=flags.response_column, messages_column=flags.messages_column,
+                            tools_column=flags.tools_column,
                             encoding_errors=flags.encoding_errors, max_samples=max_samples)
 
     everything = read(flags.data)
