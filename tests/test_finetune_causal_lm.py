@@ -350,7 +350,10 @@ def test_memory_budget_plans_a_causal_lm(llama_dir, tmp_path):
 @pytest.mark.parametrize("rows, extra, expected", [
     ([{"sentence": "good movie", "label": "pos"}] * 4, [],
      "has the columns 'sentence', 'label', and a causal LM's data needs a 'text' column"),
-    ([{"prompt": "good movie", "label": "pos"}] * 4, [], "has a 'prompt' column but no 'response' column"),
+    ([{"prompt": "good movie", "label": "pos"}] * 4, [],
+     "has a 'prompt' column but no 'completion' or 'response' column"),
+    ([{"prompt": "good movie", "completion": [{"role": "assistant", "content": "fun"}]}] * 4, ["--response-column",
+     "completion"], "column 'prompt' holds a str ('good movie') and column 'completion' a list of messages"),
     ([{"txt": "good movie"}] * 4, [], "Did you mean --text-column txt?"),
     ([{"text": "good movie"}] * 4, ["--label-column", "label"], "--label-column belong to --task sequence"),
     ([{"text": "good movie"}] * 4, ["--metric-for-best", "f1"], "pass --metric-for-best loss"),
