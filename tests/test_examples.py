@@ -134,8 +134,9 @@ def test_the_sft_page_runs_as_written(tmp_path, monkeypatch):
         assert set(summary["final_eval"]) >= {"loss", "perplexity"}  # eval_split held rows out
         assert (tmp_path / run / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # matplotlib: the test extra
         written = yaml.safe_load((tmp_path / run / "config.yaml").read_text(encoding="utf-8"))
-        assert {key: written[key] for key in ("task", "response_column", "accum", "grad_checkpoint", "lr")} == \
-            {key: recipe[key] for key in ("task", "response_column", "accum", "grad_checkpoint", "lr")}
+        assert {key: written[key] for key in ("task", "accum", "grad_checkpoint", "lr")} == \
+            {key: recipe[key] for key in ("task", "accum", "grad_checkpoint", "lr")}
+        assert "response_column" not in written  # TRL's completion column is found without one
     predictions = (tmp_path / "runs" / "sft" / "predictions.jsonl").read_text(encoding="utf-8").splitlines()
     prompts = (EXAMPLES / "sft" / "prompts.jsonl").read_text(encoding="utf-8").splitlines()
     assert len(predictions) == len(prompts) and all("generated" in json.loads(line) for line in predictions)

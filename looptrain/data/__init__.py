@@ -6,7 +6,8 @@ The modules, in the order a training run uses them:
 - ``sources``: CSV / TSV / JSONL / JSON / Parquet files, save_to_disk directories, cached Hub datasets and
   sequences of dicts into rows and columns (``SUPPORTED_EXTENSIONS``).
 - ``readers``: :func:`read_classification_data`, a source's rows, checked, into :class:`TextClassificationData`.
-  :func:`read_lm_data` reads a causal LM's data (text, prompt/response or chats) into :class:`LanguageModelingData`.
+  :func:`read_lm_data` reads a causal LM's data (text, prompt/completion or chats: every TRL SFT format) into
+  :class:`LanguageModelingData`; ``chat_rows`` checks its chats (roles, contents, tool calls, ShareGPT rows, tools).
 - ``tokenize``: :func:`load_tokenizer` (fast only) and :func:`tokenize`, texts into a :class:`TokenizedDataset`;
   :func:`tokenize_lm` a causal LM's samples (EOS appended, prompts masked with -100).
 - ``collate``: :class:`DynamicPaddingCollator` pads each batch to its longest sequence (or ``max_length``), token
