@@ -198,3 +198,19 @@ def test_tools_reach_the_chat_template():
     with_tools, without = (tokenize_lm(data, tokenizer, 32)[index]["input_ids"] for index in (0, 1))
     assert tokenizer.convert_ids_to_tokens(with_tools[:2]) == ["<user>", "good"]
     assert with_tools[2:] == without
+
+
+def test_the_command_line_reads_conversational_prompt_completion_without_a_flag(tmp_path):
+    """The issue's "silent garbage": TRL's conversational prompt/completion file, with no column flag or with
+    --response-column completion, is read as chats (never as the Python repr of the lists)."""
+    from looptrain.cli import finetune
+    from looptrain.cli.finetune.inputs import load_lm_data
+
+    rows = [{"prompt": [USER], "completion": [CALL, RESULT, ASSISTANT], "tools": [TOOL_SCHEMA]}] * 2
+    path = write_jsonl(tmp_path / "train.jsonl", rows)
+    for extra in ([], ["--response-column", "completion"]):
+        flags = finetune.build_parser().parse_args(["--task", "causal-lm", "--data", str(path), *extra])
+        train, eval_data, description = load_lm_data(flags)
+        assert (train.kind, train.prompt_turns, train.tools) == ("messages", [1, 1], [[TOOL_SCHEMA]] * 2)
+        assert train.messages == [[USER, CALLED, RESULT, ASSISTANT]] * 2 and eval_data is None
+        assert description.startswith(f"{path} (chats in column 'prompt'/'completion'")
