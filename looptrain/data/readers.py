@@ -326,15 +326,21 @@ class LanguageModelingData:
         source: Where the data came from, for error messages.
         columns: The columns the samples were read from, in order (for the run's identity and messages).
         notices: One-line remarks on data that was read but may not be what the user meant.
+        prompt_turns: Per chat, how many of its first messages are the prompt (conversational prompt/completion
+            data); None for plain chats and the other kinds.
+        tools: Per chat, the tool schemas passed as ``tools=`` to the chat template (None for a row without);
+            None when the data has no tools column.
     """
 
     kind: str
     texts: list[str]
     responses: list[str] | None = None
-    messages: list[list[dict[str, str]]] | None = None
+    messages: list[list[dict[str, Any]]] | None = None
     source: str = "<rows>"
     columns: tuple[str, ...] = ()
     notices: list[str] = field(default_factory=list)
+    prompt_turns: list[int] | None = None
+    tools: list[list[dict] | None] | None = None
 
     def __len__(self) -> int:
         return len(self.messages) if self.messages is not None else len(self.texts)
@@ -348,6 +354,8 @@ class LanguageModelingData:
             None if self.responses is None else [self.responses[i] for i in indices],
             None if self.messages is None else [self.messages[i] for i in indices],
             self.source, self.columns, list(self.notices),
+            None if self.prompt_turns is None else [self.prompt_turns[i] for i in indices],
+            None if self.tools is None else [self.tools[i] for i in indices],
         )
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from looptrain.cli.errors import UsageError, program_name
 from looptrain.cli.recipe import check_recipe_path, recipe_of
+from looptrain.data.chat import LOSS_ON
 
 EMBEDDED_EVAL_FRACTION = 0.1
 
@@ -122,6 +123,10 @@ def _add_input_arguments(group) -> None:
     group.add_argument("--response-column", default="response", help="causal-lm: response column")
     group.add_argument("--messages-column", default="messages",
                        help="causal-lm: chat column (a list of role/content messages)")
+    group.add_argument("--loss-on", choices=LOSS_ON, default="assistant",
+                       help="causal-lm: the tokens with a loss: every assistant turn of a chat (the completion of "
+                            "prompt/completion data), the last assistant turn only, or all tokens, prompt included "
+                            "(docs/data.md, \"Masks\")")
     add_loading_arguments(group)
 
 
@@ -364,7 +369,7 @@ def check_lora_flags(args) -> None:
 def check_task_flags(args, given: set[str]) -> None:
     """Flags that belong to the other task, or that a causal LM needs, named before anything is read."""
     classification_only = ("--text-pair-column", "--label-column", "--freeze-encoder")
-    language_model_only = ("--prompt-column", "--response-column", "--messages-column")
+    language_model_only = ("--prompt-column", "--response-column", "--messages-column", "--loss-on")
     if args.task == "causal-lm":
         wrong = [flag for flag in classification_only if flag in given]
         if wrong:
