@@ -280,3 +280,13 @@ def test_the_command_line_stops_on_a_chat_it_cannot_mask(tmp_path, capsys):
     assert re.search(r"chats\.jsonl, sample 3: cannot find the assistant tokens to train with the chat template of "
                      r"'.*model': its last message is the 'user' one", error)
     assert "Traceback" not in error and not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_a_template_that_refuses_a_chat_names_the_sample():
+    strict = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 is even) %}"
+              "{{ raise_exception('roles must alternate') }}{% endif %}{% endfor %}" + CHATML)
+    chat = [{"role": "user", "content": "Hi"}, {"role": "user", "content": "Hi?"},
+            {"role": "assistant", "content": "Yo"}]
+    with pytest.raises(DataError, match=r"^chats\.jsonl, sample 0: the chat template of 'test-template' refused the "
+                                        r"chat or its first messages \(roles must alternate\); fix the chat's roles"):
+        tokenize_lm(chats(chat), byte_tokenizer(strict), 64)

@@ -319,7 +319,7 @@ class LanguageModelingData:
 
     Attributes:
         kind: ``"text"`` (loss on every token), ``"prompt_response"`` (loss on the response only) or
-            ``"messages"`` (a chat rendered with the tokenizer's chat template; loss on the last assistant turn).
+            ``"messages"`` (a chat rendered with the tokenizer's chat template; loss on every assistant turn).
         texts: The text of each sample (``"text"``), or its prompt (``"prompt_response"``); empty for chats.
         responses: The response of each sample (``"prompt_response"``), else None.
         messages: The chat of each sample (``"messages"``: a list of ``{"role", "content"}`` dicts), else None.

@@ -305,6 +305,8 @@ def _chat_samples(data: LanguageModelingData, tokenizer, loss_on: str) -> list[t
             "model (tokenizer.chat_template = '{% for m in messages %}...{% endfor %}'; "
             "tokenizer.save_pretrained(MODEL_DIR)), or write the data as prompt/response or text columns"
         )
+    from jinja2 import TemplateError
+
     chats = data.messages or []
     samples, unanswered = [], 0
     for index, chat in enumerate(chats):
@@ -314,6 +316,11 @@ def _chat_samples(data: LanguageModelingData, tokenizer, loss_on: str) -> list[t
             samples.append(chat_sample(tokenizer, chat, tools, prompt_turns, loss_on, index))
         except DataError as error:
             raise DataError(f"{data.source}, {error}") from None
+        except TemplateError as error:  # the template's own raise_exception, or a template that cannot render
+            name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+            raise DataError(f"{data.source}, sample {index}: the chat template of {name!r} refused the chat or its "
+                            f"first messages ({error}); fix the chat's roles and order, or train on every token with "
+                            "--loss-on all (which renders only the whole chat)") from None
         unanswered += chat[-1].get("role") != "assistant"
     if unanswered and loss_on == "assistant":
         logger.warning("tokenize_lm: %d of %d chats of %s do not end with an assistant turn; their earlier "

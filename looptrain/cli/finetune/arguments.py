@@ -106,7 +106,8 @@ def _add_input_arguments(group) -> None:
                        help="sequence-classification: AutoModelForSequenceClassification on text and label columns; "
                             "causal-lm: AutoModelForCausalLM on a text column (loss on every token), prompt and "
                             "response columns (loss on the response only) or a messages column (chats rendered with "
-                            "the tokenizer's chat template), EOS appended (docs/finetune.md)")
+                            "the tokenizer's chat template, loss on every assistant turn: --loss-on) "
+                            "(docs/finetune.md)")
     group.add_argument("--model", default=None,
                        help="local model directory or hub id (cached); default: the packaged all-MiniLM-L6-v2")
     group.add_argument("--data", default=None,
