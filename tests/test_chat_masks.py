@@ -231,9 +231,11 @@ def test_a_chat_not_ending_with_the_assistant():
 
 
 def test_a_chat_without_an_assistant_turn_names_the_lever():
-    with pytest.raises(DataError, match=r"sample 0: .*it has no assistant turn; train on every token of such chats "
-                                        r"with --loss-on all, or drop them"):
-        tokenize_lm(chats(TWO_TURNS[:1]), byte_tokenizer(CHATML), 64)
+    misspelt = [{"role": "user", "content": "Hi"}, {"role": "assitant", "content": "Hello"}]  # once trained in full
+    for chat in (TWO_TURNS[:1], misspelt):
+        with pytest.raises(DataError, match=r"sample 0: .*it has no assistant turn; train on every token of such "
+                                            r"chats with --loss-on all, or drop them"):
+            tokenize_lm(chats(chat), byte_tokenizer(CHATML), 64)
 
 
 def test_renders_that_are_not_prefixes_are_an_error_naming_the_template_and_the_levers():
