@@ -113,8 +113,8 @@ def _turn_span(tokenizer, chat: list[dict], tools, index: int, text: str, row: i
     before = render(tokenizer, chat[:index], tools, add_generation_prompt=True)
     if text.startswith(before):
         start = len(before)
-    elif text.startswith(render(tokenizer, chat[:index], tools)):
-        start = len(os.path.commonprefix([text, before]))
+    elif text.startswith(prompt := render(tokenizer, chat[:index], tools)):
+        start = max(len(prompt), len(os.path.commonprefix([text, before])))
     else:
         raise _span_error(tokenizer, row, f"the render of its first {index} messages is not the start of the "
                           "render of the whole chat")

@@ -279,12 +279,11 @@ def _text_samples(data: LanguageModelingData, tokenizer, eos_id: int, batch_size
         for offset, (whole, prompt) in enumerate(zip(wholes, prompts)):
             if prompt and prompt[-1] == eos_id:
                 prompt = prompt[:-1]  # the tokenizer closes every text with EOS: not a token of the prompt
-            masked = len(os.path.commonprefix([prompt, whole]))
-            if masked < len(prompt):
+            masked = 0 if loss_on == "all" else len(os.path.commonprefix([prompt, whole]))
+            if loss_on != "all" and masked < len(prompt):
                 mismatched.append(start + offset)
             if not whole or whole[-1] != eos_id:
                 whole = whole + [eos_id]
-            masked = 0 if loss_on == "all" else masked
             samples.append((whole, [False] * masked + [True] * (len(whole) - masked)))
     if mismatched:
         first = mismatched[0]
