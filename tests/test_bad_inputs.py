@@ -77,6 +77,8 @@ CASES = [
      r"--freeze-encoder already freezes the embeddings and every layer; drop"),
     ("unfreeze with frozen encoder", "finetune", ["--freeze-encoder", "--unfreeze-schedule", "2"], r"pass one of them"),
     ("overwrite and resume", "finetune", ["--overwrite", "--resume", "auto"], r"pass one of them"),
+    ("loss-on for a classifier", "finetune", ["--loss-on", "last"],
+     r"--loss-on belong to --task causal-lm: add --task causal-lm, or drop --loss-on"),
     # --- values out of range
     ("batch size 0", "finetune", ["--batch-size", "0"], r"argument --batch-size: must be >= 1 \(got 0\)"),
     ("negative freeze layers", "finetune", ["--freeze-layers", "-1"], r"argument --freeze-layers: must be >= 0"),

@@ -80,7 +80,7 @@ def text_rows(count: int, seed: int = 0) -> list[dict]:
 def prompt_rows(count: int, seed: int = 0) -> list[dict]:
     generator = random.Random(seed)
     return [{"prompt": " ".join(generator.choice(WORDS) for _ in range(generator.randint(2, 5))),
-             "response": " ".join(generator.choice(WORDS) for _ in range(generator.randint(1, 4)))}
+             "response": " " + " ".join(generator.choice(WORDS) for _ in range(generator.randint(1, 4)))}
             for _ in range(count)]
 
 
@@ -110,7 +110,8 @@ def test_text_samples_end_with_eos_and_their_labels_are_their_ids(tmp_path):
 
 def test_prompt_positions_are_masked_in_the_collated_batch(tmp_path):
     tokenizer = make_lm_tokenizer()
-    rows = [{"prompt": "the good movie", "response": "great fun"}, {"prompt": "a", "response": "bad plot ending"}]
+    # TRL's convention: the completion carries the space that parts it from the prompt (they are tokenized joined).
+    rows = [{"prompt": "the good movie", "response": " great fun"}, {"prompt": "a", "response": " bad plot ending"}]
     path = tmp_path / "sft.csv"
     path.write_text("prompt,response\n" + "".join(f"{row['prompt']},{row['response']}\n" for row in rows))
     data = read_lm_data(path)
@@ -153,7 +154,12 @@ def test_messages_train_with_a_chat_template(chat_llama_dir, tmp_path, capsys):
     data = write_jsonl(tmp_path / "chats.jsonl", chats)
     assert run(chat_llama_dir, data, tmp_path / "out", "--max-steps", "2", "--batch-size", "4",
                "--eval-every", "no") == 0
-    assert "chats in column 'messages', loss on the last assistant turn" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "chats in column 'messages', loss on every assistant turn" in printed
+    # "<user> P <eos> <assistant> R <eos>": the answer's words and its EOS are scored, of 4 tokens more than P and R.
+    answers = [len(row["response"].split()) for row in prompt_rows(8)]
+    tokens = sum(len(row["prompt"].split()) + len(row["response"].split()) + 4 for row in prompt_rows(8))
+    assert f"loss on {sum(answers) + 8} of {tokens} training tokens (every assistant turn)" in printed
 
 
 @pytest.mark.parametrize("form", ["csv", "tsv", "json", "parquet", "save_to_disk"])
@@ -197,7 +203,7 @@ def test_truncated_samples_are_counted_and_printed(llama_dir, tmp_path, capsys):
 
 
 def test_a_prompt_that_fills_max_length_is_dropped_and_counted(llama_dir, tmp_path, capsys):
-    rows = [{"prompt": " ".join(WORDS[:12]), "response": "good"}] + prompt_rows(7)  # prompts of at most 5 words
+    rows = [{"prompt": " ".join(WORDS[:12]), "response": " good"}] + prompt_rows(7)  # prompts of at most 5 words
     data = write_jsonl(tmp_path / "sft.jsonl", rows)
     assert run(llama_dir, data, tmp_path / "out", "--max-length", "10", "--max-steps", "1", "--eval-every", "no") == 0
     printed = capsys.readouterr().out

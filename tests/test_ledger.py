@@ -629,7 +629,7 @@ def test_a_flag_given_at_its_default_is_the_same_run(model_dir, data_files, tmp_
     classifier = ["--model", str(model_dir), "--data", str(data_files[0]), "--output-dir", str(tmp_path)]
     language_model = [*classifier, "--task", "causal-lm"]
     lora = [*classifier, "--lora", "4"]
-    lm_flags = ("--prompt-column", "--response-column", "--messages-column", "--tools-column")
+    lm_flags = ("--prompt-column", "--response-column", "--messages-column", "--tools-column", "--loss-on")
     cases = [(language_model if flag in lm_flags else classifier,
               [flag, value]) for flag, value in flags_at_their_defaults()]
     assert len(cases) > 30 and ["--lora-alpha", "0"] in [given for _, given in cases]
@@ -644,3 +644,4 @@ def test_a_flag_given_at_its_default_is_the_same_run(model_dir, data_files, tmp_
     assert different == []
     assert identity_of([*lora, "--lora-alpha", "16"]) != identity_of(lora)  # not the default: another run
     assert identity_of([*classifier, "--eval-split", "0.2"]) != identity_of(classifier)
+    assert identity_of([*language_model, "--loss-on", "all"]) != identity_of(language_model)  # other labels

