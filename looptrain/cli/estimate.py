@@ -240,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if arguments.json:
         print(json.dumps({**result, "bytes_per_parameter": bytes_per_parameter(result), "source": source,
                           "batch_size": arguments.batch_size, "seq_len": arguments.seq_len,
-                          "eval_batch_size": eval_batch_size(arguments) if not arguments.ladder else None,
+                          "eval_batch_size": eval_batch_size(arguments),
                           "flags": strategy.flags(), "cpu": cpu_description()}, indent=2))
         return 0
     trained = f" ({trainable / 1e6:.2f}M trainable)" if trainable != parameters else ""
