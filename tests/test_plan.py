@@ -349,7 +349,7 @@ def test_the_end_of_run_table_computes_no_estimate_error_against_the_rss_rise():
     assert "| estimated peak (worst batch) | 300.0 MiB (error +1.2%) | |" in finetune.final_table(tracked, None, "x")
 
 
-def test_the_estimate_error_is_against_trainings_peak_and_a_higher_evaluation_peak_is_a_note():
+def test_each_estimate_error_is_like_with_like_and_an_unestimated_higher_evaluation_peak_is_a_note():
     from looptrain.cli.finetune import reports
 
     summary = {"train_runtime_s": 1.0, "train_samples_per_s": 1.0, "optimizer_steps": 1, "skipped_steps": 0,
@@ -357,35 +357,83 @@ def test_the_estimate_error_is_against_trainings_peak_and_a_higher_evaluation_pe
                "estimated_peak_bytes": 300 * 2**20,
                "phase_peak_bytes": {"setup": 100 * 2**20, "forward": 250 * 2**20, "backward": 303 * 2**20,
                                     "eval": 500 * 2**20}}
-    summary["estimate_error"] = reports.estimate_error(summary, summary["estimated_peak_bytes"])
-    assert summary["estimate_error"] == 0.01  # 303 against 300, not evaluation's 500 (+66.7%)
+    # Evaluation not estimated: the error is training's, 303 against 300, not evaluation's 500 (+66.7%).
+    summary.update(reports.estimate_errors(summary))
+    assert summary["estimate_error"] == summary["training_estimate_error"] == 0.01
+    assert summary["evaluation_estimate_error"] is None
+    assert (summary["training_peak_bytes"], summary["evaluation_peak_bytes"]) == (303 * 2**20, 500 * 2**20)
     table = finetune.final_table(summary, None, "runs/x")
     assert "| estimated peak (worst batch) | 300.0 MiB (error +1.0%) | |" in table
     assert ("| note | evaluation peaked at 500.0 MiB, above training's 303.0 MiB; evaluation is not in the estimate "
             "(--eval-batch-size lowers it) | |") in table
     below = {**summary, "phase_peak_bytes": {**summary["phase_peak_bytes"], "eval": 200 * 2**20}}
     assert "evaluation peaked" not in finetune.final_table(below, None, "runs/x")
-    # A meter of one peak (CUDA's) whose peak is evaluation's: no error, and the row says why.
+    # Evaluation estimated: the run's peak against the higher estimate, and each phase against its own.
+    priced = {**summary, "estimated_peak_bytes": 400 * 2**20, "estimated_training_peak_bytes": 300 * 2**20,
+              "estimated_evaluation_peak_bytes": 400 * 2**20, "evaluation_batch_size": 64}
+    priced.update(reports.estimate_errors(priced))
+    assert (priced["estimate_error"], priced["training_estimate_error"], priced["evaluation_estimate_error"]) == \
+        (0.25, 0.01, 0.25)
+    table = finetune.final_table(priced, None, "runs/x")
+    assert "| estimated peak (worst batch) | 400.0 MiB (error +25.0%) | |" in table
+    assert "| training peak | 303.0 MiB, estimated 300.0 MiB (error +1.0%) | |" in table
+    assert "| evaluation peak at batch 64 | 500.0 MiB, estimated 400.0 MiB (error +25.0%) | |" in table
+    assert "evaluation peaked" not in table
+    # A meter of one peak (CUDA's) whose peak is evaluation's: training's own is not known.
     cuda = {**summary, "memory_meter": "cuda_max_memory_allocated", "phase_peak_bytes": None,
             "memory_breakdown": {"peak_phase": "eval"}}
-    assert reports.estimate_error(cuda, cuda["estimated_peak_bytes"]) is None
+    assert reports.estimate_errors(cuda)["estimate_error"] is None
     assert "(no error: evaluation holds this meter's one peak, and training's own is not known)" in \
         finetune.final_table({**cuda, "estimate_error": None}, None, "runs/x")
+    assert reports.estimate_errors({**cuda, **{key: priced[key] for key in (
+        "estimated_peak_bytes", "estimated_training_peak_bytes", "estimated_evaluation_peak_bytes")}}) == {
+        "training_peak_bytes": None, "evaluation_peak_bytes": 500 * 2**20, "training_estimate_error": None,
+        "evaluation_estimate_error": 0.25, "estimate_error": 0.25}
 
 
-def test_a_run_whose_evaluation_peaks_higher_reports_trainings_error(model_dir, train_csv, tmp_path, capsys):
-    """Micro-batches of 1 and evaluation batches of 64: evaluation's peak is the run's, not the estimate's."""
+def test_a_lora_run_evaluated_at_batch_64_has_its_whole_peak_estimated(model_dir, train_csv, tmp_path, capsys):
+    """Issue 53's example: a --lora 8 classifier, micro-batches of 1, evaluation batches of 64. Evaluation holds the
+    run's peak, and the estimate prices it: within 10% of the whole run's peak, each phase of its own."""
     assert cli(model_dir, train_csv, tmp_path, "--batch-size", "1", "--eval-batch-size", "64", "--eval-split", "0.5",
-               "--max-steps", "2", "--eval-every", "2", "--device", "cpu") == 0
+               "--max-steps", "2", "--eval-every", "2", "--lora", "8", "--device", "cpu") == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     phases = summary["phase_peak_bytes"]
     training = max(peak for phase, peak in phases.items() if phase != "eval")
-    assert phases["eval"] == summary["peak_memory_bytes"] > training  # the case: evaluation peaked higher
-    assert summary["estimate_error"] == round((training - summary["estimated_peak_bytes"])
+    assert phases["eval"] == summary["peak_memory_bytes"] > 2 * training  # the case: evaluation peaked higher
+    assert (summary["training_peak_bytes"], summary["evaluation_peak_bytes"]) == (training, phases["eval"])
+    assert summary["estimated_peak_bytes"] == max(summary["estimated_training_peak_bytes"],
+                                                  summary["estimated_evaluation_peak_bytes"])
+    assert summary["estimate_error"] == round((summary["peak_memory_bytes"] - summary["estimated_peak_bytes"])
                                               / summary["estimated_peak_bytes"], 4)
     assert abs(summary["estimate_error"]) <= 0.10
-    note = f"| note | evaluation peaked at {phases['eval'] / 2**20:.1f} MiB, above training's "
-    assert note in capsys.readouterr().out
+    assert abs(summary["training_estimate_error"]) <= 0.10 and abs(summary["evaluation_estimate_error"]) <= 0.10
+    assert summary["evaluation_batch_size"] == 64
+    out = capsys.readouterr().out
+    assert f"| evaluation peak at batch 64 | {phases['eval'] / 2**20:.1f} MiB, estimated " in out
+    assert "evaluation peaked" not in out
+
+
+@pytest.mark.slow  # plans, then trains and evaluates: a whole run under a budget
+def test_a_budget_that_fits_training_but_not_evaluation_cuts_the_evaluation_batch(model_dir, train_csv, tmp_path,
+                                                                                    capsys):
+    budget = int(0.4 * 2**20)
+    assert cli(model_dir, train_csv, tmp_path, "--lora", "8", "--memory-budget", "0.4MiB", "--budget-meter",
+               "tensors", "--effective-batch", "2", "--eval-batch-size", "64", "--eval-split", "0.5", "--max-steps",
+               "2", "--eval-every", "2", "--device", "cpu") == 0
+    out = capsys.readouterr().out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    plan, rows = summary["plan"], summary["evaluation_batch_size"]
+    assert 1 < rows == plan["evaluation_batch_size"] < 64
+    note = f"evaluation batch 64 -> {rows} to stay within 0.4 MiB of live tensors"
+    assert f"--memory-budget: {note}" in out and any(line.startswith(note) for line in plan["notes"])
+    assert plan["estimated_evaluation_peak_bytes"] == summary["estimated_evaluation_peak_bytes"]
+    assert summary["estimated_evaluation_peak_bytes"] * (1 + plan["margin"]) <= budget
+    # Evaluation holds the run's peak, and the run stays within the budget.
+    assert summary["evaluation_peak_bytes"] == summary["peak_memory_bytes"] <= budget
+    assert abs(summary["evaluation_estimate_error"]) <= 0.10
+    # Evaluating 64 rows at a time would not have fit: the note gives its estimate.
+    at_64 = float(re.search(r"; ([0-9.]+) MiB at 64\)", out).group(1)) * 2**20
+    assert at_64 * (1 + plan["margin"]) > budget - 0.05 * 2**20
 
 
 def test_every_run_reports_its_estimate_error(model_dir, train_csv, tmp_path):

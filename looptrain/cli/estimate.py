@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                                         "config is read")
     parser.add_argument("--seq-len", type=strategies.at_least(1), default=128)
     parser.add_argument("--num-labels", type=strategies.at_least(1), default=2)
+    parser.add_argument("--eval-batch-size", type=strategies.at_least(1), default=None,
+                        help="evaluation's rows per batch (default: --batch-size): its peak, a forward without "
+                             "gradients at --seq-len with the weights and optimizer state resident, is printed too "
+                             "(evaluation_peak_bytes in --json), and the peak is the higher of the two")
     parser.add_argument("--ladder", action="store_true", help="print the table of strategy mixes")
     parser.add_argument("--lowest", action="store_true",
                         help="search the levers that keep the task and the math (numerics, optimizer, checkpointing, "
@@ -166,6 +170,19 @@ def _lowest(arguments: argparse.Namespace, config: Any, argv: Sequence[str]) -> 
     return 0
 
 
+def eval_batch_size(arguments: argparse.Namespace) -> int:
+    """--eval-batch-size, or --batch-size without it."""
+    return arguments.eval_batch_size or arguments.batch_size
+
+
+def evaluation_line(result: dict[str, Any], rows: int, seq_len: int) -> str:
+    """Evaluation's estimated peak beside training's, in a line."""
+    gib = 1024**3
+    return (f"\nevaluation: {result['evaluation_peak_bytes'] / gib:.3f} GiB (a forward without gradients at batch "
+            f"{rows} x seq {seq_len}, the weights and optimizer state resident); training's step: "
+            f"{result['training_peak_bytes'] / gib:.3f} GiB")
+
+
 def source_config(arguments: argparse.Namespace) -> tuple[Any, str]:
     """The config the estimate prices and its name: a preset's, a config.json's, or a model directory's, read as
     looptrain-finetune reads it (a model that ships its own code needs --trust-remote-code; nothing asks). --seq-len
@@ -214,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             strategy = strategies.from_arguments(arguments, cls=strategies.Strategy)
             rows = [("as given", estimate(config, arguments.batch_size, arguments.seq_len, strategy,
                                           num_labels=arguments.num_labels, max_grad_norm=arguments.max_grad_norm,
-                                          device=arguments.device))]
+                                          device=arguments.device, eval_batch_size=eval_batch_size(arguments)))]
     except (ValueError, PlanError, UsageError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -223,12 +240,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if arguments.json:
         print(json.dumps({**result, "bytes_per_parameter": bytes_per_parameter(result), "source": source,
                           "batch_size": arguments.batch_size, "seq_len": arguments.seq_len,
+                          "eval_batch_size": eval_batch_size(arguments),
                           "flags": strategy.flags(), "cpu": cpu_description()}, indent=2))
         return 0
     trained = f" ({trainable / 1e6:.2f}M trainable)" if trainable != parameters else ""
     print(f"{source}: {parameters / 1e6:.1f}M parameters{trained}, batch {arguments.batch_size}, seq "
           f"{arguments.seq_len}; meter: {ESTIMATE_METER} (GiB)\n")
     print(_table(rows))
+    if result.get("evaluation_peak_bytes") is not None:
+        print(evaluation_line(result, eval_batch_size(arguments), arguments.seq_len))
     notes = sorted({note for _, result in rows for note in result["notes"]})
     for note in notes:
         print(f"\nnote: {note}")

@@ -10,8 +10,8 @@ SHA-256 of a JSON description of:
   public attributes, such as a checkpointing flag), peft's adapter configs, and
   each parameter and buffer (name, shape, dtype, requires_grad, class, tied weights, a 4-bit weight's
   quantization state);
-- the batches (the windows' micro-batch shapes), the strategy (every field but those applied to the
-  batches), the number of labels, the clipping threshold, padding;
+- the batches (the windows' micro-batch shapes; the evaluation batches' shapes when evaluation is priced), the
+  strategy (every field but those applied to the batches), the number of labels, the clipping threshold, padding;
 - the CPU (capability, native bf16 and fp16: ``precision="auto"`` resolves by them), ``WORLD_SIZE``, the versions of
   torch, transformers, bitsandbytes and peft, `CODE_VERSION`, and a hash of looptrain's own source
   files, so that any change to the code estimated (the Loop, the optimizers, the tracker) misses the
@@ -162,12 +162,13 @@ def _strategy_description(strategy: Strategy, *, batch_fields: bool = False) -> 
 
 def key(model_or_config: Any, windows: Sequence[Sequence[tuple[int, int]]], strategy: Strategy, *,
         num_labels: int, max_grad_norm: float | None, padded: bool, named_config: Any = None,
-        primes: bool = False, device: str = "cpu") -> str | None:
+        primes: bool = False, device: str = "cpu", evaluation: Sequence[tuple[int, int]] = ()) -> str | None:
     """The cache key of one `estimate_windows` call (a hex digest), or None when it is not to be cached.
 
     `named_config`: for a preset name or a path, the config it names (read by the estimator); without it a name
     is not cached. `primes`: the first window only creates the optimizer state (`estimate`'s). `device`: the device
-    type whose kernels the estimate prices ("cpu", "cuda").
+    type whose kernels the estimate prices ("cpu", "cuda"). `evaluation`: the evaluation batches' shapes, evaluated
+    after the windows (none: a key without them, the same as before evaluation was priced).
     """
     model = _model_description(model_or_config, named_config)
     if model is None:
@@ -187,6 +188,8 @@ def key(model_or_config: Any, windows: Sequence[Sequence[tuple[int, int]]], stra
                 precision.cpu_has_native_fp16()],
         "world_size": os.environ.get("WORLD_SIZE", "1"),  # under torchrun the Loop joins the process group
     }
+    if evaluation:
+        description["evaluation"] = [[int(rows), int(width)] for rows, width in evaluation]
     text = json.dumps(description, sort_keys=True, default=_json_value)
     return hashlib.sha256(text.encode()).hexdigest()
 

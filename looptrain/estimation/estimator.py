@@ -121,6 +121,7 @@ def estimate(
     padded: bool = False,
     cache: bool = True,
     device: str = "cpu",
+    eval_batch_size: int | None = None,
     **levers: Any,
 ) -> dict[str, Any]:
     """Estimate the peak memory of a training step on fake tensors, by driving the Loop's own update.
@@ -161,9 +162,12 @@ def estimate(
             and store it there otherwise (`looptrain.estimation.cache`; ``LOOPTRAIN_CACHE_DIR=off`` turns
             it off everywhere). False: always estimate, store nothing. ``"only"``: read the cache and raise
             `LookupError` instead of computing (the planner's search once its time is spent).
+        eval_batch_size: also price evaluation (`evaluate_on_fakes`) at ``eval_batch_size x seq_len``, after the
+            updates: the weights and the optimizer state resident, no gradients; None: training alone.
 
     Returns:
-        ``peak_memory_bytes``, ``memory_meter`` ("estimate_fake_tensor_tracker"), ``memory_breakdown``
+        ``peak_memory_bytes`` (the higher of ``training_peak_bytes`` and ``evaluation_peak_bytes``, the latter None
+        without evaluation), ``memory_meter`` ("estimate_fake_tensor_tracker"), ``memory_breakdown``
         (params, grads, optimizer_state, activations_and_temps, peak_phase), ``phase_peak_bytes``,
         ``parameters``, ``trainable_parameters``, ``notes``, ``estimate_seconds`` (this call's),
         ``compute_seconds`` (what computing it took, when it was computed) and ``from_cache`` (whether the result
@@ -181,8 +185,10 @@ def estimate(
     # The first update creates the optimizer state: one micro-batch does that, and its peak is below the second
     # update's (the same tensors, without the state), so a second micro-batch there would only cost time; and its
     # loss need not be the model's (`fakes.priming_loss`).
+    evaluation = [(eval_batch_size, seq_len)] if eval_batch_size else []
     return _cached_estimate(model_or_config, [window[:1], window], strategy, num_labels=num_labels,
-                            max_grad_norm=max_grad_norm, padded=padded, cache=cache, primes=True, device=device)
+                            max_grad_norm=max_grad_norm, padded=padded, cache=cache, primes=True, device=device,
+                            evaluation=evaluation)
 
 
 def estimate_windows(
@@ -195,6 +201,7 @@ def estimate_windows(
     padded: bool = False,
     cache: bool = True,
     device: str = "cpu",
+    evaluation: Sequence[tuple[int, int]] = (),
     **levers: Any,
 ) -> dict[str, Any]:
     """`estimate` over given accumulation windows: the Loop's update driven once per window, in order.
@@ -213,14 +220,53 @@ def estimate_windows(
     if not windows or not all(windows):
         raise ValueError("estimate_windows needs at least one window, and every window at least one (rows, width)")
     return _cached_estimate(model_or_config, windows, as_strategy(strategy, levers), num_labels=num_labels,
-                            max_grad_norm=max_grad_norm, padded=padded, cache=cache, primes=False, device=device)
+                            max_grad_norm=max_grad_norm, padded=padded, cache=cache, primes=False, device=device,
+                            evaluation=evaluation)
+
+
+def estimate_evaluation(model_or_config: Any, shapes: Sequence[tuple[int, int]], strategy: Strategy | None = None, *,
+                        num_labels: int = 2, padded: bool = False, cache: bool = True, device: str = "cpu",
+                        **levers: Any) -> dict[str, Any]:
+    """Evaluation's peak alone: the model evaluated (`evaluate_on_fakes`) on batches of `shapes` ``(rows, width)``
+    after one update has created the optimizer state (its loss `fakes.priming_loss`: no forward), as evaluation
+    meets it in a run. The dict of `estimate`; its ``peak_memory_bytes`` is ``evaluation_peak_bytes`` (the priming
+    update is no training step: ``training_peak_bytes`` is None). The other arguments are `estimate`'s."""
+    if not shapes:
+        raise ValueError("estimate_evaluation needs at least one (rows, width) shape")
+    result = _cached_estimate(model_or_config, [[(1, 2)]], as_strategy(strategy, levers), num_labels=num_labels,
+                              max_grad_norm=None, padded=padded, cache=cache, primes=True, device=device,
+                              evaluation=shapes)
+    return {**result, "peak_memory_bytes": result["evaluation_peak_bytes"], "training_peak_bytes": None}
+
+
+def evaluate_on_fakes(loop: Loop, batches: Sequence[dict]) -> None:
+    """`Loop.evaluate`'s memory on fake tensors: the model in eval mode, each batch's `Loop.eval_step` under
+    ``torch.no_grad()`` and the precision's autocast, under the meter's "eval" phase. The metrics' update, which
+    reads values a fake tensor lacks, is left out: it holds only the predicted class ids beside the batch."""
+    loop.meter.mark("eval")
+    loop.wrapped_model.eval()
+    with torch.no_grad():
+        for batch in batches:
+            with loop.precision.autocast():
+                loop.eval_step(batch)
+    loop.wrapped_model.train()
+
+
+def split_peaks(result: dict[str, Any]) -> dict[str, Any]:
+    """An estimate's result with ``training_peak_bytes`` (the highest phase but "eval") and ``evaluation_peak_bytes``
+    ("eval"'s, None without evaluation) beside its peak, the higher of the two."""
+    phases = result.get("phase_peak_bytes") or {}
+    training = max((peak for phase, peak in phases.items() if phase != "eval"), default=result["peak_memory_bytes"])
+    return {**result, "training_peak_bytes": training, "evaluation_peak_bytes": phases.get("eval")}
 
 
 def _cached_estimate(model_or_config: Any, windows: Sequence[Sequence[tuple[int, int]]], strategy: Strategy, *,
                      num_labels: int, max_grad_norm: float | None, padded: bool, cache: bool,
-                     primes: bool, device: str = "cpu") -> dict[str, Any]:
+                     primes: bool, device: str = "cpu",
+                     evaluation: Sequence[tuple[int, int]] = ()) -> dict[str, Any]:
     """`estimate_windows`, read from the on-disk cache or computed and written there. `primes`: the first window
-    only creates the optimizer state (`estimate`'s), so its loss is `fakes.priming_loss`."""
+    only creates the optimizer state (`estimate`'s), so its loss is `fakes.priming_loss`. `evaluation`: the
+    evaluation batches' shapes, evaluated after the windows."""
     device_type = priced_device_type(device)
     if device_type == "cuda" and strategy.foreach is None and strategy.optimizer in FOREACH_OPTIMIZERS:
         strategy = dataclasses.replace(strategy, foreach=True)  # torch's default where every parameter is on CUDA
@@ -233,14 +279,14 @@ def _cached_estimate(model_or_config: Any, windows: Sequence[Sequence[tuple[int,
     key = estimate_cache.key(
         model_or_config, windows, strategy, num_labels=num_labels, max_grad_norm=max_grad_norm, padded=padded,
         named_config=named_config(model_or_config, num_labels) if isinstance(model_or_config, str) else None,
-        primes=primes, device=device_type,
+        primes=primes, device=device_type, evaluation=evaluation,
     ) if cache else None
     result = estimate_cache.read(key) if key is not None else None
     if result is None and cache == "only":
         raise LookupError("no cached estimate of these settings (cache='only' computes nothing)")
     if result is None:
         result = _estimate_windows(model_or_config, windows, strategy, num_labels, max_grad_norm, padded, primes,
-                                   device_type)
+                                   device_type, evaluation)
         result["compute_seconds"] = round(time.perf_counter() - started, 3)  # kept: what a cached read stands for
         if key is not None:
             estimate_cache.write(key, result)
@@ -249,14 +295,17 @@ def _cached_estimate(model_or_config: Any, windows: Sequence[Sequence[tuple[int,
         result["from_cache"] = True
     if device_type == "cuda":
         result = with_cublas_workspaces(result)
+    result = split_peaks(result)
     result["estimate_seconds"] = round(time.perf_counter() - started, 3)
     return result
 
 
 def _estimate_windows(model_or_config: Any, windows: Sequence[Sequence[tuple[int, int]]], strategy: Strategy,
                       num_labels: int, max_grad_norm: float | None, padded: bool,
-                      primes: bool = False, device_type: str = "cpu") -> dict[str, Any]:
-    """`estimate_windows`'s work, without the cache: the Loop's update driven on fake tensors under the tracker.
+                      primes: bool = False, device_type: str = "cpu",
+                      evaluation: Sequence[tuple[int, int]] = ()) -> dict[str, Any]:
+    """`estimate_windows`'s work, without the cache: the Loop's update driven on fake tensors under the tracker,
+    then, with `evaluation`, the model evaluated on batches of those shapes (`evaluate_on_fakes`).
 
     `primes`: the first window only creates what the later ones start from (the optimizer state), so its loss is
     `fakes.priming_loss` instead of the model's (`estimate`'s first update). `device_type` "cuda": attention and
@@ -297,6 +346,11 @@ def _estimate_windows(model_or_config: Any, windows: Sequence[Sequence[tuple[int
                         loss = (lambda batch: priming_loss(loop.model)) if primes and index == 0 else None
                         loop.run_update([batches[(position, *shape)] for position, shape in enumerate(window)],
                                         compute_loss=loss)
+                    if evaluation:  # the training batches are gone by then: a run's evaluation reads its own
+                        batches.clear()
+                        evaluate_on_fakes(loop, [random_batch(rows, width, vocab_size(model), num_labels,
+                                                              token_labels=token_labels, padded=padded and rows > 1)
+                                                 for rows, width in evaluation])
                 finally:
                     loop.meter.stop()
             summary = loop.meter.summary()
@@ -335,15 +389,15 @@ def bounding_windows(windows: Sequence[Sequence[tuple[int, int]]], *,
     """
     windows = [list(window) for window in windows if window]
     first, later = (windows[:1], windows[1:]) if fresh else ([], windows)
-    first = [[window[0], *_widest(set(window[1:]))] for window in first]
-    leading = _widest({window[0] for window in later})
-    following = _widest({shape for window in later for shape in window[1:]})
+    first = [[window[0], *widest(set(window[1:]))] for window in first]
+    leading = widest({window[0] for window in later})
+    following = widest({shape for window in later for shape in window[1:]})
     steady = [[leading[index % len(leading)]] + ([following[index % len(following)]] if following else [])
               for index in range(max(len(leading), len(following)))] if leading else []
     return first + steady if fresh else steady + steady
 
 
-def _widest(shapes: set) -> list[tuple[int, int]]:
+def widest(shapes: set) -> list[tuple[int, int]]:
     """The shapes that no other shape covers in both rows and width, widest first."""
     return sorted((shape for shape in shapes
                    if not any(other != shape and other[0] >= shape[0] and other[1] >= shape[1] for other in shapes)),

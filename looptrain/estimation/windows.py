@@ -1,4 +1,5 @@
-"""A run's own windows and its estimate over them: the micro-batch shapes a run trains on, and their peak."""
+"""A run's own windows and its estimate over them: the micro-batch shapes a run trains on and evaluates, and their
+peaks."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from looptrain.batches import token_pieces
-from looptrain.estimation.estimator import bounding_windows, estimate_windows
+from looptrain.estimation.estimator import bounding_windows, estimate_windows, widest
 from looptrain.strategy import Strategy
 
 
@@ -38,6 +39,14 @@ def run_windows(sampler: Any, lengths: Sequence[int], collator: Any, accum_steps
     return windows
 
 
+def evaluation_shapes(batches: Sequence[Sequence[int]], lengths: Sequence[int], collator: Any) -> list[tuple[int, int]]:
+    """The evaluation batches' shapes ``(rows, padded width)`` whose peak is evaluation's: of every batch of
+    `batches` (an evaluation loader's ``batch_sampler``: lists of indices), those no other batch covers in both rows
+    and width (an evaluation forward's memory grows with both), widest first."""
+    return widest({(len(batch), int(collator.batch_width([lengths[index] for index in batch])))
+                    for batch in batches if len(batch)})
+
+
 def run_batches_estimate(model: Any, settings: Strategy, windows: Sequence[Sequence[tuple[int, int]]], *,
                          fresh: bool = True, max_grad_norm=1.0, num_labels: int = 2, padded: bool = True,
                          device: str = "cpu") -> int:
@@ -49,5 +58,16 @@ def run_batches_estimate(model: Any, settings: Strategy, windows: Sequence[Seque
     that decide it. A causal LM's micro-batches of more than one row are priced padded (`padded`, as
     `estimate` says): dynamic padding pads nearly every one of them. `device`: the run's (`estimate`'s).
     """
-    return estimate_windows(model, bounding_windows(windows, fresh=fresh), settings, num_labels=num_labels,
-                            max_grad_norm=max_grad_norm, padded=padded, device=device)["peak_memory_bytes"]
+    return run_batches_peaks(model, settings, windows, fresh=fresh, max_grad_norm=max_grad_norm,
+                             num_labels=num_labels, padded=padded, device=device)["peak_memory_bytes"]
+
+
+def run_batches_peaks(model: Any, settings: Strategy, windows: Sequence[Sequence[tuple[int, int]]], *,
+                      evaluation: Sequence[tuple[int, int]] = (), fresh: bool = True, max_grad_norm=1.0,
+                      num_labels: int = 2, padded: bool = True, device: str = "cpu") -> dict[str, int | None]:
+    """`run_batches_estimate` with evaluation priced after the windows, at `evaluation`'s shapes
+    (`evaluation_shapes`): ``training_peak_bytes``, ``evaluation_peak_bytes`` (None without evaluation) and
+    ``peak_memory_bytes``, the higher of the two: the whole run's."""
+    result = estimate_windows(model, bounding_windows(windows, fresh=fresh), settings, num_labels=num_labels,
+                              max_grad_norm=max_grad_norm, padded=padded, device=device, evaluation=evaluation)
+    return {key: result[key] for key in ("peak_memory_bytes", "training_peak_bytes", "evaluation_peak_bytes")}

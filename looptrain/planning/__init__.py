@@ -8,6 +8,7 @@ Modules:
     book        `EstimateBook`: the estimates' memo, their predictions, the forked workers and planning's time
     plans       `Plan`, `Candidate`, `Levers`: what a plan is made of, its table and JSON
     suggestions what would fit when nothing does; LoRA's saving
+    evaluation  `evaluation_batch`: the largest evaluation batch whose estimated peak fits the plan's budget
     lowest      `lowest`: the full fine-tune with the lowest estimated peak (``--lowest``)
     probes      `probe`: one real update on the worst batch, timed and measured by the budget's meter
     errors      `PlanError`
@@ -17,6 +18,7 @@ Their command lines live in `looptrain.cli`.
 
 from looptrain.planning.candidates import by_tokens
 from looptrain.planning.errors import PlanError
+from looptrain.planning.evaluation import EvaluationBatch, evaluation_batch
 from looptrain.planning.lowest import Lowest, lowest
 from looptrain.planning.planner import plan
 from looptrain.planning.plans import Candidate, Levers, Plan, parse_size
@@ -24,11 +26,13 @@ from looptrain.planning.probes import rss_baseline_bytes
 
 __all__ = [
     "Candidate",
+    "EvaluationBatch",
     "Levers",
     "Lowest",
     "Plan",
     "PlanError",
     "by_tokens",
+    "evaluation_batch",
     "lowest",
     "parse_size",
     "plan",

@@ -280,7 +280,7 @@ def explain(request: Request, search: Search, first: FirstProbe, searched: Searc
                 extrapolated=searched.extrapolated, growth_bytes=budget.growth, malloc=first.malloc,
                 malloc_threshold_bytes=allocator.fixed_threshold() if first.malloc is not None else None,
                 charged_seconds=tally.charged if request.probes else 0.0, baseline_words=baseline_words, lora=lora,
-                predictions=tally.predictions)
+                predictions=tally.predictions, overhead_bytes=budget.overhead)
 
 
 def _freeze_objects(collect: bool) -> bool:

@@ -142,6 +142,10 @@ class Plan:
     # A LoRA plan: the winner against the full fine-tune with its settings (`lora_comparison`); None otherwise.
     lora: dict | None = None
     predictions: int = 0  # splits the search decided by a prediction from two estimates (`Search.predict`)
+    overhead_bytes: int = 0  # under a measured meter: what the fit rule charged each estimate besides tensors
+    # Evaluation inside the budget (`evaluation.evaluation_batch`): its batch and estimated peak; None: no evaluation.
+    evaluation_batch_size: int | None = None
+    evaluation_peak_bytes: int | None = None
 
     @property
     def winner(self) -> Candidate:
@@ -196,7 +200,9 @@ class Plan:
             "settings": dataclasses.asdict(self.winner.settings),
             "estimated_peak_bytes": self.winner.estimated_peak_bytes,
             "estimates": self.estimates, "cached_estimates": self.cached_estimates, "predictions": self.predictions,
-            "growth_bytes": self.growth_bytes, "malloc": self.malloc,
+            "growth_bytes": self.growth_bytes, "overhead_bytes": self.overhead_bytes, "malloc": self.malloc,
+            "evaluation_batch_size": self.evaluation_batch_size,
+            "estimated_evaluation_peak_bytes": self.evaluation_peak_bytes,
             "malloc_threshold_bytes": self.malloc_threshold_bytes,
             "planning_seconds": round(self.planning_seconds, 3),
             "estimate_seconds": round(self.estimate_seconds, 3),

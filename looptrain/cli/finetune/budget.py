@@ -66,6 +66,54 @@ def planned_request(request: RunRequest, model, train_set, collator, device, out
     return request.planned(result.winner.settings), result
 
 
+def planned_evaluation(request: RunRequest, plan_result, model, eval_set, collator, device, place):
+    """The request and the plan with evaluation inside the budget: --eval-batch-size (given, or its default) kept
+    when evaluation's estimated peak at it fits the plan's budget, else cut to the largest batch that fits
+    (`looptrain.planning.evaluation_batch`), said in the plan's notes and on the run's line. A resumed planned run
+    evaluates at the batch its saved plan chose. Without evaluation data: both as they are."""
+    import time
+
+    from looptrain.estimation.worker import EstimateWorker
+    from looptrain.planning import evaluation_batch
+
+    if eval_set is None:
+        return request, plan_result
+    if plan_result is None:
+        saved = (request.resumed_plan or {}).get("evaluation_batch_size")
+        return (with_eval_batch(request, saved) if saved else request), None
+    started = time.perf_counter()
+    settings = strategy_of(request.flags)
+    # In a child process (EstimateWorker): what estimating costs stays out of the RSS a budget may count.
+    with EstimateWorker(lambda rows: evaluation_peak(model, settings, eval_set, collator, rows, device, place)) \
+            as worker:
+        chosen = evaluation_batch(plan_result, request.flags.eval_batch_size, worker)
+    if chosen.note:
+        say(f"--memory-budget: {chosen.note}")
+    plan_result = dataclasses.replace(
+        plan_result, notes=[*plan_result.notes, chosen.note] if chosen.note else plan_result.notes,
+        evaluation_batch_size=chosen.size, evaluation_peak_bytes=chosen.peak_bytes,
+        estimate_seconds=plan_result.estimate_seconds + time.perf_counter() - started)
+    return with_eval_batch(request, chosen.size), plan_result
+
+
+def with_eval_batch(request: RunRequest, rows: int) -> RunRequest:
+    """The request evaluating `rows` a batch, as if --eval-batch-size had said so."""
+    return dataclasses.replace(request, flags=request.flags.replace(eval_batch_size=rows))
+
+
+def evaluation_peak(model, settings, eval_set, collator, rows: int, device, place) -> int:
+    """Evaluation's estimated peak (`looptrain.estimation.estimate_evaluation`) at `rows` a batch, over the batches
+    this rank's evaluation loader would give."""
+    from looptrain.data import eval_batches
+    from looptrain.estimation import estimate_evaluation, evaluation_shapes
+
+    lengths = list(eval_set.lengths)
+    shapes = evaluation_shapes(eval_batches(len(lengths), rows, lengths, num_replicas=place.world_size,
+                                            rank=place.rank), lengths, collator)
+    return estimate_evaluation(model, shapes, settings, num_labels=model.config.num_labels, padded=True,
+                               device=device.type)["evaluation_peak_bytes"]
+
+
 def plan_on_rank_zero(place, make_plan):
     """`make_plan()` on rank 0, its result (a `Plan`, or the `PlanError` it raised) on every rank.
 
@@ -157,6 +205,8 @@ def plan_only_output(request: RunRequest, result) -> dict:
 
     command = ["python", "scripts/finetune.py", *without_plan_flags(list(request.process.argv)),
                *result.winner.settings.flags()]
+    if result.evaluation_batch_size is not None:  # the evaluation batch the plan fitted (`planned_evaluation`)
+        command += ["--eval-batch-size", str(result.evaluation_batch_size)]
     # Planned with glibc's thresholds fixed: the run keeps the budget only with them, so the command sets them.
     environment = lean_environment(result.malloc_threshold_bytes) if result.malloc else {}
     if request.flags.save_config is not None:

@@ -104,9 +104,8 @@ def final_table(summary: dict, baseline: dict | None, output_dir: Path) -> str:
 
 
 def training_peak_bytes(summary: dict) -> int | None:
-    """The measured peak of training alone, what the estimate prices (evaluation is not in it): the tensor
-    meter's highest phase but "eval"; a meter of one peak (CUDA's) gives it unless evaluation holds that peak.
-    None for a meter of RSS, which counts more than tensors."""
+    """The measured peak of training alone: the tensor meter's highest phase but "eval"; a meter of one peak (CUDA's)
+    gives it unless evaluation holds that peak. None for a meter of RSS, which counts more than tensors."""
     if summary.get("memory_meter") == "cpu_rss_delta" or summary.get("peak_memory_bytes") is None:
         return None
     phases = summary.get("phase_peak_bytes")
@@ -117,14 +116,48 @@ def training_peak_bytes(summary: dict) -> int | None:
     return summary["peak_memory_bytes"]
 
 
-def estimate_error(summary: dict, estimated_peak: int | None) -> float | None:
-    """(training's measured peak - the estimate) / the estimate: like with like, evaluation left out of both."""
-    measured = training_peak_bytes(summary)
-    return round((measured - estimated_peak) / estimated_peak, 4) if estimated_peak and measured is not None else None
+def evaluation_peak_bytes(summary: dict) -> int | None:
+    """The measured peak of evaluation alone: the tensor meter's "eval" phase; a meter of one peak (CUDA's) gives
+    it when evaluation holds that peak. None for a meter of RSS, or a run that did not evaluate."""
+    if summary.get("memory_meter") == "cpu_rss_delta" or summary.get("peak_memory_bytes") is None:
+        return None
+    phases = summary.get("phase_peak_bytes")
+    if phases:
+        return phases.get("eval")
+    return summary["peak_memory_bytes"] if (summary.get("memory_breakdown") or {}).get("peak_phase") == "eval" \
+        else None
+
+
+def _error(measured: int | None, estimated: int | None) -> float | None:
+    """(measured - estimated) / estimated, or None where either is unknown."""
+    return round((measured - estimated) / estimated, 4) if estimated and measured is not None else None
+
+
+def estimate_errors(summary: dict) -> dict:
+    """Each measured peak beside its estimate's error, like with like, on a meter of tensors (never the RSS rise):
+
+    - ``training_peak_bytes`` / ``evaluation_peak_bytes``: the measured peaks apart (None where not known);
+    - ``training_estimate_error`` / ``evaluation_estimate_error``: each against its own estimate
+      (``estimated_training_peak_bytes``, ``estimated_evaluation_peak_bytes``);
+    - ``estimate_error``: the run's peak against ``estimated_peak_bytes``, the higher of the two estimates; where
+      evaluation was not estimated, training's error (the estimate then leaves evaluation out).
+    """
+    training, evaluation = training_peak_bytes(summary), evaluation_peak_bytes(summary)
+    estimated_training = summary.get("estimated_training_peak_bytes", summary.get("estimated_peak_bytes"))
+    estimated_evaluation = summary.get("estimated_evaluation_peak_bytes")
+    whole = summary["peak_memory_bytes"] if training is not None or evaluation is not None else None
+    return {
+        "training_peak_bytes": training, "evaluation_peak_bytes": evaluation,
+        "training_estimate_error": _error(training, estimated_training),
+        "evaluation_estimate_error": _error(evaluation, estimated_evaluation),
+        "estimate_error": (_error(whole, summary.get("estimated_peak_bytes")) if estimated_evaluation is not None
+                           else _error(training, estimated_training)),
+    }
 
 
 def _estimate_rows(summary: dict) -> list[str]:
-    """The estimate's row (its error against training's peak) and, when evaluation peaked above training, a note."""
+    """The estimate's row (the run's peak against it), each phase's peak beside its estimate and, when evaluation
+    was not estimated and peaked above training, a note."""
     if summary.get("estimate_error") is not None:
         error = f"error {summary['estimate_error']:+.1%}"
     elif summary.get("memory_meter") == "cpu_rss_delta":
@@ -132,8 +165,17 @@ def _estimate_rows(summary: dict) -> list[str]:
     else:
         error = "no error: evaluation holds this meter's one peak, and training's own is not known"
     rows = [f"| estimated peak (worst batch) | {summary['estimated_peak_bytes'] / 2**20:.1f} MiB ({error}) | |"]
-    training, evaluation = training_peak_bytes(summary), (summary.get("phase_peak_bytes") or {}).get("eval")
-    if training is not None and evaluation is not None and evaluation > training:
+    training, evaluation = training_peak_bytes(summary), evaluation_peak_bytes(summary)
+    estimated_evaluation = summary.get("estimated_evaluation_peak_bytes")
+    if estimated_evaluation is not None:
+        batch = f" at batch {summary['evaluation_batch_size']}" if summary.get("evaluation_batch_size") else ""
+        for label, measured, estimated, key in (
+                ("training peak", training, summary.get("estimated_training_peak_bytes"), "training_estimate_error"),
+                (f"evaluation peak{batch}", evaluation, estimated_evaluation, "evaluation_estimate_error")):
+            shown = "-" if measured is None else f"{measured / 2**20:.1f} MiB"
+            error = f" (error {summary[key]:+.1%})" if summary.get(key) is not None else ""
+            rows.append(f"| {label} | {shown}, estimated {estimated / 2**20:.1f} MiB{error} | |")
+    elif training is not None and evaluation is not None and evaluation > training:
         rows.append(f"| note | evaluation peaked at {evaluation / 2**20:.1f} MiB, above training's "
                     f"{training / 2**20:.1f} MiB; evaluation is not in the estimate (--eval-batch-size lowers it) | |")
     return rows

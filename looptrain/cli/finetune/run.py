@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from looptrain.cli.console import Console, say, speaking
 from looptrain.cli.errors import UsageError
 from looptrain.cli.finetune.arguments import loop_config, strategy_of
-from looptrain.cli.finetune.budget import plan_only_output, planned_request
+from looptrain.cli.finetune.budget import plan_only_output, planned_evaluation, planned_request
 from looptrain.cli.finetune.inputs import (
     Inputs,
     embedded_model_path,
@@ -23,7 +23,7 @@ from looptrain.cli.finetune.inputs import (
     quiet_peft,
     run_identity,
 )
-from looptrain.cli.finetune.reports import OutOfMemory, estimate_error, final_table, what_would_fit
+from looptrain.cli.finetune.reports import OutOfMemory, estimate_errors, final_table, what_would_fit
 from looptrain.cli.recipe import write_recipe
 
 RUN_RECIPE = "config.yaml"  # beside run_config.json: the --config recipe that trains the run again
@@ -156,6 +156,8 @@ def train(request: RunRequest, place) -> dict:
     if request.budget is not None:
         request, plan_result = planned_request(request, inputs.model, inputs.train_set, inputs.collator, device,
                                                output_dir)
+        request, plan_result = planned_evaluation(request, plan_result, inputs.model, inputs.eval_set,
+                                                  inputs.collator, device, place)
         if request.budget.plan_only:
             return plan_only_output(request, plan_result)
         if plan_result is not None and plan_result.meter != "of live tensors" and request.config.track_memory \
@@ -168,12 +170,12 @@ def train(request: RunRequest, place) -> dict:
                 "(--budget-meter tensors keeps it, with its breakdown)")
     config = request.config
     precision = resolve_precision(config.compute_precision, device)
-    train_loader, eval_loader, estimated_peak = make_loaders(request, place, inputs, plan_result)
+    train_loader, eval_loader, estimated = make_loaders(request, place, inputs, plan_result)
     optimizer, scheduler = build_optimization(request, inputs.model, device, len(train_loader))
     prepare_output_dir(request, place, inputs.model, precision, device, plan_result)
 
     def save_final(summary: dict) -> dict:  # before run.json says "finished" (`looptrain.run.Run.finish`)
-        summary = summary_of_run(summary, request, inputs, plan_result, estimated_peak)
+        summary = summary_of_run(summary, request, inputs, plan_result, estimated)
         write_final(request, place, inputs, output_dir / "final")
         return summary
 
@@ -195,7 +197,8 @@ def train(request: RunRequest, place) -> dict:
 
 
 def make_loaders(request: RunRequest, place, inputs: Inputs, plan_result):
-    """The train loader, this run's memory estimate over its batches, the eval loader; says the padding."""
+    """The train loader, the eval loader, this run's memory estimate over their batches (`run_estimate`); says the
+    padding."""
     import torch
 
     from looptrain import data as data_module
@@ -205,27 +208,19 @@ def make_loaders(request: RunRequest, place, inputs: Inputs, plan_result):
     train_loader = data_module.make_train_loader(
         inputs.train_set, flags.batch_size, inputs.collator, grouping=grouping, max_tokens=flags.max_tokens,
         seed=config.seed, num_workers=flags.num_workers, pin_memory=torch.cuda.is_available())
-    started = time.perf_counter()
-    estimated_peak = run_estimate(flags, config, inputs.model, inputs.train_set, inputs.collator, train_loader,
-                                  plan_result)
-    inputs.estimate_seconds = time.perf_counter() - started
     eval_loader = None
-    if inputs.eval_set is not None:
-        eval_batch_size = flags.eval_batch_size
-        if plan_result is not None and "--eval-batch-size" not in request.process.given:
-            # A forward without gradients at the training micro-batch holds less than the training step the plan
-            # fitted; the default 64 rows at the worst width may not fit the budget.
-            eval_batch_size = min(eval_batch_size, flags.batch_size)
-            say(f"--memory-budget: evaluating {eval_batch_size} rows at a time (the plan's micro-batch; "
-                  "--eval-batch-size to choose)")
+    if inputs.eval_set is not None:  # under --memory-budget, at the batch the plan fitted (`planned_evaluation`)
         eval_loader = data_module.make_eval_loader(
-            inputs.eval_set, eval_batch_size, inputs.collator, num_workers=flags.num_workers,
+            inputs.eval_set, flags.eval_batch_size, inputs.collator, num_workers=flags.num_workers,
             num_replicas=place.world_size, rank=place.rank)
+    started = time.perf_counter()
+    estimated = run_estimate(flags, config, inputs, train_loader, eval_loader, plan_result)
+    inputs.estimate_seconds = time.perf_counter() - started
     _, padding_line = data_module.padding_stats(
         train_loader, inputs.train_set.lengths, padding=flags.padding, max_length=flags.max_length,
         pad_to_multiple_of=flags.pad_to_multiple_of)
     say(f"batches ({grouping}, {flags.padding} padding): {padding_line}")
-    return train_loader, eval_loader, estimated_peak
+    return train_loader, eval_loader, estimated
 
 
 def build_optimization(request: RunRequest, model, device, batches_per_epoch: int):
@@ -271,7 +266,7 @@ def prepare_output_dir(request: RunRequest, place, model, precision: str, device
             "--output-dir NEW_DIR", "trains it again (the flags of a command line override these).",))
 
 
-def summary_of_run(summary: dict, request: RunRequest, inputs: Inputs, plan_result, estimated_peak) -> dict:
+def summary_of_run(summary: dict, request: RunRequest, inputs: Inputs, plan_result, estimated: dict | None) -> dict:
     """A finished run's summary with the command line's keys: the task, the majority baseline, final/, its plan (or
     the saved plan a resumed run trained) and its estimate's error, the cost of planning, the RSS at the start."""
     from looptrain import metrics
@@ -285,16 +280,21 @@ def summary_of_run(summary: dict, request: RunRequest, inputs: Inputs, plan_resu
     summary["majority_baseline"] = baseline
     summary["final_dir"] = str(Path(request.config.output_dir) / "final")
     summary["plan"] = plan_result.to_dict() if plan_result is not None else request.resumed_plan
-    summary["estimated_peak_bytes"] = estimated_peak
+    # The estimate of the run's peak (the higher of training's and evaluation's), and each apart.
+    estimated = estimated or {}
+    summary["estimated_peak_bytes"] = estimated.get("peak_memory_bytes")
+    summary["estimated_training_peak_bytes"] = estimated.get("training_peak_bytes")
+    summary["estimated_evaluation_peak_bytes"] = estimated.get("evaluation_peak_bytes")
+    summary["evaluation_batch_size"] = request.flags.eval_batch_size if inputs.eval_set is not None else None
     # Planning's cost (a plan's estimates and probes; an unplanned run's own estimate), beside the training's.
     estimating, probing = ((plan_result.estimate_seconds, plan_result.probe_seconds) if plan_result is not None
                            else (inputs.estimate_seconds, 0.0))
     summary["planning_seconds"] = round(estimating + probing, 3)
     summary["planning_estimate_seconds"] = round(estimating, 3)
     summary["planning_probe_seconds"] = round(probing, 3)
-    # The estimate prices training's tensors: its error is against training's peak on a meter of tensors, never
-    # evaluation's peak nor the RSS rise (`estimate_error`).
-    summary["estimate_error"] = estimate_error(summary, estimated_peak)
+    # Each estimate against the peak it prices, on a meter of tensors (never the RSS rise): the run's, training's
+    # and evaluation's (`estimate_errors`).
+    summary.update(estimate_errors(summary))
     return summary
 
 
@@ -343,28 +343,35 @@ def write_merged(flags, model_path: str, inputs: Inputs, final_dir: Path, shown:
     return merged_dir
 
 
-def run_estimate(flags, config, model, train_set, collator, train_loader, plan_result) -> int | None:
-    """`looptrain.estimation.estimate` of this run's settings over the batches its sampler will give it, where
-    it gives them (every run reports its own error; a planned run reports its plan's worst-batch estimate)."""
-    from looptrain.estimation import run_batches_estimate, run_windows
+def run_estimate(flags, config, inputs: Inputs, train_loader, eval_loader, plan_result) -> dict | None:
+    """This run's estimate (`looptrain.estimation.run_batches_peaks`): training's peak over the batches its sampler
+    will give it, where it gives them, and evaluation's over its evaluation batches, with the run's peak the higher;
+    a planned run's training peak is its plan's worst-batch estimate, its evaluation's the plan's. None where the
+    estimator cannot price the run."""
+    from looptrain.estimation import evaluation_shapes, run_batches_peaks, run_windows
     from looptrain.estimation.worker import EstimateWorker
     from looptrain.precision import resolve_device
 
     if plan_result is not None:
-        return plan_result.winner.estimated_peak_bytes
+        training, evaluation = plan_result.winner.estimated_peak_bytes, plan_result.evaluation_peak_bytes
+        return {"training_peak_bytes": training, "evaluation_peak_bytes": evaluation,
+                "peak_memory_bytes": max(training, evaluation or 0)}
     if flags.fsdp or flags.max_tokens:
         return None  # the estimator models one process; token budgets give too many batch shapes to price
+    model = inputs.model
     settings = strategy_of(flags, **{**config.loop_fields(), "precision": resolve_precision_name(config)})
     try:
-        windows = run_windows(train_loader.batch_sampler, train_set.lengths, collator, config.accum_steps,
-                              epochs=config.epochs, max_steps=config.max_steps,
+        windows = run_windows(train_loader.batch_sampler, inputs.train_set.lengths, inputs.collator,
+                              config.accum_steps, epochs=config.epochs, max_steps=config.max_steps,
                               micro_batch_tokens=config.micro_batch_tokens)
+        evaluation = (evaluation_shapes(eval_loader.batch_sampler, inputs.eval_set.lengths, inputs.collator)
+                      if eval_loader is not None else [])  # the final evaluation runs whatever --eval-every says
         # A resumed run may start anywhere, with its optimizer state restored: no window is priced without it.
         # In a child process (EstimateWorker): what estimating costs stays out of the training's RSS.
         device = resolve_device(config.device).type
-        with EstimateWorker(lambda _: run_batches_estimate(
-                model, settings, windows, fresh=config.resume is None, max_grad_norm=config.max_grad_norm,
-                num_labels=model.config.num_labels, device=device)) as worker:
+        with EstimateWorker(lambda _: run_batches_peaks(
+                model, settings, windows, evaluation=evaluation, fresh=config.resume is None,
+                max_grad_norm=config.max_grad_norm, num_labels=model.config.num_labels, device=device)) as worker:
             return worker(None)
     except Exception as error:  # noqa: BLE001  an estimate is a report, never a reason to stop a run
         say(f"notice: no memory estimate for this run ({type(error).__name__}: {error})")
