@@ -63,6 +63,9 @@ def test_an_adapter_continues_training_from_its_saved_weights_on_a_frozen_base(l
     code, out, err = run_quietly(lm_argv(adapter, data, tmp_path / "second"))
     assert code == 0, out + err
     assert f"continuing the adapters of {adapter}: LoRA rank 4 (alpha 16)" in out
+    assert "estimated peak of live tensors: " in out  # the run's own estimate, of the loaded adapter
+    recipe = (tmp_path / "second" / "config.yaml").read_text()
+    assert f"model: {adapter}" in recipe and "lora" not in recipe  # the adapter brings them: a rerun takes it again
     written = load_file(str(adapter / "adapter_model.safetensors"))
     assert written.keys() == seen["adapter"].keys()
     assert all(torch.equal(written[key], seen["adapter"][key]) for key in written)  # loaded bitwise

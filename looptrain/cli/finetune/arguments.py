@@ -262,7 +262,7 @@ def check_flags(args, given: frozenset[str] | set[str]) -> None:
     check_lora_flags(args)
     if args.max_tokens is not None and args.group_by_length:
         raise UsageError("--max-tokens batches by length already; drop --group-by-length")
-    if args.max_tokens is not None and args.max_tokens < args.max_length:
+    if args.max_tokens is not None and args.max_length is not None and args.max_tokens < args.max_length:
         raise UsageError(f"--max-tokens {args.max_tokens} is smaller than one --max-length {args.max_length} sample: "
                          "every longer sample would get a batch of its own; raise --max-tokens to at least "
                          f"{args.max_length} (a budget of many samples, e.g. {16 * args.max_length})")
