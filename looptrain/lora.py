@@ -234,6 +234,28 @@ def save_lora(model: nn.Module, directory: str | Path) -> Path:
     return directory
 
 
+def load_lora(model: nn.Module, adapter_dir: str | Path, *, trainable: bool = True) -> nn.Module:
+    """`model` (the base, as loaded) with the adapters `save_lora` wrote to `adapter_dir` (a --lora run's final/):
+    ``PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)``, to continue training them with their own
+    rank, alpha, dropout and targets; the base stays frozen. The adapter then records `model`'s directory as its base,
+    and a task type (`task_type_of`) when it had none.
+
+    Raises:
+        ConfigError: peft missing, or `adapter_dir` holds no adapter_config.json.
+    """
+    try:
+        from peft import PeftConfig, PeftModel
+    except ImportError as error:
+        raise ConfigError("loading LoRA adapters needs peft: pip install peft") from error
+    if not (Path(adapter_dir) / "adapter_config.json").is_file():
+        raise ConfigError(f"{adapter_dir} holds no adapter_config.json: pass the directory save_lora (or a --lora "
+                          "run's final/) wrote")
+    config = PeftConfig.from_pretrained(str(adapter_dir))
+    config.task_type = config.task_type or task_type_of(model)
+    config.base_model_name_or_path = resolved_base(model) or config.base_model_name_or_path
+    return PeftModel.from_pretrained(model, str(adapter_dir), config=config, is_trainable=trainable)
+
+
 def merge_lora(base: nn.Module, adapter_dir: str | Path, directory: str | Path | None = None) -> nn.Module:
     """The full model: `base` with the adapters of `adapter_dir` (`save_lora`, a run's final/) merged into its weights.
 
@@ -418,6 +440,6 @@ def is_lora_model(model: Any) -> bool:
 
 
 __all__ = ["apply_lora", "block_linear_names", "default_compute_dtype", "default_targets", "fake_params4bit",
-           "is_4bit_layer", "is_lora_model", "merge_lora", "parse_targets", "quant_state_tensors",
+           "is_4bit_layer", "is_lora_model", "load_lora", "merge_lora", "parse_targets", "quant_state_tensors",
            "quantize_blocks_4bit", "rank_width_problem", "resolved_base", "save_lora", "task_head_names",
            "task_type_of"]

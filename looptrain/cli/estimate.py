@@ -206,6 +206,21 @@ def source_config(arguments: argparse.Namespace) -> tuple[Any, str]:
     return config, source
 
 
+def adapter_as_model(arguments: argparse.Namespace, argv: Sequence[str]) -> None:
+    """A LoRA adapter --model (a --lora run's final/) is priced as its base with its own LoRA levers (rank, alpha,
+    dropout, targets), as looptrain-finetune continues it; --lora flags beside it are a UsageError."""
+    from looptrain.cli.adapters import adapter_levers, check_no_lora_flags, read_adapter
+
+    if arguments.model is None or os.path.isfile(arguments.model):
+        return
+    adapter = read_adapter(arguments.model)
+    if adapter is None:
+        return
+    check_no_lora_flags(arguments.model, {token.split("=")[0] for token in argv})
+    vars(arguments).update(adapter_levers(adapter, arguments.model))
+    arguments.model = adapter["base"]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: print one estimate, with ``--ladder`` the table of strategy mixes, with ``--lowest`` the
     full fine-tune with the lowest estimate (``--json``: as JSON)."""
@@ -218,6 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from looptrain.cli.errors import UsageError
 
     try:
+        adapter_as_model(arguments, argv)
         config, source = source_config(arguments)
         if arguments.lowest:
             return _lowest(arguments, config, argv)

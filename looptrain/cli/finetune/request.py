@@ -15,7 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from looptrain.cli.errors import UsageError
 from looptrain.cli.finetune.arguments import (
+    DEFAULT_MAX_LENGTH,
     DEFAULT_METRIC_FOR_BEST,
     budget_bytes,
     check_flags,
@@ -29,7 +31,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Flags:
-    """Every flag's value by its argparse dest, read-only: ``flags.max_length``.
+    """Every flag's value by its argparse dest, read-only: ``flags.max_length``; and ``flags.adapter``: a LoRA adapter
+    --model resolved (``{"path", "base"}``, its levers set as the --lora flags), else None.
 
     The functions that read flags take a `Flags` (or, from Python, the `argparse.Namespace` of `build_parser`).
     """
@@ -125,7 +128,11 @@ class RunRequest:
 
 def request_of(arguments: argparse.Namespace, process: Process) -> RunRequest:
     """The request of parsed flags: checked (a `UsageError` names the flags that cannot go together), with the
-    defaults that depend on other flags resolved."""
+    defaults that depend on other flags resolved: an adapter --model's LoRA levers, --max-length by task."""
+    arguments = argparse.Namespace(**vars(arguments))  # resolved here; the caller's namespace stays as parsed
+    arguments.adapter = adapter_of(arguments, process.given)
+    if arguments.max_length is None:
+        arguments.max_length = default_max_length(arguments)
     check_flags(arguments, process.given)
     values = dict(vars(arguments))
     if values["metric_for_best"] is None:
@@ -142,3 +149,33 @@ def budget_of(flags: Flags) -> BudgetRequest | None:
         return None
     return BudgetRequest(size=flags.memory_budget, bytes=budget_bytes(flags.memory_budget), meter=flags.budget_meter,
                          plan_time=flags.plan_time, plan_only=flags.plan_only, json=flags.json)
+
+
+def adapter_of(arguments: argparse.Namespace, given) -> dict | None:
+    """A LoRA adapter --model (a --lora run's final/), to continue training: its base resolved (--base-model, else
+    the one it records) and its own rank, alpha, dropout and targets set as the --lora flags' values; None for a
+    model. A UsageError for --lora flags beside it, or a --task that is not the adapter's."""
+    from looptrain.cli.adapters import adapter_kind, adapter_levers, check_no_lora_flags, read_adapter
+
+    adapter = read_adapter(arguments.model, arguments.base_model)
+    if adapter is None:
+        return None
+    check_no_lora_flags(arguments.model, given)
+    task = {"causal_lm": "causal-lm", "classifier": "sequence-classification"}[adapter_kind(adapter, arguments.model)]
+    if arguments.task != task:
+        raise UsageError(f"--model {arguments.model} holds LoRA adapters of a {task.replace('-', ' ')} model; pass "
+                         f"--task {task}")
+    vars(arguments).update(adapter_levers(adapter, arguments.model))
+    return {"path": arguments.model, "base": adapter["base"]}
+
+
+def default_max_length(arguments: argparse.Namespace) -> int:
+    """--max-length's default: the task's (`DEFAULT_MAX_LENGTH`), at most a causal LM's positions."""
+    default = DEFAULT_MAX_LENGTH[arguments.task]
+    if arguments.task != "causal-lm" or arguments.model is None:
+        return default
+    from looptrain.cli.finetune.inputs import read_model_config
+
+    model = arguments.adapter["base"] if arguments.adapter else arguments.model
+    positions = getattr(read_model_config(model, arguments.trust_remote_code), "max_position_embeddings", None)
+    return min(default, positions) if isinstance(positions, int) and positions > 0 else default

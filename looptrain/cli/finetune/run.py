@@ -75,7 +75,7 @@ def _run_in_place(request: RunRequest, place) -> dict:
     flags = request.flags
     if request.process.capped_kernel_caches:
         say(f"--memory-budget: {request.process.capped_kernel_caches}")
-    model_path = flags.model
+    model_path = flags.adapter["base"] if flags.adapter else flags.model  # an adapter trains on its base
     if model_path is None:
         model_path = str(embedded_model_path())
         os.environ["HF_HUB_OFFLINE"] = "1"  # the embedded model is loaded by path, never from a hub
@@ -220,6 +220,12 @@ def make_loaders(request: RunRequest, place, inputs: Inputs, plan_result):
         train_loader, inputs.train_set.lengths, padding=flags.padding, max_length=flags.max_length,
         pad_to_multiple_of=flags.pad_to_multiple_of)
     say(f"batches ({grouping}, {flags.padding} padding): {padding_line}")
+    if estimated and plan_result is None:
+        widths = (f"its longest sample: {max(inputs.train_set.lengths, default=0)} tokens; --max-length "
+                  f"{flags.max_length} is only the cap" if flags.padding == "dynamic" else
+                  f"--padding max_length: every batch {flags.max_length} tokens wide")
+        say(f"estimated peak of live tensors: {estimated['peak_memory_bytes'] / 2**20:.1f} MiB, priced at the "
+            f"batches this data makes ({widths})")
     return train_loader, eval_loader, estimated
 
 
