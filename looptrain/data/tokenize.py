@@ -10,12 +10,9 @@ import logging
 import os
 from typing import Any
 
-from torch.utils.data import Dataset
-
 from looptrain.data.errors import DataError
 from looptrain.data.readers import LanguageModelingData, TextClassificationData
-
-IGNORE_INDEX = -100  # a label the loss skips (transformers' and torch's cross-entropy default)
+from looptrain.data.store import IGNORE_INDEX, TokenizedDataset, TokenRowsBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -65,52 +62,6 @@ def load_tokenizer(path: str | os.PathLike, use_fast: bool = True, allow_slow: b
     return tokenizer
 
 
-class TokenizedDataset(Dataset):
-    """Unpadded token ids per sample; ``__getitem__`` returns a dict of lists and the label (or token labels).
-
-    Attributes:
-        lengths: Token count of each sample (what the samplers and padding stats need).
-        num_truncated: How many samples were cut at ``max_length``.
-        num_dropped: How many samples were left out because truncation cut away every token they had to
-            learn from (a causal LM's prompt/response sample whose prompt fills ``max_length``).
-        max_length: The truncation length used.
-        label_names: Carried over from the source data (None for numeric labels).
-    """
-
-    def __init__(
-        self,
-        input_ids: list[list[int]],
-        token_type_ids: list[list[int]] | None,
-        labels: list[int] | list[list[int]] | None,
-        *,
-        num_truncated: int = 0,
-        max_length: int | None = None,
-        label_names: list[str] | None = None,
-        num_dropped: int = 0,
-    ):
-        self.input_ids = input_ids
-        self.token_type_ids = token_type_ids
-        self.labels = labels
-        self.lengths = [len(ids) for ids in input_ids]
-        self.num_truncated = num_truncated
-        self.max_length = max_length
-        self.label_names = label_names
-        self.num_dropped = num_dropped
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        ids = self.input_ids[index]
-        # Unpadded, so the mask is all ones; built on demand instead of stored (saves a list per sample).
-        item: dict[str, Any] = {"input_ids": ids, "attention_mask": [1] * len(ids)}
-        if self.token_type_ids is not None:
-            item["token_type_ids"] = self.token_type_ids[index]
-        if self.labels is not None:
-            item["labels"] = self.labels[index]
-        return item
-
-
 def tokenize(
     data: TextClassificationData,
     tokenizer,
@@ -143,8 +94,7 @@ def tokenize(
     if batch_size < 1:
         raise DataError(f"batch_size must be positive, got {batch_size}")
     is_fast = bool(getattr(tokenizer, "is_fast", False))
-    input_ids: list[list[int]] = []
-    token_type_ids: list[list[int]] = []
+    rows = TokenRowsBuilder()
     num_truncated = 0
     total = len(data.texts)
     # disable=None lets tqdm hide itself on non-TTY outputs (logs, CI); small inputs never show a bar.
@@ -162,23 +112,17 @@ def tokenize(
             else:
                 full = tokenizer(texts, pairs, truncation=False, padding=False, return_attention_mask=False)
                 num_truncated += sum(1 for ids in full["input_ids"] if len(ids) > max_length)
-            input_ids.extend(encoded["input_ids"])
-            if "token_type_ids" in encoded:
-                token_type_ids.extend(encoded["token_type_ids"])
+            types = encoded.get("token_type_ids") or [None] * len(texts)
+            for ids, token_types in zip(encoded["input_ids"], types):
+                rows.add(ids, token_types=token_types)
             bar.update(len(texts))
     if num_truncated:
         logger.info(
             "tokenize: %d of %d samples (%.1f%%) truncated to max_length=%d",
             num_truncated, total, 100.0 * num_truncated / max(total, 1), max_length,
         )
-    return TokenizedDataset(
-        input_ids,
-        token_type_ids if len(token_type_ids) == len(input_ids) else None,
-        data.labels,
-        num_truncated=num_truncated,
-        max_length=max_length,
-        label_names=data.label_names,
-    )
+    return rows.dataset(data.labels, num_truncated=num_truncated, max_length=max_length,
+                        label_names=data.label_names)
 
 
 def tokenize_lm(data: LanguageModelingData, tokenizer, max_length: int, batch_size: int = 1000) -> TokenizedDataset:
@@ -221,8 +165,7 @@ def tokenize_lm(data: LanguageModelingData, tokenizer, max_length: int, batch_si
             "(tokenizer.eos_token = '...'; tokenizer.save_pretrained(MODEL_DIR))"
         )
     prompts, responses, special = _lm_segments(data, tokenizer)
-    input_ids: list[list[int]] = []
-    labels: list[list[int]] = []
+    rows = TokenRowsBuilder()
     num_truncated = num_dropped = 0
     for start in range(0, len(responses), batch_size):
         chunk = slice(start, start + batch_size)
@@ -240,16 +183,14 @@ def tokenize_lm(data: LanguageModelingData, tokenizer, max_length: int, batch_si
             if all(label == IGNORE_INDEX for label in sample_labels[1:]):
                 num_dropped += 1  # nothing to predict (the model shifts: the first label is never scored)
                 continue
-            input_ids.append(sample)
-            labels.append(sample_labels)
-    if not input_ids:
+            rows.add(sample, sample_labels)
+    if not rows:
         raise DataError(f"{data.source}: no sample has a token to predict within --max-length {max_length} (every "
                         "prompt fills it by itself); raise --max-length or shorten the prompts")
     if num_truncated:
         logger.info("tokenize_lm: %d of %d samples truncated to max_length=%d", num_truncated, len(responses),
                     max_length)
-    return TokenizedDataset(input_ids, None, labels, num_truncated=num_truncated, max_length=max_length,
-                            num_dropped=num_dropped)
+    return rows.dataset(num_truncated=num_truncated, max_length=max_length, num_dropped=num_dropped)
 
 
 def _lm_segments(data: LanguageModelingData, tokenizer) -> tuple[list[str] | None, list[str], bool]:
