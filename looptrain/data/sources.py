@@ -95,9 +95,13 @@ def _split_selector(spec: str) -> tuple[str, str | None]:
     return path, selector
 
 
+def _is_utf8(encoding: str) -> bool:
+    return encoding.lower().replace("_", "-") in ("utf-8", "utf8", "utf-8-sig")
+
+
 def _codec(encoding: str) -> str:
     # utf-8-sig drops the byte-order mark Excel writes, which would otherwise glue onto the first column name.
-    return "utf-8-sig" if encoding.lower().replace("_", "-") in ("utf-8", "utf8", "utf-8-sig") else encoding
+    return "utf-8-sig" if _is_utf8(encoding) else encoding
 
 
 def _decode_file(path: str, encoding: str, encoding_errors: str) -> str:
@@ -125,11 +129,11 @@ def _check_text_file(path: str, encoding: str, encoding_errors: str) -> None:
     A UTF-8 file is read a block at a time (and, with strict errors, decoded to its end). Other encodings are decoded
     whole: the incremental decoders of some (utf-16's) refuse what decoding the whole file accepts.
     """
-    if _codec(encoding) != "utf-8-sig":
-        has_text = bool(_decode_file(path, encoding, encoding_errors).strip())
-    else:
+    if _is_utf8(encoding):
         with _open_utf8(path) as handle:
             has_text = _scan_utf8(handle, path, encoding, encoding_errors)
+    else:
+        has_text = bool(_decode_file(path, encoding, encoding_errors).strip())
     if not has_text:
         raise DataError(f"{path} is empty; point to a file with a header and data rows")
 
@@ -167,7 +171,7 @@ def _open_utf8(path: str) -> Iterator[io.BufferedReader]:
 def _open_text(path: str, encoding: str, encoding_errors: str) -> Iterator[io.TextIOBase]:
     """The file as text, UTF-8 decoded a buffer at a time (other encodings whole); only CR and LF end its lines
     (newline="", as csv needs)."""
-    if _codec(encoding) != "utf-8-sig":
+    if not _is_utf8(encoding):
         yield io.StringIO(_decode_file(path, encoding, encoding_errors), newline="")
         return
     with _open_utf8(path) as handle:
