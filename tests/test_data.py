@@ -234,7 +234,7 @@ def test_tokenize_truncates_counts_and_does_not_pad(tiny_tokenizer):
     data = read_classification_data([{"text": text, "label": index % 2} for index, text in enumerate(texts)])
     dataset = tokenize(data, tiny_tokenizer, max_length=10, batch_size=3, progress=False)
     # [CLS] + words + [SEP]: 3, 22 -> 10, 4, 11 -> 10
-    assert dataset.lengths == [3, 10, 4, 10]
+    assert dataset.lengths.tolist() == [3, 10, 4, 10]
     assert dataset.num_truncated == 2
     item = dataset[2]
     assert item["attention_mask"] == [1, 1, 1, 1] and item["labels"] == 0
@@ -244,7 +244,7 @@ def test_tokenize_pairs_and_collator_token_types(tiny_tokenizer):
     data = read_classification_data([{"a": "good movie", "b": "fun", "label": 0},
                                      {"a": "bad", "b": "dull plot", "label": 1}], ("a", "b"))
     dataset = tokenize(data, tiny_tokenizer, max_length=32, progress=False)
-    assert dataset.lengths == [6, 6]
+    assert dataset.lengths.tolist() == [6, 6]
     # The tiny tokenizer does not return token types; hand-add them to check the collator's path.
     features = [dict(dataset[0], token_type_ids=[0, 0, 0, 0, 1, 1]),
                 {"input_ids": [2, 3], "attention_mask": [1, 1], "token_type_ids": [0, 0], "labels": 1}]

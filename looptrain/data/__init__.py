@@ -11,6 +11,8 @@ The modules, in the order a training run uses them:
 - ``tokenize``: :func:`load_tokenizer` (fast only) and :func:`tokenize`, texts into a :class:`TokenizedDataset`;
   :func:`tokenize_lm` a causal LM's samples (prompts masked with -100, chats' assistant turns found by ``chat``).
 - ``chat``: which tokens of a rendered chat are the assistant's, for any chat template (``LOSS_ON``, the levers).
+- ``store``: :class:`TokenizedDataset` keeps the tokens in flat numpy arrays (:class:`TokenRows`, built a pack at a
+  time by :class:`TokenRowsBuilder`): ids as uint16 or int32, a causal LM's labels as one bool a token.
 - ``collate``: :class:`DynamicPaddingCollator` pads each batch to its longest sequence (or ``max_length``), token
   labels with -100.
 - ``samplers``: the random, length-grouped and token-budget batch samplers, and :func:`eval_batches`.
@@ -34,7 +36,8 @@ from looptrain.data.samplers import (
     eval_batches,
 )
 from looptrain.data.sources import SUPPORTED_EXTENSIONS
-from looptrain.data.tokenize import TokenizedDataset, load_tokenizer, tokenize, tokenize_lm
+from looptrain.data.store import TokenizedDataset, TokenRows, TokenRowsBuilder
+from looptrain.data.tokenize import load_tokenizer, tokenize, tokenize_lm
 
 __all__ = [
     "SUPPORTED_EXTENSIONS",
@@ -45,6 +48,8 @@ __all__ = [
     "read_lm_data",
     "load_tokenizer",
     "TokenizedDataset",
+    "TokenRows",
+    "TokenRowsBuilder",
     "tokenize",
     "tokenize_lm",
     "DynamicPaddingCollator",

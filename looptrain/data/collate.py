@@ -67,11 +67,11 @@ class DynamicPaddingCollator:
         """Width the batch of these sequence lengths is padded to."""
         if self.padding == "max_length":
             return int(self.max_length)
-        width = max(lengths)
+        width = int(max(lengths))  # a Python int also where the lengths are numpy's (TokenizedDataset.lengths)
         if self.pad_to_multiple_of:
             width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
         if self.max_length:
-            width = min(width, max(self.max_length, max(lengths)))
+            width = min(width, max(self.max_length, int(max(lengths))))
         return width
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:

@@ -19,11 +19,11 @@ from looptrain.data.samplers import (
 )
 
 
-def _dataset_lengths(dataset: Any) -> list[int]:
+def _dataset_lengths(dataset: Any) -> np.ndarray:
     lengths = getattr(dataset, "lengths", None)
-    if lengths is not None:
-        return list(lengths)
-    return [len(dataset[index]["input_ids"]) for index in range(len(dataset))]
+    if lengths is None:
+        lengths = [len(dataset[index]["input_ids"]) for index in range(len(dataset))]
+    return np.asarray(lengths, dtype=np.int64)
 
 
 def make_train_loader(

@@ -9,6 +9,7 @@ must hold (columns, labels, chats) is checked by the readers (`looptrain.data.re
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import csv
 import io
@@ -30,6 +31,7 @@ _HUB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 # What may follow a dataset directory or Hub name after ':': a split, or (Hub) a configuration and a split.
 _SELECTOR_PATTERN = re.compile(r"^[\w.-]+(:[\w.-]+)?$")
 _ARROW_BATCH_ROWS = 4096  # rows converted to Python at a time from Parquet and datasets' Arrow tables
+_READ_BLOCK_BYTES = 1 << 20  # bytes decoded at a time when a CSV/TSV/JSONL file is checked
 
 # A row's location (line number in a file, index in a sequence) travels with it for error messages.
 Rows = Iterator[tuple[str, Mapping[str, Any]]]
@@ -72,14 +74,15 @@ def _read_path(spec: str, encoding: str, encoding_errors: str) -> tuple[Rows, li
         raise DataError(f"data file not found: {path}; check the path (--data / --eval-data)")
     if extension == ".parquet":
         return _parquet_rows(path)
-    text = _decode_file(path, encoding, encoding_errors)
-    if not text.strip():
-        raise DataError(f"{path} is empty; point to a file with a header and data rows")
-    if extension == ".jsonl":
-        return _jsonl_rows(text, path)
-    if extension == ".json":
+    if extension == ".json":  # one JSON value: parsed whole
+        text = _decode_file(path, encoding, encoding_errors)
+        if not text.strip():
+            raise DataError(f"{path} is empty; point to a file with a header and data rows")
         return _json_array_rows(text, path)
-    return _delimited_rows(text, "\t" if extension == ".tsv" else ",", path)
+    _check_text_file(path, encoding, encoding_errors)
+    if extension == ".jsonl":
+        return _jsonl_rows(path, encoding, encoding_errors)
+    return _delimited_rows(path, encoding, encoding_errors, "\t" if extension == ".tsv" else ",")
 
 
 def _split_selector(spec: str) -> tuple[str, str | None]:
@@ -92,46 +95,119 @@ def _split_selector(spec: str) -> tuple[str, str | None]:
     return path, selector
 
 
+def _is_utf8(encoding: str) -> bool:
+    return encoding.lower().replace("_", "-") in ("utf-8", "utf8", "utf-8-sig")
+
+
+def _codec(encoding: str) -> str:
+    # utf-8-sig drops the byte-order mark Excel writes, which would otherwise glue onto the first column name.
+    return "utf-8-sig" if _is_utf8(encoding) else encoding
+
+
 def _decode_file(path: str, encoding: str, encoding_errors: str) -> str:
     with open(path, "rb") as handle:
         raw = handle.read()
-    # utf-8-sig drops the byte-order mark Excel writes, which would otherwise glue onto the first column name.
-    codec = "utf-8-sig" if encoding.lower().replace("_", "-") in ("utf-8", "utf8") else encoding
     try:
-        return raw.decode(codec, errors=encoding_errors)
+        return raw.decode(_codec(encoding), errors=encoding_errors)
     except UnicodeDecodeError as error:
-        line = raw.count(b"\n", 0, error.start) + 1
-        raise DataError(
-            f"{path}:{line}: bytes {raw[error.start:error.end]!r} are not valid {encoding} ({error.reason}); "
-            f"re-save the file as {encoding}, or replace the bad bytes with U+FFFD: --encoding-errors replace "
-            "on the command line, encoding_errors='replace' in Python (where encoding=... also reads other "
-            "encodings)"
-        ) from error
+        # error.object is what the codec decoded: without the BOM utf-8-sig skipped (which holds no newline).
+        raise _undecodable(path, encoding, error.object.count(b"\n", 0, error.start) + 1, error) from error
 
 
-def _delimited_rows(text: str, delimiter: str, path: str) -> tuple[Rows, list[str]]:
-    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
-    header = _next_record(reader, path)
+def _undecodable(path: str, encoding: str, line: int, error: UnicodeDecodeError) -> DataError:
+    return DataError(
+        f"{path}:{line}: bytes {error.object[error.start:error.end]!r} are not valid {encoding} ({error.reason}); "
+        f"re-save the file as {encoding}, or replace the bad bytes with U+FFFD: --encoding-errors replace "
+        "on the command line, encoding_errors='replace' in Python (where encoding=... also reads other "
+        "encodings)"
+    )
+
+
+def _check_text_file(path: str, encoding: str, encoding_errors: str) -> None:
+    """Refuses, before any row is read, a file whose bytes are not valid ``encoding`` and a file with no text.
+
+    A UTF-8 file is read a block at a time (and, with strict errors, decoded to its end). Other encodings are decoded
+    whole: the incremental decoders of some (utf-16's) refuse what decoding the whole file accepts.
+    """
+    if _is_utf8(encoding):
+        with _open_utf8(path) as handle:
+            has_text = _scan_utf8(handle, path, encoding, encoding_errors)
+    else:
+        has_text = bool(_decode_file(path, encoding, encoding_errors).strip())
+    if not has_text:
+        raise DataError(f"{path} is empty; point to a file with a header and data rows")
+
+
+def _scan_utf8(handle: io.BufferedReader, path: str, encoding: str, encoding_errors: str) -> bool:
+    """Whether the file has text (not only whitespace); reads on to its end to find bad bytes where they are errors."""
+    decoder = codecs.getincrementaldecoder("utf-8")(encoding_errors)
+    newlines, has_text = 0, False
+    while not (has_text and encoding_errors != "strict"):
+        block = handle.read(_READ_BLOCK_BYTES)
+        try:
+            has_text = bool(decoder.decode(block, final=not block).strip()) or has_text
+        except UnicodeDecodeError as error:
+            # The decoder's input: the end of the blocks before (bytes of a character they split) and this one.
+            held = error.object[:max(0, len(error.object) - len(block))]
+            line = newlines - held.count(b"\n") + error.object.count(b"\n", 0, error.start) + 1
+            raise _undecodable(path, encoding, line, error) from error
+        newlines += block.count(b"\n")
+        if not block:
+            break
+    return has_text
+
+
+@contextlib.contextmanager
+def _open_utf8(path: str) -> Iterator[io.BufferedReader]:
+    """The file open in binary, past its UTF-8 byte-order mark if it has one (utf-8-sig's incremental decoder would
+    keep a lone first byte of the mark to itself at the end of a file, where decoding the whole file reports it)."""
+    with open(path, "rb") as handle:
+        if handle.read(len(codecs.BOM_UTF8)) != codecs.BOM_UTF8:
+            handle.seek(0)
+        yield handle
+
+
+@contextlib.contextmanager
+def _open_text(path: str, encoding: str, encoding_errors: str) -> Iterator[io.TextIOBase]:
+    """The file as text, UTF-8 decoded a buffer at a time (other encodings whole); only CR and LF end its lines
+    (newline="", as csv needs)."""
+    if not _is_utf8(encoding):
+        yield io.StringIO(_decode_file(path, encoding, encoding_errors), newline="")
+        return
+    with _open_utf8(path) as handle:
+        yield io.TextIOWrapper(handle, encoding="utf-8", errors=encoding_errors, newline="")
+
+
+def _delimited_rows(path: str, encoding: str, encoding_errors: str, delimiter: str) -> tuple[Rows, list[str]]:
+    with _open_text(path, encoding, encoding_errors) as handle:
+        header = _next_record(csv.reader(handle, delimiter=delimiter), path)
     if not header:
         raise DataError(f"{path} has no header row; the first line must name the columns")
     header = [name.strip() for name in header]
     _check_header(header, delimiter, path)
 
     def rows() -> Rows:
-        while (values := _next_record(reader, path)) is not None:
-            if not values or all(not value.strip() for value in values):
-                continue  # blank lines are formatting, not samples
-            # Short rows leave missing columns as None, which the null-text check then reports. A long row would
-            # lose its extra fields silently: most often an unquoted comma inside a text, which split it.
-            if len(values) > len(header) and any(value.strip() for value in values[len(header):]):
-                raise DataError(
-                    f"{path}:{reader.line_num}: {len(values)} fields but the header names {len(header)} columns; "
-                    "quote a text that contains the separator (\"a, b\"), or add the missing column names"
-                )
-            row = dict(zip(header, values))
-            yield f"line {reader.line_num}", row
+        with _open_text(path, encoding, encoding_errors) as handle:
+            reader = csv.reader(handle, delimiter=delimiter)
+            _next_record(reader, path)  # the header
+            yield from _records(reader, header, path)
 
     return rows(), header
+
+
+def _records(reader: Any, header: list[str], path: str) -> Rows:
+    """The data rows of a CSV/TSV reader past its header, as dicts."""
+    while (values := _next_record(reader, path)) is not None:
+        if not values or all(not value.strip() for value in values):
+            continue  # blank lines are formatting, not samples
+        # Short rows leave missing columns as None, which the null-text check then reports. A long row would
+        # lose its extra fields silently: most often an unquoted comma inside a text, which split it.
+        if len(values) > len(header) and any(value.strip() for value in values[len(header):]):
+            raise DataError(
+                f"{path}:{reader.line_num}: {len(values)} fields but the header names {len(header)} columns; "
+                "quote a text that contains the separator (\"a, b\"), or add the missing column names"
+            )
+        yield f"line {reader.line_num}", dict(zip(header, values))
 
 
 # A .csv header read as one column because another character separates it: (that character, what it is
@@ -178,16 +254,22 @@ def _next_record(reader: Any, path: str) -> list[str] | None:
         ) from error
 
 
-def _jsonl_rows(text: str, path: str) -> tuple[Rows, list[str]]:
-    # Only CR / LF end a line: str.splitlines() also splits at U+2028, U+0085 ..., legal inside JSON strings.
-    lines = re.split(r"\r\n|\r|\n", text)
-    first = next((number for number, line in enumerate(lines, 1) if line.strip()), None)
-    columns = list(_parse_json_line(lines[first - 1], path, first).keys()) if first else []
+def _jsonl_rows(path: str, encoding: str, encoding_errors: str) -> tuple[Rows, list[str]]:
+    """A .jsonl file's objects, read a line at a time; the columns are the first object's keys."""
+    def lines() -> Iterator[tuple[int, str]]:
+        # Only CR / LF end a line (str.splitlines() also splits at U+2028, U+0085 ..., legal inside JSON strings).
+        with _open_text(path, encoding, encoding_errors) as handle:
+            for number, line in enumerate(handle, 1):
+                if line.strip():
+                    yield number, line.rstrip("\r\n")
+
+    with contextlib.closing(lines()) as numbered:
+        first = next(numbered, None)
+    columns = list(_parse_json_line(first[1], path, first[0]).keys()) if first else []
 
     def rows() -> Rows:
-        for number, line in enumerate(lines, 1):
-            if line.strip():
-                yield f"line {number}", _parse_json_line(line, path, number)
+        for number, line in lines():
+            yield f"line {number}", _parse_json_line(line, path, number)
 
     return rows(), columns
 

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
-
-from torch.utils.data import Dataset
 
 from looptrain.data.chat import LOSS_ON, chat_sample
 from looptrain.data.errors import DataError
 from looptrain.data.readers import LanguageModelingData, TextClassificationData
-
-IGNORE_INDEX = -100  # a label the loss skips (transformers' and torch's cross-entropy default)
+from looptrain.data.store import IGNORE_INDEX, TokenizedDataset, TokenRowsBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -66,56 +64,6 @@ def load_tokenizer(path: str | os.PathLike, use_fast: bool = True, allow_slow: b
     return tokenizer
 
 
-class TokenizedDataset(Dataset):
-    """Unpadded token ids per sample; ``__getitem__`` returns a dict of lists and the label (or token labels).
-
-    Attributes:
-        lengths: Token count of each sample (what the samplers and padding stats need).
-        num_truncated: How many samples were cut at ``max_length``.
-        num_dropped: How many samples were left out because truncation cut away every token they had to
-            learn from (a causal LM's prompt/response sample whose prompt fills ``max_length``).
-        max_length: The truncation length used.
-        label_names: Carried over from the source data (None for numeric labels).
-        num_scored: How many tokens carry a loss (a causal LM's labels other than -100, the first of each
-            sample left out: the model shifts its labels); None for a classifier's data.
-    """
-
-    def __init__(
-        self,
-        input_ids: list[list[int]],
-        token_type_ids: list[list[int]] | None,
-        labels: list[int] | list[list[int]] | None,
-        *,
-        num_truncated: int = 0,
-        max_length: int | None = None,
-        label_names: list[str] | None = None,
-        num_dropped: int = 0,
-        num_scored: int | None = None,
-    ):
-        self.input_ids = input_ids
-        self.token_type_ids = token_type_ids
-        self.labels = labels
-        self.lengths = [len(ids) for ids in input_ids]
-        self.num_truncated = num_truncated
-        self.max_length = max_length
-        self.label_names = label_names
-        self.num_dropped = num_dropped
-        self.num_scored = num_scored
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        ids = self.input_ids[index]
-        # Unpadded, so the mask is all ones; built on demand instead of stored (saves a list per sample).
-        item: dict[str, Any] = {"input_ids": ids, "attention_mask": [1] * len(ids)}
-        if self.token_type_ids is not None:
-            item["token_type_ids"] = self.token_type_ids[index]
-        if self.labels is not None:
-            item["labels"] = self.labels[index]
-        return item
-
-
 def tokenize(
     data: TextClassificationData,
     tokenizer,
@@ -148,8 +96,7 @@ def tokenize(
     if batch_size < 1:
         raise DataError(f"batch_size must be positive, got {batch_size}")
     is_fast = bool(getattr(tokenizer, "is_fast", False))
-    input_ids: list[list[int]] = []
-    token_type_ids: list[list[int]] = []
+    rows = TokenRowsBuilder()
     num_truncated = 0
     total = len(data.texts)
     # disable=None lets tqdm hide itself on non-TTY outputs (logs, CI); small inputs never show a bar.
@@ -167,23 +114,17 @@ def tokenize(
             else:
                 full = tokenizer(texts, pairs, truncation=False, padding=False, return_attention_mask=False)
                 num_truncated += sum(1 for ids in full["input_ids"] if len(ids) > max_length)
-            input_ids.extend(encoded["input_ids"])
-            if "token_type_ids" in encoded:
-                token_type_ids.extend(encoded["token_type_ids"])
+            types = encoded.get("token_type_ids") or [None] * len(texts)
+            for ids, token_types in zip(encoded["input_ids"], types):
+                rows.add(ids, token_types=token_types)
             bar.update(len(texts))
     if num_truncated:
         logger.info(
             "tokenize: %d of %d samples (%.1f%%) truncated to max_length=%d",
             num_truncated, total, 100.0 * num_truncated / max(total, 1), max_length,
         )
-    return TokenizedDataset(
-        input_ids,
-        token_type_ids if len(token_type_ids) == len(input_ids) else None,
-        data.labels,
-        num_truncated=num_truncated,
-        max_length=max_length,
-        label_names=data.label_names,
-    )
+    return rows.dataset(data.labels, num_truncated=num_truncated, max_length=max_length,
+                        label_names=data.label_names)
 
 
 def tokenize_lm(data: LanguageModelingData, tokenizer, max_length: int, batch_size: int = 1000,
@@ -239,8 +180,7 @@ def tokenize_lm(data: LanguageModelingData, tokenizer, max_length: int, batch_si
         samples = _chat_samples(data, tokenizer, loss_on)
     else:
         samples = _text_samples(data, tokenizer, eos_id, batch_size, loss_on)
-    input_ids: list[list[int]] = []
-    labels: list[list[int]] = []
+    rows = TokenRowsBuilder()
     num_truncated = num_dropped = num_scored = 0
     for sample, mask in samples:
         if len(sample) > max_length:
@@ -252,21 +192,19 @@ def tokenize_lm(data: LanguageModelingData, tokenizer, max_length: int, batch_si
             num_dropped += 1
             continue
         num_scored += scored
-        input_ids.append(sample)
-        labels.append(sample_labels)
-    if not input_ids:
+        rows.add(sample, sample_labels)
+    if not rows:
         raise DataError(f"{data.source}: no sample has a token to predict within --max-length {max_length} (every "
                         "prompt fills it by itself); raise --max-length or shorten the prompts")
     if num_truncated:
         logger.info("tokenize_lm: %d of %d samples truncated to max_length=%d", num_truncated, len(data), max_length)
-    return TokenizedDataset(input_ids, None, labels, num_truncated=num_truncated, max_length=max_length,
-                            num_dropped=num_dropped, num_scored=num_scored)
+    return rows.dataset(num_truncated=num_truncated, max_length=max_length, num_dropped=num_dropped,
+                        num_scored=num_scored)
 
 
 def _text_samples(data: LanguageModelingData, tokenizer, eos_id: int, batch_size: int,
-                  loss_on: str) -> list[tuple[list[int], list[bool]]]:
+                  loss_on: str) -> Iterator[tuple[list[int], list[bool]]]:
     """(ids, loss mask) of each text or prompt/completion sample, EOS appended."""
-    samples = []
     mismatched: list[int] = []
     for start in range(0, len(data.texts), batch_size):
         texts = data.texts[start:start + batch_size]
@@ -284,7 +222,7 @@ def _text_samples(data: LanguageModelingData, tokenizer, eos_id: int, batch_size
                 mismatched.append(start + offset)
             if not whole or whole[-1] != eos_id:
                 whole = whole + [eos_id]
-            samples.append((whole, [False] * masked + [True] * (len(whole) - masked)))
+            yield whole, [False] * masked + [True] * (len(whole) - masked)
     if mismatched:
         first = mismatched[0]
         logger.warning(
@@ -292,10 +230,9 @@ def _text_samples(data: LanguageModelingData, tokenizer, eos_id: int, batch_size
             "(the tokenizer merges across the boundary, as for a prompt ending in a space); the loss starts after "
             "the tokens they share, so the merged token is trained. First: sample %d, prompt %r",
             len(mismatched), len(data.texts), data.source, first, data.texts[first][-40:])
-    return samples
 
 
-def _chat_samples(data: LanguageModelingData, tokenizer, loss_on: str) -> list[tuple[list[int], list[bool]]]:
+def _chat_samples(data: LanguageModelingData, tokenizer, loss_on: str) -> Iterator[tuple[list[int], list[bool]]]:
     """(ids, loss mask) of each chat (:func:`looptrain.data.chat.chat_sample`); no EOS appended."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataError(
@@ -307,12 +244,12 @@ def _chat_samples(data: LanguageModelingData, tokenizer, loss_on: str) -> list[t
     from jinja2 import TemplateError
 
     chats = data.messages or []
-    samples, unanswered = [], 0
+    unanswered = 0
     for index, chat in enumerate(chats):
         tools = data.tools[index] if data.tools is not None else None
         prompt_turns = data.prompt_turns[index] if data.prompt_turns is not None else 0
         try:
-            samples.append(chat_sample(tokenizer, chat, tools, prompt_turns, loss_on, index))
+            sample = chat_sample(tokenizer, chat, tools, prompt_turns, loss_on, index)
         except DataError as error:
             raise DataError(f"{data.source}, {error}") from None
         except TemplateError as error:  # the template's own raise_exception, or a template that cannot render
@@ -320,11 +257,11 @@ def _chat_samples(data: LanguageModelingData, tokenizer, loss_on: str) -> list[t
             raise DataError(f"{data.source}, sample {index}: the chat template of {name!r} refused the chat or its "
                             f"first messages ({error}); fix the chat's roles and order, or train on every token with "
                             "--loss-on all (which renders only the whole chat)") from None
+        yield sample
         unanswered += chat[-1].get("role") != "assistant"
     if unanswered and loss_on == "assistant":
         logger.warning("tokenize_lm: %d of %d chats of %s do not end with an assistant turn; their earlier "
                        "assistant turns are trained", unanswered, len(chats), data.source)
-    return samples
 
 
 def _encode(tokenizer, texts: list[str]) -> list[list[int]]:

@@ -112,7 +112,7 @@ def check(model: nn.Module, dataset: Any, collator: Any, *, memory_budget: int, 
                         "or plan for a budget of live tensors (meter='tensors')")
     device_type = resolve_device(options["device"]).type
     margin = DEFAULT_MARGIN.get(device_type, 0.15) if margin is None else margin
-    lengths = tuple(dataset.lengths)
+    lengths = tuple(int(length) for length in dataset.lengths)
     if baseline is None and base.batch_size * base.accum_steps == effective_batch:
         baseline = base
     config = getattr(model, "config", None)

@@ -406,6 +406,7 @@ def load_inputs(flags, model_path: str) -> Inputs:
     """The model config (flags checked against it before any weight is read), the data, the tokenizer, the model
     (frozen as asked), and the tokenized data sets."""
     from looptrain import data as data_module
+    from looptrain.memory import allocator
 
     model_config = load_model_config(model_path, flags)
     train_data, eval_data, data_description = load_data(flags)
@@ -437,6 +438,8 @@ def load_inputs(flags, model_path: str) -> Inputs:
             say(f"{train_set.num_truncated} of {len(train_set)} training samples were truncated "
                   f"to {flags.max_length} tokens")
     say(length_line(flags, train_set))
+    del train_data, eval_data  # the texts read: the tokenized sets hold what the run needs
+    allocator.release_freed()  # and the heap pages they held go back, so that RSS holds the tokens, not the texts
     collator = data_module.DynamicPaddingCollator(
         tokenizer, padding=flags.padding, max_length=flags.max_length, pad_to_multiple_of=flags.pad_to_multiple_of)
     return Inputs(model, tokenizer, train_set, eval_set, collator, flags.task)
