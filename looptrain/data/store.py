@@ -197,6 +197,13 @@ class _RowView(Sequence):
             return [self._read(position) for position in range(*index.indices(self._count))]
         return self._read(index)
 
+    def __eq__(self, other: object) -> bool:  # compares like the list of lists it stands for
+        if isinstance(other, (list, tuple, _RowView)):
+            return len(self) == len(other) and all(mine == theirs for mine, theirs in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # like a list
+
 
 class TokenizedDataset(Dataset):
     """Unpadded token ids per sample; ``__getitem__`` returns a dict of lists and the label (or token labels).
