@@ -113,10 +113,11 @@ def cpu_has_native_fp16() -> bool:
     """Whether this CPU computes fp16 natively (AVX-512 FP16 or AMX-FP16), as oneDNN inside torch reports it."""
     return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
 
+
 # ---------------------------------------------------------------------- what is fast on this CPU, measured
 BF16_FAST_RATIO = 1.1  # the rule: bf16 autocast on a CPU only where a bf16 matmul runs >= 1.1x fp32's speed
 SPEED_CACHE_KIND = "matmul_speed"
-MATMUL_SIDE = 256  # square matmuls on one thread: fp32 reaches its per-core speed; emulated bf16 stays quick
+MATMUL_SIDE = 256  # square matmuls on one thread: big enough for oneDNN's bf16 kernels, small enough where emulated
 _SPEEDS: dict[str, dict] = {}  # per process, by `cpu_speed_key`
 
 
@@ -137,9 +138,8 @@ def _median_matmul_flops(dtype: torch.dtype, side: int, repeats: int, seconds: f
 
 def measure_cpu_matmul_speed(side: int = MATMUL_SIDE, repeats: int = 5, seconds: float = 0.2) -> dict:
     """This CPU's matmul speed in fp32 and in bf16 (FLOP/s), on one thread so that other processes' load and
-    thread barriers do not blur the ratio; bf16 is None where torch has no bf16 matmul on the CPU.
-
-    About 0.05 s where bf16 is native, 0.3 s where it is emulated (the repeats stop after `seconds`).
+    thread barriers do not blur the ratio; bf16 is None where torch has no bf16 matmul on the CPU. Bounded where
+    bf16 is emulated: its repeats stop after `seconds` (docs/finetune.md#precision-from-measurement has the cost).
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
