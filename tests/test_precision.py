@@ -138,3 +138,15 @@ def test_cpu_description_names_model_and_capability():
     description = precision.cpu_description()
     assert torch.backends.cpu.get_cpu_capability() in description
     assert precision.cpu_name() in description and f"{torch.get_num_threads()} threads" in description
+
+
+@pytest.mark.slow  # a dozen estimates of a tiny Qwen2: make test stays under 5 minutes on 2 cores; .ci/run runs it
+def test_lowest_may_pick_bf16_for_memory_and_says_how_slow_it_is_here(avx512_core_cpu):
+    from test_estimate_causal_lm import qwen2_config
+
+    from looptrain import planning
+
+    result = planning.lowest(qwen2_config(), 2, 16)
+    assert result.settings.weights == "bf16"  # the lightest numerics, although bf16 measured slower here
+    assert result.notes == ["bf16 chosen for memory, not speed: bf16 matmuls run 0.29x the speed of fp32 on this CPU "
+                            "(measured; AVX512)"]
