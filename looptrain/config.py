@@ -357,7 +357,8 @@ def _auto_means_fp16(device_name: str) -> bool:
     from looptrain.precision import amp_precision
 
     try:
-        return amp_precision(resolve_device(device_name))[0] == "fp16"
+        device = resolve_device(device_name)
+        return device.type != "cpu" and amp_precision(device)[0] == "fp16"  # a CPU's --amp is bf16 or fp32
     except ValueError:
         return False
 

@@ -16,7 +16,8 @@ MFU = achieved model FLOP/s / peak FLOP/s. Both sides are counted here, apart fr
   checkpointing lowers it (the hardware does more work for the same model FLOPs).
 - `matmul_peak_flops(device, dtype)`: the best FLOP/s of square matmuls in the run's compute dtype,
   measured in about a second and cached on disk (`looptrain.cache`) under a key naming the device
-  (CPU: model name, torch's capability, native bf16, threads; CUDA: the GPU's name), the dtype and
+  (CPU: model name, torch's capability, oneDNN's bf16 report and its ``ONEDNN_MAX_CPU_ISA`` cap, threads;
+  CUDA: the GPU's name), the dtype and
   torch's version: a CPU restricted to AVX2 (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``)
   gets its own peak.
 
@@ -36,7 +37,7 @@ from torch import nn
 
 from looptrain import cache
 from looptrain.freeze import find_transformer_blocks
-from looptrain.precision import cpu_capability, cpu_has_native_bf16, cpu_name
+from looptrain.precision import cpu_bf16_speedup, cpu_capability, cpu_has_native_bf16, cpu_name
 
 __all__ = ["ModelFlops", "count_model_flops", "matmul_peak_flops", "model_flops_per_token", "peak_key"]
 
@@ -132,19 +133,24 @@ def model_flops_per_token(model: nn.Module, seq_len: float) -> float:
 
 
 def device_name(device: torch.device) -> str:
-    """The device as the peak's key and reports name it: the GPU's name, or the CPU's model, ISA and threads."""
+    """The device as reports name it: the GPU's name, or the CPU's model, ISA, bf16's measured speed and threads."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     if device.type == "cpu":
-        bf16 = "native bf16" if cpu_has_native_bf16() else "no native bf16"
+        speedup = cpu_bf16_speedup()
+        bf16 = "no bf16 matmul" if speedup is None else f"bf16 {speedup:.3g}x fp32 measured"
         return f"{cpu_name()} ({cpu_capability()}, {bf16}, {torch.get_num_threads()} threads)"
     return device.type
 
 
 def peak_key(device: torch.device, precision: str) -> str:
-    """The cache key of a peak: the device's name, the dtype and torch's version (and capability on CPU)."""
-    capability = torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else ""
-    return f"{device_name(device)}|{capability}|{precision}|torch {torch.__version__}"
+    """The cache key of a peak: the device (on CPU: model, ISA, oneDNN's bf16 report and cap, threads), the dtype
+    and torch's version."""
+    if device.type == "cpu":
+        bf16 = "onednn bf16" if cpu_has_native_bf16() else "no onednn bf16"
+        name = f"{cpu_name()} ({cpu_capability()}, {bf16}, {torch.get_num_threads()} threads)"
+        return f"{name}|{torch.backends.cpu.get_cpu_capability()}|{precision}|torch {torch.__version__}"
+    return f"{device_name(device)}||{precision}|torch {torch.__version__}"
 
 
 def _synchronize(device: torch.device) -> None:

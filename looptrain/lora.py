@@ -280,13 +280,13 @@ def merge_lora(base: nn.Module, adapter_dir: str | Path, directory: str | Path |
 
 
 def default_compute_dtype(device: torch.device | str = "cpu") -> torch.dtype:
-    """bf16 where the device computes it natively (CUDA with bf16, a CPU with AVX-512 BF16 or AMX), else fp32."""
-    from looptrain.precision import resolve_device
+    """bf16 where the device computes it fast (CUDA with bf16, a CPU whose bf16 matmuls measured faster), else fp32."""
+    from looptrain.precision import cpu_bf16_is_fast, resolve_device
 
     device = resolve_device(device) if isinstance(device, str) else torch.device(device)
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    return torch.bfloat16 if cpu_bf16_is_fast() else torch.float32
 
 
 def quantize_blocks_4bit(model: nn.Module, names: Iterable[str] | None = None,

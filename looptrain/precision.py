@@ -6,18 +6,28 @@ owns the scaler and its state. One `GradScaler(enabled=(precision == "fp16"))` l
 fp16 share one code path: a disabled scaler's `scale`, `unscale_`, `step` and `update` pass through.
 
 `amp_precision` decides what `--amp` / `precision="auto"` means on a device by what the hardware
-has, not by what torch merely accepts: a CPU without native bf16 emulates it several times slower
-than fp32.
+does, not by what torch or oneDNN merely accept. On a CPU that is measured (`cpu_matmul_speed`): a
+bf16 matmul and an fp32 one are timed once per process (and cached on disk, `looptrain.cache`), and
+bf16 autocast is chosen only where bf16 runs at least `BF16_FAST_RATIO` times fp32's speed. oneDNN
+reports bf16 "supported" on every AVX-512 CPU, also where it lacks AVX512_BF16 and AMX and computes
+bf16 several times slower than fp32 (Skylake / Cascade Lake Xeons, or any CPU under
+``ONEDNN_MAX_CPU_ISA=AVX512_CORE``); the flag alone would pick the slow precision there.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import math
+import os
+import statistics
+import time
 from typing import Any
 
 import torch
+
+from looptrain import cache
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -69,14 +79,23 @@ def cpu_name() -> str:
 def cpu_capability() -> str:
     """torch's vector ISA for this CPU (`AVX2`, `AVX512`, ...), plus `+AVX512_BF16` / `+AMX` when torch uses them.
 
-    The extensions are named only when oneDNN computes bf16 natively (so a CPU restricted to AVX2
-    with `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` reads as plain `AVX2`).
+    The extensions are named only when oneDNN reports bf16 (so a CPU restricted to AVX2 with
+    `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` reads as plain `AVX2`); a cap on oneDNN's
+    instructions (`ONEDNN_MAX_CPU_ISA`) is named after them, as the extensions may then go unused.
     """
     capability = torch.backends.cpu.get_cpu_capability()
     if not cpu_has_native_bf16():
         return capability
     probes = (("AVX512_BF16", "_is_avx512_bf16_supported"), ("AMX", "_is_amx_tile_supported"))
-    return "+".join([capability, *(name for name, probe in probes if getattr(torch.cpu, probe, lambda: False)())])
+    named = "+".join([capability, *(name for name, probe in probes if getattr(torch.cpu, probe, lambda: False)())])
+    cap = onednn_isa_cap()
+    return f"{named}, oneDNN capped at {cap}" if cap else named
+
+
+def onednn_isa_cap() -> str | None:
+    """The instruction set oneDNN is capped at (``ONEDNN_MAX_CPU_ISA``, or its old name ``DNNL_MAX_CPU_ISA``)."""
+    value = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
+    return value.strip().upper() or None
 
 
 def cpu_description() -> str:
@@ -85,7 +104,8 @@ def cpu_description() -> str:
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX), as oneDNN inside torch reports it."""
+    """Whether oneDNN inside torch reports bf16 on this CPU: False means emulated; True is no promise of speed
+    (oneDNN reports it on any AVX-512 CPU): `cpu_bf16_is_fast` measures that."""
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
@@ -94,12 +114,98 @@ def cpu_has_native_fp16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
 
 
+# ---------------------------------------------------------------------- what is fast on this CPU, measured
+BF16_FAST_RATIO = 1.1  # the rule: bf16 autocast on a CPU only where a bf16 matmul runs >= 1.1x fp32's speed
+SPEED_CACHE_KIND = "matmul_speed"
+MATMUL_SIDE = 256  # square matmuls on one thread: big enough for oneDNN's bf16 kernels, small enough where emulated
+_SPEEDS: dict[str, dict] = {}  # per process, by `cpu_speed_key`
+
+
+def _median_matmul_flops(dtype: torch.dtype, side: int, repeats: int, seconds: float) -> float:
+    """FLOP/s of a `side` x `side` matmul in `dtype`: the median of up to `repeats` timed products after a warm-up,
+    fewer once `seconds` have passed (at least one)."""
+    generator = torch.Generator().manual_seed(0)
+    left = torch.randn(side, side, generator=generator).to(dtype)
+    right = torch.randn(side, side, generator=generator).to(dtype)
+    torch.mm(left, right)  # kernel selection, first-call costs
+    times, deadline = [], time.perf_counter() + seconds
+    while len(times) < repeats and (not times or time.perf_counter() < deadline):
+        start = time.perf_counter()
+        torch.mm(left, right)
+        times.append(time.perf_counter() - start)
+    return 2 * side**3 / max(statistics.median(times), 1e-12)
+
+
+def measure_cpu_matmul_speed(side: int = MATMUL_SIDE, repeats: int = 5, seconds: float = 0.2) -> dict:
+    """This CPU's matmul speed in fp32 and in bf16 (FLOP/s), on one thread so that other processes' load and
+    thread barriers do not blur the ratio; bf16 is None where torch has no bf16 matmul on the CPU. Bounded where
+    bf16 is emulated: its repeats stop after `seconds` (docs/finetune.md#precision-from-measurement has the cost).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            fp32 = _median_matmul_flops(torch.float32, side, repeats, seconds)
+            try:
+                bf16 = _median_matmul_flops(torch.bfloat16, side, repeats, seconds)
+            except RuntimeError:  # a build without bf16 matmuls on the CPU
+                bf16 = None
+    finally:
+        torch.set_num_threads(threads)
+    return {"fp32": fp32, "bf16": bf16}
+
+
+def cpu_speed_key() -> str:
+    """What the measured speed belongs to: the CPU, torch's capability, oneDNN's bf16 report and cap, torch."""
+    return (f"{cpu_name()}|{torch.backends.cpu.get_cpu_capability()}|onednn bf16 {cpu_has_native_bf16()}"
+            f"|onednn cap {onednn_isa_cap()}|torch {torch.__version__}|side {MATMUL_SIDE}")
+
+
+def cpu_matmul_speed() -> dict:
+    """`measure_cpu_matmul_speed` once per process and CPU kind, and cached on disk (`looptrain.cache`).
+
+    Returns:
+        ``{"fp32", "bf16", "key"}``: FLOP/s (bf16 None where there is no bf16 matmul) and `cpu_speed_key`.
+    """
+    key = cpu_speed_key()
+    if key in _SPEEDS:
+        return _SPEEDS[key]
+    name = hashlib.sha256(key.encode("utf-8")).hexdigest()[:24]
+    entry = cache.read_entry(SPEED_CACHE_KIND, name)
+    if entry is None or entry.get("key") != key or not isinstance(entry.get("fp32"), (int, float)):
+        entry = {**measure_cpu_matmul_speed(), "key": key}
+        cache.write_entry(SPEED_CACHE_KIND, name, entry)
+    _SPEEDS[key] = entry
+    return entry
+
+
+def cpu_bf16_speedup() -> float | None:
+    """bf16 matmul speed / fp32 matmul speed on this CPU, measured; None where there is no bf16 matmul."""
+    speed = cpu_matmul_speed()
+    return None if speed.get("bf16") is None else speed["bf16"] / max(speed["fp32"], 1e-12)
+
+
+def cpu_bf16_is_fast() -> bool:
+    """Whether bf16 is worth autocasting to on this CPU: its matmuls measured >= `BF16_FAST_RATIO` x fp32's speed."""
+    speedup = cpu_bf16_speedup()
+    return speedup is not None and speedup >= BF16_FAST_RATIO
+
+
+def cpu_bf16_speed_line() -> str:
+    """What was measured, in words: "bf16 matmuls run 0.29x the speed of fp32 on this CPU (measured; AVX512)"."""
+    speedup = cpu_bf16_speedup()
+    if speedup is None:
+        return f"this CPU has no bf16 matmul in this torch ({cpu_capability()})"
+    return f"bf16 matmuls run {speedup:.3g}x the speed of fp32 on this CPU (measured; {cpu_capability()})"
+
+
+
 def amp_precision(device: torch.device) -> tuple[str, str]:
     """What `--amp` / `precision="auto"` means on `device`, and the reason, in one line.
 
     - CUDA: bf16 where the GPU supports it (compute capability 8.0+), else fp16 with a GradScaler.
-    - CPU: bf16 only where the CPU has native bf16 (AMX or AVX-512 BF16); elsewhere bf16 is
-      emulated, several times slower than fp32, so fp32.
+    - CPU: bf16 only where its matmuls measured at least `BF16_FAST_RATIO` times fp32's speed here
+      (`cpu_bf16_is_fast`); elsewhere fp32, and the line says the measured ratio.
     - Other devices: fp16 with a GradScaler.
 
     Returns:
@@ -110,13 +216,10 @@ def amp_precision(device: torch.device) -> tuple[str, str]:
             return "bf16", "--amp: bf16 autocast (this GPU supports bf16)"
         return "fp16", "--amp: fp16 autocast with a GradScaler (this GPU has no bf16)"
     if device.type == "cpu":
-        capability = cpu_capability()
-        if cpu_has_native_bf16():
-            return "bf16", f"--amp: bf16 autocast (this CPU has native bf16: {capability})"
-        return "fp32", (
-            f"--amp: this CPU has no native bf16 ({capability}); training in fp32, which is faster here; "
-            "force with --precision bf16"
-        )
+        if cpu_bf16_is_fast():
+            return "bf16", f"--amp: bf16 autocast: {cpu_bf16_speed_line()}"
+        return "fp32", (f"--amp: fp32: {cpu_bf16_speed_line()}; bf16 autocast needs {BF16_FAST_RATIO}x; "
+                        "force with --precision bf16")
     return "fp16", f"--amp: fp16 autocast with a GradScaler on {device.type}"
 
 
@@ -129,9 +232,10 @@ def emulation_warning(device: torch.device, precision: str) -> str | None:
     """A one-line warning when `precision` runs emulated (slowly) on this CPU, else None."""
     if device.type != "cpu" or precision == "fp32":
         return None
-    if precision == "bf16" and not cpu_has_native_bf16():
-        return (f"precision bf16 on a CPU without native bf16 ({cpu_capability()}): it is emulated and several "
-                "times slower than fp32 here (use --amp or --precision fp32 for speed)")
+    speedup = cpu_bf16_speedup() if precision == "bf16" else None
+    if precision == "bf16" and speedup is not None and speedup < 1:
+        return (f"precision bf16 is slower than fp32 here: {cpu_bf16_speed_line()} "
+                "(use --amp or --precision fp32 for speed)")
     if precision == "fp16" and not cpu_has_native_fp16():
         return (f"precision fp16 on a CPU without native fp16 ({cpu_capability()}): it is emulated and many "
                 "times slower than fp32 here (CPU fp16 is for testing the GradScaler path)")

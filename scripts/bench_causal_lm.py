@@ -40,10 +40,10 @@ SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b")
 def cpu_line() -> str:
     import torch
 
-    from looptrain.precision import cpu_has_native_bf16
+    from looptrain.precision import cpu_bf16_speed_line, cpu_has_native_bf16
 
-    return (f"CPU: {torch.backends.cpu.get_cpu_capability()}, native bf16 {cpu_has_native_bf16()}, "
-            f"{torch.get_num_threads()} threads")
+    return (f"CPU: {torch.backends.cpu.get_cpu_capability()}, native bf16 {cpu_has_native_bf16()} (oneDNN's report; "
+            f"{cpu_bf16_speed_line()}), {torch.get_num_threads()} threads")
 
 
 def ladder_rungs() -> list[tuple[str, dict[str, Any]]]:

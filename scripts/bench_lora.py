@@ -231,8 +231,11 @@ def main(argv: list[str] | None = None) -> int:
 
     precisions = ["fp32"] + (["bf16"] if arguments.bf16 else [])
     configs = {"fp32": arguments.configs.split(","), "bf16": ["default"]}  # bf16: the default levers only
-    if arguments.bf16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        print("this CPU has no native bf16: the bf16 rows are emulated and slow", file=sys.stderr)
+    if arguments.bf16:
+        from looptrain.precision import cpu_bf16_is_fast, cpu_bf16_speed_line
+
+        if not cpu_bf16_is_fast():
+            print(f"the bf16 rows are slow here: {cpu_bf16_speed_line()}", file=sys.stderr)
     results: dict[tuple[str, str, str], list[dict]] = {}
     with tempfile.TemporaryDirectory() as directory:
         prepared = prepare(Path(directory), arguments.rows, arguments.max_length, arguments.seed)

@@ -174,16 +174,24 @@ def random_token_batches(lengths, vocab_size: int, num_labels: int = 3, seed: in
 # ------------------------------------------------------------------ the CPU a test pretends to run on
 # Tests of a hardware-dependent choice (what --amp means, which precisions the planner tries, bf16 weights as a
 # lever) pin the CPU with these fixtures and assert both behaviours, so no result depends on the machine. They
-# carry the `hardware` marker (added below), which .ci/run runs a second time under the AVX2 variables.
+# carry the `hardware` marker (added below), which .ci/run runs again under ONEDNN_MAX_CPU_ISA=AVX512_CORE and under
+# the AVX2 variables.
+# "speed" is what looptrain.precision.measure_cpu_matmul_speed returns there (FLOP/s of one core).
 CPU_KINDS = {
-    "avx2": {"native_bf16": False, "native_fp16": False, "capability": "AVX2", "amx": False},
-    "native-bf16": {"native_bf16": True, "native_fp16": False, "capability": "AVX512", "amx": True},
+    "avx2": {"native_bf16": False, "native_fp16": False, "capability": "AVX2", "amx": False,
+             "speed": {"fp32": 1e11, "bf16": 1e9}},
+    "native-bf16": {"native_bf16": True, "native_fp16": False, "capability": "AVX512", "amx": True,
+                    "speed": {"fp32": 1e11, "bf16": 2.2e11}},
+    # AVX-512 without its bf16 instructions (Skylake / Cascade Lake): oneDNN reports bf16, which runs slower.
+    "avx512-core": {"native_bf16": True, "native_fp16": False, "capability": "AVX512", "amx": False,
+                    "avx512_bf16": False, "speed": {"fp32": 1e11, "bf16": 2.9e10}},
 }
-CPU_KIND_FIXTURES = {"cpu_kind", "avx2_cpu", "amx_cpu"}
+CPU_KIND_FIXTURES = {"cpu_kind", "avx2_cpu", "amx_cpu", "avx512_core_cpu"}
 
 
 def pin_cpu(monkeypatch, kind: str) -> str:
-    """Makes looptrain see the CPU `kind` of CPU_KINDS: oneDNN's bf16/fp16 report and torch's capability.
+    """Makes looptrain see the CPU `kind` of CPU_KINDS: oneDNN's bf16/fp16 report, torch's capability and the
+    measured matmul speeds (the measurement pinned, its caches fresh: a disk entry of the real CPU is not read).
 
     Modules that imported the capability functions by name hold their own binding: every looptrain module
     loaded so far is patched, not only looptrain.precision.
@@ -205,12 +213,17 @@ def pin_cpu(monkeypatch, kind: str) -> str:
             if original in replacements:
                 monkeypatch.setattr(module, attribute, replacements[original])
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: facts["capability"])
+    monkeypatch.setattr(precision, "measure_cpu_matmul_speed", lambda: dict(facts["speed"]))
+    monkeypatch.setattr(precision, "_SPEEDS", {})
+    monkeypatch.setattr(precision, "SPEED_CACHE_KIND", f"matmul_speed-pinned-{kind}")
+    monkeypatch.setattr(precision, "onednn_isa_cap", lambda: None)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: facts["amx"], raising=False)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: facts["native_bf16"], raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: facts.get("avx512_bf16", facts["native_bf16"]),
+                        raising=False)
     return kind
 
 
-@pytest.fixture(params=sorted(CPU_KINDS))
+@pytest.fixture(params=["avx2", "native-bf16"])
 def cpu_kind(request, monkeypatch) -> str:
     """Runs the test once per CPU kind ("avx2", "native-bf16"), pinned; the test asserts each kind's behaviour."""
     return pin_cpu(monkeypatch, request.param)
@@ -226,6 +239,12 @@ def avx2_cpu(monkeypatch):
 def amx_cpu(monkeypatch):
     """A CPU with AMX (Sapphire Rapids and later): native bf16."""
     return pin_cpu(monkeypatch, "native-bf16")
+
+
+@pytest.fixture
+def avx512_core_cpu(monkeypatch):
+    """An AVX-512 CPU without AVX512_BF16 or AMX: oneDNN reports bf16, whose matmuls run 0.29x fp32's speed."""
+    return pin_cpu(monkeypatch, "avx512-core")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -239,7 +239,7 @@ def test_out_of_memory_reports_estimates_of_lighter_flag_sets(model_dir, train_c
     estimates = dict(re.findall(r"\n    (.+?): (\d+\.\d) MiB", err))
     # --amp is offered as what it means on this CPU: bf16 where bf16 is native; on an AVX2 CPU --amp trains in
     # fp32 and would save nothing, so the bf16 autocast lever is named as the explicit, emulated, --precision bf16.
-    autocast = "+ --amp" if cpu_kind == "native-bf16" else "+ --precision bf16 (emulated on this CPU: slower)"
+    autocast = "+ --amp" if cpu_kind == "native-bf16" else "+ --precision bf16 (slower than fp32 on this CPU)"
     assert set(estimates) == {"these flags", "--batch-size 4 --accum 2 (or --auto-batch)", "+ --grad-checkpoint",
                               "+ --optim adamw8bit", autocast, "+ --weights bf16"}
     # Halving the micro-batch cannot raise the estimated peak.

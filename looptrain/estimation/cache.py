@@ -12,7 +12,8 @@ SHA-256 of a JSON description of:
   quantization state);
 - the batches (the windows' micro-batch shapes; the evaluation batches' shapes when evaluation is priced), the
   strategy (every field but those applied to the batches), the number of labels, the clipping threshold, padding;
-- the CPU (capability, native bf16 and fp16: ``precision="auto"`` resolves by them), ``WORLD_SIZE``, the versions of
+- the CPU (capability, oneDNN's bf16 and fp16 reports, its ``ONEDNN_MAX_CPU_ISA`` cap, and whether bf16 matmuls
+  measure fast: ``precision="auto"`` resolves by that), ``WORLD_SIZE``, the versions of
   torch, transformers, bitsandbytes and peft, `CODE_VERSION`, and a hash of looptrain's own source
   files, so that any change to the code estimated (the Loop, the optimizers, the tracker) misses the
   cache instead of reading a stale figure.
@@ -185,7 +186,8 @@ def key(model_or_config: Any, windows: Sequence[Sequence[tuple[int, int]]], stra
         "versions": _versions(),
         # Asked at each call (tests pin them): precision "auto" resolves by them.
         "cpu": [torch.backends.cpu.get_cpu_capability(), precision.cpu_has_native_bf16(),
-                precision.cpu_has_native_fp16()],
+                precision.cpu_has_native_fp16(), precision.onednn_isa_cap(),
+                precision.cpu_bf16_is_fast()],
         "world_size": os.environ.get("WORLD_SIZE", "1"),  # under torchrun the Loop joins the process group
     }
     if evaluation:
@@ -246,7 +248,8 @@ def probe_key(model: str, strategy: Strategy, batch: dict, *, max_grad_norm: flo
         "allocator": allocator,
         "versions": _versions(),
         "cpu": [precision.cpu_description(), torch.backends.cpu.get_cpu_capability(),
-                precision.cpu_has_native_bf16(), precision.cpu_has_native_fp16(), torch.get_num_threads()],
+                precision.cpu_has_native_bf16(), precision.cpu_has_native_fp16(), precision.onednn_isa_cap(),
+                torch.get_num_threads()],
         "world_size": os.environ.get("WORLD_SIZE", "1"),
     }
     text = json.dumps(description, sort_keys=True, default=_json_value)

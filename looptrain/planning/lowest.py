@@ -19,7 +19,7 @@ from looptrain import strategy as strategies
 from looptrain.planning.book import EstimateBook
 from looptrain.planning.errors import PlanError
 from looptrain.planning.search import CHECKPOINT_MODES, valid_settings
-from looptrain.precision import cpu_has_native_bf16
+from looptrain.precision import cpu_bf16_is_fast, cpu_bf16_speed_line, cpu_has_native_bf16
 from looptrain.strategy import Strategy
 
 __all__ = ["EXACT_LEVERS", "TASK_LEVERS", "Lowest", "lowest"]
@@ -82,7 +82,8 @@ def lowest(model_or_config: Any, batch_size: int, seq_len: int, base: Strategy |
         seq_len: tokens per row.
         base: the starting strategy (default `Strategy(batch_size=batch_size)`); its freezing levers must be off.
         fixed: names of fields the user set: kept as `base` has them.
-        native_bf16: plan for a CPU with (True) or without (False) native bf16; None: this CPU.
+        native_bf16: plan for a CPU with (True) or without (False) native bf16; None: this CPU (bf16 tried where
+            oneDNN reports it; a note says when its matmuls measured slower than fp32's here).
         max_grad_norm, num_labels, device: as in `estimate` (``device="cuda"``: bf16 is native there).
         echo: prints one line per estimate.
 
@@ -95,7 +96,8 @@ def lowest(model_or_config: Any, batch_size: int, seq_len: int, base: Strategy |
         raise PlanError(f"the lowest full fine-tune freezes nothing: drop {', '.join(frozen)}")
     fixed = set(fixed)
     on_cuda = torch.device(device).type == "cuda"
-    if native_bf16 is None:
+    this_cpu = native_bf16 is None and not on_cuda
+    if native_bf16 is None:  # bf16 is tried for its memory where it is not emulated; a note says when it is slow
         native_bf16 = on_cuda or cpu_has_native_bf16()
     search = EstimateBook(model_or_config, seq_len, max_grad_norm=max_grad_norm, num_labels=num_labels, echo=echo,
                           device_type="cuda" if on_cuda else "cpu")
@@ -134,6 +136,8 @@ def lowest(model_or_config: Any, batch_size: int, seq_len: int, base: Strategy |
         current = min(options, key=lambda settings: (search.peak(settings), ranks[id(settings)]))
     notes = [] if native_bf16 else ["planned for a CPU without native bf16: bf16 autocast and bf16 weights "
                                     "(emulated there, several times slower) were not tried"]
+    if this_cpu and "bf16" in (current.precision, current.weights) and not cpu_bf16_is_fast():
+        notes.append(f"bf16 chosen for memory, not speed: {cpu_bf16_speed_line()}")
     if base.accum_steps > 1:
         notes.append("accumulation: the step fused into backward (no accumulation) was not tried")
     return Lowest(current, search.results[search.key(current)], tried, search.count, time.perf_counter() - started,

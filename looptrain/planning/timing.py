@@ -13,7 +13,7 @@ from torch import nn
 import looptrain.planning.probes as probes
 from looptrain.flops import ModelFlops
 from looptrain.planning.plans import Candidate
-from looptrain.precision import cpu_has_native_bf16
+from looptrain.precision import cpu_bf16_is_fast
 from looptrain.strategy import Strategy
 
 
@@ -23,7 +23,7 @@ def prior_seconds(candidate: Candidate, model: Any, device_type: str) -> float:
     recompute = 0.0 if not settings.gradient_checkpointing else 0.35 / settings.checkpoint_every
     precision_cost = 1.0
     if settings.precision != "fp32":
-        native = device_type == "cuda" or (settings.precision == "bf16" and cpu_has_native_bf16())
+        native = device_type == "cuda" or (settings.precision == "bf16" and cpu_bf16_is_fast())
         precision_cost = 0.7 if native else 8.0
     parameters = (sum(parameter.numel() for parameter in model.parameters() if parameter.requires_grad)
                   if isinstance(model, nn.Module) else 1e8)  # the optimizer steps the trainable ones (LoRA: adapters)

@@ -174,8 +174,8 @@ def _add_training_arguments(group) -> None:
 def _add_memory_arguments(group) -> None:
     """The memory/speed flags that are no lever of a `Strategy`, and the planner's flags."""
     group.add_argument("--amp", action="store_true",
-                       help="mixed precision where it is fast: bf16 on GPUs with bf16 and CPUs with native bf16 "
-                            "(AMX, AVX-512 BF16), fp16 + GradScaler on older GPUs, fp32 on other CPUs "
+                       help="mixed precision where it is fast: bf16 on GPUs with bf16 and on CPUs whose bf16 matmuls "
+                            "measure >= 1.1x fp32's speed, fp16 + GradScaler on older GPUs, fp32 on other CPUs "
                             "(same as --precision auto)")
     group.add_argument("--layer-lr-decay", type=float, default=None, metavar="D",
                        help="layer-wise learning-rate decay: the head and top block train at --lr, each block below "

@@ -30,11 +30,11 @@ def what_would_fit(model_config, flags, precision: str, device) -> str:
     if flags.optimizer == "adamw":
         candidates.append(("+ --optim adamw8bit", batch, {**current, "optimizer": "adamw8bit"}))
     if precision == "fp32":
-        amp = amp_precision(device)[0]  # what --amp would train in here: fp32 on a CPU without native bf16
+        amp = amp_precision(device)[0]  # what --amp would train in here: fp32 on a CPU where bf16 measured slow
         if amp != "fp32":
             candidates.append(("+ --amp", batch, {**current, "precision": amp}))
         else:
-            candidates.append(("+ --precision bf16 (emulated on this CPU: slower)", batch,
+            candidates.append(("+ --precision bf16 (slower than fp32 on this CPU)", batch,
                                {**current, "precision": "bf16"}))
     if flags.weights == "fp32":
         candidates.append(("+ --weights bf16", batch, {**current, "precision": "bf16", "weights": "bf16"}))
