@@ -34,13 +34,14 @@ class RunEstimate:
     known already (`result`), or being computed by `worker` (a child started by `start_estimate`).
 
     `describe` gives the line saying it, once it is known; `waited_seconds` is the time the run spent waiting for it
-    (computing it here, or at the end of the run); `notice` says why there is none.
+    (computing it here, or at the end of the run); `missing` says why there is none where one was due (an error, not
+    ready in time).
     """
 
     def __init__(self, result: dict | None = None, worker: Any = None, describe: Callable[[dict], str] | None = None,
-                 waited_seconds: float = 0.0, notice: str | None = None):
+                 waited_seconds: float = 0.0, missing: str | None = None):
         self.result, self.worker, self.describe = result, worker, describe
-        self.waited_seconds, self.notice = waited_seconds, notice
+        self.waited_seconds, self.missing = waited_seconds, missing
         self.started = time.perf_counter()
 
     def poll(self, echo: Callable[[str], None] = say, step: int | None = None) -> None:
@@ -64,11 +65,9 @@ class RunEstimate:
             if spent >= allowance or time.perf_counter() - started >= timeout:
                 self.waited_seconds += time.perf_counter() - started
                 self.close()
-                self.notice = (f"notice: no memory estimate for this run (still computing after {self.computed():.1f} "
-                               f"s beside the run; a run waits for it at most max({MIN_WAIT_SECONDS:.0f} s, "
-                               f"{WAIT_SHARE:.0%} of its time): a longer run, or the same run again once a run has "
-                               "stored it in the estimate cache, has it)")
-                echo(self.notice)
+                self.missing = f"still computing after {self.computed():.1f} s beside the run"
+                echo(f"notice: no memory estimate for this run ({self.missing}; a run waits for it at most "
+                     f"max({MIN_WAIT_SECONDS:.0f} s, {WAIT_SHARE:.0%} of its time); a longer run leaves it the time)")
                 return None
         self.waited_seconds += time.perf_counter() - started
         self._take(echo, "beside the run")
@@ -88,8 +87,8 @@ class RunEstimate:
         try:
             self.result = worker.collect()
         except Exception as error:  # noqa: BLE001  an estimate is a report, never a reason to stop a run
-            self.notice = f"notice: no memory estimate for this run ({type(error).__name__}: {error})"
-            echo(self.notice)
+            self.missing = f"{type(error).__name__}: {error}"
+            echo(f"notice: no memory estimate for this run ({self.missing})")
             return
         finally:
             worker.kill()  # it has answered: reaped (it was leaving already)
@@ -126,8 +125,8 @@ def start_estimate(compute: Callable[[Any], dict], cached: Callable[[], dict],
                 return RunEstimate(worker=worker, describe=describe, waited_seconds=time.perf_counter() - started)
             result = worker(None)
     except Exception as error:  # noqa: BLE001  an estimate is a report, never a reason to stop a run
-        notice = f"notice: no memory estimate for this run ({type(error).__name__}: {error})"
-        say(notice)
-        return RunEstimate(notice=notice, waited_seconds=time.perf_counter() - started)
+        missing = f"{type(error).__name__}: {error}"
+        say(f"notice: no memory estimate for this run ({missing})")
+        return RunEstimate(missing=missing, waited_seconds=time.perf_counter() - started)
     say(describe(result))
     return RunEstimate(result=result, waited_seconds=time.perf_counter() - started)

@@ -178,6 +178,7 @@ def train(request: RunRequest, place) -> dict:
         def save_final(summary: dict) -> dict:  # before run.json says "finished" (`looptrain.run.Run.finish`)
             estimated = estimate.collect(summary["train_runtime_s"])  # waits for it a little at most
             summary = summary_of_run(summary, request, inputs, plan_result, estimated, estimate.waited_seconds)
+            summary["estimate_missing"] = estimate.missing  # why a run that prices itself has no estimate
             write_final(request, place, inputs, output_dir / "final")
             return summary
 
@@ -381,8 +382,9 @@ def run_estimate(flags, config, inputs: Inputs, train_loader, eval_loader, plan_
         evaluation = (evaluation_shapes(eval_loader.batch_sampler, inputs.eval_set.lengths, inputs.collator)
                       if eval_loader is not None else [])  # the final evaluation runs whatever --eval-every says
     except Exception as error:  # noqa: BLE001  an estimate is a report, never a reason to stop a run
-        say(f"notice: no memory estimate for this run ({type(error).__name__}: {error})")
-        return RunEstimate()
+        missing = f"{type(error).__name__}: {error}"
+        say(f"notice: no memory estimate for this run ({missing})")
+        return RunEstimate(missing=missing)
     device = resolve_device(config.device).type
 
     def peaks(cache) -> dict:
