@@ -92,7 +92,7 @@ def test_the_first_update_does_not_wait_for_the_estimate_and_the_table_shows_it(
 def test_an_estimate_that_never_comes_ends_with_the_run_and_the_table_says_so(model_dir, train_csv, tmp_path,
                                                                              monkeypatch, capsys):
     fake_peaks(monkeypatch, tmp_path, "never")
-    monkeypatch.setenv("LOOPTRAIN_ESTIMATE_TIMEOUT", "0.2")  # a child that uses no CPU: the wall-clock limit
+    monkeypatch.setenv("LOOPTRAIN_ESTIMATE_WAIT", "0.2")  # the suite's own waits for every estimate
     summary = train(model_dir, train_csv, tmp_path / "run")
     assert summary["estimated_peak_bytes"] is None
     assert summary["estimate_missing"].startswith("still computing after ")
@@ -130,6 +130,7 @@ def test_the_child_runs_at_a_lower_priority_and_a_cached_estimate_needs_none(cap
     assert capsys.readouterr().out.splitlines()[-1] == str(PEAKS)  # said at once, before any update
 
 
-def test_a_run_waits_for_its_estimate_at_most_max_2_s_and_2_percent():
+def test_a_run_waits_for_its_estimate_at_most_max_2_s_and_2_percent(monkeypatch):
+    monkeypatch.delenv("LOOPTRAIN_ESTIMATE_WAIT", raising=False)
     assert own_estimate.wait_allowance(10.0) == 2.0
     assert own_estimate.wait_allowance(500.0) == pytest.approx(10.0)

@@ -91,15 +91,6 @@ class EstimateWorker:
         up to `timeout` seconds for it; True where there is no child (`collect` computes the answer here)."""
         return self.pid is None or bool(select.select([self._answers], [], [], timeout)[0])
 
-    def cpu_seconds(self) -> float | None:
-        """The CPU time the child has used so far (Linux: ``/proc/<pid>/stat``), or None where it cannot be read."""
-        try:
-            with open(f"/proc/{self.pid}/stat", encoding="ascii") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError, TypeError):
-            return None
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, in clock ticks
-
     def kill(self) -> None:
         """Ends the child at once, whatever it is doing, and reaps it (its answer, if any, is dropped)."""
         if self.pid is not None:
