@@ -155,8 +155,9 @@ def _close_quietly(descriptor: int) -> None:
 
 
 def _die_with(parent: int, nice: int) -> None:
-    """In a child: asks the kernel to kill it when `parent` ends (Linux), leaves if `parent` has ended already, and
-    lowers its priority by `nice`."""
+    """In a child: asks the kernel to kill it when `parent` ends (Linux; strictly, when the thread that forked it
+    ends: a worker is made on a thread that lives as long as it needs the worker), leaves if `parent` has ended
+    already, and lowers its priority by `nice`."""
     try:
         import ctypes
 
