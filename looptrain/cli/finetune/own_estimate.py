@@ -99,7 +99,8 @@ class AnnouncingLoop(Loop):
 
     run_estimate: RunEstimate | None = None
 
-    def on_step_end(self, *, step: int, **_: Any) -> None:
+    def on_step_end(self, *, step: int, **others: Any) -> None:
+        super().on_step_end(step=step, **others)
         if self.run_estimate is not None:
             self.run_estimate.poll(self.run.log.echo, step)
 
