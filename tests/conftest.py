@@ -15,6 +15,9 @@ if "LOOPTRAIN_CACHE_DIR" not in os.environ:
     import tempfile
 
     os.environ["LOOPTRAIN_CACHE_DIR"] = tempfile.mkdtemp(prefix="looptrain-test-cache-")
+# A run's own estimate, computed beside its updates, is waited for whatever the machine's load (a run waits at most
+# max(2 s, 2% of its time): tests/test_run_estimate.py checks that limit).
+os.environ.setdefault("LOOPTRAIN_ESTIMATE_WAIT", "600")
 
 import pytest
 import torch

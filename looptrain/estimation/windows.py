@@ -64,10 +64,13 @@ def run_batches_estimate(model: Any, settings: Strategy, windows: Sequence[Seque
 
 def run_batches_peaks(model: Any, settings: Strategy, windows: Sequence[Sequence[tuple[int, int]]], *,
                       evaluation: Sequence[tuple[int, int]] = (), fresh: bool = True, max_grad_norm=1.0,
-                      num_labels: int = 2, padded: bool = True, device: str = "cpu") -> dict[str, int | None]:
+                      num_labels: int = 2, padded: bool = True, device: str = "cpu",
+                      cache: bool | str = True) -> dict[str, int | None]:
     """`run_batches_estimate` with evaluation priced after the windows, at `evaluation`'s shapes
     (`evaluation_shapes`): ``training_peak_bytes``, ``evaluation_peak_bytes`` (None without evaluation) and
-    ``peak_memory_bytes``, the higher of the two: the whole run's."""
+    ``peak_memory_bytes``, the higher of the two: the whole run's. `cache`: `estimate`'s (``"only"``: read the
+    estimate cache, LookupError where it does not hold this estimate)."""
     result = estimate_windows(model, bounding_windows(windows, fresh=fresh), settings, num_labels=num_labels,
-                              max_grad_norm=max_grad_norm, padded=padded, device=device, evaluation=evaluation)
+                              max_grad_norm=max_grad_norm, padded=padded, device=device, evaluation=evaluation,
+                              cache=cache)
     return {key: result[key] for key in ("peak_memory_bytes", "training_peak_bytes", "evaluation_peak_bytes")}

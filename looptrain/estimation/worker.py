@@ -16,6 +16,11 @@ starts autograd's device threads, and a child forked after it fails its first ba
 threading in combination with fork-based multiprocessing"); the caches an estimate leaves are host memory, which a
 GPU run's budget (the allocator's reserved bytes) does not count. A child that does
 not answer within ``LOOPTRAIN_ESTIMATE_TIMEOUT`` seconds (default 600) is killed and the request runs here.
+
+A child never outlives this process: on Linux the kernel kills it when this process ends, however it ends
+(``PR_SET_PDEATHSIG``); elsewhere it reads end-of-file and leaves once its request is answered. ``nice``: the child
+lowers its own priority by that much (`os.nice`), so that an estimate computed beside training takes the CPU time
+training leaves idle first (`looptrain.cli.finetune.own_estimate`).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ class EstimateWorker:
     Use as a context manager, or call `close`.
     """
 
-    def __init__(self, serve: Callable[[Any], Any]):
+    def __init__(self, serve: Callable[[Any], Any], *, nice: int = 0):
         self.serve, self.pid = serve, None
         self._pending: Any = None  # the request `submit` sent, until `collect`
         self._requests = self._answers = None
@@ -45,10 +50,12 @@ class EstimateWorker:
         answer_read, answer_write = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
+        parent = os.getpid()
         pid = os.fork()
         if pid == 0:  # the child: answer until end-of-file, then leave without running any exit handler
             code = 0
             try:
+                _die_with(parent, nice)
                 os.close(request_write)
                 os.close(answer_read)
                 for descriptor in _PARENT_ENDS:  # other workers' ends: held here, their children would never end
@@ -61,19 +68,37 @@ class EstimateWorker:
         os.close(request_read)
         os.close(answer_write)
         _PARENT_ENDS.update((request_write, answer_read))
-        self.pid = pid
+        self.pid, self._ends = pid, (request_write, answer_read)
         self._requests, self._answers = os.fdopen(request_write, "wb"), os.fdopen(answer_read, "rb")
 
     def __call__(self, request: Any) -> Any:
         self.submit(request)
         return self.collect()
 
-    def submit(self, request: Any) -> None:
-        """Sends `request` to the child, which starts on it at once; `collect` returns its answer. One at a time."""
+    def submit(self, request: Any, *, last: bool = False) -> None:
+        """Sends `request` to the child, which starts on it at once; `collect` returns its answer. One at a time.
+        `last`: no request follows, so the child leaves as soon as it has answered (its answer waits in the pipe)."""
         self._pending = request
         if self.pid is not None:
             pickle.dump(request, self._requests)
             self._requests.flush()
+            if last:
+                _PARENT_ENDS.discard(self._ends[0])  # the number may be reused: a later child must not close it
+                self._requests.close()
+
+    def ready(self, timeout: float = 0.0) -> bool:
+        """Whether `collect` would return without waiting (an answer or the child's end is there), after waiting
+        up to `timeout` seconds for it; True where there is no child (`collect` computes the answer here)."""
+        return self.pid is None or bool(select.select([self._answers], [], [], timeout)[0])
+
+    def kill(self) -> None:
+        """Ends the child at once, whatever it is doing, and reaps it (its answer, if any, is dropped)."""
+        if self.pid is not None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.close()
 
     def collect(self) -> Any:
         """The answer to the request `submit` sent (computed here when there is no child); its error is raised here."""
@@ -98,7 +123,7 @@ class EstimateWorker:
     def close(self) -> None:
         if self.pid is None:
             return
-        _PARENT_ENDS.difference_update((self._requests.fileno(), self._answers.fileno()))
+        _PARENT_ENDS.difference_update(self._ends)
         for stream in (self._requests, self._answers):
             try:
                 stream.close()
@@ -127,6 +152,25 @@ def _close_quietly(descriptor: int) -> None:
         os.close(descriptor)
     except OSError:
         pass
+
+
+def _die_with(parent: int, nice: int) -> None:
+    """In a child: asks the kernel to kill it when `parent` ends (Linux; strictly, when the thread that forked it
+    ends: a worker is made on a thread that lives as long as it needs the worker), leaves if `parent` has ended
+    already, and lowers its priority by `nice`."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the child leaves at end-of-file
+        pass
+    if os.getppid() != parent:
+        os._exit(1)
+    if nice:
+        try:
+            os.nice(nice)
+        except OSError:
+            pass
 
 
 def _can_fork() -> bool:

@@ -399,7 +399,6 @@ class Inputs:
     eval_set: typing.Any  # None without evaluation data
     collator: typing.Any
     task: str = "sequence-classification"
-    estimate_seconds: float = 0.0  # the run's own estimate (a run without --memory-budget)
 
 
 def load_inputs(flags, model_path: str) -> Inputs:

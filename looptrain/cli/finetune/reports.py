@@ -84,6 +84,8 @@ def final_table(summary: dict, baseline: dict | None, output_dir: Path) -> str:
         lines.append(f"| peak memory | {peak / 2**20:.1f} MiB ({summary['memory_meter']}{stage}) | |")
     if summary.get("estimated_peak_bytes"):
         lines.extend(_estimate_rows(summary))
+    elif summary.get("estimate_missing"):  # the run's own estimate failed, or was not ready in time
+        lines.append(f"| estimated peak (worst batch) | missing ({summary['estimate_missing']}) | |")
     if summary.get("plan"):
         lines.append(f"| memory budget | {summary['plan']['budget_bytes'] / 2**20:.1f} MiB "
                      f"{summary['plan'].get('meter', '')} (plan: {summary['plan']['settings']['batch_size']} x "

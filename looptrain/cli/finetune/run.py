@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,6 +28,7 @@ from looptrain.cli.recipe import write_recipe
 RUN_RECIPE = "config.yaml"  # beside run_config.json: the --config recipe that trains the run again
 
 if TYPE_CHECKING:
+    from looptrain.cli.finetune.own_estimate import RunEstimate
     from looptrain.cli.finetune.request import RunRequest
 
 
@@ -136,8 +136,8 @@ def check_writable(output_dir: Path) -> None:
 def train(request: RunRequest, place) -> dict:
     """Everything after the output directory's checks: data, model, the Loop, final/ and the tables."""
     from looptrain import distributed, memory
+    from looptrain.cli.finetune.own_estimate import AnnouncingLoop
     from looptrain.guards import OUT_OF_MEMORY_ERRORS
-    from looptrain.loop import Loop
     from looptrain.precision import amp_precision, resolve_device, resolve_precision
     from looptrain.report import report_after_run
     from looptrain.seeding import seed_everything
@@ -170,22 +170,28 @@ def train(request: RunRequest, place) -> dict:
                 "(--budget-meter tensors keeps it, with its breakdown)")
     config = request.config
     precision = resolve_precision(config.compute_precision, device)
-    train_loader, eval_loader, estimated = make_loaders(request, place, inputs, plan_result)
-    optimizer, scheduler = build_optimization(request, inputs.model, device, len(train_loader))
-    prepare_output_dir(request, place, inputs.model, precision, device, plan_result)
+    train_loader, eval_loader, estimate = make_loaders(request, place, inputs, plan_result)
+    try:  # the estimate's child (if one computes it) never outlives the run: interrupts, errors, the end
+        optimizer, scheduler = build_optimization(request, inputs.model, device, len(train_loader))
+        prepare_output_dir(request, place, inputs.model, precision, device, plan_result)
 
-    def save_final(summary: dict) -> dict:  # before run.json says "finished" (`looptrain.run.Run.finish`)
-        summary = summary_of_run(summary, request, inputs, plan_result, estimated)
-        write_final(request, place, inputs, output_dir / "final")
-        return summary
+        def save_final(summary: dict) -> dict:  # before run.json says "finished" (`looptrain.run.Run.finish`)
+            estimated = estimate.collect(summary["train_runtime_s"])  # waits for it a little at most
+            summary = summary_of_run(summary, request, inputs, plan_result, estimated, estimate.waited_seconds)
+            summary["estimate_missing"] = estimate.missing  # why a run that prices itself has no estimate
+            write_final(request, place, inputs, output_dir / "final")
+            return summary
 
-    loop = Loop(inputs.model, optimizer, train_loader, eval_loader=eval_loader, scheduler=scheduler, config=config,
-                save_final=save_final)
-    try:
-        summary = loop.fit()
-    except OUT_OF_MEMORY_ERRORS as error:
-        raise OutOfMemory(f"{error}\n{what_would_fit(inputs.model.config, request.flags, precision, loop.device)}") \
-            from error
+        loop = AnnouncingLoop(inputs.model, optimizer, train_loader, eval_loader=eval_loader, scheduler=scheduler,
+                              config=config, save_final=save_final)
+        loop.run_estimate = estimate
+        try:
+            summary = loop.fit()
+        except OUT_OF_MEMORY_ERRORS as error:
+            raise OutOfMemory(f"{error}\n{what_would_fit(inputs.model.config, request.flags, precision, loop.device)}"
+                              ) from error
+    finally:
+        estimate.close()
     if summary["interrupted"]:
         return summary  # a checkpoint was saved; no final/ for an unfinished run
     say(final_table(summary, summary["majority_baseline"], output_dir))
@@ -197,8 +203,8 @@ def train(request: RunRequest, place) -> dict:
 
 
 def make_loaders(request: RunRequest, place, inputs: Inputs, plan_result):
-    """The train loader, the eval loader, this run's memory estimate over their batches (`run_estimate`); says the
-    padding."""
+    """The train loader, the eval loader, this run's memory estimate over their batches (`run_estimate`: a
+    `RunEstimate`, perhaps still computing beside the first updates); says the padding."""
     import torch
 
     from looptrain import data as data_module
@@ -213,20 +219,20 @@ def make_loaders(request: RunRequest, place, inputs: Inputs, plan_result):
         eval_loader = data_module.make_eval_loader(
             inputs.eval_set, flags.eval_batch_size, inputs.collator, num_workers=flags.num_workers,
             num_replicas=place.world_size, rank=place.rank)
-    started = time.perf_counter()
-    estimated = run_estimate(flags, config, inputs, train_loader, eval_loader, plan_result)
-    inputs.estimate_seconds = time.perf_counter() - started
     _, padding_line = data_module.padding_stats(
         train_loader, inputs.train_set.lengths, padding=flags.padding, max_length=flags.max_length,
         pad_to_multiple_of=flags.pad_to_multiple_of)
     say(f"batches ({grouping}, {flags.padding} padding): {padding_line}")
-    if estimated and plan_result is None:
-        widths = (f"its longest sample: {max(inputs.train_set.lengths, default=0)} tokens; --max-length "
-                  f"{flags.max_length} is only the cap" if flags.padding == "dynamic" else
-                  f"--padding max_length: every batch {flags.max_length} tokens wide")
-        say(f"estimated peak of live tensors: {estimated['peak_memory_bytes'] / 2**20:.1f} MiB, priced at the "
-            f"batches this data makes ({widths})")
-    return train_loader, eval_loader, estimated
+    widths = (f"its longest sample: {max(inputs.train_set.lengths, default=0)} tokens; --max-length "
+              f"{flags.max_length} is only the cap" if flags.padding == "dynamic" else
+              f"--padding max_length: every batch {flags.max_length} tokens wide")
+
+    def describe(estimated: dict) -> str:
+        return (f"estimated peak of live tensors: {estimated['peak_memory_bytes'] / 2**20:.1f} MiB, priced at the "
+                f"batches this data makes ({widths})")
+
+    return train_loader, eval_loader, run_estimate(flags, config, inputs, train_loader, eval_loader, plan_result,
+                                                   describe)
 
 
 def build_optimization(request: RunRequest, model, device, batches_per_epoch: int):
@@ -272,9 +278,11 @@ def prepare_output_dir(request: RunRequest, place, model, precision: str, device
             "--output-dir NEW_DIR", "trains it again (the flags of a command line override these).",))
 
 
-def summary_of_run(summary: dict, request: RunRequest, inputs: Inputs, plan_result, estimated: dict | None) -> dict:
+def summary_of_run(summary: dict, request: RunRequest, inputs: Inputs, plan_result, estimated: dict | None,
+                   estimate_seconds: float = 0.0) -> dict:
     """A finished run's summary with the command line's keys: the task, the majority baseline, final/, its plan (or
-    the saved plan a resumed run trained) and its estimate's error, the cost of planning, the RSS at the start."""
+    the saved plan a resumed run trained) and its estimate's error, the cost of planning (an unplanned run's: the
+    `estimate_seconds` it waited for its own estimate), the RSS at the start."""
     from looptrain import metrics
 
     summary["rss_at_start_bytes"] = request.process.rss_at_start  # what a budget of RSS counts from (None: not Linux)
@@ -292,9 +300,9 @@ def summary_of_run(summary: dict, request: RunRequest, inputs: Inputs, plan_resu
     summary["estimated_training_peak_bytes"] = estimated.get("training_peak_bytes")
     summary["estimated_evaluation_peak_bytes"] = estimated.get("evaluation_peak_bytes")
     summary["evaluation_batch_size"] = request.flags.eval_batch_size if inputs.eval_set is not None else None
-    # Planning's cost (a plan's estimates and probes; an unplanned run's own estimate), beside the training's.
+    # Planning's cost (a plan's estimates and probes; what an unplanned run waited for its own), beside the training's.
     estimating, probing = ((plan_result.estimate_seconds, plan_result.probe_seconds) if plan_result is not None
-                           else (inputs.estimate_seconds, 0.0))
+                           else (estimate_seconds, 0.0))
     summary["planning_seconds"] = round(estimating + probing, 3)
     summary["planning_estimate_seconds"] = round(estimating, 3)
     summary["planning_probe_seconds"] = round(probing, 3)
@@ -349,21 +357,22 @@ def write_merged(flags, model_path: str, inputs: Inputs, final_dir: Path, shown:
     return merged_dir
 
 
-def run_estimate(flags, config, inputs: Inputs, train_loader, eval_loader, plan_result) -> dict | None:
+def run_estimate(flags, config, inputs: Inputs, train_loader, eval_loader, plan_result, describe) -> RunEstimate:
     """This run's estimate (`looptrain.estimation.run_batches_peaks`): training's peak over the batches its sampler
     will give it, where it gives them, and evaluation's over its evaluation batches, with the run's peak the higher;
-    a planned run's training peak is its plan's worst-batch estimate, its evaluation's the plan's. None where the
-    estimator cannot price the run."""
+    a planned run's training peak is its plan's worst-batch estimate, its evaluation's the plan's. Read from the
+    estimate cache, else computed beside the first updates (`looptrain.cli.finetune.own_estimate.start_estimate`);
+    `describe` words it. None in it where the estimator cannot price the run."""
+    from looptrain.cli.finetune.own_estimate import RunEstimate, start_estimate
     from looptrain.estimation import evaluation_shapes, run_batches_peaks, run_windows
-    from looptrain.estimation.worker import EstimateWorker
     from looptrain.precision import resolve_device
 
     if plan_result is not None:
         training, evaluation = plan_result.winner.estimated_peak_bytes, plan_result.evaluation_peak_bytes
-        return {"training_peak_bytes": training, "evaluation_peak_bytes": evaluation,
-                "peak_memory_bytes": max(training, evaluation or 0)}
+        return RunEstimate(result={"training_peak_bytes": training, "evaluation_peak_bytes": evaluation,
+                                   "peak_memory_bytes": max(training, evaluation or 0)})
     if flags.fsdp or flags.max_tokens:
-        return None  # the estimator models one process; token budgets give too many batch shapes to price
+        return RunEstimate()  # the estimator models one process; token budgets give too many batch shapes to price
     model = inputs.model
     settings = strategy_of(flags, **{**config.loop_fields(), "precision": resolve_precision_name(config)})
     try:
@@ -372,16 +381,20 @@ def run_estimate(flags, config, inputs: Inputs, train_loader, eval_loader, plan_
                               micro_batch_tokens=config.micro_batch_tokens)
         evaluation = (evaluation_shapes(eval_loader.batch_sampler, inputs.eval_set.lengths, inputs.collator)
                       if eval_loader is not None else [])  # the final evaluation runs whatever --eval-every says
-        # A resumed run may start anywhere, with its optimizer state restored: no window is priced without it.
-        # In a child process (EstimateWorker): what estimating costs stays out of the training's RSS.
-        device = resolve_device(config.device).type
-        with EstimateWorker(lambda _: run_batches_peaks(
-                model, settings, windows, evaluation=evaluation, fresh=config.resume is None,
-                max_grad_norm=config.max_grad_norm, num_labels=model.config.num_labels, device=device)) as worker:
-            return worker(None)
     except Exception as error:  # noqa: BLE001  an estimate is a report, never a reason to stop a run
-        say(f"notice: no memory estimate for this run ({type(error).__name__}: {error})")
-        return None
+        missing = f"{type(error).__name__}: {error}"
+        say(f"notice: no memory estimate for this run ({missing})")
+        return RunEstimate(missing=missing)
+    device = resolve_device(config.device).type
+
+    def peaks(cache) -> dict:
+        # A resumed run may start anywhere, with its optimizer state restored: no window is priced without it.
+        return run_batches_peaks(model, settings, windows, evaluation=evaluation, fresh=config.resume is None,
+                                 max_grad_norm=config.max_grad_norm, num_labels=model.config.num_labels, device=device,
+                                 cache=cache)
+
+    # In a child process (EstimateWorker): what estimating costs stays out of the training's RSS.
+    return start_estimate(lambda _: peaks(True), lambda: peaks("only"), describe)
 
 
 def resolve_precision_name(config) -> str:
