@@ -63,7 +63,8 @@ class Lowest:
 
 def lowest(model_or_config: Any, batch_size: int, seq_len: int, base: Strategy | None = None, *,
            fixed: Sequence[str] = (), native_bf16: bool | None = None, max_grad_norm: float | None = 1.0,
-           num_labels: int = 2, echo: Callable[[str], None] = lambda line: None, device: str = "cpu") -> Lowest:
+           num_labels: int = 2, echo: Callable[[str], None] = lambda line: None, device: str = "cpu",
+           extrapolate: bool = True) -> Lowest:
     """The full fine-tune with the lowest estimated peak at ``batch_size x seq_len``: levers that keep the task.
 
     A coordinate search over the levers that keep the task and the math, one lever at a time, each kept at
@@ -85,6 +86,7 @@ def lowest(model_or_config: Any, batch_size: int, seq_len: int, base: Strategy |
         native_bf16: plan for a CPU with (True) or without (False) native bf16; None: this CPU.
         max_grad_norm, num_labels, device: as in `estimate` (``device="cuda"``: bf16 is native there).
         echo: prints one line per estimate.
+        extrapolate: as in `estimate` (False: every estimate runs the whole model).
 
     Raises:
         PlanError: `base` freezes something (not a full fine-tune).
@@ -98,7 +100,7 @@ def lowest(model_or_config: Any, batch_size: int, seq_len: int, base: Strategy |
     if native_bf16 is None:
         native_bf16 = on_cuda or cpu_has_native_bf16()
     search = EstimateBook(model_or_config, seq_len, max_grad_norm=max_grad_norm, num_labels=num_labels, echo=echo,
-                          device_type="cuda" if on_cuda else "cpu")
+                          device_type="cuda" if on_cuda else "cpu", extrapolate=extrapolate)
     numerics = [{"precision": "fp32", "weights": "fp32"}]
     if native_bf16:
         numerics += [{"precision": "bf16", "weights": "fp32"}, {"precision": "bf16", "weights": "bf16"}]
