@@ -54,6 +54,8 @@ class Lowest:
             "phase_peak_bytes": self.estimate["phase_peak_bytes"],
             "parameters": self.estimate["parameters"],
             "trainable_parameters": self.estimate["trainable_parameters"],
+            "extrapolated": self.estimate.get("extrapolated"),
+            "extrapolation": self.estimate.get("extrapolation"),
             "tried": [{"flags": settings.flags(), "estimated_peak_bytes": peak} for settings, peak in self.tried],
             "estimates": self.estimates,
             "estimate_seconds": round(self.estimate_seconds, 3),
