@@ -88,7 +88,9 @@ def table_rows() -> None:
         _, cpu, result = timed(memory_command("--preset", name, "--seq-len", "2048", "--batch-size", "1",
                                               "--lowest"))
         peak, parameters = result["estimated_peak_bytes"], result["parameters"]
-        flags = " ".join(flag for flag in result["settings"]["flags"] if flag not in ("--batch-size", "1"))
+        given, split = result["settings"]["flags"], ("--batch-size", "--accum")  # the split is given: 1 x 1
+        flags = " ".join(flag for index, flag in enumerate(given)
+                         if flag not in split and (index == 0 or given[index - 1] not in split))
         print(f"| {name} | {parameters / 1e9:.2f}B | {peak / GIB:.2f} GiB ({peak:,} B) | {peak / parameters:.2f} | "
               f"`{flags}` | {result.get('extrapolation', '')} ({cpu:.0f} s CPU) |", flush=True)
 

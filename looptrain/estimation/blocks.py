@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy
+import torch
 from torch import nn
 
 # The timeline's events between the shorter run's last matched op and the resynchronised one that must match.
@@ -46,6 +47,7 @@ FEWEST_BLOCKS = 16
 # What a truncated run costs besides its blocks (the embedding, the head, building the model), in blocks: three
 # more truncated runs are priced only where they cost less than the whole model.
 _RUN_COST_IN_BLOCKS = 8
+_FREEZING = ("lora_rank", "qlora", "freeze_embeddings", "freeze_layers", "freeze_encoder")
 
 
 def stack_blocks(model_or_config: Any, config: Any = None) -> tuple[int, str | None]:
@@ -93,14 +95,17 @@ def _block_description(block: nn.Module) -> tuple:
             tuple((name, type(module)) for name, module in block.named_modules()))
 
 
-def depths(blocks: int, strategy: Any) -> tuple[tuple[int, int, int] | None, str | None]:
+def depths(blocks: int, strategy: Any, frozen: bool = False) -> tuple[tuple[int, int, int] | None, str | None]:
     """The three truncated depths ``(d, d + p, d + 2p)`` priced for a stack of `blocks`, or None and why not.
 
     p is the checkpointing period (`checkpoint_every` under checkpointing, else 1) and d the least depth at least
-    2 past the frozen blocks (`freeze_layers`) with ``d = blocks (mod p)``: the truncated stacks end as the whole
-    one does. A stack of fewer than `FEWEST_BLOCKS` is not extrapolated."""
+    2 past the frozen blocks (`freeze_layers`; 3 where something is frozen) with ``d = blocks (mod p)``: the
+    truncated stacks end as the whole one does. A stack of fewer than `FEWEST_BLOCKS` is not extrapolated."""
     period = strategy.checkpoint_every if strategy.gradient_checkpointing else 1
-    first = strategy.freeze_layers + 2
+    # Under a frozen embedding (LoRA, freezing, `frozen`: a module with frozen parameters) the first trained block's
+    # input needs no gradient, so its backward differs from the next ones': one block more.
+    frozen = frozen or any(getattr(strategy, name, False) for name in _FREEZING)
+    first = strategy.freeze_layers + (3 if frozen else 2)
     first += (blocks - first) % period
     if first + 2 * period >= blocks:
         return None, f"{blocks} blocks: too few to price {first}, {first + period} and {first + 2 * period} of them"
@@ -128,6 +133,25 @@ def truncate_in_copy(model: nn.Module, depth: int, memo: dict) -> None:
     stack = find_transformer_blocks(model)
     memo[id(model.config)] = truncated_config(model.config, depth)
     memo[id(stack)] = type(stack)([copy.deepcopy(block, memo) for block in list(stack)[:depth]])
+
+
+def mark_blocks(model: nn.Module, tracker: Any) -> None:
+    """Each block's forward (and its recomputation under checkpointing) and its backward start with a ``"block"``
+    event in the tracker's timeline, so that `align` cannot take the ops after the last block (a final norm, like the
+    next block's first norm) for one more block. Hooks on the estimate's own fake model, dropped with it."""
+    from looptrain.freeze import find_transformer_blocks
+
+    def marker(*_: Any) -> None:
+        tracker.timeline.append((("block", 0), tracker.phase, tracker.current_bytes))
+
+    def mark_its_gradient(module: nn.Module, args: Any, output: Any) -> None:
+        first = output[0] if isinstance(output, (tuple, list)) else output
+        if isinstance(first, torch.Tensor) and first.requires_grad:
+            first.register_hook(marker)  # its backward starts when its output's gradient arrives
+
+    for block in find_transformer_blocks(model):
+        block.register_forward_pre_hook(marker)
+        block.register_forward_hook(mark_its_gradient)
 
 
 def align(short: Sequence, long: Sequence) -> list[int] | None:

@@ -41,7 +41,7 @@ from looptrain.batches import model_shifts_labels
 from looptrain.checkpoint import capture_rng_state, restore_rng_state
 from looptrain.config import LoopConfig
 from looptrain.estimation import cache as estimate_cache
-from looptrain.estimation.blocks import NotAffine, depths, extrapolated_result, stack_blocks
+from looptrain.estimation.blocks import NotAffine, depths, extrapolated_result, mark_blocks, stack_blocks
 from looptrain.estimation.cuda import cuda_kernels, priced_device_type, with_cublas_workspaces
 from looptrain.estimation.fakes import (
     FakePrecision,
@@ -326,7 +326,8 @@ def _extrapolation_plan(model_or_config: Any, config: Any, strategy: Strategy) -
     count, why = stack_blocks(model_or_config, config)
     if not count:
         return None, why
-    priced, why = depths(count, strategy)
+    frozen = isinstance(model_or_config, nn.Module) and not all(p.requires_grad for p in model_or_config.parameters())
+    priced, why = depths(count, strategy, frozen)
     return ((priced, count), None) if priced else (None, why)
 
 
@@ -384,6 +385,7 @@ def _estimate_windows(model_or_config: Any, windows: Sequence[Sequence[tuple[int
             price_4bit_storage(loop.meter.tracker, model)
             if depth is not None:
                 loop.meter.tracker.record_timeline()
+                mark_blocks(loop.model, loop.meter.tracker)
             kernels = cuda_kernels() if device_type == "cuda" else contextlib.nullcontext()
             with whole_rows(), kernels:
                 try:
