@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "parameter, breakdown) or --lowest's search")
     parser.add_argument("--max-grad-norm", type=float, default=1.0,
                         help="the Loop's clipping threshold (clipping temporaries)")
+    parser.add_argument("--full-estimate", action="store_true",
+                        help="estimate the whole model every time (default: a stack of 16 or more identical blocks is "
+                             "priced on 2, 3 and 4 of them and extrapolated where that is exact)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="with --model: allow model code shipped with the checkpoint (an auto_map in its "
                              "config) to run (off: such a model is refused, and nothing asks)")
@@ -158,7 +161,8 @@ def _lowest(arguments: argparse.Namespace, config: Any, argv: Sequence[str]) -> 
     echo = (lambda line: print(line, file=sys.stderr)) if arguments.json else print
     result = lowest(config, arguments.batch_size, arguments.seq_len, strategies.from_arguments(arguments),
                     fixed=given_levers(argv), native_bf16=native, max_grad_norm=arguments.max_grad_norm,
-                    num_labels=arguments.num_labels, echo=echo, device=arguments.device)
+                    num_labels=arguments.num_labels, echo=echo, device=arguments.device,
+                    extrapolate=not arguments.full_estimate)
     output = {**result.to_dict(), "seq_len": arguments.seq_len, "cpu": cpu_description(),
               "cpu_kind": arguments.cpu_kind}
     if arguments.json:
@@ -243,13 +247,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows = []
             for label, options in ladder(arguments.batch_size, arguments.seq_len):
                 options = {"batch_size": arguments.batch_size, "seq_len": arguments.seq_len,
-                           "num_labels": arguments.num_labels, "device": arguments.device, **options}
+                           "num_labels": arguments.num_labels, "device": arguments.device,
+                           "extrapolate": not arguments.full_estimate, **options}
                 rows.append((label, estimate(copy.deepcopy(config), **options)))
         else:
             strategy = strategies.from_arguments(arguments, cls=strategies.Strategy)
             rows = [("as given", estimate(config, arguments.batch_size, arguments.seq_len, strategy,
                                           num_labels=arguments.num_labels, max_grad_norm=arguments.max_grad_norm,
-                                          device=arguments.device, eval_batch_size=eval_batch_size(arguments)))]
+                                          device=arguments.device, eval_batch_size=eval_batch_size(arguments),
+                                          extrapolate=not arguments.full_estimate))]
     except (ValueError, PlanError, UsageError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

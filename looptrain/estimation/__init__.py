@@ -11,6 +11,8 @@ Modules:
     fakes       the fake model, and the Loop's behaviour on fake tensors through its doors
                 (`FakePrecision`, `FakeOptimizerInBackward`, the priming loss)
     cuda        a CUDA run priced on the CPU: its attention and autocast kernels, cuBLAS's workspaces
+    blocks      a stack of N identical blocks priced on 2, 3 and 4 of them and extrapolated to N, byte-exact where
+                the tracker's timeline proves it (else the whole model, and why)
     shapes      presets and configs (`preset_config`, `load_config`), `random_batch`, token windows,
                 the `ladder` and `ACCURACY_MIXES`
     windows     `run_windows`: the micro-batch shapes of every window a run trains on; `evaluation_shapes`: those

@@ -49,7 +49,7 @@ PROBES = "probes"
 _PROBE_KEYS = ("micro_step_seconds", "optimizer_step_seconds", "probe_seconds", "tokens", "batch_shape")
 _STOPPED_PROBE_KEYS = ("ceiling", "measured_peak_bytes", "probe_seconds", "tokens", "batch_shape")  # no timings
 _RESULT_KEYS = ("peak_memory_bytes", "memory_meter", "memory_breakdown", "phase_peak_bytes", "parameters",
-                "trainable_parameters", "notes")
+                "trainable_parameters", "notes", "extrapolated")
 
 
 @functools.cache
@@ -163,13 +163,16 @@ def _strategy_description(strategy: Strategy, *, batch_fields: bool = False) -> 
 
 def key(model_or_config: Any, windows: Sequence[Sequence[tuple[int, int]]], strategy: Strategy, *,
         num_labels: int, max_grad_norm: float | None, padded: bool, named_config: Any = None,
-        primes: bool = False, device: str = "cpu", evaluation: Sequence[tuple[int, int]] = ()) -> str | None:
+        primes: bool = False, device: str = "cpu", evaluation: Sequence[tuple[int, int]] = (),
+        extrapolated: bool = False) -> str | None:
     """The cache key of one `estimate_windows` call (a hex digest), or None when it is not to be cached.
 
     `named_config`: for a preset name or a path, the config it names (read by the estimator); without it a name
     is not cached. `primes`: the first window only creates the optimizer state (`estimate`'s). `device`: the device
     type whose kernels the estimate prices ("cpu", "cuda"). `evaluation`: the evaluation batches' shapes, evaluated
-    after the windows (none: a key without them, the same as before evaluation was priced).
+    after the windows (none: a key without them, the same as before evaluation was priced). `extrapolated`: the
+    estimate extrapolated from a few of the model's blocks (`looptrain.estimation.blocks`), kept apart from the
+    whole model's (False: the key as before).
     """
     model = _model_description(model_or_config, named_config)
     if model is None:
@@ -192,6 +195,8 @@ def key(model_or_config: Any, windows: Sequence[Sequence[tuple[int, int]]], stra
     }
     if evaluation:
         description["evaluation"] = [[int(rows), int(width)] for rows, width in evaluation]
+    if extrapolated:
+        description["extrapolated"] = True
     text = json.dumps(description, sort_keys=True, default=_json_value)
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -41,6 +41,7 @@ from looptrain.batches import model_shifts_labels
 from looptrain.checkpoint import capture_rng_state, restore_rng_state
 from looptrain.config import LoopConfig
 from looptrain.estimation import cache as estimate_cache
+from looptrain.estimation.blocks import NotAffine, depths, extrapolated_result, mark_blocks, stack_blocks
 from looptrain.estimation.cuda import cuda_kernels, priced_device_type, with_cublas_workspaces
 from looptrain.estimation.fakes import (
     FakePrecision,
@@ -122,6 +123,7 @@ def estimate(
     cache: bool = True,
     device: str = "cpu",
     eval_batch_size: int | None = None,
+    extrapolate: bool = True,
     **levers: Any,
 ) -> dict[str, Any]:
     """Estimate the peak memory of a training step on fake tensors, by driving the Loop's own update.
@@ -164,6 +166,8 @@ def estimate(
             `LookupError` instead of computing (the planner's search once its time is spent).
         eval_batch_size: also price evaluation (`evaluate_on_fakes`) at ``eval_batch_size x seq_len``, after the
             updates: the weights and the optimizer state resident, no gradients; None: training alone.
+        extrapolate: a model of N identical blocks is priced on 2, 3 and 4 of them and extrapolated to N, byte-exact
+            where the truncated runs prove it (`looptrain.estimation.blocks`), else run whole; False: always whole.
 
     Returns:
         ``peak_memory_bytes`` (the higher of ``training_peak_bytes`` and ``evaluation_peak_bytes``, the latter None
@@ -171,7 +175,9 @@ def estimate(
         (params, grads, optimizer_state, activations_and_temps, peak_phase), ``phase_peak_bytes``,
         ``parameters``, ``trainable_parameters``, ``notes``, ``estimate_seconds`` (this call's),
         ``compute_seconds`` (what computing it took, when it was computed) and ``from_cache`` (whether the result
-        was read from the cache); on CUDA ``cublas_workspace_bytes``, included in the peak.
+        was read from the cache), ``extrapolated`` (whether it was extrapolated from a few blocks) and
+        ``extrapolation`` (which blocks were priced, or why the model was run whole); on CUDA
+        ``cublas_workspace_bytes``, included in the peak.
 
     Raises:
         ValueError: an invalid mix (`looptrain.ConfigError` names the fields), an unknown preset.
@@ -188,7 +194,7 @@ def estimate(
     evaluation = [(eval_batch_size, seq_len)] if eval_batch_size else []
     return _cached_estimate(model_or_config, [window[:1], window], strategy, num_labels=num_labels,
                             max_grad_norm=max_grad_norm, padded=padded, cache=cache, primes=True, device=device,
-                            evaluation=evaluation)
+                            evaluation=evaluation, extrapolate=extrapolate)
 
 
 def estimate_windows(
@@ -202,6 +208,7 @@ def estimate_windows(
     cache: bool = True,
     device: str = "cpu",
     evaluation: Sequence[tuple[int, int]] = (),
+    extrapolate: bool = True,
     **levers: Any,
 ) -> dict[str, Any]:
     """`estimate` over given accumulation windows: the Loop's update driven once per window, in order.
@@ -211,8 +218,8 @@ def estimate_windows(
         windows: each window's micro-batch shapes ``(rows, width)``, driven from a fresh start (no
             gradients, no optimizer state: the first update creates it), e.g. `bounding_windows` of
             the shapes a run's sampler gives.
-        strategy, num_labels, max_grad_norm, padded, cache, device, **levers: as in `estimate` (`padded`: the
-            micro-batches of more than one row).
+        strategy, num_labels, max_grad_norm, padded, cache, device, extrapolate, **levers: as in `estimate`
+            (`padded`: the micro-batches of more than one row).
 
     Returns:
         The same dict as `estimate`: the peak over all the windows, its breakdown and phase.
@@ -221,12 +228,12 @@ def estimate_windows(
         raise ValueError("estimate_windows needs at least one window, and every window at least one (rows, width)")
     return _cached_estimate(model_or_config, windows, as_strategy(strategy, levers), num_labels=num_labels,
                             max_grad_norm=max_grad_norm, padded=padded, cache=cache, primes=False, device=device,
-                            evaluation=evaluation)
+                            evaluation=evaluation, extrapolate=extrapolate)
 
 
 def estimate_evaluation(model_or_config: Any, shapes: Sequence[tuple[int, int]], strategy: Strategy | None = None, *,
                         num_labels: int = 2, padded: bool = False, cache: bool = True, device: str = "cpu",
-                        **levers: Any) -> dict[str, Any]:
+                        extrapolate: bool = True, **levers: Any) -> dict[str, Any]:
     """Evaluation's peak alone: the model evaluated (`evaluate_on_fakes`) on batches of `shapes` ``(rows, width)``
     after one update has created the optimizer state (its loss `fakes.priming_loss`: no forward), as evaluation
     meets it in a run. The dict of `estimate`; its ``peak_memory_bytes`` is ``evaluation_peak_bytes`` (the priming
@@ -235,7 +242,7 @@ def estimate_evaluation(model_or_config: Any, shapes: Sequence[tuple[int, int]],
         raise ValueError("estimate_evaluation needs at least one (rows, width) shape")
     result = _cached_estimate(model_or_config, [[(1, 2)]], as_strategy(strategy, levers), num_labels=num_labels,
                               max_grad_norm=None, padded=padded, cache=cache, primes=True, device=device,
-                              evaluation=shapes)
+                              evaluation=shapes, extrapolate=extrapolate)
     return {**result, "peak_memory_bytes": result["evaluation_peak_bytes"], "training_peak_bytes": None}
 
 
@@ -263,10 +270,11 @@ def split_peaks(result: dict[str, Any]) -> dict[str, Any]:
 def _cached_estimate(model_or_config: Any, windows: Sequence[Sequence[tuple[int, int]]], strategy: Strategy, *,
                      num_labels: int, max_grad_norm: float | None, padded: bool, cache: bool,
                      primes: bool, device: str = "cpu",
-                     evaluation: Sequence[tuple[int, int]] = ()) -> dict[str, Any]:
+                     evaluation: Sequence[tuple[int, int]] = (), extrapolate: bool = True) -> dict[str, Any]:
     """`estimate_windows`, read from the on-disk cache or computed and written there. `primes`: the first window
     only creates the optimizer state (`estimate`'s), so its loss is `fakes.priming_loss`. `evaluation`: the
-    evaluation batches' shapes, evaluated after the windows."""
+    evaluation batches' shapes, evaluated after the windows. `extrapolate`: from a few of its identical blocks
+    where that is exact (`blocks`); the cache keeps the extrapolated estimate apart from the whole run's."""
     device_type = priced_device_type(device)
     if device_type == "cuda" and strategy.foreach is None and strategy.optimizer in FOREACH_OPTIMIZERS:
         strategy = dataclasses.replace(strategy, foreach=True)  # torch's default where every parameter is on CUDA
@@ -276,20 +284,32 @@ def _cached_estimate(model_or_config: Any, windows: Sequence[Sequence[tuple[int,
     # An invalid mix fails before work (the tracker's own refusal of compile aside: the estimate runs eagerly).
     LoopConfig.from_strategy(strategy, max_grad_norm=max_grad_norm, device="cpu", track_memory=False)
     started = time.perf_counter()
-    key = estimate_cache.key(
-        model_or_config, windows, strategy, num_labels=num_labels, max_grad_norm=max_grad_norm, padded=padded,
-        named_config=named_config(model_or_config, num_labels) if isinstance(model_or_config, str) else None,
-        primes=primes, device=device_type, evaluation=evaluation,
-    ) if cache else None
-    result = estimate_cache.read(key) if key is not None else None
+    config = named_config(model_or_config, num_labels) if isinstance(model_or_config, str) else None
+    stack, why_whole = (_extrapolation_plan(model_or_config, config, strategy) if extrapolate
+                        else (None, "extrapolate=False"))
+
+    def key(extrapolated: bool) -> str | None:
+        return estimate_cache.key(
+            model_or_config, windows, strategy, num_labels=num_labels, max_grad_norm=max_grad_norm, padded=padded,
+            named_config=config, primes=primes, device=device_type, evaluation=evaluation,
+            extrapolated=extrapolated) if cache else None
+
+    keys = [key(True), key(False)] if stack else [key(False)]
+    result = estimate_cache.read(keys[0]) if keys[0] is not None else None
     if result is None and cache == "only":
         raise LookupError("no cached estimate of these settings (cache='only' computes nothing)")
     if result is None:
-        result = _estimate_windows(model_or_config, windows, strategy, num_labels, max_grad_norm, padded, primes,
-                                   device_type, evaluation)
+        def run(depth: int | None = None) -> Any:
+            return _estimate_windows(model_or_config, windows, strategy, num_labels, max_grad_norm, padded, primes,
+                                     device_type, evaluation, depth=depth)
+
+        result = _extrapolated_or_whole(run, stack, why_whole)
+        # A whole run is the whole run's figure: kept under its key too when the extrapolation fell back to it.
+        written = keys if not result["extrapolated"] else keys[:1]
         result["compute_seconds"] = round(time.perf_counter() - started, 3)  # kept: what a cached read stands for
-        if key is not None:
-            estimate_cache.write(key, result)
+        for name in written:
+            if name is not None:
+                estimate_cache.write(name, result)
         result["from_cache"] = False
     else:
         result["from_cache"] = True
@@ -300,12 +320,37 @@ def _cached_estimate(model_or_config: Any, windows: Sequence[Sequence[tuple[int,
     return result
 
 
+def _extrapolation_plan(model_or_config: Any, config: Any, strategy: Strategy) -> tuple[tuple | None, str | None]:
+    """``((depths, blocks), None)`` when the estimate is to be extrapolated from `depths` of the model's `blocks`
+    identical blocks (`blocks.depths`); else ``(None, why not)``."""
+    count, why = stack_blocks(model_or_config, config)
+    if not count:
+        return None, why
+    frozen = isinstance(model_or_config, nn.Module) and not all(p.requires_grad for p in model_or_config.parameters())
+    priced, why = depths(count, strategy, frozen)
+    return ((priced, count), None) if priced else (None, why)
+
+
+def _extrapolated_or_whole(run: Any, stack: tuple | None, why_whole: str | None) -> dict[str, Any]:
+    """The estimate extrapolated from `stack`'s depths (`blocks.extrapolated_result`), or the whole model's with
+    ``extrapolated`` False and the reason."""
+    if stack is not None:
+        try:
+            return extrapolated_result(run, *stack)
+        except NotAffine as reason:
+            why_whole = str(reason)
+    result, _ = run()
+    return {**result, "extrapolated": False, "extrapolation": f"whole model: {why_whole}"}
+
+
 def _estimate_windows(model_or_config: Any, windows: Sequence[Sequence[tuple[int, int]]], strategy: Strategy,
                       num_labels: int, max_grad_norm: float | None, padded: bool,
                       primes: bool = False, device_type: str = "cpu",
-                      evaluation: Sequence[tuple[int, int]] = ()) -> dict[str, Any]:
+                      evaluation: Sequence[tuple[int, int]] = (), *,
+                      depth: int | None = None) -> tuple[dict[str, Any], list | None]:
     """`estimate_windows`'s work, without the cache: the Loop's update driven on fake tensors under the tracker,
-    then, with `evaluation`, the model evaluated on batches of those shapes (`evaluate_on_fakes`).
+    then, with `evaluation`, the model evaluated on batches of those shapes (`evaluate_on_fakes`). Returns the result
+    and, with `depth` (the model cut to its first `depth` blocks), the tracker's timeline (`blocks`).
 
     `primes`: the first window only creates what the later ones start from (the optimizer state), so its loss is
     `fakes.priming_loss` instead of the model's (`estimate`'s first update). `device_type` "cuda": attention and
@@ -316,7 +361,7 @@ def _estimate_windows(model_or_config: Any, windows: Sequence[Sequence[tuple[int
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         with one_fake_mode():
-            model = fake_model(model_or_config, num_labels, fake_mode)
+            model = fake_model(model_or_config, num_labels, fake_mode, depth)
             # LoRA's adapters are built by peft outside the fake mode (its device moves cannot swap fakes), then
             # made fakes like the base they wrap: a real adapter is copied into a fake at every use (counted
             # twice). QLoRA's 4-bit storage is fake from the start (`quantize_blocks_4bit` on a fake weight), or, for
@@ -338,6 +383,9 @@ def _estimate_windows(model_or_config: Any, windows: Sequence[Sequence[tuple[int
                                                                       padded=padded and rows > 1)
             loop.meter.start(loop.model, loop.optimizer)
             price_4bit_storage(loop.meter.tracker, model)
+            if depth is not None:
+                loop.meter.tracker.record_timeline()
+                mark_blocks(loop.model, loop.meter.tracker)
             kernels = cuda_kernels() if device_type == "cuda" else contextlib.nullcontext()
             with whole_rows(), kernels:
                 try:
@@ -354,6 +402,7 @@ def _estimate_windows(model_or_config: Any, windows: Sequence[Sequence[tuple[int
                 finally:
                     loop.meter.stop()
             summary = loop.meter.summary()
+            timeline = loop.meter.tracker.timeline
     finally:
         restore_rng_state(rng_states)
     parameters = list(model.parameters())
@@ -365,7 +414,7 @@ def _estimate_windows(model_or_config: Any, windows: Sequence[Sequence[tuple[int
         "parameters": sum(parameter_numel(p) for p in parameters),
         "trainable_parameters": sum(p.numel() for p in parameters if p.requires_grad),
         "notes": [],
-    }
+    }, timeline
 
 
 def bounding_windows(windows: Sequence[Sequence[tuple[int, int]]], *,

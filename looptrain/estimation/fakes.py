@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from looptrain.estimation.blocks import truncate_in_copy, truncated_config
 from looptrain.estimation.shapes import is_causal_lm_config, named_config
 from looptrain.fake import is_fake
 from looptrain.lora import fake_params4bit, quant_state_tensors
@@ -27,21 +28,26 @@ from looptrain.optim import OptimizerInBackward, wrap_for_config
 from looptrain.precision import Precision
 
 
-def fake_model(model_or_config: Any, num_labels: int, fake_mode) -> nn.Module:
+def fake_model(model_or_config: Any, num_labels: int, fake_mode, depth: int | None = None) -> nn.Module:
     """A copy of the model whose parameters and buffers are fake CPU tensors (no real memory); a QLoRA model's 4-bit
-    weights are copied as fakes of the bytes bitsandbytes stores (`_fake_parameter`)."""
+    weights are copied as fakes of the bytes bitsandbytes stores (`_fake_parameter`). `depth`: only the first
+    `depth` of its identical blocks (`blocks.truncate_in_copy`, `blocks.truncated_config`)."""
     if isinstance(model_or_config, nn.Module):
         memo: dict[int, Any] = {}
         for parameter in model_or_config.parameters():
             memo[id(parameter)] = _fake_parameter(parameter, fake_mode)
         for buffer in model_or_config.buffers():
             memo[id(buffer)] = _cpu_fake(buffer, fake_mode)
+        if depth is not None:
+            truncate_in_copy(model_or_config, depth, memo)
         return copy.deepcopy(model_or_config, memo)
     config = model_or_config
     if isinstance(config, str):
         config = named_config(config, num_labels)
     else:
         config = copy.deepcopy(config)
+    if depth is not None:
+        config = truncated_config(config, depth)
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     config.num_labels = num_labels

@@ -32,12 +32,29 @@ PRESETS = {
     "qwen2.5-1.5b": {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960,
                      "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
                      "max_position_embeddings": 32768, "tie_word_embeddings": True},
+    "qwen2.5-3b": {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 11008,
+                   "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 2,
+                   "max_position_embeddings": 32768, "tie_word_embeddings": True},
+    "qwen2.5-7b": {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+                   "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                   "max_position_embeddings": 32768, "tie_word_embeddings": False},
+    # LlamaConfig numbers of Meta's published checkpoints (rope scaling left out: it changes no tensor's size).
+    "llama-3.2-1b": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
+                     "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+                     "max_position_embeddings": 131072, "rope_theta": 500000.0, "tie_word_embeddings": True},
+    "llama-3.2-3b": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 3072, "intermediate_size": 8192,
+                     "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128,
+                     "max_position_embeddings": 131072, "rope_theta": 500000.0, "tie_word_embeddings": True},
+    "llama-3.1-8b": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+                     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                     "max_position_embeddings": 131072, "rope_theta": 500000.0, "tie_word_embeddings": False},
 }
 
 
 def preset_config(name: str, num_labels: int = 2):
-    """The config of a named shape, no download: a ``BertConfig`` (bert-base, bert-large, macbert-large) or a
-    ``Qwen2Config`` (qwen2.5-0.5b, qwen2.5-1.5b: decoder LMs, estimated as causal LMs)."""
+    """The config of a named shape, no download: a ``BertConfig`` (bert-base, bert-large, macbert-large), a
+    ``Qwen2Config`` (qwen2.5-0.5b, -1.5b, -3b, -7b) or a ``LlamaConfig`` (llama-3.2-1b, -3b, llama-3.1-8b): the
+    decoders are estimated as causal LMs."""
     from transformers import AutoConfig
 
     if name not in PRESETS:

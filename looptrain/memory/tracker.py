@@ -159,6 +159,15 @@ class StorageTracker(TorchDispatchMode):
         self._current_phase_peak = -1  # phase_peak_bytes[phase], cached: update_peak runs after every op
         self._kernel_of_op: dict[Any, Any] = {}  # op -> bitsandbytes Python kernel or None
         self._self_reference = weakref.ref(self)
+        self.timeline: list[tuple[Any, str, int]] | None = None  # `record_timeline`
+        self._event: Any = "classify"
+
+    def record_timeline(self) -> None:
+        """From now on, append ``(event, phase, live bytes)`` to `timeline` at every point the peak is checked: after
+        each op (the event: the op's name and its outputs' bytes) and each classification ("classify"). The estimator
+        compares the timelines of stacks of 2, 3 and 4 blocks to extrapolate one of N (`looptrain.estimation.blocks`).
+        """
+        self.timeline = [("start", self.phase, self.current_bytes)]
 
     # -- registration ------------------------------------------------------------------------
     def _forget(self, key: int) -> None:
@@ -231,6 +240,9 @@ class StorageTracker(TorchDispatchMode):
     def update_peak(self) -> None:
         """Record the current live bytes as the peak if they exceed it."""
         current = self.current_bytes
+        if self.timeline is not None:
+            self.timeline.append((self._event, self.phase, current))
+            self._event = "classify"
         if current <= self._current_phase_peak:  # the common case: nothing new, checked in one compare
             return
         self._current_phase_peak = current
@@ -302,6 +314,9 @@ class StorageTracker(TorchDispatchMode):
                 nbytes = storage.nbytes()
                 if nbytes != record.nbytes:
                     self._resized(record, nbytes)
+        if self.timeline is not None:
+            self._event = (func.__name__, sum(storage.nbytes() for storage in map(_storage_of, outputs)
+                                              if storage is not None))
         self.update_peak()
         return output
 

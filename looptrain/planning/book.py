@@ -70,12 +70,14 @@ class EstimateBook:
         padded: the worst batch of more than one row holds shorter, padded rows (see `estimate`).
         workers: stand-ins for `EstimateWorker`s (``submit``, ``collect``, ``close``); `start_workers` starts real
             ones.
+        extrapolate: as in `estimate` (False: every estimate runs the whole model).
     """
 
     def __init__(self, model: Any, width: int, *, max_grad_norm: float | None = 1.0, num_labels: int = 2,
                  echo: Callable[[str], None] = lambda line: None, device_type: str = "cpu", padded: bool = False,
-                 workers: Sequence[Any] = ()):
+                 workers: Sequence[Any] = (), extrapolate: bool = True):
         self.model, self.width, self.max_grad_norm, self.num_labels = model, width, max_grad_norm, num_labels
+        self.extrapolate = extrapolate
         self.echo, self.device_type, self.padded = echo, device_type, padded
         self.workers: list = list(workers)
         self.cache: dict = {}  # key -> the estimate's peak bytes
@@ -240,7 +242,7 @@ class EstimateBook:
             model = self.full_model
         return estimate(self.model if model is None else model, settings.batch_size, seq_len, settings,
                         num_labels=self.num_labels, max_grad_norm=self.max_grad_norm, padded=self.padded,
-                        cache="only" if cached_only else True, device=self.device_type)
+                        cache="only" if cached_only else True, device=self.device_type, extrapolate=self.extrapolate)
 
     def predict(self, settings: Strategy) -> int | None:
         """The estimate of `settings` (memoised), else their peak predicted from two estimates of the same settings at

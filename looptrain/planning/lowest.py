@@ -54,6 +54,8 @@ class Lowest:
             "phase_peak_bytes": self.estimate["phase_peak_bytes"],
             "parameters": self.estimate["parameters"],
             "trainable_parameters": self.estimate["trainable_parameters"],
+            "extrapolated": self.estimate.get("extrapolated"),
+            "extrapolation": self.estimate.get("extrapolation"),
             "tried": [{"flags": settings.flags(), "estimated_peak_bytes": peak} for settings, peak in self.tried],
             "estimates": self.estimates,
             "estimate_seconds": round(self.estimate_seconds, 3),
@@ -63,7 +65,8 @@ class Lowest:
 
 def lowest(model_or_config: Any, batch_size: int, seq_len: int, base: Strategy | None = None, *,
            fixed: Sequence[str] = (), native_bf16: bool | None = None, max_grad_norm: float | None = 1.0,
-           num_labels: int = 2, echo: Callable[[str], None] = lambda line: None, device: str = "cpu") -> Lowest:
+           num_labels: int = 2, echo: Callable[[str], None] = lambda line: None, device: str = "cpu",
+           extrapolate: bool = True) -> Lowest:
     """The full fine-tune with the lowest estimated peak at ``batch_size x seq_len``: levers that keep the task.
 
     A coordinate search over the levers that keep the task and the math, one lever at a time, each kept at
@@ -86,6 +89,7 @@ def lowest(model_or_config: Any, batch_size: int, seq_len: int, base: Strategy |
             oneDNN reports it; a note says when its matmuls measured slower than fp32's here).
         max_grad_norm, num_labels, device: as in `estimate` (``device="cuda"``: bf16 is native there).
         echo: prints one line per estimate.
+        extrapolate: as in `estimate` (False: every estimate runs the whole model).
 
     Raises:
         PlanError: `base` freezes something (not a full fine-tune).
@@ -100,7 +104,7 @@ def lowest(model_or_config: Any, batch_size: int, seq_len: int, base: Strategy |
     if native_bf16 is None:  # bf16 is tried for its memory where it is not emulated; a note says when it is slow
         native_bf16 = on_cuda or cpu_has_native_bf16()
     search = EstimateBook(model_or_config, seq_len, max_grad_norm=max_grad_norm, num_labels=num_labels, echo=echo,
-                          device_type="cuda" if on_cuda else "cpu")
+                          device_type="cuda" if on_cuda else "cpu", extrapolate=extrapolate)
     numerics = [{"precision": "fp32", "weights": "fp32"}]
     if native_bf16:
         numerics += [{"precision": "bf16", "weights": "fp32"}, {"precision": "bf16", "weights": "bf16"}]
