@@ -219,9 +219,11 @@ def make_loaders(request: RunRequest, place, inputs: Inputs, plan_result):
     _, padding_line = data_module.padding_stats(
         train_loader, inputs.train_set.lengths, padding=flags.padding, max_length=flags.max_length,
         pad_to_multiple_of=flags.pad_to_multiple_of)
-    say(f"batches ({grouping}, {flags.padding} padding): {padding_line}")
+    rows = "rows of packed samples" if flags.packing else "samples"
+    say(f"batches ({grouping}, {flags.padding} padding{', packed' if flags.packing else ''}): "
+        f"{padding_line.replace(' samples in ', f' {rows} in ')}")
     if estimated and plan_result is None:
-        widths = (f"its longest sample: {max(inputs.train_set.lengths, default=0)} tokens; --max-length "
+        widths = (f"its longest {'packed row' if flags.packing else 'sample'}: {max(inputs.train_set.lengths, default=0)} tokens; --max-length "
                   f"{flags.max_length} is only the cap" if flags.padding == "dynamic" else
                   f"--padding max_length: every batch {flags.max_length} tokens wide")
         say(f"estimated peak of live tensors: {estimated['peak_memory_bytes'] / 2**20:.1f} MiB, priced at the "
