@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_causal_lm import FAMILIES, PAD, collate, lm_samples, make_causal_lm, max_difference
 
 from looptrain import Loop
 from looptrain.data import DataError, TokenizedDataset
 from looptrain.data.packing import PackedCollator, PackedDataset, pack_best_fit, packing_problem
 
 from conftest import quiet_config
-from test_causal_lm import FAMILIES, PAD, collate, lm_samples, make_causal_lm, max_difference
 
 # fp32 sums taken in another order (a packed row's matmuls and softmax over more, masked, columns) differ by a few
 # ulps of the logits' size (~1): 1e-5 bounds that noise, four orders below what a leak across samples changes.
@@ -128,3 +128,43 @@ def test_a_packed_run_equals_the_full_batch_loop_over_the_same_samples_per_windo
     assert loop.step == len(windows)
     assert max_difference(reference, make_causal_lm(family)) > 1e-2  # the check can fail: training moved them
     assert max_difference(reference, model) < 1e-6
+
+
+@pytest.mark.slow
+def test_ddp_packs_per_rank_and_equals_the_full_batch_loop(tmp_path):
+    # 2 ranks, one pack a micro-batch, accumulation 2: a window is 2 packs of each rank, as looptrain's sampler
+    # gives them out. The reference steps once per window on all 4 packs' samples, unpacked, as one batch.
+    import os
+    import sys
+    from pathlib import Path
+
+    from looptrain.data import make_train_loader
+
+    from conftest import run_torchrun
+
+    root = Path(__file__).resolve().parent.parent
+    output = tmp_path / "ddp.pt"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc_per_node", "2",
+               str(root / "tests" / "packing_ddp.py"), "qwen2", "40", str(output)]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"}
+    result = run_torchrun(command, environment, root)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    samples = lm_samples(40, seed=1)
+    packed = PackedDataset(samples_dataset(samples), 32)
+    per_rank = [make_train_loader(packed, 1, PackedCollator(PAD, 32), seed=0, num_replicas=2, rank=rank)
+                .batch_sampler.epoch_batches() for rank in range(2)]
+    assert len(per_rank[0]) == len(per_rank[1])
+    reference = make_causal_lm("qwen2")
+    optimizer = torch.optim.SGD(reference.parameters(), lr=1.0)
+    for start in range(0, len(per_rank[0]), 2):
+        window = [sample for batches in per_rank for batch in batches[start:start + 2] for pack in batch
+                  for sample in packed.packs[pack]]
+        reference(**collate([samples[index] for index in window])).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    saved = torch.load(output)
+    assert saved["step"] == -(-len(per_rank[0]) // 2)
+    difference = max((value - saved["state_dict"][name]).abs().max().item()
+                     for name, value in reference.state_dict().items())
+    assert max_difference(reference, make_causal_lm("qwen2")) > 1e-2
+    assert difference < 1e-6

@@ -223,7 +223,8 @@ def make_loaders(request: RunRequest, place, inputs: Inputs, plan_result):
     say(f"batches ({grouping}, {flags.padding} padding{', packed' if flags.packing else ''}): "
         f"{padding_line.replace(' samples in ', f' {rows} in ')}")
     if estimated and plan_result is None:
-        widths = (f"its longest {'packed row' if flags.packing else 'sample'}: {max(inputs.train_set.lengths, default=0)} tokens; --max-length "
+        longest = "packed row" if flags.packing else "sample"
+        widths = (f"its longest {longest}: {max(inputs.train_set.lengths, default=0)} tokens; --max-length "
                   f"{flags.max_length} is only the cap" if flags.padding == "dynamic" else
                   f"--padding max_length: every batch {flags.max_length} tokens wide")
         say(f"estimated peak of live tensors: {estimated['peak_memory_bytes'] / 2**20:.1f} MiB, priced at the "
