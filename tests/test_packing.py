@@ -168,3 +168,18 @@ def test_ddp_packs_per_rank_and_equals_the_full_batch_loop(tmp_path):
                      for name, value in reference.state_dict().items())
     assert max_difference(reference, make_causal_lm("qwen2")) > 1e-2
     assert difference < 1e-6
+
+
+def test_the_estimate_prices_a_packed_rows_mask_even_for_a_single_row():
+    # One row of 32 tokens: whole, the model builds no mask (sdpa's causal path); packed, it builds the row's block
+    # mask from its positions, and attends through it. The estimate of the packed row is the higher one.
+    from transformers import LlamaConfig
+
+    from looptrain import Strategy
+    from looptrain.estimation import estimate
+
+    config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+    peaks = {packing: estimate(config, 1, 32, Strategy(optimizer="sgd", packing=packing), padded=True,
+                               cache=False)["peak_memory_bytes"] for packing in (False, True)}
+    assert peaks[True] > peaks[False]

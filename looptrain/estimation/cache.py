@@ -11,7 +11,8 @@ SHA-256 of a JSON description of:
   each parameter and buffer (name, shape, dtype, requires_grad, class, tied weights, a 4-bit weight's
   quantization state);
 - the batches (the windows' micro-batch shapes; the evaluation batches' shapes when evaluation is priced), the
-  strategy (every field but those applied to the batches), the number of labels, the clipping threshold, padding;
+  strategy (every field but those applied to the batches), the number of labels, the clipping threshold, padding
+  (and packing, whose one-row micro-batches are priced with their mask);
 - the CPU (capability, native bf16 and fp16: ``precision="auto"`` resolves by them), ``WORLD_SIZE``, the versions of
   torch, transformers, bitsandbytes and peft, `CODE_VERSION`, and a hash of looptrain's own source
   files, so that any change to the code estimated (the Loop, the optimizers, the tracker) misses the
@@ -188,6 +189,8 @@ def key(model_or_config: Any, windows: Sequence[Sequence[tuple[int, int]]], stra
                 precision.cpu_has_native_fp16()],
         "world_size": os.environ.get("WORLD_SIZE", "1"),  # under torchrun the Loop joins the process group
     }
+    if padded and getattr(strategy, "packing", False):  # a packed row's mask is priced: a key of its own
+        description["packed"] = True
     if evaluation:
         description["evaluation"] = [[int(rows), int(width)] for rows, width in evaluation]
     text = json.dumps(description, sort_keys=True, default=_json_value)
