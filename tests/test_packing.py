@@ -180,6 +180,6 @@ def test_the_estimate_prices_a_packed_rows_mask_even_for_a_single_row():
 
     config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
-    peaks = {packing: estimate(config, 1, 32, Strategy(optimizer="sgd", packing=packing), padded=True,
+    peaks = {packing: estimate(config, 1, 32, Strategy(optimizer="sgd", packing=packing),
                                cache=False)["peak_memory_bytes"] for packing in (False, True)}
     assert peaks[True] > peaks[False]

@@ -189,7 +189,7 @@ def key(model_or_config: Any, windows: Sequence[Sequence[tuple[int, int]]], stra
                 precision.cpu_has_native_fp16()],
         "world_size": os.environ.get("WORLD_SIZE", "1"),  # under torchrun the Loop joins the process group
     }
-    if padded and getattr(strategy, "packing", False):  # a packed row's mask is priced: a key of its own
+    if getattr(strategy, "packing", False):  # a packed row's mask is priced: a key of its own
         description["packed"] = True
     if evaluation:
         description["evaluation"] = [[int(rows), int(width)] for rows, width in evaluation]

@@ -148,7 +148,7 @@ def estimate(
         max_grad_norm: the Loop's clipping threshold (None: no clipping).
         padded: a causal LM's batch is padded (rows shorter than `seq_len`): the model then builds its
             attention mask and repeats GQA's KV heads, which a batch of whole rows skips. With the strategy's
-            `packing`, a micro-batch of one row too (a packed row's block-diagonal mask, from its positions).
+            `packing`, every micro-batch builds one, of one row too (a packed row's block mask, from its positions).
         **levers: strategy fields to replace, by name (``precision="bf16"``, ``optimizer="adafactor"``,
             ``gradient_checkpointing=True``, ``freeze_layers=2``, ``weights="bf16"``, ...): the same as
             passing ``dataclasses.replace(strategy, **levers)``.
@@ -337,7 +337,7 @@ def _estimate_windows(model_or_config: Any, windows: Sequence[Sequence[tuple[int
                         # A packed row builds its block mask from its positions however many rows there are.
                         batches[position, rows, width] = random_batch(rows, width, vocab_size(model), num_labels,
                                                                       token_labels=token_labels,
-                                                                      padded=padded and (rows > 1 or strategy.packing))
+                                                                      padded=(padded and rows > 1) or strategy.packing)
             loop.meter.start(loop.model, loop.optimizer)
             price_4bit_storage(loop.meter.tracker, model)
             kernels = cuda_kernels() if device_type == "cuda" else contextlib.nullcontext()
