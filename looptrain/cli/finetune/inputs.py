@@ -55,6 +55,8 @@ def run_identity(flags, model_path: str, world_size: int) -> dict:
         "freezing": {"embeddings": flags.freeze_embeddings, "layers": flags.freeze_layers,
                      "encoder": flags.freeze_encoder},
     }
+    if flags.packing:  # packed rows are other batches: a packed run resumes only packed
+        identity["batching"]["packing"] = True
     if flags.lora_rank:  # what trains and how it is stored: a LoRA checkpoint fits only the same adapters
         identity["lora"] = lora_identity(flags)
     if flags.memory_budget is not None:  # a planned run: the budget is fixed, the split is the plan's (saved with it)
