@@ -19,6 +19,7 @@ about 6x the samples of an unpacked one, so tokens per second, not updates, comp
 
 Usage:
     PYTHONPATH=. python scripts/bench_sft.py --updates 2 [--runs trl,looptrain,...] [--workdir DIR]
+    PYTHONPATH=. python scripts/bench_sft.py --layers 2 --max-length 256 --accum 4 --updates 1   # a loaded CPU
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from pathlib import Path
 RUNS = ("trl", "trl-packed", "looptrain", "looptrain-packed", "looptrain-budget")
 LETTERS = "abcdefghijklmnopqrstuvwxyz"  # the data's tokens, one letter each
 SPECIAL = ["<|pad|>", "<|endoftext|>"]
-MAX_LENGTH, BATCH, ACCUM, LR = 1024, 1, 8, 1e-5
+BATCH, LR = 1, 1e-5
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,16 +46,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, from {', '.join(RUNS)}")
     parser.add_argument("--workdir", default="/tmp/looptrain-bench-sft", help="the model, the data and the runs")
     parser.add_argument("--layers", type=int, default=24, help="transformer blocks (24: Qwen2.5-0.5B)")
+    parser.add_argument("--max-length", type=int, default=1024,
+                        help="the rows' longest; the data's lengths scale with it (most 5-20%%, one in ten 40-100%%)")
+    parser.add_argument("--accum", type=int, default=8, help="micro-batches of one row per update")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--budget", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 # ------------------------------------------------------------------ the model and the data (parent process)
-def make_model_and_data(workdir: Path, rows: int, layers: int) -> tuple[Path, Path]:
+def make_model_and_data(workdir: Path, rows: int, layers: int, max_length: int) -> tuple[Path, Path]:
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2Tokenizer
 
-    model_dir, data = workdir / f"qwen2.5-0.5b-shape-{layers}", workdir / f"sft-{rows}.jsonl"
+    model_dir, data = workdir / f"qwen2.5-0.5b-shape-{layers}", workdir / f"sft-{rows}-{max_length}.jsonl"
     if not (model_dir / "config.json").exists():
         # Byte-level BPE without merges (Qwen2's tokenizer class, which transformers 5 picks for a qwen2 model):
         # every letter of the data is one token.
@@ -76,7 +80,9 @@ def make_model_and_data(workdir: Path, rows: int, layers: int) -> tuple[Path, Pa
         generator = random.Random(0)
         with data.open("w") as out:
             for _ in range(rows):
-                length = generator.randint(400, 1000) if generator.random() < 0.1 else generator.randint(50, 200)
+                long = generator.random() < 0.1
+                length = generator.randint(*((max_length * 2 // 5, max_length * 125 // 128) if long
+                                             else (max(2, max_length * 25 // 512), max_length * 25 // 128)))
                 prompt = max(1, int(length * generator.uniform(0.2, 0.5)))
                 text = "".join(generator.choice(LETTERS) for _ in range(length - 1))  # EOS is the last token
                 out.write(json.dumps({"prompt": text[:prompt], "completion": text[prompt:]}) + "\n")
@@ -102,17 +108,18 @@ def count_tokens(records: list) -> None:
     torch.nn.modules.module.register_module_forward_pre_hook(hook)
 
 
-def run_trl(model_dir: Path, data: Path, out: Path, updates: int, packed: bool, records: list) -> float:
+def run_trl(model_dir: Path, data: Path, out: Path, args: argparse.Namespace, packed: bool, records: list) -> float:
     import datasets
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    config = SFTConfig(output_dir=str(out), per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUM,
-                       gradient_checkpointing=True, optim="adafactor", learning_rate=LR, max_length=MAX_LENGTH,
-                       packing=packed, max_steps=updates, logging_steps=1, save_strategy="no", report_to=[],
-                       use_cpu=True, bf16=False, dataloader_num_workers=0, seed=0)
+    config = SFTConfig(output_dir=str(out), per_device_train_batch_size=BATCH,
+                       gradient_accumulation_steps=args.accum, gradient_checkpointing=True, optim="adafactor",
+                       learning_rate=LR, max_length=args.max_length, packing=packed, max_steps=args.updates,
+                       logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
+                       dataloader_num_workers=0, seed=0)
     trainer = SFTTrainer(model=model, args=config, train_dataset=datasets.load_dataset("json", data_files=str(data),
                                                                                        split="train"),
                          processing_class=tokenizer)
@@ -120,12 +127,13 @@ def run_trl(model_dir: Path, data: Path, out: Path, updates: int, packed: bool, 
     return float(trainer.train().metrics["train_runtime"])
 
 
-def run_looptrain(model_dir: Path, data: Path, out: Path, updates: int, extra: list[str], records: list) -> float:
+def run_looptrain(model_dir: Path, data: Path, out: Path, args: argparse.Namespace, extra: list[str],
+                  records: list) -> float:
     from looptrain.cli import finetune
 
     argv = ["--task", "causal-lm", "--model", str(model_dir), "--data", str(data), "--output-dir", str(out),
-            "--overwrite", "--max-length", str(MAX_LENGTH), "--batch-size", str(BATCH), "--accum", str(ACCUM),
-            "--grad-checkpoint", "--optim", "adafactor", "--lr", str(LR), "--max-steps", str(updates),
+            "--overwrite", "--max-length", str(args.max_length), "--batch-size", str(BATCH), "--accum", str(args.accum),
+            "--grad-checkpoint", "--optim", "adafactor", "--lr", str(LR), "--max-steps", str(args.updates),
             "--eval-every", "no", "--no-progress-bar", "--seed", "0", *extra]
     if finetune.main(argv) != 0:
         raise SystemExit(f"looptrain-finetune {' '.join(argv)} failed")
@@ -146,14 +154,14 @@ def child(args: argparse.Namespace) -> None:
     records: list = []
     count_tokens(records)
     workdir = Path(args.workdir)
-    model_dir, data = make_model_and_data(workdir, args.rows, args.layers)
+    model_dir, data = make_model_and_data(workdir, args.rows, args.layers, args.max_length)
     out = workdir / "runs" / args.child
     if args.child.startswith("trl"):
-        seconds = run_trl(model_dir, data, out, args.updates, args.child == "trl-packed", records)
+        seconds = run_trl(model_dir, data, out, args, args.child == "trl-packed", records)
     else:
         extra = {"looptrain": [], "looptrain-packed": ["--packing"],
                  "looptrain-budget": ["--packing", "--memory-budget", args.budget or "8GiB"]}[args.child]
-        seconds = run_looptrain(model_dir, data, out, args.updates, extra, records)
+        seconds = run_looptrain(model_dir, data, out, args, extra, records)
     tokens = sum(count for _, count in records)
     print("RESULT " + json.dumps({"run": args.child, "tokens": tokens, "seconds": round(seconds, 1),
                                   "tokens_per_s": round(tokens / seconds, 1),
@@ -173,11 +181,12 @@ def main(argv=None) -> int:
 
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    make_model_and_data(workdir, args.rows, args.layers)
+    make_model_and_data(workdir, args.rows, args.layers, args.max_length)
     results = []
     for run in args.runs.split(","):
         command = [sys.executable, __file__, "--child", run, "--updates", str(args.updates), "--rows", str(args.rows),
-                   "--workdir", str(workdir), "--layers", str(args.layers)]
+                   "--workdir", str(workdir), "--layers", str(args.layers), "--max-length", str(args.max_length),
+                   "--accum", str(args.accum)]
         if run == "looptrain-budget":
             trl_peaks = [result["peak_rss_above_baseline_mib"] for result in results if result["run"].startswith("trl")]
             budget = f"{min(trl_peaks)}MiB" if trl_peaks else "8GiB"
@@ -193,7 +202,8 @@ def main(argv=None) -> int:
         results.append(result)
         print(json.dumps(result), flush=True)
     print(f"\nCPU: {torch.backends.cpu.get_cpu_capability()}, native bf16: {'yes' if cpu_has_native_bf16() else 'no'}, "
-          f"{torch.get_num_threads()} threads; {args.updates} updates of 8 rows, max length {MAX_LENGTH}\n")
+          f"{torch.get_num_threads()} threads; {args.layers} blocks, {args.updates} updates of {args.accum} rows, "
+          f"max length {args.max_length}\n")
     print("| run | tokens | train s | tokens/s | peak RSS above baseline (MiB) |\n|---|---|---|---|---|")
     for result in results:
         print(f"| {result['run']} | {result['tokens']:,} | {result['seconds']} | {result['tokens_per_s']} | "
