@@ -50,7 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the rows' longest; the data's lengths scale with it (most 5-20%%, one in ten 40-100%%)")
     parser.add_argument("--accum", type=int, default=8, help="micro-batches of one row per update")
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--budget", help=argparse.SUPPRESS)
+    parser.add_argument("--budget", help="looptrain-budget's --memory-budget when no TRL run is in --runs (else the "
+                                         "lower of TRL's peaks)")
     return parser.parse_args(argv)
 
 
@@ -102,6 +103,8 @@ def count_tokens(records: list) -> None:
     import torch
 
     def hook(module, args):
+        if type(args[0]) is not torch.Tensor:  # the estimator's fake tensors (their values cannot be read)
+            return
         if isinstance(module, torch.nn.Embedding) and module.num_embeddings == 151936 and torch.is_grad_enabled():
             records.append((time.perf_counter(), int((args[0] != 0).sum())))
 
@@ -189,7 +192,7 @@ def main(argv=None) -> int:
                    "--accum", str(args.accum)]
         if run == "looptrain-budget":
             trl_peaks = [result["peak_rss_above_baseline_mib"] for result in results if result["run"].startswith("trl")]
-            budget = f"{min(trl_peaks)}MiB" if trl_peaks else "8GiB"
+            budget = f"{min(trl_peaks)}MiB" if trl_peaks else args.budget or "8GiB"
             command += ["--budget", budget]
         started = time.perf_counter()
         output = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": "."})
