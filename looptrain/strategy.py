@@ -228,6 +228,11 @@ class Strategy(LoopLevers):
                          help="dynamic: pad each batch to its longest sequence; max_length: always to --max-length")
     group_by_length: bool = lever(False, flag="--group-by-length", applied_by="batches",
                                   help="batch samples of similar length together (still shuffled): less padding")
+    packing: bool = lever(False, flag="--packing", applied_by="batches", group="training",
+                          help="causal LMs: pack the samples best-fit decreasing into rows of at most --max-length "
+                               "tokens, position_ids restarting at every sample so that no token attends across a "
+                               "sample (the same tokens scored, no padding between samples); --batch-size counts "
+                               "rows")
     lora_rank: int = lever(0, flag="--lora", applied_by="model", minimum=0, metavar="R", group="LoRA",
                            help="train rank-R LoRA adapters (peft) on a frozen base instead of every weight; 0: full "
                                 "fine-tune")

@@ -79,6 +79,14 @@ CASES = [
     ("overwrite and resume", "finetune", ["--overwrite", "--resume", "auto"], r"pass one of them"),
     ("loss-on for a classifier", "finetune", ["--loss-on", "last"],
      r"--loss-on belong to --task causal-lm: add --task causal-lm, or drop --loss-on"),
+    ("packing for a classifier", "finetune", ["--packing"],
+     r"--packing concatenates a causal LM's samples into rows; a classifier has one label per row: add --task "
+     r"causal-lm or drop --packing"),
+    ("packing with max_length padding", "finetune", ["--task", "causal-lm", "--packing", "--padding", "max_length"],
+     r"--packing fills rows with samples instead of padding them; --padding max_length pads every row: drop one"),
+    ("packing with a token budget", "finetune", ["--task", "causal-lm", "--packing", "--max-tokens", "512"],
+     r"--packing makes every row up to --max-length tokens already, so --max-tokens has nothing to group: drop "
+     r"--max-tokens and set the rows per micro-batch with --batch-size"),
     # --- values out of range
     ("batch size 0", "finetune", ["--batch-size", "0"], r"argument --batch-size: must be >= 1 \(got 0\)"),
     ("negative freeze layers", "finetune", ["--freeze-layers", "-1"], r"argument --freeze-layers: must be >= 0"),

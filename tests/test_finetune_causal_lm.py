@@ -285,6 +285,7 @@ LEVERS = {
     "amp": ["--amp"],
     "chunked-ce-off": ["--chunked-ce", "off"],
     "chunked-ce-on": ["--chunked-ce", "on", "--ce-chunk-tokens", "5"],
+    "packing": ["--packing", "--batch-size", "2"],  # 16 samples in 4 packed rows: 2 updates of 2 rows
 }
 
 
@@ -350,6 +351,18 @@ def test_memory_budget_plans_a_causal_lm(llama_dir, tmp_path):
     margin = summary["plan"]["margin"]  # what the plan keeps free above its estimate (5% on a CPU)
     assert 0.5 * summary["estimated_peak_bytes"] < summary["peak_memory_bytes"] \
         <= summary["estimated_peak_bytes"] * (1 + margin) <= summary["plan"]["budget_bytes"]
+
+
+@pytest.mark.slow
+def test_memory_budget_plans_a_packed_causal_lm(llama_dir, tmp_path, capsys):
+    """The planner plans over the packed rows (packing kept as given: it is the data's shape) and trains them."""
+    data = write_jsonl(tmp_path / "sft.jsonl", prompt_rows(16))
+    assert run(llama_dir, data, tmp_path / "out", "--max-steps", "2", "--batch-size", "2", "--eval-every", "no",
+               "--packing", "--memory-budget", "1GiB", "--plan-time", "0") == 0
+    output = capsys.readouterr().out
+    assert "packing: 16 samples into 4 rows of at most 32 tokens" in output and "fixed: packing" in output
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["plan"]["settings"]["packing"] is True
 
 
 # ------------------------------------------------------------------ bad inputs: exit 2, the fix named

@@ -57,11 +57,13 @@ def test_every_lever_is_a_flag_of_both_command_lines_and_an_option_of_the_estima
     for spec in levers(Strategy):
         meta = spec.metadata["lever"]
         assert meta["flag"] in finetune_flags, spec.name
-        if meta["applied_by"] == "batches" and spec.name != "batch_size":
-            assert meta["flag"] not in estimate_flags and spec.name not in priced  # one shape is priced
+        # One shape is priced, so the batches' levers get no flag there, but the micro-batch's rows and packing
+        # (a packed row builds its block mask, which the estimate prices from `Strategy.packing`).
+        if meta["applied_by"] == "batches" and spec.name not in ("batch_size", "packing"):
+            assert meta["flag"] not in estimate_flags and spec.name not in priced
         else:
             assert meta["flag"] in estimate_flags, spec.name
-            assert spec.name in priced or spec.name == "batch_size"
+            assert spec.name in priced or spec.name in ("batch_size", "packing")
     # The loop's levers are LoopConfig fields, declared once (LoopLevers) and inherited.
     assert set(strategies.LoopLevers.__dataclass_fields__) <= set(LoopConfig.__dataclass_fields__)
 

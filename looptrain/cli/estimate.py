@@ -53,9 +53,10 @@ def bytes_per_parameter(result: dict[str, Any]) -> float:
 
 
 def batching_only() -> tuple[str, ...]:
-    """Levers of how batches are formed: the estimate prices one batch_size x seq_len shape, so they get no flag."""
+    """Levers of how batches are formed: the estimate prices one batch_size x seq_len shape, so they get no flag
+    (but `packing`, whose rows build a block mask the estimate prices)."""
     return tuple(spec.name for spec in strategies.levers(strategies.Strategy, applied_by="batches")
-                 if spec.name != "batch_size")
+                 if spec.name not in ("batch_size", "packing"))
 
 
 def build_parser() -> argparse.ArgumentParser:

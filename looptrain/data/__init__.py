@@ -15,6 +15,8 @@ The modules, in the order a training run uses them:
   time by :class:`TokenRowsBuilder`): ids as uint16 or int32, a causal LM's labels as one bool a token.
 - ``collate``: :class:`DynamicPaddingCollator` pads each batch to its longest sequence (or ``max_length``), token
   labels with -100.
+- ``packing``: :class:`PackedDataset`, a causal LM's samples packed best-fit decreasing into rows (``position_ids``
+  restarting at every sample), and :class:`PackedCollator`; :func:`packing_problem` asks a model whether it can.
 - ``samplers``: the random, length-grouped and token-budget batch samplers, and :func:`eval_batches`.
 - ``loaders``: :func:`make_train_loader`, :func:`make_eval_loader`, and :func:`padding_stats`.
 """
@@ -22,6 +24,7 @@ The modules, in the order a training run uses them:
 from looptrain.data.collate import DynamicPaddingCollator
 from looptrain.data.errors import DataError
 from looptrain.data.loaders import make_eval_loader, make_train_loader, padding_stats
+from looptrain.data.packing import PackedCollator, PackedDataset, pack_best_fit, packing_problem
 from looptrain.data.readers import (
     LanguageModelingData,
     TextClassificationData,
@@ -53,6 +56,10 @@ __all__ = [
     "tokenize",
     "tokenize_lm",
     "DynamicPaddingCollator",
+    "PackedDataset",
+    "PackedCollator",
+    "pack_best_fit",
+    "packing_problem",
     "ShardedBatchSampler",
     "RandomBatchSampler",
     "LengthGroupedSampler",

@@ -11,7 +11,8 @@ SHA-256 of a JSON description of:
   each parameter and buffer (name, shape, dtype, requires_grad, class, tied weights, a 4-bit weight's
   quantization state);
 - the batches (the windows' micro-batch shapes; the evaluation batches' shapes when evaluation is priced), the
-  strategy (every field but those applied to the batches), the number of labels, the clipping threshold, padding;
+  strategy (every field but those applied to the batches), the number of labels, the clipping threshold, padding
+  (and packing, whose one-row micro-batches are priced with their mask);
 - the CPU (capability, oneDNN's bf16 and fp16 reports, its ``ONEDNN_MAX_CPU_ISA`` cap, and whether bf16 matmuls
   measure fast: ``precision="auto"`` resolves by that), ``WORLD_SIZE``, the versions of
   torch, transformers, bitsandbytes and peft, `CODE_VERSION`, and a hash of looptrain's own source
@@ -193,6 +194,8 @@ def key(model_or_config: Any, windows: Sequence[Sequence[tuple[int, int]]], stra
                 precision.cpu_bf16_is_fast()],
         "world_size": os.environ.get("WORLD_SIZE", "1"),  # under torchrun the Loop joins the process group
     }
+    if getattr(strategy, "packing", False):  # a packed row's mask is priced: a key of its own
+        description["packed"] = True
     if evaluation:
         description["evaluation"] = [[int(rows), int(width)] for rows, width in evaluation]
     if extrapolated:

@@ -149,7 +149,8 @@ def estimate(
         num_labels: classifier outputs.
         max_grad_norm: the Loop's clipping threshold (None: no clipping).
         padded: a causal LM's batch is padded (rows shorter than `seq_len`): the model then builds its
-            attention mask and repeats GQA's KV heads, which a batch of whole rows skips.
+            attention mask and repeats GQA's KV heads, which a batch of whole rows skips. With the strategy's
+            `packing`, every micro-batch builds one, of one row too (a packed row's block mask, from its positions).
         **levers: strategy fields to replace, by name (``precision="bf16"``, ``optimizer="adafactor"``,
             ``gradient_checkpointing=True``, ``freeze_layers=2``, ``weights="bf16"``, ...): the same as
             passing ``dataclasses.replace(strategy, **levers)``.
@@ -378,9 +379,10 @@ def _estimate_windows(model_or_config: Any, windows: Sequence[Sequence[tuple[int
             for window in windows:
                 for position, (rows, width) in enumerate(window):
                     if (position, rows, width) not in batches:
+                        # A packed row builds its block mask from its positions however many rows there are.
                         batches[position, rows, width] = random_batch(rows, width, vocab_size(model), num_labels,
                                                                       token_labels=token_labels,
-                                                                      padded=padded and rows > 1)
+                                                                      padded=(padded and rows > 1) or strategy.packing)
             loop.meter.start(loop.model, loop.optimizer)
             price_4bit_storage(loop.meter.tracker, model)
             if depth is not None:

@@ -272,6 +272,7 @@ def check_flags(args, given: frozenset[str] | set[str]) -> None:
         raise UsageError("--freeze-encoder already freezes the embeddings and every layer; drop "
                          "--freeze-layers/--freeze-embeddings or use them without --freeze-encoder")
     check_lora_flags(args)
+    check_packing_flags(args)
     if args.max_tokens is not None and args.group_by_length:
         raise UsageError("--max-tokens batches by length already; drop --group-by-length")
     if args.max_tokens is not None and args.max_length is not None and args.max_tokens < args.max_length:
@@ -302,6 +303,22 @@ def check_flags(args, given: frozenset[str] | set[str]) -> None:
     output_dir = Path(args.output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         raise UsageError(f"--output-dir {output_dir} is a file; pass a directory (it is created if missing)")
+
+
+def check_packing_flags(args) -> None:
+    """--packing with the flags it makes meaningless: a classifier, fixed-width padding, token batches."""
+    if not args.packing:
+        return
+    if args.task != "causal-lm":
+        raise UsageError("--packing concatenates a causal LM's samples into rows; a classifier has one label per row: "
+                         "add --task causal-lm or drop --packing")
+    if args.padding == "max_length":
+        raise UsageError("--packing fills rows with samples instead of padding them; --padding max_length pads "
+                         "every row: drop one of them")
+    for flag, value in (("--max-tokens", args.max_tokens), ("--micro-batch-tokens", args.micro_batch_tokens)):
+        if value:
+            raise UsageError(f"--packing makes every row up to --max-length tokens already, so {flag} has nothing "
+                             f"to group: drop {flag} and set the rows per micro-batch with --batch-size")
 
 
 def check_budget_flags(args, given: frozenset[str] | set[str]) -> None:

@@ -55,6 +55,8 @@ def run_identity(flags, model_path: str, world_size: int) -> dict:
         "freezing": {"embeddings": flags.freeze_embeddings, "layers": flags.freeze_layers,
                      "encoder": flags.freeze_encoder},
     }
+    if flags.packing:  # packed rows are other batches: a packed run resumes only packed
+        identity["batching"]["packing"] = True
     if flags.lora_rank:  # what trains and how it is stored: a LoRA checkpoint fits only the same adapters
         identity["lora"] = lora_identity(flags)
     if flags.memory_budget is not None:  # a planned run: the budget is fixed, the split is the plan's (saved with it)
@@ -439,9 +441,25 @@ def load_inputs(flags, model_path: str) -> Inputs:
     say(length_line(flags, train_set))
     del train_data, eval_data  # the texts read: the tokenized sets hold what the run needs
     allocator.release_freed()  # and the heap pages they held go back, so that RSS holds the tokens, not the texts
-    collator = data_module.DynamicPaddingCollator(
-        tokenizer, padding=flags.padding, max_length=flags.max_length, pad_to_multiple_of=flags.pad_to_multiple_of)
+    if flags.packing:
+        train_set, collator = packed_inputs(flags, model, train_set, tokenizer)
+    else:
+        collator = data_module.DynamicPaddingCollator(tokenizer, padding=flags.padding, max_length=flags.max_length,
+                                                      pad_to_multiple_of=flags.pad_to_multiple_of)
     return Inputs(model, tokenizer, train_set, eval_set, collator, flags.task)
+
+
+def packed_inputs(flags, model, train_set, tokenizer):
+    """--packing: the training samples packed into rows of at most --max-length tokens, and their collator (which
+    pads the unpacked evaluation set as usual); a model whose attention cannot keep them apart is refused."""
+    from looptrain.data import packing
+
+    if problem := packing.packing_problem(model):
+        raise UsageError(problem)
+    packed = packing.PackedDataset(train_set, flags.max_length)
+    say(f"packing: {len(train_set)} samples into {len(packed)} rows of at most {flags.max_length} tokens "
+        f"({int(packed.lengths.sum()) / max(len(packed) * flags.max_length, 1):.1%} full)")
+    return packed, packing.PackedCollator(tokenizer, flags.max_length, flags.pad_to_multiple_of)
 
 
 def length_line(flags, train_set) -> str:

@@ -222,8 +222,11 @@ def make_loaders(request: RunRequest, place, inputs: Inputs, plan_result):
     _, padding_line = data_module.padding_stats(
         train_loader, inputs.train_set.lengths, padding=flags.padding, max_length=flags.max_length,
         pad_to_multiple_of=flags.pad_to_multiple_of)
-    say(f"batches ({grouping}, {flags.padding} padding): {padding_line}")
-    widths = (f"its longest sample: {max(inputs.train_set.lengths, default=0)} tokens; --max-length "
+    rows = "rows of packed samples" if flags.packing else "samples"
+    say(f"batches ({grouping}, {flags.padding} padding{', packed' if flags.packing else ''}): "
+        f"{padding_line.replace(' samples in ', f' {rows} in ')}")
+    longest = "packed row" if flags.packing else "sample"
+    widths = (f"its longest {longest}: {max(inputs.train_set.lengths, default=0)} tokens; --max-length "
               f"{flags.max_length} is only the cap" if flags.padding == "dynamic" else
               f"--padding max_length: every batch {flags.max_length} tokens wide")
 
