@@ -2,7 +2,7 @@
 
 `start_estimate` returns a `RunEstimate`: ready at once where it costs nothing (a planned run's, which its plan
 carries; one read from the estimate cache), else computed in a forked child (`EstimateWorker`) at a lower priority
-(`ESTIMATE_NICE`), beside the first updates. The Loop of the run (`AnnouncingLoop`) says it after the update during
+(`ESTIMATE_NICE`), beside the first updates. The Loop of the run (`announcing`) says it after the update during
 which it arrived; the end of the run collects it for the summary and the table (`RunEstimate.collect`), waiting for
 it at most `wait_allowance` (max(2 s, 2% of the run's time)): past that the child is killed, and the table says the
 estimate is missing. Where the worker cannot fork (an accelerator visible, torchrun,
@@ -94,15 +94,19 @@ class RunEstimate:
             echo(f"{self.describe(self.result)} (computed {where} in {self.computed():.1f} s)")
 
 
-class AnnouncingLoop(Loop):
-    """The command line's Loop: after each update, takes the run's estimate if it has arrived and says it."""
+def announcing(loop_class: type[Loop]) -> type[Loop]:
+    """`loop_class` (the Loop the command line builds, resolved when it runs: a subclass or a test's stand-in
+    counts) that, after each update, takes the run's estimate if it has arrived and says it."""
 
-    run_estimate: RunEstimate | None = None
+    class AnnouncingLoop(loop_class):
+        run_estimate: RunEstimate | None = None
 
-    def on_step_end(self, *, step: int, **others: Any) -> None:
-        super().on_step_end(step=step, **others)
-        if self.run_estimate is not None:
-            self.run_estimate.poll(self.run.log.echo, step)
+        def on_step_end(self, *, step: int, **others: Any) -> None:
+            super().on_step_end(step=step, **others)
+            if self.run_estimate is not None:
+                self.run_estimate.poll(self.run.log.echo, step)
+
+    return AnnouncingLoop
 
 
 def start_estimate(compute: Callable[[Any], dict], cached: Callable[[], dict],

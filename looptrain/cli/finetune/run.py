@@ -136,7 +136,8 @@ def check_writable(output_dir: Path) -> None:
 def train(request: RunRequest, place) -> dict:
     """Everything after the output directory's checks: data, model, the Loop, final/ and the tables."""
     from looptrain import distributed, memory
-    from looptrain.cli.finetune.own_estimate import AnnouncingLoop
+    from looptrain import loop as loop_module
+    from looptrain.cli.finetune.own_estimate import announcing
     from looptrain.guards import OUT_OF_MEMORY_ERRORS
     from looptrain.precision import amp_precision, resolve_device, resolve_precision
     from looptrain.report import report_after_run
@@ -182,8 +183,8 @@ def train(request: RunRequest, place) -> dict:
             write_final(request, place, inputs, output_dir / "final")
             return summary
 
-        loop = AnnouncingLoop(inputs.model, optimizer, train_loader, eval_loader=eval_loader, scheduler=scheduler,
-                              config=config, save_final=save_final)
+        loop = announcing(loop_module.Loop)(inputs.model, optimizer, train_loader, eval_loader=eval_loader,
+                                            scheduler=scheduler, config=config, save_final=save_final)
         loop.run_estimate = estimate
         try:
             summary = loop.fit()
