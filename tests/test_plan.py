@@ -246,6 +246,7 @@ def test_a_planned_run_reports_its_plan_and_its_estimate_error(model_dir, train_
     assert f"| planning | {summary['planning_seconds']:.1f} s (estimates" in out
 
 
+@pytest.mark.slow  # two planned runs and a resume each
 @pytest.mark.parametrize("owns_process", [True, False])
 def test_a_resumed_planned_run_keeps_its_saved_plan_and_the_allocator_it_was_planned_with(model_dir, train_csv,
                                                                                            tmp_path, capsys,
@@ -876,6 +877,7 @@ def test_plan_only_gives_the_lean_thresholds_with_the_command_when_the_plan_need
     assert "nothing fits" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a search over real estimates
 def test_a_fused_step_that_cannot_fit_is_ruled_out_by_extrapolation_not_estimated(dataset):
     """Activations are affine in a micro-batch's rows: the fused step at the whole batch holds the weights, the
     optimizer state and the activations the line through two unfused estimates gives at 16 rows. A candidate ruled

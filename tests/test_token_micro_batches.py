@@ -275,6 +275,7 @@ def test_no_probe_runs_past_what_fits_its_ceiling_stops_it(dataset, monkeypatch,
 
 
 
+@pytest.mark.slow  # real probes of two kernel settings
 def test_the_first_probe_of_each_kernel_setting_times_the_runs_mean_micro_batch(dataset, monkeypatch, tmp_path):
     """Each candidate knows its epoch's micro-batch of mean work (`typical_shape`); the first probe of settings that
     run the same kernels is handed a real batch of that shape to time (cut from the longest samples, every token
