@@ -243,17 +243,23 @@ def load_lora(model: nn.Module, adapter_dir: str | Path, *, trainable: bool = Tr
     Raises:
         ConfigError: peft missing, or `adapter_dir` holds no adapter_config.json.
     """
+    peft = _saved_adapter_peft(adapter_dir, "loading")
+    config = peft.PeftConfig.from_pretrained(str(adapter_dir))
+    config.task_type = config.task_type or task_type_of(model)
+    config.base_model_name_or_path = resolved_base(model) or config.base_model_name_or_path
+    return peft.PeftModel.from_pretrained(model, str(adapter_dir), config=config, is_trainable=trainable)
+
+
+def _saved_adapter_peft(adapter_dir: str | Path, doing: str):
+    """peft, once `adapter_dir` is known to hold a saved adapter (`doing`: "loading", "merging", for the error)."""
     try:
-        from peft import PeftConfig, PeftModel
+        import peft
     except ImportError as error:
-        raise ConfigError("loading LoRA adapters needs peft: pip install peft") from error
+        raise ConfigError(f"{doing} LoRA adapters needs peft: pip install peft") from error
     if not (Path(adapter_dir) / "adapter_config.json").is_file():
         raise ConfigError(f"{adapter_dir} holds no adapter_config.json: pass the directory save_lora (or a --lora "
                           "run's final/) wrote")
-    config = PeftConfig.from_pretrained(str(adapter_dir))
-    config.task_type = config.task_type or task_type_of(model)
-    config.base_model_name_or_path = resolved_base(model) or config.base_model_name_or_path
-    return PeftModel.from_pretrained(model, str(adapter_dir), config=config, is_trainable=trainable)
+    return peft
 
 
 def merge_lora(base: nn.Module, adapter_dir: str | Path, directory: str | Path | None = None) -> nn.Module:
@@ -266,14 +272,8 @@ def merge_lora(base: nn.Module, adapter_dir: str | Path, directory: str | Path |
     Raises:
         ConfigError: peft missing, or `adapter_dir` holds no adapter_config.json.
     """
-    try:
-        from peft import PeftModel
-    except ImportError as error:
-        raise ConfigError("merging LoRA adapters needs peft: pip install peft") from error
-    if not (Path(adapter_dir) / "adapter_config.json").is_file():
-        raise ConfigError(f"{adapter_dir} holds no adapter_config.json: pass the directory save_lora (or a --lora "
-                          "run's final/) wrote")
-    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    peft = _saved_adapter_peft(adapter_dir, "merging")
+    merged = peft.PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     if directory is not None:
         merged.save_pretrained(str(directory))
     return merged
