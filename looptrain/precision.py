@@ -200,6 +200,7 @@ def cpu_bf16_speed_line() -> str:
 
 
 
+
 def amp_precision(device: torch.device) -> tuple[str, str]:
     """What `--amp` / `precision="auto"` means on `device`, and the reason, in one line.
 

@@ -179,15 +179,16 @@ def random_token_batches(lengths, vocab_size: int, num_labels: int = 3, seed: in
 # lever) pin the CPU with these fixtures and assert both behaviours, so no result depends on the machine. They
 # carry the `hardware` marker (added below), which .ci/run runs again under ONEDNN_MAX_CPU_ISA=AVX512_CORE and under
 # the AVX2 variables.
-# "speed" is what looptrain.precision.measure_cpu_matmul_speed returns there (FLOP/s of one core).
+# "speed" is what looptrain.precision.measure_cpu_matmul_speed returns there (FLOP/s of one core); "scratch" what
+# looptrain.memory.kernels.measure_bf16_matmul_scratch does (bytes a bf16 matmul holds inside per output element).
 CPU_KINDS = {
     "avx2": {"native_bf16": False, "native_fp16": False, "capability": "AVX2", "amx": False,
-             "speed": {"fp32": 1e11, "bf16": 1e9}},
+             "speed": {"fp32": 1e11, "bf16": 1e9}, "scratch": 0.0},
     "native-bf16": {"native_bf16": True, "native_fp16": False, "capability": "AVX512", "amx": True,
-                    "speed": {"fp32": 1e11, "bf16": 2.2e11}},
+                    "speed": {"fp32": 1e11, "bf16": 2.2e11}, "scratch": 0.3},
     # AVX-512 without its bf16 instructions (Skylake / Cascade Lake): oneDNN reports bf16, which runs slower.
     "avx512-core": {"native_bf16": True, "native_fp16": False, "capability": "AVX512", "amx": False,
-                    "avx512_bf16": False, "speed": {"fp32": 1e11, "bf16": 2.9e10}},
+                    "avx512_bf16": False, "speed": {"fp32": 1e11, "bf16": 2.9e10}, "scratch": 4.4},
 }
 CPU_KIND_FIXTURES = {"cpu_kind", "avx2_cpu", "amx_cpu", "avx512_core_cpu"}
 
@@ -202,6 +203,7 @@ def pin_cpu(monkeypatch, kind: str) -> str:
     import sys
 
     from looptrain import precision
+    from looptrain.memory import kernels
 
     facts = CPU_KINDS[kind]
     replacements = {
@@ -220,6 +222,9 @@ def pin_cpu(monkeypatch, kind: str) -> str:
     monkeypatch.setattr(precision, "_SPEEDS", {})
     monkeypatch.setattr(precision, "SPEED_CACHE_KIND", f"matmul_speed-pinned-{kind}")
     monkeypatch.setattr(precision, "onednn_isa_cap", lambda: None)
+    monkeypatch.setattr(kernels, "measure_bf16_matmul_scratch", lambda: facts["scratch"])
+    monkeypatch.setattr(kernels, "_SCRATCH", {})
+    monkeypatch.setattr(kernels, "SCRATCH_CACHE_KIND", f"matmul_scratch-pinned-{kind}")
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: facts["amx"], raising=False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: facts.get("avx512_bf16", facts["native_bf16"]),
                         raising=False)

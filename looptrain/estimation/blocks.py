@@ -311,8 +311,9 @@ def _affine_result(results: list[dict], steps: int) -> dict:
     if len({tuple(sorted(phase)) for phase in phases}) > 1:
         raise NotAffine("the phases change with the number of blocks")
     result = dict(results[0])
-    for name in ("peak_memory_bytes", "parameters", "trainable_parameters"):
-        result[name] = affine([item[name] for item in results], name)
+    for name in ("peak_memory_bytes", "parameters", "trainable_parameters", "kernel_scratch_bytes"):
+        if name in result:
+            result[name] = affine([item[name] for item in results], name)
     result["memory_breakdown"] = {name: value if name == "peak_phase" else
                                   affine([breakdown[name] for breakdown in breakdowns], name)
                                   for name, value in breakdowns[0].items()}

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from looptrain import cache, precision
+from looptrain.memory import kernels
 from looptrain.strategy import Strategy, levers
 
 # Bump when the estimator's result changes for the same inputs in a way the source hash below cannot see.
@@ -191,7 +192,7 @@ def key(model_or_config: Any, windows: Sequence[Sequence[tuple[int, int]]], stra
         # Asked at each call (tests pin them): precision "auto" resolves by them.
         "cpu": [torch.backends.cpu.get_cpu_capability(), precision.cpu_has_native_bf16(),
                 precision.cpu_has_native_fp16(), precision.onednn_isa_cap(),
-                precision.cpu_bf16_is_fast()],
+                precision.cpu_bf16_is_fast(), kernels.cpu_bf16_matmul_scratch()],
         "world_size": os.environ.get("WORLD_SIZE", "1"),  # under torchrun the Loop joins the process group
     }
     if getattr(strategy, "packing", False):  # a packed row's mask is priced: a key of its own

@@ -50,6 +50,7 @@ from looptrain.estimation.fakes import (
     one_fake_mode,
     parameter_numel,
     price_4bit_storage,
+    price_matmul_scratch,
     priming_loss,
     vocab_size,
     whole_rows,
@@ -178,7 +179,9 @@ def estimate(
         ``compute_seconds`` (what computing it took, when it was computed) and ``from_cache`` (whether the result
         was read from the cache), ``extrapolated`` (whether it was extrapolated from a few blocks) and
         ``extrapolation`` (which blocks were priced, or why the model was run whole); on CUDA
-        ``cublas_workspace_bytes``, included in the peak.
+        ``cublas_workspace_bytes``, included in the peak; ``kernel_scratch_bytes``: what the process's RSS holds
+        above the peak inside matmul kernels, no tensor (on a CPU that emulates bf16: `price_matmul_scratch`), not in
+        the peak, which is the tensors' as a tracker measures them.
 
     Raises:
         ValueError: an invalid mix (`looptrain.ConfigError` names the fields), an unknown preset.
@@ -385,6 +388,7 @@ def _estimate_windows(model_or_config: Any, windows: Sequence[Sequence[tuple[int
                                                                       padded=(padded and rows > 1) or strategy.packing)
             loop.meter.start(loop.model, loop.optimizer)
             price_4bit_storage(loop.meter.tracker, model)
+            price_matmul_scratch(loop.meter.tracker, device_type)
             if depth is not None:
                 loop.meter.tracker.record_timeline()
                 mark_blocks(loop.model, loop.meter.tracker)
@@ -405,6 +409,7 @@ def _estimate_windows(model_or_config: Any, windows: Sequence[Sequence[tuple[int
                     loop.meter.stop()
             summary = loop.meter.summary()
             timeline = loop.meter.tracker.timeline
+            scratch = max(0, loop.meter.tracker.scratch_peak_bytes - summary["peak_memory_bytes"])
     finally:
         restore_rng_state(rng_states)
     parameters = list(model.parameters())
@@ -413,6 +418,7 @@ def _estimate_windows(model_or_config: Any, windows: Sequence[Sequence[tuple[int
         "memory_meter": ESTIMATE_METER,
         "memory_breakdown": summary["memory_breakdown"],
         "phase_peak_bytes": summary["phase_peak_bytes"],
+        "kernel_scratch_bytes": scratch,
         "parameters": sum(parameter_numel(p) for p in parameters),
         "trainable_parameters": sum(p.numel() for p in parameters if p.requires_grad),
         "notes": [],

@@ -23,6 +23,7 @@ from looptrain.estimation.blocks import truncate_in_copy, truncated_config
 from looptrain.estimation.shapes import is_causal_lm_config, named_config
 from looptrain.fake import is_fake
 from looptrain.lora import fake_params4bit, quant_state_tensors
+from looptrain.memory.kernels import cpu_bf16_matmul_scratch
 from looptrain.memory.tracker import CATEGORY_PARAMS
 from looptrain.optim import OptimizerInBackward, wrap_for_config
 from looptrain.precision import Precision
@@ -222,3 +223,26 @@ def price_4bit_storage(tracker: Any, model: nn.Module) -> None:
     else:
         tracker.run_python_kernel(torch.ops.bitsandbytes.gemm_4bit.default, _gemm_4bit_default_impl)
     tracker.reset_peak()
+
+
+# The matmuls oneDNN runs through an fp32 buffer of their whole output where bf16 is emulated
+# (`cpu_bf16_matmul_scratch`); a batched matmul (attention's) takes another path that holds no such buffer.
+_BUFFERED_MATMULS = frozenset({"aten::mm", "aten::addmm", "aten::addmm_"})
+
+
+def price_matmul_scratch(tracker: Any, device_type: str) -> None:
+    """On a CPU whose bf16 matmuls hold an fp32 buffer of their output while they run (measured:
+    `cpu_bf16_matmul_scratch`), the tracker counts it at each bf16 matmul (`StorageTracker.price_op_scratch`): RSS
+    holds it though no tensor does, and it is largest where a big table's gradient is accumulated (the LM head's,
+    `[vocab, hidden]`). Nothing elsewhere (a GPU, native bf16, AVX2)."""
+    per_element = cpu_bf16_matmul_scratch() if device_type == "cpu" and tracker is not None else 0
+    if not per_element:
+        return
+
+    def scratch(op: Any, outputs: list[torch.Tensor]) -> int:
+        if outputs and outputs[0].dtype == torch.bfloat16 and op._schema.name in _BUFFERED_MATMULS:
+            return outputs[0].numel() * per_element
+        return 0
+
+    tracker.price_op_scratch(scratch)
+

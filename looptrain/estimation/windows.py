@@ -68,9 +68,11 @@ def run_batches_peaks(model: Any, settings: Strategy, windows: Sequence[Sequence
                       cache: bool | str = True) -> dict[str, int | None]:
     """`run_batches_estimate` with evaluation priced after the windows, at `evaluation`'s shapes
     (`evaluation_shapes`): ``training_peak_bytes``, ``evaluation_peak_bytes`` (None without evaluation) and
-    ``peak_memory_bytes``, the higher of the two: the whole run's. `cache`: `estimate`'s (``"only"``: read the
-    estimate cache, LookupError where it does not hold this estimate)."""
+    ``peak_memory_bytes``, the higher of the two: the whole run's; ``kernel_scratch_bytes``, what RSS holds above
+    that inside matmul kernels (`estimate`). `cache`: `estimate`'s (``"only"``: read the estimate cache, LookupError
+    where it does not hold this estimate)."""
     result = estimate_windows(model, bounding_windows(windows, fresh=fresh), settings, num_labels=num_labels,
                               max_grad_norm=max_grad_norm, padded=padded, device=device, evaluation=evaluation,
                               cache=cache)
-    return {key: result[key] for key in ("peak_memory_bytes", "training_peak_bytes", "evaluation_peak_bytes")}
+    return {key: result.get(key) for key in ("peak_memory_bytes", "training_peak_bytes", "evaluation_peak_bytes",
+                                             "kernel_scratch_bytes")}

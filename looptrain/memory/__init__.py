@@ -3,6 +3,7 @@
 Modules:
     tracker     `StorageTracker`: live tensor bytes by storage, their peak, phase and breakdown
     meters      `CpuTensorMeter` / `CudaMeter` (`make_meter`): a real run's peak; `format_memory_table`
+    kernels     what a kernel holds inside that is no tensor (an emulated bf16 matmul's fp32 buffer), measured
     allocator   `keep_rss_lean`: glibc malloc's thresholds fixed, so that RSS follows the live tensors
     __main__    the estimate's command line, `python -m looptrain.memory` (`looptrain.cli.estimate`)
 

@@ -161,6 +161,8 @@ class StorageTracker(TorchDispatchMode):
         self._self_reference = weakref.ref(self)
         self.timeline: list[tuple[Any, str, int]] | None = None  # `record_timeline`
         self._event: Any = "classify"
+        self._scratch_rule: Callable[[Any, list[torch.Tensor]], int] | None = None  # `price_op_scratch`
+        self.scratch_peak_bytes = 0
 
     def record_timeline(self) -> None:
         """From now on, append ``(event, phase, live bytes)`` to `timeline` at every point the peak is checked: after
@@ -168,6 +170,13 @@ class StorageTracker(TorchDispatchMode):
         compares the timelines of stacks of 2, 3 and 4 blocks to extrapolate one of N (`looptrain.estimation.blocks`).
         """
         self.timeline = [("start", self.phase, self.current_bytes)]
+
+    def price_op_scratch(self, rule: Callable[[Any, list[torch.Tensor]], int]) -> None:
+        """From now on, count at each op the bytes `rule(op, outputs)` says its kernel holds inside while it runs,
+        memory that is no tensor (oneDNN's fp32 buffer of an emulated bf16 matmul: `looptrain.memory.kernels.
+        cpu_bf16_matmul_scratch`), in `scratch_peak_bytes`: the highest of the live tensors plus that. `peak_bytes`
+        stays the peak of tensors alone, which a tracker on a real run measures."""
+        self._scratch_rule = rule
 
     # -- registration ------------------------------------------------------------------------
     def _forget(self, key: int) -> None:
@@ -256,6 +265,7 @@ class StorageTracker(TorchDispatchMode):
     def reset_peak(self) -> None:
         """Forget the peak so far (the live bytes become the new peak)."""
         self.peak_bytes = 0
+        self.scratch_peak_bytes = 0
         self.peak_sequence = -1
         self.phase_peak_bytes = {}
         self._current_phase_peak = -1
@@ -314,6 +324,9 @@ class StorageTracker(TorchDispatchMode):
                 nbytes = storage.nbytes()
                 if nbytes != record.nbytes:
                     self._resized(record, nbytes)
+        if self._scratch_rule is not None:
+            held = self.current_bytes + self._scratch_rule(func, outputs)
+            self.scratch_peak_bytes = max(self.scratch_peak_bytes, held)
         if self.timeline is not None:
             self._event = (func.__name__, sum(storage.nbytes() for storage in map(_storage_of, outputs)
                                               if storage is not None))

@@ -75,9 +75,11 @@ class EstimateBook:
 
     def __init__(self, model: Any, width: int, *, max_grad_norm: float | None = 1.0, num_labels: int = 2,
                  echo: Callable[[str], None] = lambda line: None, device_type: str = "cpu", padded: bool = False,
-                 workers: Sequence[Any] = (), extrapolate: bool = True):
+                 workers: Sequence[Any] = (), extrapolate: bool = True, counts_scratch: bool = False):
         self.model, self.width, self.max_grad_norm, self.num_labels = model, width, max_grad_norm, num_labels
         self.extrapolate = extrapolate
+        # Under a budget of RSS a peak includes what matmul kernels hold inside (`kernel_scratch_bytes`: no tensor).
+        self.counts_scratch = counts_scratch
         self.echo, self.device_type, self.padded = echo, device_type, padded
         self.workers: list = list(workers)
         self.cache: dict = {}  # key -> the estimate's peak bytes
@@ -223,7 +225,8 @@ class EstimateBook:
         """One estimate memoised, and echoed."""
         self.count += 1
         self.cached += bool(result.get("from_cache"))
-        self.cache[key] = result["peak_memory_bytes"]
+        self.cache[key] = result["peak_memory_bytes"] + (result.get("kernel_scratch_bytes") or 0
+                                                         if self.counts_scratch else 0)
         self.results[key] = result
         self.echo(f"  estimate {settings.batch_size} x {settings.accum_steps}, {settings.precision}"
                   f"{', bf16 weights' if settings.weights == 'bf16' else ''}, "

@@ -150,7 +150,7 @@ def _open_book(request: Request) -> EstimateBook:
     may count."""
     book = EstimateBook(request.model, request.worst_width, max_grad_norm=request.max_grad_norm,
                         num_labels=request.num_labels, echo=request.echo, device_type=request.device_type,
-                        padded=request.padded)
+                        padded=request.padded, counts_scratch=request.budget.meter == "rss")
     if request.is_module:
         try:
             book.start_workers()

@@ -180,6 +180,10 @@ def _estimate_rows(summary: dict) -> list[str]:
     elif training is not None and evaluation is not None and evaluation > training:
         rows.append(f"| note | evaluation peaked at {evaluation / 2**20:.1f} MiB, above training's "
                     f"{training / 2**20:.1f} MiB; evaluation is not in the estimate (--eval-batch-size lowers it) | |")
+    scratch = summary.get("estimated_kernel_scratch_bytes")
+    if scratch:
+        rows.append(f"| held inside bf16 matmuls (RSS, no tensor) | {scratch / 2**20:.1f} MiB above the estimated "
+                    "peak: this CPU computes bf16 in an fp32 buffer of each output | |")
     return rows
 
 

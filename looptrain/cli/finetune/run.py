@@ -232,8 +232,11 @@ def make_loaders(request: RunRequest, place, inputs: Inputs, plan_result):
               f"--padding max_length: every batch {flags.max_length} tokens wide")
 
     def describe(estimated: dict) -> str:
+        scratch = estimated.get("kernel_scratch_bytes") or 0
+        besides = (f"; the process's RSS needs {scratch / 2**20:.1f} MiB more, held inside this CPU's emulated bf16 "
+                   "matmuls (no tensor)" if scratch else "")
         return (f"estimated peak of live tensors: {estimated['peak_memory_bytes'] / 2**20:.1f} MiB, priced at the "
-                f"batches this data makes ({widths})")
+                f"batches this data makes ({widths}){besides}")
 
     return train_loader, eval_loader, run_estimate(flags, config, inputs, train_loader, eval_loader, plan_result,
                                                    describe)
@@ -303,6 +306,7 @@ def summary_of_run(summary: dict, request: RunRequest, inputs: Inputs, plan_resu
     summary["estimated_peak_bytes"] = estimated.get("peak_memory_bytes")
     summary["estimated_training_peak_bytes"] = estimated.get("training_peak_bytes")
     summary["estimated_evaluation_peak_bytes"] = estimated.get("evaluation_peak_bytes")
+    summary["estimated_kernel_scratch_bytes"] = estimated.get("kernel_scratch_bytes")
     summary["evaluation_batch_size"] = request.flags.eval_batch_size if inputs.eval_set is not None else None
     # Planning's cost (a plan's estimates and probes; what an unplanned run waited for its own), beside the training's.
     estimating, probing = ((plan_result.estimate_seconds, plan_result.probe_seconds) if plan_result is not None
