@@ -140,3 +140,15 @@ def test_the_runs_table_shows_the_buffer_beside_the_estimate_where_there_is_one(
            "bf16 in an fp32 buffer of each output | |")
     assert row in finetune.final_table({**summary, "estimated_kernel_scratch_bytes": 544_538_624}, None, "runs/x")
     assert "held inside" not in finetune.final_table({**summary, "estimated_kernel_scratch_bytes": 0}, None, "x")
+
+
+@pytest.mark.parametrize(("counts_scratch", "expected"), [(True, 1000 + 300), (False, 1000)])
+def test_a_budget_of_rss_charges_the_buffer_to_each_estimate_and_one_of_tensors_does_not(monkeypatch,
+                                                                                          counts_scratch, expected):
+    from looptrain.planning import book as books
+    from looptrain.strategy import Strategy
+
+    result = {"peak_memory_bytes": 1000, "kernel_scratch_bytes": 300, "memory_breakdown": {}}
+    monkeypatch.setattr(books, "estimate", lambda *args, **kwargs: result)
+    book = books.EstimateBook(_llama(2), 16, counts_scratch=counts_scratch)
+    assert book.peak(Strategy(batch_size=2, accum_steps=4)) == expected
