@@ -53,7 +53,8 @@ def _save_model_weights(model: nn.Module, directory: Path) -> None:
         # transformers 4.x needs the flag to write safetensors; 5.x always does and dropped it.
         if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
             keyword_arguments["safe_serialization"] = True
-        model.save_pretrained(str(directory), **keyword_arguments)
+        with _no_shard_bar():
+            model.save_pretrained(str(directory), **keyword_arguments)
         if not (directory / MODEL_FILE).exists() and not (directory / MODEL_INDEX_FILE).exists():
             raise CheckpointError(
                 f"{type(model).__name__}.save_pretrained wrote no {MODEL_FILE} into {directory}; "
@@ -64,6 +65,21 @@ def _save_model_weights(model: nn.Module, directory: Path) -> None:
 
     # save_model drops the duplicate names of shared (tied) tensors, which save_file refuses.
     save_model(model, str(directory / MODEL_FILE), metadata={"format": "pt"})
+
+
+@contextlib.contextmanager
+def _no_shard_bar() -> Iterator[None]:
+    """transformers' "Writing model shards" bar off while a checkpoint is written: a run's progress is its own
+    (one bar, `looptrain.progress`), and every checkpoint and final save would print one on stderr."""
+    from transformers.utils import logging as transformers_logging
+
+    shown = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            transformers_logging.enable_progress_bar()
 
 
 def _torch_save(obj: Any, path: Path) -> None:
