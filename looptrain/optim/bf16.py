@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ STEP_CHUNK_ELEMENTS = 1 << 22
 _ROW_WISE_OPTIMIZERS = (torch.optim.AdamW, torch.optim.SGD)
 _ROUNDING_WINDOW = 1 << 22  # random bits drawn per call: bounds the rounding's temporaries to ~48 MiB
 _HIGH_BITS = -65536  # 0xFFFF0000 as an int32: the bits a bf16 keeps of an fp32
+RowSource = Callable[[slice], torch.Tensor]  # rows of a gradient that never exists whole (`step_rows_`)
 
 
 class _RoundingNoise:
@@ -224,7 +226,7 @@ def _step_chunk_(parameter: nn.Parameter, optimizer: torch.optim.Optimizer, stor
     }
     optimizer.state[parameter] = dict(given)
     parameter.data = storage[rows].float()
-    parameter.grad = gradient[rows].float()
+    parameter.grad = _rows_of(gradient, rows).float()
     optimizer.step()
     updated = parameter.data
     parameter.data = storage
@@ -311,7 +313,7 @@ def _step_adafactor_in_row_chunks_(parameter: nn.Parameter, optimizer: torch.opt
     column_sums = torch.zeros(columns, **fp32)
     for chunk in chunks:
         parameter_norms.append(storage[chunk].float().norm(2))
-        squares = (gradient[chunk].float() ** 2) + group["eps"][0]
+        squares = (_rows_of(gradient, chunk).float() ** 2) + group["eps"][0]
         exp_avg_sq_row[chunk].mul_(beta2t).add_(squares.mean(dim=-1), alpha=(1.0 - beta2t))
         column_sums.add_(squares.sum(dim=-2))
         del squares
@@ -324,7 +326,7 @@ def _step_adafactor_in_row_chunks_(parameter: nn.Parameter, optimizer: torch.opt
     column_factor = exp_avg_sq_col.unsqueeze(-2).rsqrt()
 
     def update_of(chunk: slice) -> torch.Tensor:
-        return torch.mul(row_factor[chunk], column_factor).mul_(gradient[chunk].float())
+        return torch.mul(row_factor[chunk], column_factor).mul_(_rows_of(gradient, chunk).float())
 
     clip = (_root_mean_square([update_of(chunk).norm(2) for chunk in chunks], storage.numel())
             / group["clip_threshold"]).clamp_(min=1.0)
@@ -349,6 +351,42 @@ def _step_adafactor_in_row_chunks_(parameter: nn.Parameter, optimizer: torch.opt
             _round_flat_(target, weights.view(-1), noise)
         else:
             target.copy_(weights.view(-1))
+
+
+def steps_in_rows(parameter: nn.Parameter, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `step_rows_` can step `parameter` with `optimizer` (an optimizer whose groups hold it, or one of its
+    per-parameter optimizers): a contiguous 2-D tensor stepped by AdamW or SGD (not their fused kernels) or by a
+    factored Adafactor."""
+    if parameter.dim() != 2 or not parameter.is_contiguous():
+        return False
+    if type(optimizer) in _ROW_WISE_OPTIMIZERS:
+        groups = optimizer.param_groups
+        group = next((group for group in groups if any(member is parameter for member in group["params"])), groups[0])
+        return not group.get("fused")
+    return _is_factored_adafactor(parameter, optimizer)
+
+
+def step_rows_(parameter: nn.Parameter, optimizer: torch.optim.Optimizer, rows_of: RowSource, rows_per_chunk: int,
+               stochastic_rounding: bool = True) -> None:
+    """Steps `parameter` (`steps_in_rows`) from a gradient that never exists whole: `rows_of(rows)` returns the
+    gradient's rows `rows` (a slice of dim 0; the parameter's dtype or fp32), and is called for each chunk of
+    `rows_per_chunk` rows in each pass of the row-chunked step (AdamW, SGD: one; Adafactor: three), always before
+    that chunk's rows are written. The step is `step_in_fp32_`'s row-chunked one (bitwise the whole step for AdamW
+    and SGD given the same rows, to fp32 noise for Adafactor); a bf16 parameter is rounded back stochastically
+    unless `stochastic_rounding` is False, an fp32 one is stepped in place."""
+    rounding = stochastic_rounding and parameter.dtype == torch.bfloat16
+    if _is_factored_adafactor(parameter, optimizer):
+        try:
+            _step_adafactor_in_row_chunks_(parameter, optimizer, rows_of, rounding, rows_per_chunk)
+        finally:
+            parameter.grad = None
+    else:
+        _step_in_row_chunks_(parameter, optimizer, rows_of, rounding, rows_per_chunk)
+
+
+def _rows_of(gradient: torch.Tensor | RowSource, rows: slice) -> torch.Tensor:
+    """Rows of a whole gradient, or of one given by rows (`step_rows_`)."""
+    return gradient(rows) if callable(gradient) else gradient[rows]
 
 
 def _is_parameter_shaped(value: Any, parameter: torch.Tensor) -> bool:
