@@ -180,3 +180,27 @@ def test_a_tied_head_or_an_optimizer_that_cannot_step_rows_is_refused(family, op
              else optimizer_for(optimizer, model.parameters()))
     with pytest.raises(ConfigError, match=message):
         Loop(model, built, [make_batch()], config=quiet_config(optimizer_in_backward=True, vocab_step_in_chunks=True))
+
+
+def test_untied_head_reads_presets_configs_and_modules():
+    from looptrain.planning.lowest import untied_head
+
+    assert untied_head("llama-3.1-8b") and untied_head("qwen2.5-7b")
+    assert not untied_head("llama-3.2-1b") and not untied_head("qwen2.5-0.5b") and not untied_head("bert-base")
+    assert untied_head(make_lm("llama")) and not untied_head(make_lm("qwen2-tied"))
+
+
+@pytest.mark.slow
+def test_lowest_steps_the_vocab_tables_by_rows_with_the_fused_step_where_the_head_is_untied():
+    from looptrain.planning.lowest import lowest
+    from looptrain.strategy import Strategy
+    from test_estimate_causal_lm import llama_config
+
+    config = llama_config()
+    config.vocab_size = 4096
+    result = lowest(config, 1, 32, Strategy(chunked_ce="on"), fixed=["chunked_ce"], native_bf16=True)
+    assert result.settings.optimizer_in_backward and result.settings.vocab_step_in_chunks
+    assert "--vocab-step-in-chunks" in result.settings.flags()
+    fused = [peak for settings, peak in result.tried if settings.optimizer_in_backward]
+    assert all(settings.vocab_step_in_chunks for settings, _ in result.tried if settings.optimizer_in_backward)
+    assert result.estimate["peak_memory_bytes"] == min(fused) == min(peak for _, peak in result.tried)
