@@ -204,3 +204,32 @@ def test_lowest_steps_the_vocab_tables_by_rows_with_the_fused_step_where_the_hea
     fused = [peak for settings, peak in result.tried if settings.optimizer_in_backward]
     assert all(settings.vocab_step_in_chunks for settings, _ in result.tried if settings.optimizer_in_backward)
     assert result.estimate["peak_memory_bytes"] == min(fused) == min(peak for _, peak in result.tried)
+
+
+@pytest.mark.parametrize("window", [1024, 1000])  # a chunk of 32 rows is one whole window of bits, or not
+def test_a_fake_row_chunked_step_skipping_identical_chunks_prices_every_byte_of_the_whole_pass(window, monkeypatch):
+    """`bf16.priced_chunks`: the estimate with the middle chunks skipped equals the one running every chunk (the
+    tables' 4096 rows in 128 chunks of 32; Adafactor and AdamW, fused or not, by rows or from a whole gradient)."""
+    from looptrain.optim import bf16
+    from test_estimate_causal_lm import causal_lm, llama_config
+
+    def wide():
+        config = llama_config()
+        config.vocab_size = 4096
+        return config
+
+    monkeypatch.setattr(bf16, "STEP_CHUNK_ELEMENTS", 1024)
+    monkeypatch.setattr(bf16, "_ROUNDING_WINDOW", window)
+    monkeypatch.setattr(lm_loss, "AUTO_CHUNK_LOGITS", 31 * 32)
+    mixes = [{"optimizer": "adafactor", "optimizer_in_backward": True, "vocab_step_in_chunks": True},
+             {"optimizer": "adamw", "optimizer_in_backward": True},
+             {"optimizer": "adafactor"}]
+    model = causal_lm(wide)
+    for mix in mixes:
+        results = []
+        for skipped in (True, False):
+            monkeypatch.setattr(bf16, "FAKE_CHUNKS_SKIPPED", skipped)
+            result = estimation.estimate(model, 1, 32, weights="bf16", chunked_ce="on", cache=False, **mix)
+            results.append({key: result[key] for key in ("peak_memory_bytes", "memory_breakdown",
+                                                         "phase_peak_bytes")})
+        assert results[0] == results[1], mix

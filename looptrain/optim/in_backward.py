@@ -198,7 +198,10 @@ class OptimizerInBackward(PerParameterOptimizer):
         row_numel = max(1, parameter.numel() // max(1, parameter.shape[0]))
         rows_per_chunk = max(1, min(rows_per_chunk, bf16_steps.STEP_CHUNK_ELEMENTS // row_numel))
         chunks = [slice(start, start + rows_per_chunk) for start in range(0, parameter.shape[0], rows_per_chunk)]
-        norms = [torch.linalg.vector_norm(rows_of(chunk), 2, dtype=torch.float32) for chunk in chunks]
+        norms: list[torch.Tensor] = []
+        skipped = lambda: norms.append(torch.zeros((), dtype=torch.float32, device=parameter.device))  # noqa: E731
+        for chunk in bf16_steps.priced_chunks(chunks, parameter, stand_in=skipped):  # all but on fake tensors
+            norms.append(torch.linalg.vector_norm(rows_of(chunk), 2, dtype=torch.float32))
         parameter_norm = torch.linalg.vector_norm(torch.stack(norms), 2)
         self._square_sum = self._square_sum + parameter_norm.to(self._square_sum.device) ** 2
         if not self.is_finite(parameter_norm):  # never write a non-finite update into the weights
