@@ -385,13 +385,14 @@ def _step_adafactor_in_row_chunks_(parameter: nn.Parameter, optimizer: torch.opt
         weights = storage[chunk].float()
         if group["weight_decay"] != 0:
             weights.add_(weights, alpha=(-group["weight_decay"] * lr))
-        weights.add_(-update)
+        weights.sub_(update)  # bitwise add_(-update), without its temporary (as looptrain's Adafactor)
         del update
         target = storage.view(-1)[chunk.start * row_numel:chunk.start * row_numel + weights.numel()]
         if noise is not None:
             _round_flat_(target, weights.view(-1), noise)
         else:
             target.copy_(weights.view(-1))
+        del weights  # not held while the next chunk's update is made
 
 
 def steps_in_rows(parameter: nn.Parameter, optimizer: torch.optim.Optimizer) -> bool:
