@@ -240,18 +240,18 @@ def _fused_step_problems(config: LoopConfig) -> list[str]:
 
 
 def _head_step_problems(config: LoopConfig) -> list[str]:
-    """vocab_step_in_chunks steps the head and the embedding inside backward, from the chunked cross-entropy."""
-    if not config.vocab_step_in_chunks:
+    """step_by_rows steps weights by rows inside backward: the fused step's, the head's from the chunked CE."""
+    if not config.step_by_rows:
         return []
     problems = []
     if not config.optimizer_in_backward:
-        problems.append("vocab_step_in_chunks=True steps the vocabulary's tables inside backward: set "
+        problems.append("step_by_rows=True steps weights by rows inside backward: set "
                         "optimizer_in_backward=True too (--optim-in-backward; no accumulation)")
     if config.chunked_ce == "off":
-        problems.append("vocab_step_in_chunks=True steps the head from the chunked cross-entropy's backward: "
+        problems.append("step_by_rows=True steps the head from the chunked cross-entropy's backward: "
                         "set chunked_ce to 'auto' or 'on'")
     if config.compile:
-        problems.append("vocab_step_in_chunks=True needs the chunked cross-entropy, which --compile turns off: "
+        problems.append("step_by_rows=True needs the chunked cross-entropy, which --compile turns off: "
                         "turn one of them off")
     return problems
 

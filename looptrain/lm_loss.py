@@ -13,7 +13,7 @@ the lookup runs as `_TiedLookup`, whose backward adds its rows into the head's w
 ``[vocab, hidden]`` gradient exists instead of three (the head's, held by autograd through the blocks' backward,
 the lookup's and their sum).
 
-With ``vocab_step_in_chunks`` and the fused step (`looptrain.optim.OptimizerInBackward`, which marks the tables it
+With ``step_by_rows`` and the fused step (`looptrain.optim.OptimizerInBackward`, which marks the tables it
 takes by rows: `row_stepper`), an untied head's weight gradient is never formed: after the token chunks' pass (which
 also keeps each token's logsumexp), the head is stepped by chunks of vocabulary rows, each chunk's gradient rows
 computed from its logits for every token (`_step_head`); and the untied input embedding's lookup runs as
@@ -71,7 +71,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if needs_hidden else None
         tied = ctx.tied if ctx.tied is not None and not ctx.tied.consumed else None
-        # vocab_step_in_chunks: the fused step takes the weight's gradient by rows of the vocabulary (`_step_head`)
+        # step_by_rows: the fused step takes the weight's gradient by rows of the vocabulary (`_step_head`)
         stepper = row_stepper(weight) if needs_weight and ctx.tied is None else None
         normalisers = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device) if stepper else None
         grad_weight = None
@@ -109,7 +109,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
 def _step_head(stepper: Callable, weight: torch.Tensor, bias: torch.Tensor | None, hidden: torch.Tensor,
                labels: torch.Tensor, normalisers: torch.Tensor, grad_total: torch.Tensor, dtype: torch.dtype) -> None:
-    """The head's weight stepped by the fused step from its gradient by rows of the vocabulary (`vocab_step_in_chunks`).
+    """The head's weight stepped by the fused step from its gradient by rows of the vocabulary (`step_by_rows`).
 
     A chunk of vocabulary rows gets its logits for every token (``hidden @ weight[rows].T``, in `dtype`), their
     softmax from the tokens' log-normalisers (logsumexp over the whole vocabulary, from the token chunks' pass),
@@ -181,7 +181,7 @@ class _TiedLookup(torch.autograd.Function):
 
 class _RowSteppedLookup(torch.autograd.Function):
     """``F.embedding(ids, weight, padding_idx)`` whose backward hands the weight's gradient to the fused step by rows
-    of the vocabulary (``vocab_step_in_chunks``), so the dense ``[vocab, hidden]`` gradient never exists.
+    of the vocabulary (``step_by_rows``), so the dense ``[vocab, hidden]`` gradient never exists.
 
     Each chunk of rows gets its gradient from ``nn.Embedding``'s own dense backward (each token's gradient added
     into its row in token order, in the gradient's dtype), run over the chunk's rows with every other token sent to
@@ -362,7 +362,7 @@ class ChunkedLMLoss:
         return embedding
 
     def _row_stepped_embedding(self) -> nn.Embedding | None:
-        """The untied input embedding whose weight the fused step takes by rows (``vocab_step_in_chunks``)."""
+        """The untied input embedding whose weight the fused step takes by rows (``step_by_rows``)."""
         if not torch.is_grad_enabled():
             return None
         get = getattr(self.model, "get_input_embeddings", None)

@@ -157,7 +157,7 @@ def priming_loss(model: nn.Module) -> torch.Tensor:
 
 
 class _ZeroRowsStep(torch.autograd.Function):
-    """A parameter the fused step takes by rows (``vocab_step_in_chunks``): `priming_loss`'s backward steps it from
+    """A parameter the fused step takes by rows (``step_by_rows``): `priming_loss`'s backward steps it from
     zero rows, as the run's first update steps it from its rows, so that its gradient never exists whole there
     either."""
 
