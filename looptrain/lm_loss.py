@@ -13,12 +13,13 @@ the lookup runs as `_TiedLookup`, whose backward adds its rows into the head's w
 ``[vocab, hidden]`` gradient exists instead of three (the head's, held by autograd through the blocks' backward,
 the lookup's and their sum).
 
-With ``step_by_rows`` and the fused step (`looptrain.optim.OptimizerInBackward`, which marks the tables it
-takes by rows: `row_stepper`), an untied head's weight gradient is never formed: after the token chunks' pass (which
-also keeps each token's logsumexp), the head is stepped by chunks of vocabulary rows, each chunk's gradient rows
-computed from its logits for every token (`_step_head`); and the untied input embedding's lookup runs as
+With ``step_by_rows`` and the fused step (`looptrain.optim.OptimizerInBackward`, which marks the weights it
+takes by rows: `row_stepper`; the other linear layers' are `looptrain.optim.row_linear`'s), an untied head's
+weight gradient is never formed: after the token chunks' pass (which also keeps each token's logsumexp), the
+head is stepped by chunks of vocabulary rows, each chunk's gradient rows computed from its logits for every token
+(`_step_head`); and the untied input embedding's lookup runs as
 `_RowSteppedLookup`, whose backward steps the embedding by chunks of rows from ``nn.Embedding``'s own dense backward
-over each chunk. See docs/memory.md ("The vocabulary's tables stepped by rows").
+over each chunk. See docs/memory.md ("Weights stepped by rows").
 
 `ChunkedLMLoss.for_model` decides once, when the Loop is built, whether a model can be served exactly; where it
 cannot (a head that is not a Linear, logit softcapping, no decoder body, a sharded head, a head that does more
