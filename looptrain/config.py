@@ -239,6 +239,23 @@ def _fused_step_problems(config: LoopConfig) -> list[str]:
     return problems
 
 
+def _head_step_problems(config: LoopConfig) -> list[str]:
+    """step_by_rows steps weights by rows inside backward: the fused step's, the head's from the chunked CE."""
+    if not config.step_by_rows:
+        return []
+    problems = []
+    if not config.optimizer_in_backward:
+        problems.append("step_by_rows=True steps weights by rows inside backward: set "
+                        "optimizer_in_backward=True too (--optim-in-backward; no accumulation)")
+    if config.chunked_ce == "off":
+        problems.append("step_by_rows=True steps the head from the chunked cross-entropy's backward: "
+                        "set chunked_ce to 'auto' or 'on'")
+    if config.compile:
+        problems.append("step_by_rows=True needs the chunked cross-entropy, which --compile turns off: "
+                        "turn one of them off")
+    return problems
+
+
 def _accumulating_problems(config: LoopConfig) -> list[str]:
     """The options that split a batch into an accumulation window, which the fused step cannot accumulate."""
     problems = []
@@ -297,7 +314,7 @@ def _compile_problems(config: LoopConfig) -> list[str]:
 
 # The combinations of fields a LoopConfig checks (single values are checked by their declarations), in order.
 COMBINATION_CHECKS: tuple[Callable[[LoopConfig], list[str]], ...] = (
-    _checkpoint_every_problems, _report_to_problems, _fused_step_problems, _weights_problems,
+    _checkpoint_every_problems, _report_to_problems, _fused_step_problems, _head_step_problems, _weights_problems,
     _accumulating_problems, _output_dir_problems, _compile_problems)
 
 

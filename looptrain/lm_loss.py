@@ -13,6 +13,14 @@ the lookup runs as `_TiedLookup`, whose backward adds its rows into the head's w
 ``[vocab, hidden]`` gradient exists instead of three (the head's, held by autograd through the blocks' backward,
 the lookup's and their sum).
 
+With ``step_by_rows`` and the fused step (`looptrain.optim.OptimizerInBackward`, which marks the weights it
+takes by rows: `row_stepper`; the other linear layers' are `looptrain.optim.row_linear`'s), an untied head's
+weight gradient is never formed: after the token chunks' pass (which also keeps each token's logsumexp), the
+head is stepped by chunks of vocabulary rows, each chunk's gradient rows computed from its logits for every token
+(`_step_head`); and the untied input embedding's lookup runs as
+`_RowSteppedLookup`, whose backward steps the embedding by chunks of rows from ``nn.Embedding``'s own dense backward
+over each chunk. See docs/memory.md ("Weights stepped by rows").
+
 `ChunkedLMLoss.for_model` decides once, when the Loop is built, whether a model can be served exactly; where it
 cannot (a head that is not a Linear, logit softcapping, no decoder body, a sharded head, a head that does more
 than its Linear: checked on the first batch by comparing with the model's own logits) the model's own loss is
@@ -32,6 +40,7 @@ from torch import nn
 
 from looptrain.batches import IGNORE_INDEX
 from looptrain.fake import is_fake
+from looptrain.optim.in_backward import row_stepper
 from looptrain.strategy import CHUNKED_CE_MODES, ConfigError
 
 # Batch keys the model's own forward takes for its loss or its head, never the decoder body's.
@@ -63,8 +72,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if needs_hidden else None
         tied = ctx.tied if ctx.tied is not None and not ctx.tied.consumed else None
+        # step_by_rows: the fused step takes the weight's gradient by rows of the vocabulary (`_step_head`)
+        stepper = row_stepper(weight) if needs_weight and ctx.tied is None else None
+        normalisers = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device) if stepper else None
         grad_weight = None
-        if needs_weight:
+        if needs_weight and stepper is None:
             grad_weight = tied.gradient if tied is not None and tied.gradient is not None else torch.zeros_like(weight)
         grad_bias = torch.zeros_like(bias) if needs_bias else None
         with torch.autocast(hidden.device.type, enabled=False):
@@ -73,20 +85,56 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 rows = slice(start, start + chunk_tokens)
                 hidden_c, labels_c = hidden[rows].to(dtype), labels[rows]
                 # d(sum CE)/d(logits) = softmax - one_hot, per scored row, in fp32 (the loss's dtype) ...
-                grad_logits = torch.softmax(F.linear(hidden_c, weight_c, bias_c).float(), dim=-1)
+                logits = F.linear(hidden_c, weight_c, bias_c).float()
+                if normalisers is not None:
+                    normalisers[rows] = torch.logsumexp(logits, dim=-1)
+                grad_logits = torch.softmax(logits, dim=-1)
+                del logits
                 scored = labels_c != IGNORE_INDEX
                 grad_logits[torch.arange(labels_c.shape[0], device=labels_c.device), labels_c.clamp(min=0)] -= 1.0
                 grad_logits.mul_((scored * grad_total)[:, None])
                 grad_logits = grad_logits.to(dtype)  # ... then back to the logits' dtype, as autograd's .float() does
                 if needs_hidden:
                     grad_hidden[rows] = grad_logits @ weight_c
-                if needs_weight:
+                if grad_weight is not None:
                     _accumulate(grad_weight, grad_logits.t(), hidden_c)
                 if needs_bias:
                     grad_bias += grad_logits.sum(0).to(grad_bias.dtype)
+            if stepper is not None:  # after grad_hidden, which needs the weight before its step; the token
+                del weight_c, bias_c, hidden_c, grad_logits  # chunks' temporaries freed first
+                _step_head(stepper, weight, bias, hidden, labels, normalisers, grad_total, dtype)
         if tied is not None and grad_weight is not None:  # the lookup's backward (next) adds its rows and returns it
             tied.gradient, grad_weight = grad_weight, None
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def _step_head(stepper: Callable, weight: torch.Tensor, bias: torch.Tensor | None, hidden: torch.Tensor,
+               labels: torch.Tensor, normalisers: torch.Tensor, grad_total: torch.Tensor, dtype: torch.dtype) -> None:
+    """The head's weight stepped by the fused step from its gradient by rows of the vocabulary (`step_by_rows`).
+
+    A chunk of vocabulary rows gets its logits for every token (``hidden @ weight[rows].T``, in `dtype`), their
+    softmax from the tokens' log-normalisers (logsumexp over the whole vocabulary, from the token chunks' pass),
+    minus one at the tokens whose label falls in the chunk, times the loss's gradient where scored; its gradient rows
+    are that ``[tokens, rows]`` gradient, in `dtype`, transposed times the hidden states. Each chunk holds at most
+    ``AUTO_CHUNK_LOGITS`` logits; the stepper calls it per pass of its row-chunked step (`OptimizerInBackward.
+    step_rows`), always before the chunk's rows are written.
+    """
+    storage = weight.detach()  # the rows as they are now: the step swaps the parameter's .data while it runs
+    bias_rows = bias.detach() if bias is not None else None
+    hidden_d = hidden.to(dtype)
+    scale = ((labels != IGNORE_INDEX) * grad_total).float()[:, None]
+
+    def rows_of(rows: slice) -> torch.Tensor:
+        logits = F.linear(hidden_d, storage[rows].to(dtype), None if bias_rows is None else bias_rows[rows].to(dtype))
+        grad_logits = logits.float().sub_(normalisers[:, None]).exp_()  # the softmax's columns of these rows
+        width = grad_logits.shape[1]
+        target = labels - rows.start
+        inside = ((target >= 0) & (target < width)).to(grad_logits.dtype)
+        grad_logits.scatter_add_(1, target.clamp(0, width - 1)[:, None], -inside[:, None])  # minus the one-hot
+        grad_logits.mul_(scale)
+        return grad_logits.to(dtype).t() @ hidden_d
+
+    stepper(weight, rows_of, max(1, AUTO_CHUNK_LOGITS // max(1, hidden.shape[0])))
 
 
 class _TiedGradient:
@@ -130,6 +178,47 @@ class _TiedLookup(torch.autograd.Function):
         if kept is not None:  # nn.Embedding: the padding row gets nothing from the lookup (the head's part stays)
             gradient[padding_idx] = kept
         return None, gradient, None, None
+
+
+class _RowSteppedLookup(torch.autograd.Function):
+    """``F.embedding(ids, weight, padding_idx)`` whose backward hands the weight's gradient to the fused step by rows
+    of the vocabulary (``step_by_rows``), so the dense ``[vocab, hidden]`` gradient never exists.
+
+    Each chunk of rows gets its gradient from ``nn.Embedding``'s own dense backward (each token's gradient added
+    into its row in token order, in the gradient's dtype), run over the chunk's rows with every other token sent to
+    a padding row it skips: bitwise the dense gradient's rows. Without a live stepper it returns the dense gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, ids, weight, padding_idx):
+        ctx.save_for_backward(ids, weight)
+        ctx.padding_idx = padding_idx
+        return F.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        ids, weight = ctx.saved_tensors
+        if not ctx.needs_input_grad[1]:
+            return None, None, None
+        stepper = row_stepper(weight)
+        padding_idx = ctx.padding_idx
+        if stepper is None:
+            return None, torch.ops.aten.embedding_dense_backward(
+                grad_output, ids, weight.shape[0], -1 if padding_idx is None else padding_idx, False), None
+        vocab = weight.shape[0]
+        ids = ids.reshape(-1)
+        used = ids != padding_idx if padding_idx is not None else torch.ones_like(ids, dtype=torch.bool)
+
+        def rows_of(rows: slice) -> torch.Tensor:
+            # nn.Embedding's own dense backward over the chunk's rows and one more, the padding row of this call,
+            # which every other token (and the model's padding) is sent to and which the kernel skips
+            width = min(rows.stop, vocab) - rows.start
+            local = ids - rows.start
+            local = torch.where(used & (local >= 0) & (local < width), local, width)
+            return torch.ops.aten.embedding_dense_backward(grad_output, local, width + 1, width, False)[:width]
+
+        stepper(weight, rows_of, vocab)
+        return None, None, None
 
 
 def _in_dtype(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
@@ -273,11 +362,25 @@ class ChunkedLMLoss:
             return None
         return embedding
 
+    def _row_stepped_embedding(self) -> nn.Embedding | None:
+        """The untied input embedding whose weight the fused step takes by rows (``step_by_rows``)."""
+        if not torch.is_grad_enabled():
+            return None
+        get = getattr(self.model, "get_input_embeddings", None)
+        embedding = get() if callable(get) else None
+        if (not isinstance(embedding, nn.Embedding) or embedding.weight is self.head.weight
+                or embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse
+                or row_stepper(embedding.weight) is None):
+            return None
+        return embedding
+
     @contextlib.contextmanager
     def _lookup_fused(self) -> Iterator[None]:
-        """While entered (a training forward of a tied model), the input embedding's lookup is a `_TiedLookup`."""
+        """While entered (a training forward), the input embedding's lookup is a `_TiedLookup` for a tied model, a
+        `_RowSteppedLookup` for an untied one whose weight the fused step takes by rows."""
         embedding = self._tied_embedding()
-        if embedding is None:
+        stepped = self._row_stepped_embedding() if embedding is None else None
+        if embedding is None and stepped is None:
             yield
             return
 
@@ -287,11 +390,17 @@ class ChunkedLMLoss:
             self._pending = _TiedGradient()
             return _TiedLookup.apply(ids, embedding.weight, embedding.padding_idx, self._pending)
 
-        embedding.forward = lookup  # an instance attribute shadows nn.Embedding.forward; the module's hooks still run
-        try:
+        def stepped_lookup(ids: torch.Tensor) -> torch.Tensor:
+            if not torch.is_grad_enabled():
+                return F.embedding(ids, stepped.weight, stepped.padding_idx)
+            return _RowSteppedLookup.apply(ids, stepped.weight, stepped.padding_idx)
+
+        module = embedding if embedding is not None else stepped
+        module.forward = lookup if embedding is not None else stepped_lookup  # an instance attribute shadows the
+        try:  # class's forward; the module's hooks still run
             yield
         finally:
-            del embedding.forward
+            del module.forward
 
     @torch.no_grad()
     def _check_head(self, inputs: dict) -> None:

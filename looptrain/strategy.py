@@ -171,6 +171,10 @@ class LoopLevers:
     ce_chunk_tokens: int = lever(0, flag="--ce-chunk-tokens", minimum=0,
                                  help="with --chunked-ce: tokens per chunk (a chunk's logits are tokens x vocab); 0: "
                                       "as many as keep a chunk within 8M logits (32 MiB in fp32)")
+    step_by_rows: bool = lever(False, flag="--step-by-rows",
+                               help="with --optim-in-backward and the chunked cross-entropy: the untied LM head, the "
+                                    "input embedding and every linear layer step by chunks of rows inside backward, "
+                                    "so none of their weight gradients exists whole (AdamW, SGD, Adafactor)")
     trim_heap: bool = lever(False, flag="--trim-heap",
                             help="CPU, glibc: give the heap's freed pages back to the OS before each micro-batch and "
                                  "each optimizer step (malloc_trim), so that RSS holds one micro-batch's leftovers, "

@@ -72,6 +72,9 @@ BROAD = {  # case: (config, levers, whether it extrapolates; where not, the whol
     "llama adafactor fused into backward": (llama, {"optimizer": "adafactor", "optimizer_in_backward": True}, True),
     "llama adamw fused into backward, bf16 weights": (llama, {"optimizer_in_backward": True, "weights": "bf16"}, True),
     "llama chunked CE off, bf16 autocast": (llama, {"chunked_ce": "off", "precision": "bf16"}, True),
+    "llama weights stepped by rows, bf16 weights + adafactor fused + checkpointing": (
+        llama, {"weights": "bf16", "optimizer": "adafactor", "optimizer_in_backward": True,
+                "gradient_checkpointing": True, "step_by_rows": True}, True),
     "llama accumulation 2 + checkpointing": (llama, {"accum_steps": 2, "gradient_checkpointing": True}, True),
     "qwen2 frozen first layer": (lambda: qwen2(8), {"freeze_layers": 1}, True),
     "qwen2 adamw8bit": (qwen2, {"optimizer": "adamw8bit"}, True),

@@ -26,6 +26,7 @@ from looptrain.lora import fake_params4bit, quant_state_tensors
 from looptrain.memory.kernels import cpu_bf16_matmul_scratch
 from looptrain.memory.tracker import CATEGORY_PARAMS
 from looptrain.optim import OptimizerInBackward, wrap_for_config
+from looptrain.optim.in_backward import row_stepper
 from looptrain.precision import Precision
 
 
@@ -150,7 +151,30 @@ def priming_loss(model: nn.Module) -> torch.Tensor:
     fused step, fp32 accumulation, the scaler) runs as in a real update, in fewer fake-tensor ops (docs/memory.md,
     "The first update skips the model"). A parameter the model's forward leaves without a gradient gets state here
     where a run would not give it any: the estimate errs above, never below."""
-    return torch.stack([parameter.sum() for parameter in model.parameters() if parameter.requires_grad]).sum() * 0
+    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    terms = [parameter.sum() if row_stepper(parameter) is None else _ZeroRowsStep.apply(parameter)
+             for parameter in trainable]
+    return torch.stack(terms).sum() * 0
+
+
+class _ZeroRowsStep(torch.autograd.Function):
+    """A parameter the fused step takes by rows (``step_by_rows``): `priming_loss`'s backward steps it from
+    zero rows, as the run's first update steps it from its rows, so that its gradient never exists whole there
+    either."""
+
+    @staticmethod
+    def forward(ctx, parameter):
+        ctx.save_for_backward(parameter)
+        return torch.zeros((), dtype=parameter.dtype, device=parameter.device)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (parameter,) = ctx.saved_tensors
+        stepper = row_stepper(parameter)
+        if stepper is not None:
+            storage = parameter.detach()  # the step swaps the parameter's .data while it runs
+            stepper(parameter, lambda rows: torch.zeros_like(storage[rows]), parameter.shape[0])
+        return None
 
 
 @contextlib.contextmanager

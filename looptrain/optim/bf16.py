@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from looptrain.fake import is_fake
 from looptrain.optim.per_parameter import PerParameterOptimizer
 
 GRAD_DTYPES = ("bf16", "fp32")
@@ -42,6 +44,8 @@ STEP_CHUNK_ELEMENTS = 1 << 22
 _ROW_WISE_OPTIMIZERS = (torch.optim.AdamW, torch.optim.SGD)
 _ROUNDING_WINDOW = 1 << 22  # random bits drawn per call: bounds the rounding's temporaries to ~48 MiB
 _HIGH_BITS = -65536  # 0xFFFF0000 as an int32: the bits a bf16 keeps of an fp32
+RowSource = Callable[[slice], torch.Tensor]  # rows of a gradient that never exists whole (`step_rows_`)
+FAKE_CHUNKS_SKIPPED = True  # `priced_chunks`: on fake tensors, a row-chunked step runs the chunks that differ only
 
 
 class _RoundingNoise:
@@ -80,6 +84,14 @@ class _RoundingNoise:
                 self._used = 0
             count -= taken
             yield piece
+
+    def whole_windows(self, chunk_elements: int) -> bool:
+        """Whether chunks of `chunk_elements` use one whole window each from here on (none is partly used)."""
+        return chunk_elements == _ROUNDING_WINDOW and self._used == self._window.numel()
+
+    def skip(self, count: int) -> None:
+        """Passes over the next `count` bits (whole windows) without drawing them: `priced_chunks` on fake tensors."""
+        self._undrawn -= count
 
 
 def _round_flat_(target: torch.Tensor, value: torch.Tensor, noise: _RoundingNoise) -> None:
@@ -182,6 +194,30 @@ def _rows_per_chunk(parameter: nn.Parameter, optimizer: torch.optim.Optimizer, c
     return max(1, chunk_elements // (parameter.numel() // parameter.shape[0]))
 
 
+def priced_chunks(chunks: list[slice], storage: torch.Tensor, noise: _RoundingNoise | None = None,
+                  stand_in: Callable[[], None] | None = None):
+    """The chunks of rows a pass of a row-chunked step runs: every one, except on the estimator's fake tensors.
+
+    There, the full chunks after the second and before the last full one are the same ops on tensors of the same
+    sizes as their neighbours, so the same bytes: they are skipped, `stand_in()` once for each (what a skipped
+    chunk leaves behind, such as its 0-d norm), and `noise` passes over their bits. Each skipped chunk holds no
+    more than the one run after them (what chunks leave behind only grows), so the peak and every byte after
+    are the whole pass's. With `noise`, only where each chunk uses one whole window of it (else all chunks run).
+    """
+    elements = storage.numel() // max(1, storage.shape[0]) * (chunks[0].stop - chunks[0].start) if chunks else 0
+    if (not FAKE_CHUNKS_SKIPPED or len(chunks) < 6 or not is_fake(storage)
+            or (noise is not None and not noise.whole_windows(elements))):
+        yield from chunks
+        return
+    yield from chunks[:2]
+    for _ in chunks[2:-3]:
+        if stand_in is not None:
+            stand_in()
+        if noise is not None:
+            noise.skip(elements)
+    yield from chunks[-3:]
+
+
 def _step_in_row_chunks_(parameter: nn.Parameter, optimizer: torch.optim.Optimizer, gradient: torch.Tensor,
                          stochastic_rounding: bool, rows_per_chunk: int) -> None:
     """`step_in_fp32_` for a large tensor, `rows_per_chunk` rows at a time (see there).
@@ -199,10 +235,11 @@ def _step_in_row_chunks_(parameter: nn.Parameter, optimizer: torch.optim.Optimiz
     first_step = not state
     noise = _RoundingNoise(storage.numel(), storage.device, None) if stochastic_rounding else None
     scalars_after: dict[str, Any] = {}
+    chunks = [slice(start, start + rows_per_chunk) for start in range(0, storage.shape[0], rows_per_chunk)]
     try:
-        for start in range(0, storage.shape[0], rows_per_chunk):
-            scalars_after = _step_chunk_(parameter, optimizer, storage, gradient, slice(start, start + rows_per_chunk),
-                                         state, scalars_before, first_step, noise)
+        for chunk in priced_chunks(chunks, storage, noise):
+            scalars_after = _step_chunk_(parameter, optimizer, storage, gradient, chunk, state, scalars_before,
+                                         first_step, noise)
     finally:
         parameter.data = storage
         parameter.grad = None
@@ -224,7 +261,7 @@ def _step_chunk_(parameter: nn.Parameter, optimizer: torch.optim.Optimizer, stor
     }
     optimizer.state[parameter] = dict(given)
     parameter.data = storage[rows].float()
-    parameter.grad = gradient[rows].float()
+    parameter.grad = _rows_of(gradient, rows).float()
     optimizer.step()
     updated = parameter.data
     parameter.data = storage
@@ -309,9 +346,12 @@ def _step_adafactor_in_row_chunks_(parameter: nn.Parameter, optimizer: torch.opt
     beta2t = 1.0 - math.pow(state["step"], group["decay_rate"])
     parameter_norms = []
     column_sums = torch.zeros(columns, **fp32)
-    for chunk in chunks:
+    def norm_of_a_skipped_chunk(norms: list) -> Callable[[], None]:  # what it leaves: its 0-d norm (`priced_chunks`)
+        return lambda: norms.append(torch.zeros((), **fp32))
+
+    for chunk in priced_chunks(chunks, storage, stand_in=norm_of_a_skipped_chunk(parameter_norms)):
         parameter_norms.append(storage[chunk].float().norm(2))
-        squares = (gradient[chunk].float() ** 2) + group["eps"][0]
+        squares = (_rows_of(gradient, chunk).float() ** 2) + group["eps"][0]
         exp_avg_sq_row[chunk].mul_(beta2t).add_(squares.mean(dim=-1), alpha=(1.0 - beta2t))
         column_sums.add_(squares.sum(dim=-2))
         del squares
@@ -324,14 +364,17 @@ def _step_adafactor_in_row_chunks_(parameter: nn.Parameter, optimizer: torch.opt
     column_factor = exp_avg_sq_col.unsqueeze(-2).rsqrt()
 
     def update_of(chunk: slice) -> torch.Tensor:
-        return torch.mul(row_factor[chunk], column_factor).mul_(gradient[chunk].float())
+        return torch.mul(row_factor[chunk], column_factor).mul_(_rows_of(gradient, chunk).float())
 
-    clip = (_root_mean_square([update_of(chunk).norm(2) for chunk in chunks], storage.numel())
-            / group["clip_threshold"]).clamp_(min=1.0)
+    update_norms: list[torch.Tensor] = []
+    for chunk in priced_chunks(chunks, storage, stand_in=norm_of_a_skipped_chunk(update_norms)):
+        update_norms.append(update_of(chunk).norm(2))
+    clip = (_root_mean_square(update_norms, storage.numel()) / group["clip_threshold"]).clamp_(min=1.0)
+    del update_norms
 
     noise = _RoundingNoise(storage.numel(), storage.device, None) if stochastic_rounding else None
     row_numel = columns
-    for chunk in chunks:
+    for chunk in priced_chunks(chunks, storage, noise):
         update = update_of(chunk)
         update.div_(clip)
         update.mul_(lr)
@@ -342,13 +385,50 @@ def _step_adafactor_in_row_chunks_(parameter: nn.Parameter, optimizer: torch.opt
         weights = storage[chunk].float()
         if group["weight_decay"] != 0:
             weights.add_(weights, alpha=(-group["weight_decay"] * lr))
-        weights.add_(-update)
+        weights.sub_(update)  # bitwise add_(-update), without its temporary (as looptrain's Adafactor)
         del update
         target = storage.view(-1)[chunk.start * row_numel:chunk.start * row_numel + weights.numel()]
         if noise is not None:
             _round_flat_(target, weights.view(-1), noise)
         else:
             target.copy_(weights.view(-1))
+        del weights  # not held while the next chunk's update is made
+
+
+def steps_in_rows(parameter: nn.Parameter, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `step_rows_` can step `parameter` with `optimizer` (an optimizer whose groups hold it, or one of its
+    per-parameter optimizers): a contiguous 2-D tensor stepped by AdamW or SGD (not their fused kernels) or by a
+    factored Adafactor."""
+    if parameter.dim() != 2 or not parameter.is_contiguous():
+        return False
+    if type(optimizer) in _ROW_WISE_OPTIMIZERS:
+        groups = optimizer.param_groups
+        group = next((group for group in groups if any(member is parameter for member in group["params"])), groups[0])
+        return not group.get("fused")
+    return _is_factored_adafactor(parameter, optimizer)
+
+
+def step_rows_(parameter: nn.Parameter, optimizer: torch.optim.Optimizer, rows_of: RowSource, rows_per_chunk: int,
+               stochastic_rounding: bool = True) -> None:
+    """Steps `parameter` (`steps_in_rows`) from a gradient that never exists whole: `rows_of(rows)` returns the
+    gradient's rows `rows` (a slice of dim 0; the parameter's dtype or fp32), and is called for each chunk of
+    `rows_per_chunk` rows in each pass of the row-chunked step (AdamW, SGD: one; Adafactor: three), always before
+    that chunk's rows are written. The step is `step_in_fp32_`'s row-chunked one (bitwise the whole step for AdamW
+    and SGD given the same rows, to fp32 noise for Adafactor); a bf16 parameter is rounded back stochastically
+    unless `stochastic_rounding` is False, an fp32 one is stepped in place."""
+    rounding = stochastic_rounding and parameter.dtype == torch.bfloat16
+    if _is_factored_adafactor(parameter, optimizer):
+        try:
+            _step_adafactor_in_row_chunks_(parameter, optimizer, rows_of, rounding, rows_per_chunk)
+        finally:
+            parameter.grad = None
+    else:
+        _step_in_row_chunks_(parameter, optimizer, rows_of, rounding, rows_per_chunk)
+
+
+def _rows_of(gradient: torch.Tensor | RowSource, rows: slice) -> torch.Tensor:
+    """Rows of a whole gradient, or of one given by rows (`step_rows_`)."""
+    return gradient(rows) if callable(gradient) else gradient[rows]
 
 
 def _is_parameter_shaped(value: Any, parameter: torch.Tensor) -> bool:

@@ -14,10 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from looptrain.optim.bf16 import fp32_norm, step_in_fp32_
+from looptrain.optim import bf16 as bf16_steps
+from looptrain.optim.bf16 import RowSource, fp32_norm, step_in_fp32_, step_rows_, steps_in_rows
 from looptrain.optim.per_parameter import PerParameterOptimizer
 
 CLIP_MODES = ("per_parameter", "previous_global")
+_ROW_STEPPER = "_looptrain_row_stepper"  # a row-stepped parameter's attribute: the fused step's `step_rows`, weakly
 
 # Same epsilon as torch.nn.utils.clip_grad_norm_, so per-parameter clipping matches it exactly.
 _CLIP_EPSILON = 1e-6
@@ -33,6 +35,13 @@ def _weak_hook(method: Any) -> Any:
             bound(parameter)
 
     return hook
+
+
+def row_stepper(parameter: nn.Parameter) -> Any:
+    """The `OptimizerInBackward.step_rows` of the live fused step that steps `parameter` by rows (its `row_stepped`),
+    or None: what a backward that computes the parameter's gradient by rows calls instead of returning it whole."""
+    reference = getattr(parameter, _ROW_STEPPER, None)
+    return reference() if reference is not None else None
 
 
 class OptimizerInBackward(PerParameterOptimizer):
@@ -74,6 +83,9 @@ class OptimizerInBackward(PerParameterOptimizer):
         clip: ``"per_parameter"`` or ``"previous_global"``.
         bf16_weights: Step bf16 parameters in fp32 and round the result back into bf16.
         stochastic_rounding: With `bf16_weights`: False rounds to nearest (the control that stalls).
+        row_stepped: Parameters whose gradient a backward may hand over by rows instead of whole (`step_rows`,
+            found with `row_stepper`): an untied LM head's, from the chunked cross-entropy's backward. A whole
+            gradient that arrives for them all the same is stepped as any other.
 
     The hooks hold the wrapper weakly (a parameter's hooks are not seen by Python's cycle collector, so a strong
     reference would keep the wrapper, its states and the model alive for the rest of the process): keep a reference
@@ -82,7 +94,8 @@ class OptimizerInBackward(PerParameterOptimizer):
 
     Raises:
         ValueError: Unknown `clip`, non-positive `max_grad_norm`, an optimizer that already has
-            state, a trainable parameter in no group, or no trainable parameter.
+            state, a trainable parameter in no group, no trainable parameter, or a `row_stepped` parameter that is
+            not trainable or cannot be stepped by rows (`looptrain.optim.bf16.steps_in_rows`).
     """
 
     def __init__(
@@ -94,6 +107,7 @@ class OptimizerInBackward(PerParameterOptimizer):
         clip: str = "per_parameter",
         bf16_weights: bool = False,
         stochastic_rounding: bool = True,
+        row_stepped: Iterable[nn.Parameter] = (),
     ):
         if clip not in CLIP_MODES:
             raise ValueError(f"OptimizerInBackward: clip must be one of {CLIP_MODES}, got {clip!r}.")
@@ -109,6 +123,13 @@ class OptimizerInBackward(PerParameterOptimizer):
         self.steps = 0
         self._handles = []
         super().__init__(model_or_params, optimizer)  # adopts each parameter: its optimizer and its hook
+        self._row_stepped: list[nn.Parameter] = []
+        for parameter in row_stepped:
+            if id(parameter) not in self._per_parameter or not steps_in_rows(parameter, self.optimizer_of(parameter)):
+                raise ValueError(f"OptimizerInBackward: a row_stepped parameter of shape {tuple(parameter.shape)} is "
+                                 f"not trainable here or cannot be stepped by rows with {type(optimizer).__name__}.")
+            setattr(parameter, _ROW_STEPPER, weakref.WeakMethod(self.step_rows))
+            self._row_stepped.append(parameter)
 
     def _adopt(self, parameter: nn.Parameter) -> None:
         super()._adopt(parameter)
@@ -136,13 +157,18 @@ class OptimizerInBackward(PerParameterOptimizer):
             reference = self._previous_grad_norm
         return torch.clamp(self.max_grad_norm / (reference + _CLIP_EPSILON), max=1.0)
 
+    def _open_backward(self, device: torch.device) -> None:
+        if self._square_sum is None:
+            # First step of this backward: finish the step (norm, counters) when backward ends.
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._square_sum = torch.zeros((), dtype=torch.float32, device=device)
+
     @torch.no_grad()
     def _step_parameter(self, parameter: nn.Parameter) -> None:
-        if self._square_sum is None:
-            # First hook of this backward: finish the step (norm, counters) when backward ends.
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._square_sum = torch.zeros((), dtype=torch.float32, device=parameter.device)
         gradient = parameter.grad
+        if gradient is None:  # a backward that returned none: a row-stepped parameter, stepped by rows already
+            return
+        self._open_backward(parameter.device)
         parameter_norm = fp32_norm(gradient)  # a large bf16 gradient's fp32 copy by chunks of rows
         self._square_sum = self._square_sum + parameter_norm.to(self._square_sum.device) ** 2
         if not self.is_finite(parameter_norm):  # never write a non-finite update into the weights
@@ -157,6 +183,37 @@ class OptimizerInBackward(PerParameterOptimizer):
         else:
             per_parameter.step()
         parameter.grad = None
+
+    @torch.no_grad()
+    def step_rows(self, parameter: nn.Parameter, rows_of: RowSource, rows_per_chunk: int) -> None:
+        """Steps a `row_stepped` parameter inside backward from its gradient given by rows, which never exists whole.
+
+        `rows_of(rows)` returns the gradient's rows `rows` (a slice of dim 0), computed from what the parameter is
+        before this step: it is called once per chunk of at most `rows_per_chunk` rows (and of at most
+        `looptrain.optim.bf16.STEP_CHUNK_ELEMENTS` elements) for the norm, then in each pass of the row-chunked step
+        (`looptrain.optim.bf16.step_rows_`), each chunk before its rows are written. Clipping, the non-finite check
+        and the norm are `_step_parameter`'s, from the chunks' norms.
+        """
+        self._open_backward(parameter.device)
+        row_numel = max(1, parameter.numel() // max(1, parameter.shape[0]))
+        rows_per_chunk = max(1, min(rows_per_chunk, bf16_steps.STEP_CHUNK_ELEMENTS // row_numel))
+        chunks = [slice(start, start + rows_per_chunk) for start in range(0, parameter.shape[0], rows_per_chunk)]
+        norms: list[torch.Tensor] = []
+        skipped = lambda: norms.append(torch.zeros((), dtype=torch.float32, device=parameter.device))  # noqa: E731
+        for chunk in bf16_steps.priced_chunks(chunks, parameter, stand_in=skipped):  # all but on fake tensors
+            norms.append(torch.linalg.vector_norm(rows_of(chunk), 2, dtype=torch.float32))
+        parameter_norm = torch.linalg.vector_norm(torch.stack(norms), 2)
+        self._square_sum = self._square_sum + parameter_norm.to(self._square_sum.device) ** 2
+        if not self.is_finite(parameter_norm):  # never write a non-finite update into the weights
+            return
+        scale = self._clip_scale(parameter_norm)
+        source = rows_of
+        if scale is not None:
+            def source(rows: slice) -> torch.Tensor:
+                gradient = rows_of(rows)
+                return gradient.mul_(scale.to(device=gradient.device, dtype=gradient.dtype))
+        step_rows_(parameter, self.optimizer_of(parameter), source, rows_per_chunk,
+                   self.stochastic_rounding if self._steps_in_fp32(parameter) else False)
 
     def _end_of_backward(self) -> None:
         self._grad_norm = torch.sqrt(self._square_sum)
@@ -209,3 +266,7 @@ class OptimizerInBackward(PerParameterOptimizer):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        for parameter in self._row_stepped:
+            if row_stepper(parameter) == self.step_rows:
+                delattr(parameter, _ROW_STEPPER)
+        self._row_stepped = []

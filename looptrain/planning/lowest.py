@@ -14,15 +14,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from looptrain import strategy as strategies
+from looptrain.estimation.shapes import is_causal_lm_config, named_config
 from looptrain.planning.book import EstimateBook
 from looptrain.planning.errors import PlanError
 from looptrain.planning.search import CHECKPOINT_MODES, valid_settings
 from looptrain.precision import cpu_bf16_is_fast, cpu_bf16_speed_line, cpu_has_native_bf16
 from looptrain.strategy import Strategy
 
-__all__ = ["EXACT_LEVERS", "TASK_LEVERS", "Lowest", "lowest"]
+__all__ = ["EXACT_LEVERS", "TASK_LEVERS", "ROWS_LEVER", "Lowest", "lowest", "untied_head"]
 
 # Task-changing levers: never searched by `lowest` (a full fine-tune of the whole sequence).
 TASK_LEVERS = ("freeze_embeddings", "freeze_layers", "freeze_encoder")
@@ -31,6 +33,25 @@ TASK_LEVERS = ("freeze_embeddings", "freeze_layers", "freeze_encoder")
 # type allow). A lever whose metadata says ``math_preserving=True`` (or ``exact=True``) is tried too.
 EXACT_LEVERS: dict[str, tuple | None] = {"chunked_ce": None, "chunked_cross_entropy": None, "ce_chunks": (8,),
                                          "loss_chunks": (8,), "cross_entropy_chunks": (8,)}
+
+
+# The lever that steps an untied head, the input embedding and the linear layers by rows inside the fused step,
+# and the optimizers (`looptrain.optim` names) whose step it can take by rows.
+ROWS_LEVER = "step_by_rows"
+ROWS_LEVER_OPTIMIZERS = ("adamw", "adafactor", "sgd")
+
+
+def untied_head(model_or_config: Any) -> bool:
+    """Whether a model (a module, a config, a preset name or a model directory) has an LM head of its own, not tied
+    to its input embedding: what `ROWS_LEVER` needs (a causal LM's config: ``tie_word_embeddings`` False)."""
+    if isinstance(model_or_config, nn.Module):
+        get_head, get_embedding = (getattr(model_or_config, name, None)
+                                   for name in ("get_output_embeddings", "get_input_embeddings"))
+        head = get_head() if callable(get_head) else None
+        embedding = get_embedding() if callable(get_embedding) else None
+        return isinstance(head, nn.Linear) and getattr(embedding, "weight", None) is not head.weight
+    config = named_config(model_or_config, 2) if isinstance(model_or_config, str) else model_or_config
+    return is_causal_lm_config(config) and getattr(config, "tie_word_embeddings", True) is False
 
 
 @dataclass
@@ -75,7 +96,9 @@ def lowest(model_or_config: Any, batch_size: int, seq_len: int, base: Strategy |
     natively), the optimizer (adamw, adamw8bit when bitsandbytes is installed, adafactor), every lever of
     `EXACT_LEVERS` (or marked ``math_preserving``) the strategy has (a tie keeps it on), and last gradient
     checkpointing jointly with the step fused into backward (without accumulation): what either saves
-    depends on where the other puts the peak. Otherwise, among equal estimates the value listed first (fp32,
+    depends on where the other puts the peak; the fused step comes with `ROWS_LEVER` (the untied head, the
+    input embedding and the linear layers stepped by rows, never whole) where the head is untied (`untied_head`)
+    and the optimizer can step rows. Otherwise, among equal estimates the value listed first (fp32,
     no checkpointing, no fused step) is kept. The split (``batch_size``, ``accum_steps``) is kept; freezing
     and the sequence length are never changed.
 
@@ -118,7 +141,11 @@ def lowest(model_or_config: Any, batch_size: int, seq_len: int, base: Strategy |
     # jointly with the fused step (none, every other block, all; each without and with it).
     dimensions = [(numerics, False), ([{"optimizer": name} for name in optimizers], False)]
     dimensions += [([{name: value} for value in values], True) for name, values in _exact_levers(type(base)).items()]
-    dimensions.append(([{"gradient_checkpointing": on, "checkpoint_every": every, "optimizer_in_backward": fused}
+    # The fused step steps weights by rows where it can (`ROWS_LEVER`): never more memory.
+    by_rows = ROWS_LEVER in {spec.name for spec in strategies.levers(type(base))} and ROWS_LEVER not in fixed \
+        and untied_head(model_or_config)
+    dimensions.append(([{"gradient_checkpointing": on, "checkpoint_every": every, "optimizer_in_backward": fused,
+                         **({ROWS_LEVER: True} if fused and by_rows else {})}
                         for on, every in CHECKPOINT_MODES for fused in (False, True)], False))
     started, current, tried = time.perf_counter(), base, []
     seen: set = set()
@@ -128,6 +155,9 @@ def lowest(model_or_config: Any, batch_size: int, seq_len: int, base: Strategy |
             if any(name in fixed and getattr(base, name) != value for name, value in choice.items()):
                 continue  # the user set it
             settings = dataclasses.replace(current, **choice)
+            if choice.get(ROWS_LEVER) and (current.optimizer not in ROWS_LEVER_OPTIMIZERS
+                                            or not valid_settings(settings)):  # e.g. the chunked CE off
+                settings = dataclasses.replace(settings, **{ROWS_LEVER: getattr(current, ROWS_LEVER)})
             if valid_settings(settings):
                 options.append(settings)
         if current not in options:
