@@ -40,7 +40,7 @@ def test_the_measured_buffer_is_rounded_to_the_fp32_output_it_is_or_to_nothing(m
 def test_the_tracker_counts_a_bf16_matmuls_buffer_apart_from_the_tensors(scratch_per_element):
     scratch_per_element(4)
     tracker = StorageTracker()
-    fakes.price_matmul_scratch(tracker, "cpu")
+    tracker.price_op_scratch(fakes.matmul_scratch_rule("cpu"))
     with tracker:
         left = torch.ones(64, 32, dtype=torch.bfloat16)
         right = torch.ones(32, 128, dtype=torch.bfloat16)
@@ -62,13 +62,9 @@ def test_the_tracker_counts_a_bf16_matmuls_buffer_apart_from_the_tensors(scratch
 
 def test_nothing_is_counted_where_bf16_matmuls_hold_no_buffer_or_on_a_gpu(scratch_per_element):
     scratch_per_element(0)
-    tracker = StorageTracker()
-    fakes.price_matmul_scratch(tracker, "cpu")
+    assert fakes.matmul_scratch_rule("cpu") is None
     scratch_per_element(4)
-    fakes.price_matmul_scratch(tracker, "cuda")
-    with tracker:
-        torch.ones(64, 32, dtype=torch.bfloat16) @ torch.ones(32, 128, dtype=torch.bfloat16)
-    assert tracker.scratch_peak_bytes == 0 and tracker.peak_bytes > 0
+    assert fakes.matmul_scratch_rule("cuda") is None and fakes.matmul_scratch_rule("cpu") is not None
 
 
 def _llama(layers: int = 5):
@@ -152,3 +148,10 @@ def test_a_budget_of_rss_charges_the_buffer_to_each_estimate_and_one_of_tensors_
     monkeypatch.setattr(books, "estimate", lambda *args, **kwargs: result)
     book = books.EstimateBook(_llama(2), 16, counts_scratch=counts_scratch)
     assert book.peak(Strategy(batch_size=2, accum_steps=4)) == expected
+
+
+def test_the_buffer_is_never_measured_on_fake_tensors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), pytest.raises(RuntimeError, match="measured on real tensors"):
+        kernels.measure_bf16_matmul_scratch()

@@ -47,10 +47,10 @@ from looptrain.estimation.fakes import (
     FakePrecision,
     fake_model,
     fake_tensors,
+    matmul_scratch_rule,
     one_fake_mode,
     parameter_numel,
     price_4bit_storage,
-    price_matmul_scratch,
     priming_loss,
     vocab_size,
     whole_rows,
@@ -180,7 +180,7 @@ def estimate(
         was read from the cache), ``extrapolated`` (whether it was extrapolated from a few blocks) and
         ``extrapolation`` (which blocks were priced, or why the model was run whole); on CUDA
         ``cublas_workspace_bytes``, included in the peak; ``kernel_scratch_bytes``: what the process's RSS holds
-        above the peak inside matmul kernels, no tensor (on a CPU that emulates bf16: `price_matmul_scratch`), not in
+        above the peak inside matmul kernels, no tensor (on a CPU that emulates bf16: `matmul_scratch_rule`), not in
         the peak, which is the tensors' as a tracker measures them.
 
     Raises:
@@ -362,6 +362,7 @@ def _estimate_windows(model_or_config: Any, windows: Sequence[Sequence[tuple[int
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     rng_states = capture_rng_state()
+    scratch_rule = matmul_scratch_rule(device_type)  # measured on real tensors: before the fake mode
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         with one_fake_mode():
@@ -388,7 +389,8 @@ def _estimate_windows(model_or_config: Any, windows: Sequence[Sequence[tuple[int
                                                                       padded=(padded and rows > 1) or strategy.packing)
             loop.meter.start(loop.model, loop.optimizer)
             price_4bit_storage(loop.meter.tracker, model)
-            price_matmul_scratch(loop.meter.tracker, device_type)
+            if scratch_rule is not None:
+                loop.meter.tracker.price_op_scratch(scratch_rule)
             if depth is not None:
                 loop.meter.tracker.record_timeline()
                 mark_blocks(loop.model, loop.meter.tracker)

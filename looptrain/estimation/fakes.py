@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -254,19 +255,19 @@ def price_4bit_storage(tracker: Any, model: nn.Module) -> None:
 _BUFFERED_MATMULS = frozenset({"aten::mm", "aten::addmm", "aten::addmm_"})
 
 
-def price_matmul_scratch(tracker: Any, device_type: str) -> None:
+def matmul_scratch_rule(device_type: str) -> Callable[[Any, list[torch.Tensor]], int] | None:
     """On a CPU whose bf16 matmuls hold an fp32 buffer of their output while they run (measured:
-    `cpu_bf16_matmul_scratch`), the tracker counts it at each bf16 matmul (`StorageTracker.price_op_scratch`): RSS
-    holds it though no tensor does, and it is largest where a big table's gradient is accumulated (the LM head's,
-    `[vocab, hidden]`). Nothing elsewhere (a GPU, native bf16, AVX2)."""
-    per_element = cpu_bf16_matmul_scratch() if device_type == "cpu" and tracker is not None else 0
+    `cpu_bf16_matmul_scratch`), the rule for `StorageTracker.price_op_scratch` that counts it at each bf16 matmul:
+    RSS holds it though no tensor does, and it is largest where a big table's gradient is accumulated (the LM head's,
+    `[vocab, hidden]`). None elsewhere (a GPU, native bf16, AVX2). Made before any fake or tracking mode is entered:
+    the measurement runs real tensors."""
+    per_element = cpu_bf16_matmul_scratch() if device_type == "cpu" else 0
     if not per_element:
-        return
+        return None
 
     def scratch(op: Any, outputs: list[torch.Tensor]) -> int:
         if outputs and outputs[0].dtype == torch.bfloat16 and op._schema.name in _BUFFERED_MATMULS:
             return outputs[0].numel() * per_element
         return 0
 
-    tracker.price_op_scratch(scratch)
-
+    return scratch

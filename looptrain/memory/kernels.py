@@ -3,7 +3,7 @@
 oneDNN computes a bf16 matmul in an fp32 buffer of its whole output where the CPU lacks bf16 instructions (AVX-512
 without AVX512_BF16 or AMX, or any CPU under ``ONEDNN_MAX_CPU_ISA=AVX512_CORE``); where bf16 is native, or where the
 matmul is not oneDNN's (AVX2), it holds none. The process's RSS holds that buffer though no tensor does: the
-estimate counts it apart (`looptrain.estimation.fakes.price_matmul_scratch`, docs/memory.md, "What the process holds
+estimate counts it apart (`looptrain.estimation.fakes.matmul_scratch_rule`, docs/memory.md, "What the process holds
 besides tensors").
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from looptrain import cache
 from looptrain.memory.allocator import release_freed
@@ -28,7 +29,14 @@ def measure_bf16_matmul_scratch(shape: tuple[int, int, int] = SCRATCH_SHAPE) -> 
     the process's peak RSS over one `torch.mm` (one thread, the heap trimmed first). oneDNN computes bf16 in an
     fp32 buffer of the whole output where the CPU lacks bf16 instructions (AVX-512 without AVX512_BF16, or under
     ``ONEDNN_MAX_CPU_ISA=AVX512_CORE``): 4 bytes an element there, none where bf16 is native or not oneDNN's
-    (docs/memory.md, "What the process holds besides tensors"). 0.0 without a bf16 matmul or off Linux."""
+    (docs/memory.md, "What the process holds besides tensors"). 0.0 without a bf16 matmul or off Linux.
+
+    Raises:
+        RuntimeError: called under a dispatch mode (a fake mode, a tracker): nothing real would be measured.
+    """
+    if _get_current_dispatch_mode() is not None:
+        raise RuntimeError("the bf16 matmul's buffer is measured on real tensors: call this outside any fake or "
+                           "tracking mode (looptrain.estimation.fakes.matmul_scratch_rule does, before its fake mode)")
     rows, inner, columns = shape
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
