@@ -25,6 +25,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -50,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the rows' longest; the data's lengths scale with it (most 5-20%%, one in ten 40-100%%)")
     parser.add_argument("--accum", type=int, default=8, help="micro-batches of one row per update")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--profile", action="store_true",
+                        help="run each trainer under torch.profiler and write its operators by self CPU time (and "
+                             "the record_function ranges: optimizer step, data loading) to WORKDIR/profile-RUN.txt")
     parser.add_argument("--budget", help="looptrain-budget's --memory-budget when no TRL run is in --runs (else the "
                                          "lower of TRL's peaks)")
     return parser.parse_args(argv)
@@ -145,6 +149,21 @@ def run_looptrain(model_dir: Path, data: Path, out: Path, args: argparse.Namespa
     return float(summary["train_runtime_s"])
 
 
+@contextlib.contextmanager
+def profiled(enabled: bool, table: Path):
+    """With `enabled`, torch.profiler over the block, its operators by self CPU time written to `table`."""
+    if not enabled:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        yield
+    averages = profiler.key_averages()
+    table.write_text(averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70) + "\n"
+                     + averages.table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=70))
+
+
 def child(args: argparse.Namespace) -> None:
     import torch  # noqa: F401  everything a run imports, before the baseline
     import transformers  # noqa: F401
@@ -159,12 +178,13 @@ def child(args: argparse.Namespace) -> None:
     workdir = Path(args.workdir)
     model_dir, data = make_model_and_data(workdir, args.rows, args.layers, args.max_length)
     out = workdir / "runs" / args.child
-    if args.child.startswith("trl"):
-        seconds = run_trl(model_dir, data, out, args, args.child == "trl-packed", records)
-    else:
-        extra = {"looptrain": [], "looptrain-packed": ["--packing"],
-                 "looptrain-budget": ["--packing", "--memory-budget", args.budget or "8GiB"]}[args.child]
-        seconds = run_looptrain(model_dir, data, out, args, extra, records)
+    with profiled(args.profile, workdir / f"profile-{args.child}.txt"):
+        if args.child.startswith("trl"):
+            seconds = run_trl(model_dir, data, out, args, args.child == "trl-packed", records)
+        else:
+            extra = {"looptrain": [], "looptrain-packed": ["--packing"],
+                     "looptrain-budget": ["--packing", "--memory-budget", args.budget or "8GiB"]}[args.child]
+            seconds = run_looptrain(model_dir, data, out, args, extra, records)
     tokens = sum(count for _, count in records)
     print("RESULT " + json.dumps({"run": args.child, "tokens": tokens, "seconds": round(seconds, 1),
                                   "tokens_per_s": round(tokens / seconds, 1),
@@ -189,7 +209,7 @@ def main(argv=None) -> int:
     for run in args.runs.split(","):
         command = [sys.executable, __file__, "--child", run, "--updates", str(args.updates), "--rows", str(args.rows),
                    "--workdir", str(workdir), "--layers", str(args.layers), "--max-length", str(args.max_length),
-                   "--accum", str(args.accum)]
+                   "--accum", str(args.accum), *(["--profile"] if args.profile else [])]
         if run == "looptrain-budget":
             trl_peaks = [result["peak_rss_above_baseline_mib"] for result in results if result["run"].startswith("trl")]
             budget = f"{min(trl_peaks)}MiB" if trl_peaks else args.budget or "8GiB"
