@@ -136,8 +136,10 @@ def variants(search: Any, found: Sequence[Strategy], effective_batch: int, fixed
         if settings.optimizer_in_backward:
             sizes = [effective_batch]
         size = largest_fitting(search, template, sizes, effective_batch).size
-        variant = dataclasses.replace(template, batch_size=size, accum_steps=effective_batch // (size or 1))
-        if size is not None and variant not in packed:
+        if size is None:
+            continue
+        variant = dataclasses.replace(template, batch_size=size, accum_steps=effective_batch // size)
+        if variant not in packed:
             packed.append(variant)
     return packed
 
