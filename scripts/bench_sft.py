@@ -8,8 +8,9 @@ Adafactor, lr 1e-5, `--updates` optimizer updates, in a fresh process:
 
 - ``trl``, ``trl-packed``: TRL's SFTTrainer at its lowest-memory CPU setting, without and with its packing (bfd);
 - ``looptrain``, ``looptrain-packed``: looptrain-finetune with the same flags, then with --packing;
-- ``looptrain-budget``: looptrain-finetune --packing --memory-budget set to the lower of TRL's measured peaks (the
-  planner chooses the split, the effective batch kept).
+- ``looptrain-budget``: looptrain-finetune --packing --memory-budget set to the lower of TRL's measured peaks,
+  without --grad-checkpoint (the planner chooses the split and the checkpointing within that memory, the effective
+  batch kept).
 
 Figures per run: peak RSS above the RSS held once everything is imported (the process's high-water mark minus that
 baseline), and training tokens per second: the non-padding input tokens of the training forwards (counted at the
@@ -140,7 +141,8 @@ def run_looptrain(model_dir: Path, data: Path, out: Path, args: argparse.Namespa
 
     argv = ["--task", "causal-lm", "--model", str(model_dir), "--data", str(data), "--output-dir", str(out),
             "--overwrite", "--max-length", str(args.max_length), "--batch-size", str(BATCH), "--accum", str(args.accum),
-            "--grad-checkpoint", "--optim", "adafactor", "--lr", str(LR), "--max-steps", str(args.updates),
+            *([] if "--memory-budget" in extra else ["--grad-checkpoint"]),  # under a budget: the planner's choice
+            "--optim", "adafactor", "--lr", str(LR), "--max-steps", str(args.updates),
             "--eval-every", "no", "--no-progress-bar", "--seed", "0", *extra]
     if finetune.main(argv) != 0:
         raise SystemExit(f"looptrain-finetune {' '.join(argv)} failed")
