@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
 import torch
 from test_causal_lm import PAD, collate, make_causal_lm, max_difference
 
