@@ -8,6 +8,9 @@ Adafactor, lr 1e-5, `--updates` optimizer updates, in a fresh process:
 
 - ``trl``, ``trl-packed``: TRL's SFTTrainer at its lowest-memory CPU setting, without and with its packing (bfd);
 - ``looptrain``, ``looptrain-packed``: looptrain-finetune with the same flags, then with --packing;
+- ``looptrain-batch-packed``: the unpacked run's updates (the same samples each), each update's samples packed into
+  rows of at most --max-length tokens, one row a micro-batch (--batch-size ACCUM --accum 1 --micro-batch-tokens
+  MAX_LENGTH --batch-packing on): the planner's packing lever, whose math is the unpacked run's;
 - ``looptrain-budget``: looptrain-finetune --packing --memory-budget set to the lower of TRL's measured peaks,
   without --grad-checkpoint (the planner chooses the split and the checkpointing within that memory, the effective
   batch kept).
@@ -35,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-RUNS = ("trl", "trl-packed", "looptrain", "looptrain-packed", "looptrain-budget")
+RUNS = ("trl", "trl-packed", "looptrain", "looptrain-batch-packed", "looptrain-packed", "looptrain-budget")
 LETTERS = "abcdefghijklmnopqrstuvwxyz"  # the data's tokens, one letter each
 SPECIAL = ["<|pad|>", "<|endoftext|>"]
 BATCH, LR = 1, 1e-5
@@ -184,7 +187,9 @@ def child(args: argparse.Namespace) -> None:
         if args.child.startswith("trl"):
             seconds = run_trl(model_dir, data, out, args, args.child == "trl-packed", records)
         else:
-            extra = {"looptrain": [], "looptrain-packed": ["--packing"],
+            window = ["--batch-size", str(args.accum), "--accum", "1", "--micro-batch-tokens",
+                      str(args.max_length), "--batch-packing", "on"]
+            extra = {"looptrain": [], "looptrain-packed": ["--packing"], "looptrain-batch-packed": window,
                      "looptrain-budget": ["--packing", "--memory-budget", args.budget or "8GiB"]}[args.child]
             seconds = run_looptrain(model_dir, data, out, args, extra, records)
     tokens = sum(count for _, count in records)
