@@ -58,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true",
                         help="run each trainer under torch.profiler and write its operators by self CPU time (and "
                              "the record_function ranges: optimizer step, data loading) to WORKDIR/profile-RUN.txt")
+    parser.add_argument("--looptrain-flags", default="",
+                        help="more looptrain-finetune flags for every looptrain run, one string (e.g. "
+                             "\"--ce-chunk-tokens 1024\")")
     parser.add_argument("--budget", help="looptrain-budget's --memory-budget when no TRL run is in --runs (else the "
                                          "lower of TRL's peaks)")
     return parser.parse_args(argv)
@@ -146,7 +149,7 @@ def run_looptrain(model_dir: Path, data: Path, out: Path, args: argparse.Namespa
             "--overwrite", "--max-length", str(args.max_length), "--batch-size", str(BATCH), "--accum", str(args.accum),
             *([] if "--memory-budget" in extra else ["--grad-checkpoint"]),  # under a budget: the planner's choice
             "--optim", "adafactor", "--lr", str(LR), "--max-steps", str(args.updates),
-            "--eval-every", "no", "--no-progress-bar", "--seed", "0", *extra]
+            "--eval-every", "no", "--no-progress-bar", "--seed", "0", *args.looptrain_flags.split(), *extra]
     if finetune.main(argv) != 0:
         raise SystemExit(f"looptrain-finetune {' '.join(argv)} failed")
     summary = json.loads((out / "summary.json").read_text())
@@ -216,7 +219,8 @@ def main(argv=None) -> int:
     for run in args.runs.split(","):
         command = [sys.executable, __file__, "--child", run, "--updates", str(args.updates), "--rows", str(args.rows),
                    "--workdir", str(workdir), "--layers", str(args.layers), "--max-length", str(args.max_length),
-                   "--accum", str(args.accum), *(["--profile"] if args.profile else [])]
+                   "--accum", str(args.accum), *(["--profile"] if args.profile else []),
+                   f"--looptrain-flags={args.looptrain_flags}"]
         if run == "looptrain-budget":
             trl_peaks = [result["peak_rss_above_baseline_mib"] for result in results if result["run"].startswith("trl")]
             budget = f"{min(trl_peaks)}MiB" if trl_peaks else args.budget or "8GiB"
