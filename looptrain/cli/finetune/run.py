@@ -226,7 +226,9 @@ def make_loaders(request: RunRequest, place, inputs: Inputs, plan_result):
         train_loader, inputs.train_set.lengths, padding=flags.padding, max_length=flags.max_length,
         pad_to_multiple_of=flags.pad_to_multiple_of)
     rows = "rows of packed samples" if flags.packing else "samples"
-    packed = ", packed" if flags.packing else ", each batch's samples packed" if flags.batch_packing == "on" else ""
+    packed = ", packed" if flags.packing else ""
+    if flags.batch_packing == "on":
+        packed = ", each batch's samples packed; the padding below is the unpacked batches'"
     say(f"batches ({grouping}, {flags.padding} padding{packed}): "
         f"{padding_line.replace(' samples in ', f' {rows} in ')}")
     longest = "packed row" if flags.packing else "sample"
