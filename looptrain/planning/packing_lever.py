@@ -39,7 +39,7 @@ def searchable(request: Any) -> bool:
     answer = not ("batch_packing" in request.fixed or base.packing or base.batch_packing != "auto"
                   or getattr(rows, "trained", None) is None or not request.token_micro_batches
                   or not request.is_module or base.padding != "dynamic" or base.compile
-                  or not hasattr(request.collator, "pad_id"))
+                  or not hasattr(request.collator, "pad_id") or not getattr(request.collator, "max_length", None))
     if answer:
         with cache_off(request.model):
             answer = packing_problem(request.model) is None
