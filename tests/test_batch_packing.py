@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from test_causal_lm import PAD, collate, make_causal_lm, max_difference
 
@@ -128,3 +129,26 @@ def test_the_plan_never_packs_where_packing_is_fixed_off():
     result, _, _ = plan_skewed(Strategy(batch_size=8, accum_steps=1, optimizer="sgd", batch_packing="off"),
                                ("batch_packing",))
     assert {candidate.settings.batch_packing for candidate in result.candidates} == {"off"}
+
+
+@pytest.mark.slow  # probes train for real: the suite's time is kept for the plan's choice above
+def test_a_packed_candidate_is_probed_on_the_widest_packed_rows():
+    # Packed, the probe's worst batch is the widest rows the run's windows pack into (the unpacked worst batch is the
+    # longest samples, padded): its width is the widest packed row's, worked out here with pack_best_fit per window.
+    from looptrain.data.packing import pack_best_fit
+    from looptrain.planning import plan
+
+    samples = skewed_samples(32, seed=2)
+    dataset = dataset_of(samples)
+    collator = DynamicPaddingCollator(PAD, max_length=MAX_LENGTH)
+    result = plan(make_causal_lm("qwen2"), dataset, collator, memory_budget=2**30, effective_batch=8,
+                  base=Strategy(batch_size=8, accum_steps=1, optimizer="sgd"), meter="tensors", seed=0,
+                  probe_budget=600,  # planning's time never cuts the search short on a loaded host
+                  fixed=("batch_size", "gradient_checkpointing", "checkpoint_every", "optimizer_in_backward"))
+    windows = make_train_loader(dataset, 8, collator, seed=0).batch_sampler.epoch_batches(0)
+    rows = sorted((sum(dataset.lengths[window[index]] for index in pack) for window in windows
+                   for pack in pack_best_fit([dataset.lengths[index] for index in window], MAX_LENGTH)), reverse=True)
+    packed = next(candidate for candidate in result.candidates if candidate.settings.batch_packing == "on")
+    assert packed.probed and packed.probe["batch_shape"] == [min(8, len(rows)), rows[0]]
+    plain = next(candidate for candidate in result.candidates if candidate.settings.batch_packing == "auto")
+    assert plain.probe["batch_shape"] == [8, max(dataset.lengths)]
