@@ -219,6 +219,20 @@ def token_pieces(lengths: Sequence[int], max_tokens: int, width: Callable[[int],
     return pieces
 
 
+def packed_row_lengths(position_ids: torch.Tensor, labels: torch.Tensor) -> list[int]:
+    """The lengths of packed rows (``position_ids`` restarting at 0 at every sample, no attention mask): up to the
+    start of a row's last sequence when none of its labels is scored (the padding, `data.packing.PackedCollator`).
+
+    Dropping such a sequence changes nothing: it comes last, so no other token attends to it, and its first label is
+    -100, so the token before it scores nothing either."""
+    lengths = []
+    for positions, row_labels in zip(position_ids.tolist(), labels.tolist()):
+        start = len(positions) - 1 - positions[::-1].index(0) if 0 in positions else 0
+        padding = start and all(label == IGNORE_INDEX for label in row_labels[start:])
+        lengths.append(start if padding else len(positions))
+    return lengths
+
+
 def split_by_tokens(batch: Any, max_tokens: int, multiple: int | None = None, trim: bool = True) -> list:
     """Cuts a dict batch into micro-batches of at most `max_tokens` padded tokens (rows x the piece's width).
 
@@ -226,7 +240,8 @@ def split_by_tokens(batch: Any, max_tokens: int, multiple: int | None = None, tr
     no sum). A right-padded batch's pieces drop the padding columns none of their rows use (the width rounded
     up to `multiple`), in every tensor as wide as its ``input_ids``; a left-padded one keeps its width
     (dropping leading columns would move the rows' positions). A row's length runs to its last real token in the
-    attention mask (without one, every row is the batch's width). `trim=False` keeps every piece at the batch's
+    attention mask; a packed batch's (``position_ids`` and ``labels``, no mask) to its padding
+    (`packed_row_lengths`); otherwise every row is the batch's width. `trim=False` keeps every piece at the batch's
     width (fixed-width padding). A batch that is one piece of its own width is returned as it is.
 
     Raises:
@@ -240,12 +255,17 @@ def split_by_tokens(batch: Any, max_tokens: int, multiple: int | None = None, tr
     rows, width = input_ids.shape
     mask = batch.get("attention_mask")
     has_mask = isinstance(mask, torch.Tensor) and mask.shape == input_ids.shape
+    packed = not has_mask and isinstance(batch.get("position_ids"), torch.Tensor) \
+        and isinstance(batch.get("labels"), torch.Tensor) and batch["labels"].shape == input_ids.shape
     if has_mask:  # a row's length: up to its last real token (a mask with zeros inside a row keeps them)
         real = mask != 0
         lengths = torch.where(real.any(dim=1), width - real.flip(1).int().argmax(dim=1), 0).tolist()
+    elif packed:
+        lengths = packed_row_lengths(batch["position_ids"], batch["labels"])
     else:
         lengths = [width] * rows
-    trim = trim and has_mask and bool((mask[:, 0] != 0).all())  # right padding: every row starts with a real token
+    # Right padding: every row starts with a real token; packed rows end in their padding.
+    trim = trim and (packed or (has_mask and bool((mask[:, 0] != 0).all())))
     multiple = max(int(multiple or 1), 1)
 
     def padded(length: int) -> int:

@@ -44,6 +44,7 @@ CONFIG_PRECISIONS = (*PRECISIONS, "auto")
 WEIGHT_DTYPES = ("fp32", "bf16")
 PADDINGS = ("dynamic", "max_length")
 CHUNKED_CE_MODES = ("auto", "on", "off")
+BATCH_PACKINGS = ("auto", "on", "off")
 
 
 def lever(default: Any, *, flag: str, help: str, applied_by: str = "loop", choices: tuple | None = None,
@@ -237,6 +238,12 @@ class Strategy(LoopLevers):
                                "tokens, position_ids restarting at every sample so that no token attends across a "
                                "sample (the same tokens scored, no padding between samples); --batch-size counts "
                                "rows")
+    batch_packing: str = lever("auto", flag="--batch-packing", applied_by="batches", group="training",
+                               choices=BATCH_PACKINGS,
+                               help="causal LMs: on: pack each batch's samples among themselves into rows of at most "
+                                    "--max-length tokens (every micro-batch and update holds the samples it holds "
+                                    "unpacked: the same math, fewer forwards, less padding); auto: off, or the "
+                                    "planner's choice under --memory-budget; off: never")
     lora_rank: int = lever(0, flag="--lora", applied_by="model", minimum=0, metavar="R", group="LoRA",
                            help="train rank-R LoRA adapters (peft) on a frozen base instead of every weight; 0: full "
                                 "fine-tune")
@@ -256,6 +263,9 @@ class Strategy(LoopLevers):
         if self.optimizer in OPTIMIZER_NAMES and optimizer_options_problem(self.optimizer, self.foreach):
             problems.append(optimizer_options_problem(self.optimizer, self.foreach))
         problems += self.lora_problems()
+        if self.packing and self.batch_packing == "on":
+            problems.append("packing packs the whole data set into rows and batch_packing each batch's samples: "
+                            "choose one (--packing or --batch-packing on)")
         if problems:
             raise ConfigError(f"Invalid {type(self).__name__}:\n  - " + "\n  - ".join(problems))
 
@@ -323,6 +333,11 @@ class Strategy(LoopLevers):
         return build_optimizer(model, self.optimizer, lr, foreach=self.foreach, **options)
 
     # ------------------------------------------------------------------ views
+    @property
+    def packs(self) -> bool:
+        """Whether its rows are packed samples (`packing`, or `batch_packing` on): each builds a block mask."""
+        return self.packing or self.batch_packing == "on"
+
     def estimate_options(self) -> dict:
         """Every lever the estimator prices (all but the ``batches`` ones), as keywords."""
         return {spec.name: getattr(self, spec.name) for spec in levers(type(self))

@@ -8,8 +8,12 @@ Adafactor, lr 1e-5, `--updates` optimizer updates, in a fresh process:
 
 - ``trl``, ``trl-packed``: TRL's SFTTrainer at its lowest-memory CPU setting, without and with its packing (bfd);
 - ``looptrain``, ``looptrain-packed``: looptrain-finetune with the same flags, then with --packing;
-- ``looptrain-budget``: looptrain-finetune --packing --memory-budget set to the lower of TRL's measured peaks (the
-  planner chooses the split, the effective batch kept).
+- ``looptrain-batch-packed``: the unpacked run's updates (the same samples each), each update's samples packed into
+  rows of at most --max-length tokens, one row a micro-batch (--batch-size ACCUM --accum 1 --micro-batch-tokens
+  MAX_LENGTH --batch-packing on): the planner's packing lever, whose math is the unpacked run's;
+- ``looptrain-budget``: looptrain-finetune --packing --memory-budget set to the lower of TRL's measured peaks,
+  without --grad-checkpoint (the planner chooses the split and the checkpointing within that memory, the effective
+  batch kept).
 
 Figures per run: peak RSS above the RSS held once everything is imported (the process's high-water mark minus that
 baseline), and training tokens per second: the non-padding input tokens of the training forwards (counted at the
@@ -25,6 +29,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -33,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-RUNS = ("trl", "trl-packed", "looptrain", "looptrain-packed", "looptrain-budget")
+RUNS = ("trl", "trl-packed", "looptrain", "looptrain-batch-packed", "looptrain-packed", "looptrain-budget")
 LETTERS = "abcdefghijklmnopqrstuvwxyz"  # the data's tokens, one letter each
 SPECIAL = ["<|pad|>", "<|endoftext|>"]
 BATCH, LR = 1, 1e-5
@@ -50,6 +55,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the rows' longest; the data's lengths scale with it (most 5-20%%, one in ten 40-100%%)")
     parser.add_argument("--accum", type=int, default=8, help="micro-batches of one row per update")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--profile", action="store_true",
+                        help="run each trainer under torch.profiler and write its operators by self CPU time (and "
+                             "the record_function ranges: optimizer step, data loading) to WORKDIR/profile-RUN.txt")
+    parser.add_argument("--looptrain-flags", default="",
+                        help="more looptrain-finetune flags for every looptrain run, one string (e.g. "
+                             "\"--ce-chunk-tokens 1024\")")
     parser.add_argument("--budget", help="looptrain-budget's --memory-budget when no TRL run is in --runs (else the "
                                          "lower of TRL's peaks)")
     return parser.parse_args(argv)
@@ -136,13 +147,29 @@ def run_looptrain(model_dir: Path, data: Path, out: Path, args: argparse.Namespa
 
     argv = ["--task", "causal-lm", "--model", str(model_dir), "--data", str(data), "--output-dir", str(out),
             "--overwrite", "--max-length", str(args.max_length), "--batch-size", str(BATCH), "--accum", str(args.accum),
-            "--grad-checkpoint", "--optim", "adafactor", "--lr", str(LR), "--max-steps", str(args.updates),
-            "--eval-every", "no", "--no-progress-bar", "--seed", "0", *extra]
+            *([] if "--memory-budget" in extra else ["--grad-checkpoint"]),  # under a budget: the planner's choice
+            "--optim", "adafactor", "--lr", str(LR), "--max-steps", str(args.updates),
+            "--eval-every", "no", "--no-progress-bar", "--seed", "0", *args.looptrain_flags.split(), *extra]
     if finetune.main(argv) != 0:
         raise SystemExit(f"looptrain-finetune {' '.join(argv)} failed")
     summary = json.loads((out / "summary.json").read_text())
     del records[:len(records) - summary["micro_steps"]]  # the planner's probes forward too: training's are the last
     return float(summary["train_runtime_s"])
+
+
+@contextlib.contextmanager
+def profiled(enabled: bool, table: Path):
+    """With `enabled`, torch.profiler over the block, its operators by self CPU time written to `table`."""
+    if not enabled:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        yield
+    averages = profiler.key_averages()
+    table.write_text(averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70) + "\n"
+                     + averages.table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=70))
 
 
 def child(args: argparse.Namespace) -> None:
@@ -159,12 +186,15 @@ def child(args: argparse.Namespace) -> None:
     workdir = Path(args.workdir)
     model_dir, data = make_model_and_data(workdir, args.rows, args.layers, args.max_length)
     out = workdir / "runs" / args.child
-    if args.child.startswith("trl"):
-        seconds = run_trl(model_dir, data, out, args, args.child == "trl-packed", records)
-    else:
-        extra = {"looptrain": [], "looptrain-packed": ["--packing"],
-                 "looptrain-budget": ["--packing", "--memory-budget", args.budget or "8GiB"]}[args.child]
-        seconds = run_looptrain(model_dir, data, out, args, extra, records)
+    with profiled(args.profile, workdir / f"profile-{args.child}.txt"):
+        if args.child.startswith("trl"):
+            seconds = run_trl(model_dir, data, out, args, args.child == "trl-packed", records)
+        else:
+            window = ["--batch-size", str(args.accum), "--accum", "1", "--micro-batch-tokens",
+                      str(args.max_length), "--batch-packing", "on"]
+            extra = {"looptrain": [], "looptrain-packed": ["--packing"], "looptrain-batch-packed": window,
+                     "looptrain-budget": ["--packing", "--memory-budget", args.budget or "8GiB"]}[args.child]
+            seconds = run_looptrain(model_dir, data, out, args, extra, records)
     tokens = sum(count for _, count in records)
     print("RESULT " + json.dumps({"run": args.child, "tokens": tokens, "seconds": round(seconds, 1),
                                   "tokens_per_s": round(tokens / seconds, 1),
@@ -189,7 +219,8 @@ def main(argv=None) -> int:
     for run in args.runs.split(","):
         command = [sys.executable, __file__, "--child", run, "--updates", str(args.updates), "--rows", str(args.rows),
                    "--workdir", str(workdir), "--layers", str(args.layers), "--max-length", str(args.max_length),
-                   "--accum", str(args.accum)]
+                   "--accum", str(args.accum), *(["--profile"] if args.profile else []),
+                   f"--looptrain-flags={args.looptrain_flags}"]
         if run == "looptrain-budget":
             trl_peaks = [result["peak_rss_above_baseline_mib"] for result in results if result["run"].startswith("trl")]
             budget = f"{min(trl_peaks)}MiB" if trl_peaks else args.budget or "8GiB"

@@ -84,6 +84,11 @@ CASES = [
      r"causal-lm or drop --packing"),
     ("packing with max_length padding", "finetune", ["--task", "causal-lm", "--packing", "--padding", "max_length"],
      r"--packing fills rows with samples instead of padding them; --padding max_length pads every row: drop one"),
+    ("two packings", "finetune", ["--task", "causal-lm", "--packing", "--batch-packing", "on"],
+     r"--packing packs the whole data set into rows and --batch-packing on each batch's samples: drop one of them"),
+    ("batch packing for a classifier", "finetune", ["--batch-packing", "on"],
+     r"--batch-packing on packs a causal LM's samples into rows of dynamic width: add --task causal-lm or drop "
+     r"--batch-packing"),
     ("packing with a token budget", "finetune", ["--task", "causal-lm", "--packing", "--max-tokens", "512"],
      r"--packing makes every row up to --max-length tokens already, so --max-tokens has nothing to group: drop "
      r"--max-tokens and set the rows per micro-batch with --batch-size"),

@@ -286,6 +286,7 @@ LEVERS = {
     "chunked-ce-off": ["--chunked-ce", "off"],
     "chunked-ce-on": ["--chunked-ce", "on", "--ce-chunk-tokens", "5"],
     "packing": ["--packing", "--batch-size", "2"],  # 16 samples in 4 packed rows: 2 updates of 2 rows
+    "batch-packing": ["--batch-packing", "on", "--micro-batch-tokens", "32"],  # 4 samples a batch, packed, cut
 }
 
 

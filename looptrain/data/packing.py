@@ -94,16 +94,20 @@ class PackedDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, list[int]]:
         rows = self.source.rows
-        ids: list[int] = []
-        labels: list[int] = []
-        positions: list[int] = []
-        for sample in self.packs[index]:
-            sample_labels = rows.labels_of(sample)
-            sample_labels[0] = IGNORE_INDEX  # never predicted from the previous sample's last token
-            ids += rows.ids_of(sample)
-            labels += sample_labels
-            positions += range(len(sample_labels))
-        return {"input_ids": ids, "labels": labels, "position_ids": positions}
+        return concatenated([(rows.ids_of(sample), rows.labels_of(sample)) for sample in self.packs[index]])
+
+
+def concatenated(samples: Sequence[tuple[Sequence[int], Sequence[int]]]) -> dict[str, list[int]]:
+    """One packed row of (ids, labels) samples: their tokens end to end, each sample's first label -100 (never
+    predicted from the previous sample's last token), ``position_ids`` restarting at 0 at every sample."""
+    ids: list[int] = []
+    labels: list[int] = []
+    positions: list[int] = []
+    for sample_ids, sample_labels in samples:
+        ids += sample_ids
+        labels += [IGNORE_INDEX, *sample_labels[1:]]
+        positions += range(len(sample_labels))
+    return {"input_ids": ids, "labels": labels, "position_ids": positions}
 
 
 class PackedCollator:
@@ -140,6 +144,63 @@ class PackedCollator:
             position_ids[row, :length] = torch.tensor(feature["position_ids"], dtype=torch.long)
             position_ids[row, length:] = torch.arange(width - length)
         return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+
+
+class BatchPackingCollator:
+    """``--batch-packing on``: each batch's samples packed among themselves, best-fit decreasing, into rows of at most
+    ``max_length`` tokens (`pack_best_fit`), collated as `PackedCollator` collates packs.
+
+    A batch holds the same samples as without it, so every micro-batch and every update sums the same tokens' losses
+    over the same scored tokens: the run's math is the unpacked run's (docs/causal_lm.md). The rows of a batch cut by
+    ``--micro-batch-tokens`` are cut as rows (`looptrain.batches.split_by_tokens` reads a packed row's length from its
+    positions). `pad_id`, `max_length`, `pad_to_multiple_of` and `padding` are the unpacked collator's.
+    """
+
+    def __init__(self, collator: DynamicPaddingCollator):
+        self.unpacked = collator
+        self.packed = PackedCollator(collator.pad_id, collator.max_length, collator.pad_to_multiple_of)
+        self.pad_id, self.padding = collator.pad_id, "dynamic"
+        self.max_length, self.pad_to_multiple_of = collator.max_length, collator.pad_to_multiple_of
+
+    def batch_width(self, lengths: Sequence[int]) -> int:
+        return self.packed.batch_width(lengths)
+
+    def row_lengths(self, lengths: Sequence[int]) -> list[int]:
+        """The lengths of the rows a batch of samples this long packs into."""
+        return [int(sum(lengths[index] for index in pack)) for pack in pack_best_fit(lengths, self.max_length)]
+
+    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        if not features:
+            raise DataError("cannot collate an empty batch; check the batch sampler")
+        packs = pack_best_fit([len(feature["input_ids"]) for feature in features], self.max_length)
+        return self.packed([concatenated([(features[index]["input_ids"], features[index]["labels"])
+                                          for index in pack]) for pack in packs])
+
+
+def batch_packed_windows(sampler: Any, lengths: Sequence[int], collator: BatchPackingCollator, accum_steps: int,
+                         micro_batch_tokens: int = 0, epochs: int = 1,
+                         max_steps: int = 0) -> list[list[tuple[int, int]]]:
+    """`looptrain.estimation.windows.run_windows` for ``--batch-packing on``: each batch's samples packed into rows
+    (`BatchPackingCollator.row_lengths`), the rows cut as `split_by_tokens` cuts them. Shapes ``(rows, width)``."""
+    from looptrain.batches import token_pieces
+
+    def width(row_lengths: Sequence[int]) -> int:
+        return int(collator.batch_width(row_lengths))
+
+    def micro_batches(batch: Sequence[int]) -> list[tuple[int, int]]:
+        rows = collator.row_lengths([lengths[index] for index in batch])
+        pieces = (token_pieces(rows, micro_batch_tokens, lambda length: width([length])) if micro_batch_tokens
+                  else [range(len(rows))])
+        return [(len(piece), width([rows[row] for row in piece])) for piece in pieces]
+
+    windows: list[list[tuple[int, int]]] = []
+    for epoch in range(epochs):
+        batches = sampler.epoch_batches(epoch)
+        windows.extend([shape for batch in batches[start:start + accum_steps] for shape in micro_batches(batch)]
+                       for start in range(0, len(batches), accum_steps))
+        if 0 < max_steps <= len(windows):
+            return windows[:max_steps]
+    return windows
 
 
 def packing_problem(model: Any) -> str | None:

@@ -195,7 +195,7 @@ def key(model_or_config: Any, windows: Sequence[Sequence[tuple[int, int]]], stra
                 precision.cpu_bf16_is_fast(), kernels.cpu_bf16_matmul_scratch()],
         "world_size": os.environ.get("WORLD_SIZE", "1"),  # under torchrun the Loop joins the process group
     }
-    if getattr(strategy, "packing", False):  # a packed row's mask is priced: a key of its own
+    if getattr(strategy, "packs", False):  # a packed row's mask is priced: a key of its own
         description["packed"] = True
     if evaluation:
         description["evaluation"] = [[int(rows), int(width)] for rows, width in evaluation]

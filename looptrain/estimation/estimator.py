@@ -386,7 +386,7 @@ def _estimate_windows(model_or_config: Any, windows: Sequence[Sequence[tuple[int
                         # A packed row builds its block mask from its positions however many rows there are.
                         batches[position, rows, width] = random_batch(rows, width, vocab_size(model), num_labels,
                                                                       token_labels=token_labels,
-                                                                      padded=(padded and rows > 1) or strategy.packing)
+                                                                      padded=(padded and rows > 1) or strategy.packs)
             loop.meter.start(loop.model, loop.optimizer)
             price_4bit_storage(loop.meter.tracker, model)
             if scratch_rule is not None:

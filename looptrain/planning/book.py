@@ -75,8 +75,10 @@ class EstimateBook:
 
     def __init__(self, model: Any, width: int, *, max_grad_norm: float | None = 1.0, num_labels: int = 2,
                  echo: Callable[[str], None] = lambda line: None, device_type: str = "cpu", padded: bool = False,
-                 workers: Sequence[Any] = (), extrapolate: bool = True, counts_scratch: bool = False):
+                 workers: Sequence[Any] = (), extrapolate: bool = True, packed_width: int | None = None,
+                 counts_scratch: bool = False):
         self.model, self.width, self.max_grad_norm, self.num_labels = model, width, max_grad_norm, num_labels
+        self.packed_width = packed_width or width  # the widest packed row, where batches may be packed
         self.extrapolate = extrapolate
         # Under a budget of RSS a peak includes what matmul kernels hold inside (`kernel_scratch_bytes`: no tensor).
         self.counts_scratch = counts_scratch
@@ -130,16 +132,21 @@ class EstimateBook:
         settings = dataclasses.replace(settings, trim_heap=False)
         if not settings.micro_batch_tokens:
             return settings
-        rows = max(1, min(settings.batch_size, settings.micro_batch_tokens // self.width))
+        rows = max(1, min(settings.batch_size, settings.micro_batch_tokens // self.width_of(settings)))
         return dataclasses.replace(settings, batch_size=rows, micro_batch_tokens=0,
                                    accum_steps=math.ceil(settings.batch_size / rows) * settings.accum_steps)
 
     def key(self, settings: Strategy, seq_len: int | None = None, model: str | None = None) -> tuple:
         """What the estimator prices of `settings` at `seq_len` (default: the worst batch's width)."""
         settings = self.priced(settings)
-        priced = {**settings.estimate_options(), "accum_steps": min(settings.accum_steps, 2)}  # memory repeats after 2
-        key = settings.batch_size, seq_len or self.width, type(settings), tuple(sorted(priced.items()))
+        priced = {**settings.estimate_options(), "accum_steps": min(settings.accum_steps, 2),  # memory repeats after 2
+                  "packs": settings.packs}
+        key = settings.batch_size, seq_len or self.width_of(settings), type(settings), tuple(sorted(priced.items()))
         return key if model is None else (*key, model)
+
+    def width_of(self, settings: Strategy) -> int:
+        """The worst batch's width for `settings`: the widest packed row where they pack each batch's samples."""
+        return self.packed_width if settings.batch_packing == "on" else self.width
 
     def memoised(self, settings: Strategy) -> bool:
         """Whether `settings` were estimated (not only predicted)."""
@@ -183,7 +190,7 @@ class EstimateBook:
             self.prefetch(pending[start:start + len(self.workers)])
 
     def _request(self, settings: Strategy, seq_len: int | None, model: str | None) -> tuple:
-        seq_len = seq_len or self.width
+        seq_len = seq_len or self.width_of(settings)
         settings = self.priced(settings)
         return settings, seq_len, model, self.key(settings, seq_len, model)
 
@@ -233,6 +240,7 @@ class EstimateBook:
                   f"{settings.optimizer}, checkpointing {settings.checkpointing}"
                   f"{', fused step' if settings.optimizer_in_backward else ''}"
                   f"{', ' + lora_words(settings) if settings.lora_rank else ''}"
+                  f"{', batches packed' if settings.batch_packing == 'on' else ''}"
                   f"{f', seq {seq_len}' if seq_len != self.width else ''}: {format_bytes(self.cache[key])}"
                   f"{' (from the cache)' if result.get('from_cache') else ''}")
 

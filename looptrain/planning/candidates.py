@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from looptrain.estimation.windows import run_windows
+from looptrain.planning import packing_lever
 from looptrain.planning.plans import Candidate, divisors
 from looptrain.planning.request import Request
 from looptrain.planning.search import Search, candidate_settings, lightest_split, valid_settings
@@ -50,11 +51,15 @@ def costed(search: Search, settings: Strategy, request: Request, as_given: bool 
     predicted = not search.memoised(settings)
     # The user's own flags train as given; the safe default is the planner's, and is cut like the rest.
     trained = by_tokens(settings, request.worst_width) if request.token_micro_batches and not as_given else settings
-    loader = data_module.make_train_loader(request.dataset, trained.batch_size, request.collator,
-                                           grouping="length" if trained.group_by_length else "random",
-                                           seed=request.seed)
-    windows = run_windows(loader.batch_sampler, list(request.lengths), request.collator, trained.accum_steps,
-                          micro_batch_tokens=trained.micro_batch_tokens)
+    if settings.batch_packing == "on":  # each window one batch, packed, its rows cut (`packing_lever`)
+        trained = packing_lever.trained(settings, search.book.width_of(settings))
+        windows = packing_lever.windows(request, trained)
+    else:
+        loader = data_module.make_train_loader(request.dataset, trained.batch_size, request.collator,
+                                               grouping="length" if trained.group_by_length else "random",
+                                               seed=request.seed)
+        windows = run_windows(loader.batch_sampler, list(request.lengths), request.collator, trained.accum_steps,
+                              micro_batch_tokens=trained.micro_batch_tokens)
     shapes = [shape for window in windows for shape in window]
     flops = request.flops
     work = flops.per_batch if flops is not None else lambda rows, width: float(rows * width)
@@ -82,6 +87,8 @@ def find_candidates(request: Request, search: Search, known: Candidate | None = 
     found = candidate_settings(search, request.effective_batch, request.base, request.levers, set(request.fixed),
                                request.device_type)
     settings_list = list(found.settings)
+    if packing_lever.searchable(request):
+        settings_list += packing_lever.variants(search, found.settings, request.effective_batch, request.fixed)
     fallback = lightest_split(request.base, request.effective_batch)
     chosen = next((s for s in (request.baseline, fallback)
                    if s is not None and valid_settings(s) and search.fits_or_spent(s)), None)

@@ -36,6 +36,7 @@ from torch import nn
 
 import looptrain.planning.probes as probes
 from looptrain.memory import allocator
+from looptrain.planning import packing_lever
 from looptrain.planning.book import EstimateBook
 from looptrain.planning.candidates import Searched, find_candidates, smaller_split
 from looptrain.planning.errors import PlanError
@@ -150,7 +151,8 @@ def _open_book(request: Request) -> EstimateBook:
     may count."""
     book = EstimateBook(request.model, request.worst_width, max_grad_norm=request.max_grad_norm,
                         num_labels=request.num_labels, echo=request.echo, device_type=request.device_type,
-                        padded=request.padded, counts_scratch=request.budget.meter == "rss")
+                        padded=request.padded, counts_scratch=request.budget.meter == "rss",
+                        packed_width=packing_lever.packed_width(request) if packing_lever.packs(request) else None)
     if request.is_module:
         try:
             book.start_workers()
@@ -238,8 +240,9 @@ def _rank(request: Request, search: Search, first: FirstProbe, searched: Searche
         return Ranking(searched.candidates, ["nothing probed: speeds are a prior in arbitrary units (padded tokens, "
                                              "recompute, micro-batch size, precision), not measured"],
                        0.0, request.probe_budget)
-    prober = Prober(request.model, request.dataset, request.collator, request.order, request.device,
-                    request.max_grad_norm, request.meter, search.budget, request.flops, request.echo)
+    prober = packing_lever.prober(request, Prober(request.model, request.dataset, request.collator, request.order,
+                                                  request.device, request.max_grad_norm, request.meter, search.budget,
+                                                  request.flops, request.echo))
 
     def smaller(candidate: Candidate, candidates: list[Candidate]) -> Candidate | None:
         return None if "batch_size" in request.fixed else smaller_split(search, candidate, candidates, request)
@@ -254,7 +257,7 @@ def explain(request: Request, search: Search, first: FirstProbe, searched: Searc
     """The explain phase: the `Plan`, each candidate's settings made what the run trains (token cuts, a trimmed
     heap), with the notes in the order the phases made them and, for a LoRA plan, its saving over the full
     fine-tune."""
-    notes = notes + ranked.notes
+    notes = notes + ranked.notes + packing_lever.note(ranked.candidates)
     realised = sum(candidate.trained is not None for candidate in ranked.candidates)
     trims = probes.trims(request.meter)
     for candidate in ranked.candidates:

@@ -178,7 +178,8 @@ class Plan:
                 f"{settings.precision}{' + bf16 weights' if settings.weights == 'bf16' else ''} | "
                 f"{settings.optimizer} | {settings.checkpointing} | "
                 f"{'yes' if settings.optimizer_in_backward else 'no'} | "
-                f"{'yes' if settings.group_by_length else 'no'} | "
+                f"{'yes' if settings.group_by_length else 'no'}"
+                f"{', batches packed' if settings.batch_packing == 'on' else ''} | "
                 f"{format_bytes(candidate.estimated_peak_bytes)}{' (predicted)' if candidate.predicted else ''} | "
                 f"{speed} | "
                 f"{source} |")

@@ -306,7 +306,16 @@ def check_flags(args, given: frozenset[str] | set[str]) -> None:
 
 
 def check_packing_flags(args) -> None:
-    """--packing with the flags it makes meaningless: a classifier, fixed-width padding, token batches."""
+    """--packing with the flags it makes meaningless: a classifier, fixed-width padding, token batches; --batch-packing
+    on with a classifier, fixed-width padding or --packing."""
+    if args.batch_packing == "on":
+        if args.packing:
+            raise UsageError("--packing packs the whole data set into rows and --batch-packing on each batch's "
+                             "samples: drop one of them")
+        if args.task != "causal-lm" or args.padding == "max_length":
+            raise UsageError("--batch-packing on packs a causal LM's samples into rows of dynamic width: "
+                             + ("add --task causal-lm" if args.task != "causal-lm" else "drop --padding max_length")
+                             + " or drop --batch-packing")
     if not args.packing:
         return
     if args.task != "causal-lm":

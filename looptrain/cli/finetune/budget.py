@@ -41,10 +41,12 @@ def planned_request(request: RunRequest, model, train_set, collator, device, out
             # The saved plan is written again (run_config.json, summary.json): a later resume reads it.
             return request.planned(settings, resumed_plan=saved_plan), None
     given = request.process.given
-    # Every lever whose flag was given is kept as given; --precision auto and --optim auto are the planner's to choose.
+    # Every lever whose flag was given is kept as given; --precision auto, --optim auto and --batch-packing auto are the
+    # planner's to choose.
     fixed = [spec.name for spec in strategy.levers(strategy.Strategy)
              if spec.metadata["lever"]["flag"] in given and spec.name not in PLANNED_SPLIT]
-    fixed = [name for name in fixed if not (name in ("precision", "optimizer") and getattr(flags, name) == "auto")]
+    fixed = [name for name in fixed
+             if not (name in ("precision", "optimizer", "batch_packing") and getattr(flags, name) == "auto")]
     base = strategy_of(flags, precision="fp32" if flags.amp or flags.precision == "auto" else flags.precision)
     levers = Levers(precision=flags.amp or flags.precision == "auto", optimizer_family=flags.optimizer == "auto")
     baseline = without_planner(flags, base, device)

@@ -462,6 +462,19 @@ def packed_inputs(flags, model, train_set, tokenizer):
     return packed, packing.PackedCollator(tokenizer, flags.max_length, flags.pad_to_multiple_of)
 
 
+def train_collator(flags, model, collator):
+    """The training batches' collator: with --batch-packing on (given, or the plan's), each batch's samples packed
+    into rows (`BatchPackingCollator`; the evaluation set keeps `collator`); a model whose attention cannot keep
+    them apart is refused."""
+    if flags.batch_packing != "on":
+        return collator
+    from looptrain.data import packing
+
+    if problem := packing.packing_problem(model):
+        raise UsageError(problem.replace("--packing", "--batch-packing on"))
+    return packing.BatchPackingCollator(collator)
+
+
 def length_line(flags, train_set) -> str:
     """--max-length, the longest training sample and how many were cut: with dynamic padding, what a batch costs
     follows the data's lengths, up to --max-length."""

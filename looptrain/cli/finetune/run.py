@@ -209,11 +209,13 @@ def make_loaders(request: RunRequest, place, inputs: Inputs, plan_result):
     import torch
 
     from looptrain import data as data_module
+    from looptrain.cli.finetune.inputs import train_collator
 
     flags, config = request.flags, request.config
     grouping = "tokens" if flags.max_tokens else ("length" if flags.group_by_length else "random")
     train_loader = data_module.make_train_loader(
-        inputs.train_set, flags.batch_size, inputs.collator, grouping=grouping, max_tokens=flags.max_tokens,
+        inputs.train_set, flags.batch_size, train_collator(flags, inputs.model, inputs.collator), grouping=grouping,
+        max_tokens=flags.max_tokens,
         seed=config.seed, num_workers=flags.num_workers, pin_memory=torch.cuda.is_available())
     eval_loader = None
     if inputs.eval_set is not None:  # under --memory-budget, at the batch the plan fitted (`planned_evaluation`)
@@ -224,7 +226,10 @@ def make_loaders(request: RunRequest, place, inputs: Inputs, plan_result):
         train_loader, inputs.train_set.lengths, padding=flags.padding, max_length=flags.max_length,
         pad_to_multiple_of=flags.pad_to_multiple_of)
     rows = "rows of packed samples" if flags.packing else "samples"
-    say(f"batches ({grouping}, {flags.padding} padding{', packed' if flags.packing else ''}): "
+    packed = ", packed" if flags.packing else ""
+    if flags.batch_packing == "on":
+        packed = ", each batch's samples packed; the padding below is the unpacked batches'"
+    say(f"batches ({grouping}, {flags.padding} padding{packed}): "
         f"{padding_line.replace(' samples in ', f' {rows} in ')}")
     longest = "packed row" if flags.packing else "sample"
     widths = (f"its longest {longest}: {max(inputs.train_set.lengths, default=0)} tokens; --max-length "
@@ -384,9 +389,12 @@ def run_estimate(flags, config, inputs: Inputs, train_loader, eval_loader, plan_
     model = inputs.model
     settings = strategy_of(flags, **{**config.loop_fields(), "precision": resolve_precision_name(config)})
     try:
-        windows = run_windows(train_loader.batch_sampler, inputs.train_set.lengths, inputs.collator,
-                              config.accum_steps, epochs=config.epochs, max_steps=config.max_steps,
-                              micro_batch_tokens=config.micro_batch_tokens)
+        from looptrain.data.packing import BatchPackingCollator, batch_packed_windows
+
+        packs = isinstance(train_loader.collate_fn, BatchPackingCollator)
+        windows = (batch_packed_windows if packs else run_windows)(
+            train_loader.batch_sampler, inputs.train_set.lengths, train_loader.collate_fn, config.accum_steps,
+            epochs=config.epochs, max_steps=config.max_steps, micro_batch_tokens=config.micro_batch_tokens)
         evaluation = (evaluation_shapes(eval_loader.batch_sampler, inputs.eval_set.lengths, inputs.collator)
                       if eval_loader is not None else [])  # the final evaluation runs whatever --eval-every says
     except Exception as error:  # noqa: BLE001  an estimate is a report, never a reason to stop a run
