@@ -53,7 +53,7 @@ def work_clock(monkeypatch):
     hook.remove()
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("checkpointing", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_a_truncated_probe_scaled_to_the_whole_stack_predicts_the_whole_probe(work_clock, checkpointing):
     model = tiny_decoder()
     settings = Strategy(batch_size=2, accum_steps=4, gradient_checkpointing=checkpointing, optimizer="adamw")
