@@ -129,3 +129,39 @@ def test_a_plan_of_a_deep_model_probes_a_truncated_stack_and_cuts_what_its_time_
     assert cut and all(not c.baseline for c in cut)
     assert any(note.startswith(("not probed: ", "probed without the worst batch: ")) for note in result.notes)
     assert len(model.model.layers) == BLOCKS
+
+
+def test_the_estimate_decides_the_memory_only_with_room_for_what_the_process_holds_besides_twice():
+    from looptrain.planning.budget import Budget
+
+    assert Budget(100, 0.0).decides(10**6)  # the tensors meter: the estimate is the verdict
+    assert not Budget(1000, 0.0, "rss").decides(100)  # nothing measured besides tensors yet
+    measured = Budget(1000, 0.0, "rss", overhead=300, growth=60)
+    assert measured.within(500) and not measured.decides(500)  # 500 + 300 fits; 500 + 2 x 300 does not
+    assert measured.decides(400)
+
+
+def test_a_cut_probe_is_priced_by_the_line_of_a_probe_alike_and_never_stands_for_a_whole_probes_cost():
+    from looptrain.flops import ModelFlops
+    from looptrain.planning.plans import Candidate
+    from looptrain.planning.timing import line_priced, predicted_probe_seconds, record_probe
+
+    flops = ModelFlops(1e6, 0.0)
+    whole = {"small_step_seconds": 0.2, "small_batch_shape": [1, 16], "typical_step_seconds": 1.2,
+             "typical_batch_shape": [1, 256], "micro_step_seconds": 4.0, "optimizer_step_seconds": 0.5,
+             "probe_seconds": 9.0, "tokens": 1000, "batch_shape": [1, 1000]}
+    alike = Candidate(Strategy(batch_size=1, accum_steps=8), 100, micro_batches=48, flops=48 * 2.56e8, updates=6)
+    record_probe(alike, whole, flops)
+    other = Candidate(Strategy(batch_size=2, accum_steps=4), 200, micro_batches=24, flops=48 * 2.56e8, updates=6)
+    priced = line_priced(alike, flops)
+    assert priced["line_only"] and priced["optimizer_step_seconds"] == 0.5 and priced["probe_seconds"] == 0.0
+    record_probe(other, priced, flops, alike.probe)
+    # The line: 0.2 s = fixed + 16 rows' work, 1.2 s = fixed + 256 rows' work (per FLOP: 1 s / 240e6 FLOPs).
+    per_flop = 1.0 / (240 * 1e6)
+    fixed = 0.2 - per_flop * 16e6
+    assert other.seconds_per_epoch == pytest.approx(fixed * 24 + per_flop * 48 * 2.56e8 + 0.5 * 6)
+    assert line_priced(other, None) is None  # no FLOPs counted: only a probe prices it
+    # A probe's cost is predicted from whole probes only.
+    third = Candidate(Strategy(batch_size=2, accum_steps=4, gradient_checkpointing=True), 150)
+    assert predicted_probe_seconds(third, [other]) == 0.0
+    assert predicted_probe_seconds(third, [other, alike]) == pytest.approx(9.0 * 2 * 1.35)

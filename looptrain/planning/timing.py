@@ -144,8 +144,9 @@ def timed(candidate: Candidate) -> bool:
 
 
 def predicted_probe_seconds(candidate: Candidate, probed: list[Candidate]) -> float:
-    """A probe's time, scaled from the nearest probed candidate by micro-batch rows and recompute."""
-    probed = [c for c in probed if timed(c)]
+    """A probe's time, scaled from the nearest candidate probed whole by micro-batch rows and recompute (a probe cut
+    to what it decides, `Prober.probe`, tells nothing of a whole probe's cost)."""
+    probed = [c for c in probed if timed(c) and not c.probe.get("memory")]
     if not probed:
         return 0.0
 
