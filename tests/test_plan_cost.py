@@ -15,6 +15,7 @@ from looptrain.planning.truncation import Truncation, truncated, truncation_for
 from looptrain.strategy import Strategy
 
 BLOCKS = 16
+SHALLOW = 8
 
 
 def tiny_decoder(blocks: int = BLOCKS) -> nn.Module:
@@ -55,39 +56,40 @@ def work_clock(monkeypatch):
 
 @pytest.mark.parametrize("checkpointing", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_a_truncated_probe_scaled_to_the_whole_stack_predicts_the_whole_probe(work_clock, checkpointing):
-    model = tiny_decoder()
+    model = tiny_decoder(SHALLOW)  # any stack: the planner truncates only 16 blocks or more, the probe any
     settings = Strategy(batch_size=2, accum_steps=4, gradient_checkpointing=checkpointing, optimizer="adamw")
     batch, typical = token_batch(2, 40), token_batch(2, 24)
     whole = probes.measure_probe(model, settings, batch, "cpu", 1.0, typical=typical)
     weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    part = probes.measure_probe(model, settings, batch, "cpu", 1.0, typical=typical, truncation=Truncation(3, BLOCKS))
-    assert part["truncated"] == {"depth": 3, "blocks": BLOCKS, "shift_bytes": 0}
+    part = probes.measure_probe(model, settings, batch, "cpu", 1.0, typical=typical, truncation=Truncation(2, SHALLOW))
+    assert part["truncated"] == {"depth": 2, "blocks": SHALLOW, "shift_bytes": 0}
     for key in ("micro_step_seconds", "small_step_seconds", "typical_step_seconds", "optimizer_step_seconds"):
         assert part[key] == pytest.approx(whole[key], rel=1e-6), key
-    # The probe's own cost: about 3 blocks' work and the head's, not 16 blocks'.
+    # The probe's own cost: 2 blocks' work and the head's, not 8 blocks'.
     assert part["probe_seconds"] < 0.5 * whole["probe_seconds"]
     # The blocks are back, in order, and the weights unchanged.
-    assert len(model.model.layers) == BLOCKS
+    assert len(model.model.layers) == SHALLOW
     assert [name for name, _ in model.named_parameters()] == list(dict(model.named_parameters()))
     assert all(torch.equal(weights[name], tensor) for name, tensor in model.state_dict().items())
 
 
+@pytest.mark.slow  # two probes under the RSS meter, each settling the process (collections, a trimmed heap)
 def test_a_truncated_probes_peak_and_ceiling_move_by_the_estimates_difference(monkeypatch):
     """Under a measured meter, the truncated probe's peak is the whole stack's: what it measured plus what the
     estimator priced between the two stacks; its ceiling is lowered by as much."""
-    model = tiny_decoder()
+    model = tiny_decoder(SHALLOW)
     settings = Strategy(batch_size=1, accum_steps=2, optimizer="adamw")
     meter = probes.Meter("rss", probes.rss_baseline_bytes())
     shift = 64 * 2**20
     probed = probes.measure_probe(model, settings, token_batch(1, 24), "cpu", 1.0, meter,
-                                  truncation=Truncation(3, BLOCKS, shift))
+                                  truncation=Truncation(2, SHALLOW, shift))
     assert probed["measured_peak_bytes"] >= shift
     # A ceiling the truncated stack's own peak stays under, but not with the shift: the probe stops.
     ceiling = probed["measured_peak_bytes"] - shift // 2
     stopped = probes.measure_probe(model, settings, token_batch(1, 24), "cpu", 1.0, meter, ceiling,
-                                   truncation=Truncation(3, BLOCKS, shift))
+                                   truncation=Truncation(2, SHALLOW, shift))
     assert stopped["stopped"] and stopped["ceiling"] == ceiling and stopped["measured_peak_bytes"] > ceiling
-    assert len(model.model.layers) == BLOCKS
+    assert len(model.model.layers) == SHALLOW
 
 
 def test_only_a_deep_stack_whose_estimate_priced_truncated_depths_is_probed_truncated():
