@@ -54,7 +54,8 @@ def work_clock(monkeypatch):
     hook.remove()
 
 
-@pytest.mark.parametrize("checkpointing", [pytest.param(False, marks=pytest.mark.slow), True])
+@pytest.mark.slow  # two probes of an 8-block decoder each: 2-5 s on 2 shared cores
+@pytest.mark.parametrize("checkpointing", [False, True])
 def test_a_truncated_probe_scaled_to_the_whole_stack_predicts_the_whole_probe(work_clock, checkpointing):
     model = tiny_decoder(SHALLOW)  # any stack: the planner truncates only 16 blocks or more, the probe any
     settings = Strategy(batch_size=2, accum_steps=4, gradient_checkpointing=checkpointing, optimizer="adamw")
