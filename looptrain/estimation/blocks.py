@@ -265,6 +265,9 @@ def _extrapolated(runs: list[tuple[dict, list]], depths_priced: tuple[int, int, 
                        "extrapolated (exact: every op's live bytes grow by one block's at each step)"]
     result["extrapolated"] = True
     result["extrapolation"] = f"blocks {first}..{last} of {blocks}"
+    # The truncated stacks' own peaks: a planner's probe of one of them is scaled to the whole by their difference.
+    result["depth_peak_bytes"] = {str(depth): int(run["peak_memory_bytes"])
+                                  for depth, run in zip(depths_priced, results)}
     return result
 
 

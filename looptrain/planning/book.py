@@ -22,6 +22,7 @@ from looptrain.estimation.estimator import estimate
 from looptrain.estimation.worker import EstimateWorker
 from looptrain.lora import is_4bit_layer, is_lora_model
 from looptrain.planning.plans import format_bytes, lora_words
+from looptrain.planning.truncation import Truncation, truncation_for
 from looptrain.strategy import Strategy
 
 FULL_FINE_TUNE = "full fine-tune"  # `EstimateBook.peak(model=...)`: the book's LoRA model without its adapters
@@ -283,6 +284,28 @@ class EstimateBook:
         ends = phases(first), phases(second)
         return int(max(ends[0][phase] + (ends[1][phase] - ends[0][phase]) * (rows - low) / (high - low)
                        for phase in ends[0] if phase in ends[1]))
+
+    def truncation(self, settings: Strategy) -> Truncation | None:
+        """How a probe of `settings` runs the model: on a truncated stack of its blocks, scaled
+        (`truncation.truncation_for`), from their estimate, or where a prediction decided them, from the two nearest
+        estimates of the same settings (the difference between the whole and the truncated stack is affine in the
+        rows, as each is). None: the whole model."""
+        result = self.results.get(self.key(settings))
+        if result is not None:
+            return truncation_for(self.model, result)
+        points = [(rows, point) for rows, point in self.family_estimates(settings) if point.get("depth_peak_bytes")]
+        if len(points) < 2:
+            return None
+        rows = self.key(settings)[0]
+        (low, first), (high, second) = sorted(points, key=lambda point: (abs(point[0] - rows), point[0]))[:2]
+        plan = truncation_for(self.model, first)
+        if plan is None or str(plan.depth) not in second["depth_peak_bytes"]:
+            return None
+
+        def shift(point: dict) -> int:
+            return point["peak_memory_bytes"] - point["depth_peak_bytes"][str(plan.depth)]
+        predicted = shift(first) + (shift(second) - shift(first)) * (rows - low) / (high - low)
+        return truncation_for(self.model, first, predicted_shift=int(predicted))
 
     def note_predicted(self, settings: Strategy) -> None:
         """Records that a prediction, not an estimate, decided `settings` (`Plan.predictions` counts them)."""

@@ -72,7 +72,7 @@ def costed(search: Search, settings: Strategy, request: Request, as_given: bool 
                           micro_batches=len(shapes), typical_shape=typical_shape,
                           flops=sum(works) if flops is not None else 0.0, updates=len(windows),
                           trained=trained if trained != settings else None, predicted=predicted,
-                          step_bytes=step_bytes)
+                          step_bytes=step_bytes, truncation=search.book.truncation(settings))
     return dataclasses.replace(candidate, prior=prior_seconds(candidate, request.model, request.device_type))
 
 

@@ -20,6 +20,7 @@ from looptrain.planning.plans import MIN_PLANNING_SECONDS, Candidate, estimate_s
 from looptrain.planning.request import Request
 from looptrain.planning.search import Search, lightest_split, mode_frontier, valid_settings
 from looptrain.planning.timing import record_probe, typical_batch
+from looptrain.planning.truncation import Truncation
 from looptrain.strategy import Strategy
 
 
@@ -63,7 +64,7 @@ def first_probe(request: Request, search: Search) -> FirstProbe:
     reference = costed(search, first, request, as_given=first == baseline)
     started = time.perf_counter()
     probed, malloc, charged = _measure_first(request, search, first, typical_batch(
-        reference, request.dataset, request.collator, request.order))
+        reference, request.dataset, request.collator, request.order), reference.truncation)
     seconds = time.perf_counter() - started
     record_probe(reference, probed, request.flops)
     total = request.probe_budget if request.probe_budget is not None else 0.0 if probed.get("stopped") else \
@@ -83,7 +84,8 @@ def first_probe(request: Request, search: Search) -> FirstProbe:
     return FirstProbe(reference, budget, malloc, seconds, charged)
 
 
-def _measure_first(request: Request, search: Search, first: Strategy, typical: dict | None) -> tuple:
+def _measure_first(request: Request, search: Search, first: Strategy, typical: dict | None,
+                   truncation: Truncation | None = None) -> tuple:
     """The first probe, stopped at the most it may measure and still fit, its growth included
     (`Budget.first_probe_ceiling`), and before an optimizer step that would take it past; under a budget of RSS
     with `make_lean`, measured again one allocator step leaner while it does not fit. Returns the probe, what
@@ -96,7 +98,7 @@ def _measure_first(request: Request, search: Search, first: Strategy, typical: d
     def measure(settings: Strategy, again: bool = False) -> dict:
         run = probes.measure_probe if again else probes.probe
         return run(request.model, settings, batch, request.device, request.max_grad_norm, request.meter, ceiling,
-                   step_bytes, typical=typical)
+                   step_bytes, typical=typical, **({"truncation": truncation} if truncation is not None else {}))
 
     probed = measure(first)
     leans = request.budget.meter == "rss" and request.make_lean is not None

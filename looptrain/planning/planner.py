@@ -41,7 +41,7 @@ from looptrain.planning.book import EstimateBook
 from looptrain.planning.candidates import Searched, find_candidates, smaller_split
 from looptrain.planning.errors import PlanError
 from looptrain.planning.first_probe import FirstProbe, first_probe
-from looptrain.planning.plans import Candidate, Levers, Plan, format_bytes
+from looptrain.planning.plans import MIN_PLANNING_SECONDS, Candidate, Levers, Plan, format_bytes, split_words
 from looptrain.planning.ranking import Prober, Ranking, rank
 from looptrain.planning.request import Request, check
 from looptrain.planning.search import Search, import_optimizers, lightest_split
@@ -242,7 +242,8 @@ def _rank(request: Request, search: Search, first: FirstProbe, searched: Searche
                        0.0, request.probe_budget)
     prober = packing_lever.prober(request, Prober(request.model, request.dataset, request.collator, request.order,
                                                   request.device, request.max_grad_norm, request.meter, search.budget,
-                                                  request.flops, request.echo))
+                                                  request.flops, request.echo,
+                                                  seconds_left=_seconds_left(request, first, tally)))
 
     def smaller(candidate: Candidate, candidates: list[Candidate]) -> Candidate | None:
         return None if "batch_size" in request.fixed else smaller_split(search, candidate, candidates, request)
@@ -250,6 +251,19 @@ def _rank(request: Request, search: Search, first: FirstProbe, searched: Searche
     return rank(searched.candidates, prober, epochs=request.epochs, probe_budget=request.probe_budget,
                 probe_fraction=request.probe_fraction, first_seconds=first.seconds, charged_seconds=tally.charged,
                 baseline_words=baseline_words, smaller=smaller)
+
+
+def _seconds_left(request: Request, first: FirstProbe, tally: Tally) -> float | None:
+    """Planning's seconds left when the rank phase starts: its allowance (`--plan-time`, else `probe_fraction` of the
+    run the first probe predicts, at least `MIN_PLANNING_SECONDS`) less what the estimates and the first probe
+    cost, as charged. None where the first probe timed nothing (no bound to keep)."""
+    reference = first.reference
+    if request.probe_budget is not None:
+        return request.probe_budget - tally.charged
+    if reference is None or reference.seconds_per_epoch is None or reference.probe.get("stopped"):
+        return None
+    return max(request.probe_fraction * reference.seconds_per_epoch * request.epochs,
+               MIN_PLANNING_SECONDS) - tally.charged
 
 
 def explain(request: Request, search: Search, first: FirstProbe, searched: Searched, ranked: Ranking, tally: Tally,
@@ -266,6 +280,13 @@ def explain(request: Request, search: Search, first: FirstProbe, searched: Searc
         notes.append("glibc's own malloc thresholds keep freed blocks resident over a run, where a probe "
                      "measured a fresh heap: the run trims the heap before each micro-batch (--trim-heap, "
                      "2-10% of the speed), as its probes did, so that its RSS stays near theirs")
+    notes.extend(_cut_probe_notes(ranked.candidates))
+    truncated = [c.probe["truncated"] for c in ranked.candidates if c.probe.get("truncated")]
+    if truncated:
+        notes.append(f"{len(truncated)} probe(s) ran {truncated[0]['depth']} of the model's {truncated[0]['blocks']} "
+                     "identical blocks and were scaled to the whole stack: each micro-batch's blocks' seconds "
+                     f"x {truncated[0]['blocks'] / truncated[0]['depth']:.1f}, the optimizer step by the parameters, "
+                     "the measured peak by what the estimate prices between the two stacks")
     if realised:
         notes.append(f"{realised} candidate(s) train each window as one batch cut into micro-batches "
                      "of at most (micro-batch x the worst width) padded tokens: short rows run many to a "
@@ -284,6 +305,24 @@ def explain(request: Request, search: Search, first: FirstProbe, searched: Searc
                 malloc_threshold_bytes=allocator.fixed_threshold() if first.malloc is not None else None,
                 charged_seconds=tally.charged if request.probes else 0.0, baseline_words=baseline_words, lora=lora,
                 predictions=tally.predictions, overhead_bytes=budget.overhead)
+
+
+def _cut_probe_notes(candidates: list[Candidate]) -> list[str]:
+    """What planning did not measure where its time left could not pay for a whole probe, and why."""
+    def words(candidate: Candidate) -> str:
+        return f"{split_words(candidate.settings)} (checkpointing {candidate.settings.checkpointing})"
+    lined = [words(c) for c in candidates if c.probe.get("line_only")]
+    timed = [words(c) for c in candidates if c.probe.get("memory") and not c.probe.get("line_only")]
+    notes = []
+    if lined:
+        notes.append(f"not probed: {', '.join(lined)}: planning's time left could not pay for a probe, the estimate "
+                     "decides the memory with room to spare, and a probe of the same kernels drew the line that "
+                     "prices its micro-batches (its optimizer step is that probe's)")
+    if timed:
+        notes.append(f"probed without the worst batch: {', '.join(timed)}: planning's time left could not pay for "
+                     "a whole probe, and the estimate decides the memory with room to spare: only the micro-batches "
+                     "that price the run were timed")
+    return notes
 
 
 def _freeze_objects(collect: bool) -> bool:

@@ -7,6 +7,7 @@ import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from looptrain.planning.errors import PlanError
 from looptrain.strategy import Strategy
@@ -92,6 +93,8 @@ class Candidate:
     # What its optimizer step allocates beyond what is alive before it (`Search.step_bytes`): a probe with a ceiling
     # stops before a step that would take it past, as nothing inside the step can stop it.
     step_bytes: int = 0
+    # How its probe runs the model (`truncation.Truncation`: on a truncated stack of blocks, scaled), None: whole.
+    truncation: Any = None
 
     def record(self, probe: dict, seconds_per_epoch: float | None = None) -> None:
         """Its probe's measurements, and the epoch's time they predict (None: no time measured, the prior's stands)."""
@@ -169,7 +172,8 @@ class Plan:
             settings = candidate.settings
             measured = any(c.probed for c in self.candidates)  # without probes the prior has no unit
             speed = f"{self.num_samples / candidate.seconds_per_epoch:.1f}" if measured else "-"
-            source = ("probe (cached)" if candidate.probe.get("from_cache") else "probe") if candidate.probed \
+            source = ("line of a probe alike" if candidate.probe.get("line_only") else "probe (cached)"
+                      if candidate.probe.get("from_cache") else "probe") if candidate.probed \
                 else "prior, scaled to the probes" if measured else "prior only"
             marks = ", ".join(mark for mark, on in (("winner", rank == 1), (self.baseline_words, candidate.baseline))
                               if on)

@@ -28,6 +28,7 @@ from looptrain.memory import allocator
 from looptrain.memory.meters import current_rss_bytes, proc_status_bytes, reset_peak_rss
 from looptrain.optim import inner_optimizers
 from looptrain.planning.errors import PlanError
+from looptrain.planning.truncation import BlockClock, Truncation, scaled_seconds, trainable_numel, truncated
 from looptrain.precision import resolve_device
 from looptrain.strategy import Strategy
 
@@ -137,8 +138,11 @@ class _Ceiling:
 
 def probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_grad_norm,
           meter: Meter | None = None, ceiling: int | None = None, step_bytes: int = 0,
-          typical: dict | None = None) -> dict:
+          typical: dict | None = None, truncation: Truncation | None = None, memory: bool = True) -> dict:
     """`measure_probe`, or its result read from the on-disk cache when this CPU measured the same probe before.
+
+    `memory` False (the estimate decides the candidate's memory already, `Budget.decides`): the probe times what
+    prices the run and measures nothing, where it times a `typical` micro-batch (`timing_only`).
 
     A probe on a CPU is cached (`estimate_cache.probe_key`: the model, the settings, the batch, the meter, the CPU
     and its threads, the versions); not a compiled one (the compile cache decides its first step), nor on CUDA. A
@@ -148,17 +152,34 @@ def probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_gr
     first-use memory was never touched). A probe stopped at its `ceiling` is read only for a ceiling no higher: it
     says the peak passes that ceiling, not where it ends.
     """
+    if not memory and typical is not None and not settings.compile:
+        return timing_only(probe(model, settings, typical, device, max_grad_norm, meter, truncation=truncation))
     settings = as_run(settings, meter)
-    key = probe_key(model, settings, batch, device, max_grad_norm, meter, typical=typical)
+    truncated_only = {"truncation": truncation} if truncation is not None else {}
+    key = probe_key(model, settings, batch, device, max_grad_norm, meter, typical=typical, truncation=truncation)
     if key is None:
-        return measure_probe(model, settings, batch, device, max_grad_norm, meter, ceiling, step_bytes, typical=typical)
+        return measure_probe(model, settings, batch, device, max_grad_norm, meter, ceiling, step_bytes, typical=typical,
+                             **truncated_only)
     held = held_bytes(meter)
     cached = cached_probe(key, held)
     if cached is not None and not (cached.get("stopped") and (ceiling is None or ceiling > cached["ceiling"])):
         return cached
-    result = measure_probe(model, settings, batch, device, max_grad_norm, meter, ceiling, step_bytes, typical=typical)
+    result = measure_probe(model, settings, batch, device, max_grad_norm, meter, ceiling, step_bytes, typical=typical,
+                           **truncated_only)
     estimate_cache.write_probe(key, {**result, "held_bytes": held})
     return result
+
+
+def timing_only(probed: dict) -> dict:
+    """A probe of the typical micro-batch alone (warm-up, the small step, the typical one, the step), read as a
+    probe of the candidate whose memory the estimate decides: its typical micro-batch timed, nothing measured. The
+    worst batch, which only its memory needed (the run is priced from the small and the typical micro-batches), is
+    not run (docs/plan.md, 'What planning costs')."""
+    timed = {key: value for key, value in probed.items() if key != "measured_peak_bytes"}
+    if timed.get("stopped"):  # a typical micro-batch is no larger than the worst the estimate fits: never expected
+        return timed
+    return {**timed, "typical_step_seconds": probed["micro_step_seconds"],
+            "typical_batch_shape": probed["batch_shape"], "memory": "decided by the estimate"}
 
 
 def trims(meter: Meter | None) -> bool:
@@ -175,10 +196,12 @@ def as_run(settings: Strategy, meter: Meter | None) -> Strategy:
 
 
 def probe_key(model: nn.Module, settings: Strategy, batch: dict, device: str, max_grad_norm,
-              meter: Meter | None, typical: dict | None = None) -> str | None:
+              meter: Meter | None, typical: dict | None = None, truncation: Truncation | None = None) -> str | None:
     """The probe's cache key, or None when it is not cached (CUDA, a compiled model, a meter other than RSS, a
-    model `plan` did not describe when it started)."""
+    model `plan` did not describe when it started). A truncated probe keys on its depth and its shift too."""
     digest = MODEL_DIGESTS.get(model)
+    if digest is not None and truncation is not None:
+        digest = f"{digest} truncated {truncation}"
     if digest is None or resolve_device(device).type != "cpu" or settings.compile \
             or (meter is not None and meter.kind != "rss"):
         return None
@@ -211,7 +234,7 @@ def cached_probe(key: str | None, held: int) -> dict | None:
 
 def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_grad_norm,
                   meter: Meter | None = None, ceiling: int | None = None, step_bytes: int = 0,
-                  typical: dict | None = None) -> dict:
+                  typical: dict | None = None, truncation: Truncation | None = None) -> dict:
     """`_measure_probe`, then what it made freed (`Meter.settle`, or a collection): only once its frame is gone.
 
     Inside it the probe's Loop and optimizer are still referenced, and a collection there frees nothing; left to the
@@ -219,7 +242,11 @@ def measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str
     (docs/plan.md, 'Kernel caches, and a probe's Loop that outlived the plan')."""
     started = time.perf_counter()
     try:
-        result = _measure_probe(model, settings, batch, device, max_grad_norm, meter, ceiling, step_bytes, typical)
+        if truncation is None:
+            result = _measure_probe(model, settings, batch, device, max_grad_norm, meter, ceiling, step_bytes, typical)
+        else:
+            result = _measure_truncated(model, settings, batch, device, max_grad_norm, meter, ceiling, step_bytes,
+                                        typical, truncation)
     finally:
         if meter is not None:
             meter.settle()  # the next probe, and the run, start without this one's memory or its freed blocks
@@ -324,8 +351,35 @@ class _TimedLoop(Loop):
         return super().compute_loss(batch)
 
 
+def _measure_truncated(model: nn.Module, settings: Strategy, batch: dict, device: str, max_grad_norm,
+                       meter: Meter | None, ceiling: int | None, step_bytes: int, typical: dict | None,
+                       truncation: Truncation) -> dict:
+    """`_measure_probe` on `truncation.depth` of the model's blocks, scaled to the whole stack
+    (`looptrain.planning.truncation`): the micro-batches by their blocks' seconds, the optimizer step by the trainable
+    parameters, the peak by the estimate's `shift_bytes` (the ceiling too, and the step's bytes by the parameters)."""
+    whole = trainable_numel(model)
+    with truncated(model, truncation.depth) as blocks:
+        clock = BlockClock(blocks)
+        ratio = whole / max(1, trainable_numel(model))
+        try:
+            result = _measure_probe(model, settings, batch, device, max_grad_norm, meter,
+                                    None if ceiling is None else ceiling - truncation.shift_bytes,
+                                    int(step_bytes / ratio), typical, (clock, truncation, ratio))
+        finally:
+            clock.remove()
+    if "measured_peak_bytes" in result:
+        result["measured_peak_bytes"] += truncation.shift_bytes
+    if result.get("stopped"):
+        result["ceiling"] = ceiling
+    if "before_step_bytes" in result:
+        result["before_step_bytes"] = step_bytes
+    return {**result, "truncated": {"depth": truncation.depth, "blocks": truncation.blocks,
+                                    "shift_bytes": truncation.shift_bytes}}
+
+
 def _measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_grad_norm,
-                   meter: Meter | None, ceiling: int | None, step_bytes: int, typical: dict | None) -> dict:
+                   meter: Meter | None, ceiling: int | None, step_bytes: int, typical: dict | None,
+                   scaling: tuple | None = None) -> dict:
     """One update of the Loop on `batch` (two when it has one micro-batch), learning rate 0, timed.
 
     An accumulating split's update is one window of micro-batches, as in the estimator: from the second micro-batch
@@ -344,7 +398,8 @@ def _measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: st
     With `meter` and a `ceiling` (bytes by that meter), the probe stops as soon as the meter reads above it, from
     the worst batch on (`_Ceiling`): the result then says ``"stopped": True`` and holds the ceiling and the peak
     measured when it stopped (past it, or with ``"before_step_bytes"`` before an optimizer step of `step_bytes`
-    that would have taken it past), but no timings.
+    that would have taken it past), but no timings. `scaling` (`_measure_truncated`): the micro-batches' seconds and
+    the step's are scaled to the whole stack of blocks.
     """
     plan = _probe_windows(settings, batch, typical)
     config = LoopConfig(**settings.loop_fields() | {"accum_steps": len(plan.windows[0])}, max_grad_norm=max_grad_norm,
@@ -363,7 +418,13 @@ def _measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: st
     timed: list[tuple[list[float], float]] = []  # per update: `_window_seconds`
     try:
         for window in plan.windows:
-            timed.append(watch.window(loop, window, settings.optimizer_in_backward))
+            seconds, optimizer_seconds = watch.window(loop, window, settings.optimizer_in_backward)
+            if scaling is not None:
+                clock, truncation, ratio = scaling
+                starts = sorted(when for kind, when in watch.marks if kind == "loss")
+                seconds = scaled_seconds(seconds, starts, clock, truncation)
+                optimizer_seconds *= ratio
+            timed.append((seconds, optimizer_seconds))
     except Exception:
         if guard is None or not guard.tripped:  # autograd may re-raise a hook's exception as its own
             raise

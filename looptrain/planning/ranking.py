@@ -16,6 +16,7 @@ from looptrain.planning.errors import PlanError
 from looptrain.planning.plans import Candidate, format_bytes
 from looptrain.planning.timing import (
     has_line,
+    line_priced,
     predicted_probe_seconds,
     record_probe,
     same_kernels,
@@ -49,6 +50,10 @@ class Prober:
     flops: ModelFlops | None = None
     echo: Callable[[str], None] = lambda line: None
     batches: dict = field(default_factory=dict, compare=False)  # by micro-batch size: collated once
+    # Planning's seconds left when ranking starts (None: no bound): a probe that cannot be paid from what is left is
+    # cut to what it decides (`probe`); `spent` holds the probes' seconds since.
+    seconds_left: float | None = None
+    spent: list = field(default_factory=list, compare=False)
 
     def batch(self, size: int) -> dict:
         """The worst batch of `size` rows (the longest samples)."""
@@ -63,10 +68,22 @@ class Prober:
         ceiling = self.budget.probe_ceiling() if self.meter is not None else None
         alike = next((other for other in candidates if has_line(other.probe)
                       and same_kernels(other.settings, candidate.settings)), None)
-        typical = typical_batch(candidate, self.dataset, self.collator, self.order) if alike is None else None
+        # Where planning's time left cannot pay for the whole probe and the estimate decides the memory: priced by the
+        # line of a probe of the same kernels, else timed without the worst batch (docs/plan.md, 'What planning costs').
+        cut = self.seconds_left is not None and self.budget.decides(candidate.estimated_peak_bytes) \
+            and predicted_probe_seconds(candidate, candidates) > self.seconds_left - sum(self.spent)
+        priced = line_priced(alike, self.flops) if cut and alike is not None else None
+        if priced is not None:
+            record_probe(candidate, priced, self.flops, alike.probe)
+            return
+        typical = typical_batch(candidate, self.dataset, self.collator, self.order) \
+            if alike is None or cut else None
         probed = probes.probe(self.model, candidate.settings, self.batch(candidate.settings.batch_size), self.device,
-                              self.max_grad_norm, self.meter, ceiling, candidate.step_bytes, typical=typical)
-        record_probe(candidate, probed, self.flops, alike.probe if alike is not None else None)
+                              self.max_grad_norm, self.meter, ceiling, candidate.step_bytes, typical=typical,
+                              **({"truncation": candidate.truncation} if candidate.truncation is not None else {}),
+                              **({"memory": False} if cut else {}))
+        self.spent.append(probed["probe_seconds"])
+        record_probe(candidate, probed, self.flops, alike.probe if alike is not None and not cut else None)
 
     def say(self, candidate: Candidate, over: bool) -> None:
         """The echo's line for a probe: its speed, or where it stopped, and its measured peak."""

@@ -114,6 +114,17 @@ def micro_batch_costs(probe: dict, flops: ModelFlops | None) -> tuple[float, flo
     return fixed, per_flop
 
 
+def line_priced(alike: Candidate, flops: ModelFlops | None) -> dict | None:
+    """What a probe of a candidate with `alike`'s kernels would tell, without one: `alike`'s line of micro-batch costs
+    and its optimizer step (the same settings but the split step the same parameters alike), nothing measured; for
+    `record_probe(candidate, ..., line_from=alike.probe)`. None where `alike`'s probe drew no line (`has_line`, or no
+    FLOPs counted): then only a probe prices it."""
+    if not has_line(alike.probe) or micro_batch_costs(alike.probe, flops) is None:
+        return None
+    return {"optimizer_step_seconds": alike.probe["optimizer_step_seconds"], "probe_seconds": 0.0,
+            "memory": "decided by the estimate", "line_only": True}
+
+
 def scale_priors(candidates: list[Candidate]) -> None:
     """Unprobed candidates' predicted time: their prior times the median ratio of the probed ones alike
     (same precision and optimizer), or of every probed one."""
@@ -133,8 +144,9 @@ def timed(candidate: Candidate) -> bool:
 
 
 def predicted_probe_seconds(candidate: Candidate, probed: list[Candidate]) -> float:
-    """A probe's time, scaled from the nearest probed candidate by micro-batch rows and recompute."""
-    probed = [c for c in probed if timed(c)]
+    """A probe's time, scaled from the nearest candidate probed whole by micro-batch rows and recompute (a probe cut
+    to what it decides, `Prober.probe`, tells nothing of a whole probe's cost)."""
+    probed = [c for c in probed if timed(c) and not c.probe.get("memory")]
     if not probed:
         return 0.0
 
