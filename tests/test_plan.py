@@ -924,7 +924,10 @@ def test_the_fused_steps_bound_is_the_line_through_two_estimates_not_one_scaled(
 
 def test_with_no_planning_time_the_search_stops_short_and_the_baseline_trains(dataset, monkeypatch, tmp_path):
     """Planning's time (estimates and probes) is bounded: with none left after the first probe and nothing cached,
-    no further split is estimated, the note says so, and the configuration without the planner is the plan."""
+    the search estimates one round more, the whole batch with the step fused into backward (`whole_batch_fused`),
+    and nothing else; the note says so. The configuration without the planner and the prior's favourite among the
+    others (here the lightest split, cut by tokens: less padding at the same speed a token) are both probed, and the
+    faster measured trains."""
     from looptrain.planning import book
 
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cold"))
@@ -935,16 +938,22 @@ def test_with_no_planning_time_the_search_stops_short_and_the_baseline_trains(da
     user = Strategy(batch_size=2, accum_steps=8)
     result = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH, base=user,
                   probe_budget=0.0)
-    # The baseline's own estimate (does it fit), and with two estimate workers the lightest split's beside it.
-    assert result.estimates == book.estimate_workers() and result.cached_estimates == 0
+    # The baseline's own estimate (does it fit), and with two estimate workers the lightest split's beside it; then
+    # one round of the whole batch fused (as many as there are workers).
+    from looptrain.planning.candidates import by_tokens
+    from looptrain.planning.search import CHECKPOINT_MODES, whole_batch_fused
+
+    workers = max(1, book.estimate_workers())
+    fused = whole_batch_fused(user, EFFECTIVE_BATCH, [("fp32", "fp32")], list(reversed(CHECKPOINT_MODES)),
+                              "adamw")[:workers]
+    assert result.estimates == min(2, workers) + len(fused) and result.cached_estimates == 0
     # The candidates are splits those estimates priced (the lightest, where it was estimated beside the baseline)
     # and nothing else; the configuration without the planner, probed, trains.
-    from looptrain.planning.candidates import by_tokens
-
     lightest = by_tokens(Strategy(batch_size=1, accum_steps=EFFECTIVE_BATCH, gradient_checkpointing=True,
                                   checkpoint_every=1), result.worst_width)  # cut by tokens as the planner trains it
-    assert [c.settings for c in result.candidates] == [user, lightest][:result.estimates] and result.winner.baseline
-    assert result.winner.settings == user and result.winner.probed
+    settings = [c.settings for c in result.candidates]
+    assert user in settings and all(s in [user, lightest, *fused] for s in settings)
+    assert result.winner.settings == lightest and all(c.probed for c in result.candidates[:2])
     assert any("the search stopped short of" in note for note in result.notes)
 
 

@@ -82,6 +82,21 @@ class Search:
             self.book.note_predicted(settings)
         return self.budget.within(peak)
 
+    def estimate_round(self, settings_list: Sequence[Strategy]) -> None:
+        """Estimates the first of `settings_list` not memoised yet, one round (as many as there are workers, at least
+        one), whatever planning's time: a short run's time may be spent before its search starts, and this round is
+        all it then estimates (`candidate_settings`: the step fused into backward at the whole batch)."""
+        book = self.book
+        wanted = [settings for settings in settings_list if not book.memoised(settings)][:max(1, len(book.workers))]
+        limit = book.limit
+        book.limit_time(None)
+        try:
+            book.prefetch(wanted)
+            for settings in wanted:
+                book.peak(settings)
+        finally:
+            book.limit_time(limit)
+
     def fits_or_spent(self, settings: Strategy) -> bool:
         """`fits`, False once planning's time is spent on settings not estimated yet."""
         try:
@@ -187,8 +202,11 @@ def candidate_settings(search: Search, effective_batch: int, base: Strategy, lev
     modes = [(base.gradient_checkpointing, base.checkpoint_every)] if checkpointing_fixed \
         else list(reversed(CHECKPOINT_MODES))  # the most memory saved first
     fused_options = [base.optimizer_in_backward] if "optimizer_in_backward" in fixed else [False, True]
+    numerics = searched_numerics(base, levers, fixed, device_type)
+    if search.limit is not None and True in fused_options and effective_batch in sizes:
+        search.estimate_round(whole_batch_fused(base, effective_batch, numerics, modes, optimizers[0]))
     found, failure = Found([]), None  # failure: the last bisection's smallest split that did not fit
-    for precision, weights in searched_numerics(base, levers, fixed, device_type):
+    for precision, weights in numerics:
         reached: dict = {}  # checkpointing mode -> the largest micro-batch an earlier optimizer of the family reached
         for optimizer in optimizers:
             if search.limit is not None:
@@ -200,6 +218,21 @@ def candidate_settings(search: Search, effective_batch: int, base: Strategy, lev
             found = Found(found.settings + modes_found.settings, found.extrapolated + modes_found.extrapolated)
             reached, failure = modes_found.reached, modes_found.failure
     return found
+
+
+def whole_batch_fused(base: Strategy, effective_batch: int, numerics: list[tuple[str, str]], modes: list,
+                      optimizer: str) -> list[Strategy]:
+    """The whole batch in one micro-batch with the optimizer step fused into backward (no gradients held: the
+    lightest way to run the largest micro-batch), the fastest numerics first (`--amp`'s precision before fp32, bf16
+    weights last), each from the most checkpointing to the least: what a search cut short by planning's time
+    estimates before anything else (`Search.estimate_round`), so that its candidates hold more than the safe default
+    (docs/plan.md, "The planner against a grid")."""
+    ordered = sorted(numerics, key=lambda pair: (pair[1] != "fp32", pair[0] == "fp32"))
+    splits = [dataclasses.replace(base, batch_size=effective_batch, accum_steps=1, optimizer_in_backward=True,
+                                  gradient_checkpointing=checkpointing, checkpoint_every=every, precision=precision,
+                                  weights=weights, optimizer=optimizer)
+              for precision, weights in ordered for checkpointing, every in modes]
+    return [split for split in splits if valid_settings(split)]
 
 
 @dataclass(frozen=True)
