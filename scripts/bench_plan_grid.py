@@ -240,6 +240,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{arguments.budget_mib:.0f} MiB of RSS above the start; effective batch {arguments.effective_batch}, "
               f"{arguments.updates} updates ({arguments.updates - 1} timed), worst width {width}")
     print(header, flush=True)
+    planned = {}  # the planner first: a grid cut short by the lock's time still has it
+    if not (arguments.estimates_only or arguments.no_planner):
+        for optimizer in arguments.optims.split(","):
+            flags = ["--memory-budget", f"{budget}B", "--effective-batch", str(arguments.effective_batch), "--amp",
+                     "--optim", optimizer]
+            with tempfile.TemporaryDirectory(prefix="grid-plan-cache-") as cold:  # a cold plan, as a user's first
+                planned[optimizer] = run(arguments, model_dir, data, flags, cold)
+            print(json.dumps({key: value for key, value in planned[optimizer].items() if key != "plan"}), flush=True)
     results = [row for name in arguments.points_from.split(",") if name
                for row in json.loads(Path(name).read_text())["points"]]
     fitted = []  # the settings measured within the budget so far
@@ -261,15 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(row)
         print(json.dumps({key: value for key, value in row.items() if key != "plan"}), flush=True)
         if arguments.json:
-            Path(arguments.json).write_text(json.dumps({"header": header, "points": results}, indent=1))
-    planned = {}
-    if not (arguments.estimates_only or arguments.no_planner):
-        for optimizer in arguments.optims.split(","):
-            flags = ["--memory-budget", f"{budget}B", "--effective-batch", str(arguments.effective_batch), "--amp",
-                     "--optim", optimizer]
-            with tempfile.TemporaryDirectory(prefix="grid-plan-cache-") as cold:  # a cold plan, as a user's first
-                planned[optimizer] = run(arguments, model_dir, data, flags, cold)
-            print(json.dumps({key: value for key, value in planned[optimizer].items() if key != "plan"}), flush=True)
+            Path(arguments.json).write_text(json.dumps({"header": header, "points": results, "planned": planned},
+                                                       indent=1))
     print_table(arguments, header, results, planned, budget, Strategy)
     if arguments.json:
         Path(arguments.json).write_text(json.dumps({"header": header, "points": results, "planned": planned},

@@ -1239,9 +1239,13 @@ class AffineSearch:
         self.budget, self.margin, self.overhead, self.measured, self.padded = budget, 0.0, 0, False, False
         self.results, self.estimated, self.cache = {}, [], set()
         self.limit, self.rounds = limit, []  # a time limit (probes follow); the rounds `prefetch_all` was asked for
+        self.forced = []  # the rounds `estimate_round` was asked for
 
     def prefetch_all(self, settings_list) -> None:
         self.rounds.append(list(settings_list))
+
+    def estimate_round(self, settings_list) -> None:
+        self.forced.append(list(settings_list))  # a round made whatever the time: `known` says what it priced
 
     def peak(self, settings) -> int:
         grads = 0 if settings.optimizer_in_backward else 10
@@ -1585,6 +1589,36 @@ def test_a_search_cut_short_keeps_every_split_it_already_knows_to_fit():
     search = KnownOnlySearch(budget=33, known=frontier)  # none at 1 row (34) is over: not a candidate
     assert plan_search.candidate_settings(search, 16, base, Levers(), set(), "cpu").settings == frontier[:2]
     assert all(dataclasses.replace(split, batch_size=1, accum_steps=16) == split for split in frontier)
+
+
+def test_a_search_out_of_time_still_estimates_the_whole_batch_fused_first_and_keeps_it_when_it_fits():
+    """A short run's planning time may be spent before its search starts (the first probe measured again with the
+    allocator made leaner): the search then still makes one round of estimates, the whole batch in one micro-batch
+    with the step fused into backward (the fastest numerics first, each from every block checkpointed to none), so
+    that the candidates hold more than the safe default. Without a time limit no such round is asked for."""
+    from looptrain.planning import search as plan_search
+
+    class RoundSearch(KnownOnlySearch):
+        def estimate_round(self, settings_list) -> None:
+            super().estimate_round(settings_list)
+            self.known_keys |= {self.key(settings) for settings in settings_list[:2]}  # two workers
+
+    base = Strategy(batch_size=16, accum_steps=1)
+    frontier = plan_search.mode_frontier(base, 16, set())
+    search = RoundSearch(budget=36, known=frontier)  # fused, 16 rows: every block 36, every other 52
+    chosen = plan_search.candidate_settings(search, 16, base, Levers(), set(), "cpu").settings
+    fused = [(s.batch_size, s.accum_steps, s.gradient_checkpointing, s.checkpoint_every, s.optimizer_in_backward)
+             for s in search.forced[0]]
+    assert fused == [(16, 1, True, 1, True), (16, 1, True, 2, True), (16, 1, False, 1, True)]
+    assert search.forced[0][0] in chosen and search.forced[0][1] not in chosen
+    untimed = AffineSearch(budget=36)
+    plan_search.candidate_settings(untimed, 16, base, Levers(), set(), "cpu")
+    assert untimed.forced == []
+    # --amp's precision before fp32, bf16 weights last.
+    numerics = [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16")]
+    order = [(s.precision, s.weights) for s in plan_search.whole_batch_fused(base, 16, numerics, [(True, 1)],
+                                                                            "adafactor")]
+    assert order == [("bf16", "fp32"), ("fp32", "fp32"), ("bf16", "bf16")]
 
 
 @pytest.mark.slow  # over 6 s: make test stays under 5 minutes on 2 cores; .ci/run runs it
