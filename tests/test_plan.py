@@ -935,6 +935,10 @@ def test_with_no_planning_time_the_search_stops_short_and_the_baseline_trains(da
     model = make_tiny_bert(num_labels=2)
     budget = budget_between(model, train_set, collator, 4, 8)
     monkeypatch.setattr(probes, "probe", fake_probe(dict.fromkeys((1, 2, 4, 8, 16), 1.0)))
+    real = book.estimate  # the whole batch fused: over the budget, in no time (a real estimate costs seconds here)
+    monkeypatch.setattr(book, "estimate", lambda model, rows, width, settings, **kwargs: real(
+        model, rows, width, settings, **kwargs) if not settings.optimizer_in_backward else
+        {**row_estimates(model, rows), "peak_memory_bytes": 2 * budget})
     user = Strategy(batch_size=2, accum_steps=8)
     result = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH, base=user,
                   probe_budget=0.0)
