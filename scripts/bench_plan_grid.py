@@ -159,9 +159,23 @@ def estimated_bytes(model_dir: Path, settings, width: int) -> int:
 
 
 # ------------------------------------------------------------------ one run
-def run(arguments, model_dir: Path, data: Path, flags: list[str], cache: str) -> dict:
-    """`scripts/finetune.py` with `flags` in a fresh process: its peak RSS above the start and its speed after the first
-    update (None with `failed` where it exits non-zero)."""
+def as_planned(plan: dict | None) -> tuple[dict, list[str]]:
+    """The process settings of the planned run, which every grid point then runs with (`--as-planned`): oneDNN's
+    kernel caches capped as under any --memory-budget, glibc's thresholds as the plan fixed them, else the heap
+    trimmed (`--trim-heap`) where the plan trims it."""
+    from looptrain.memory.allocator import lean_environment
+
+    environment = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
+    if not plan:
+        return environment, []
+    if plan.get("malloc_threshold_bytes"):
+        environment.update(lean_environment(plan["malloc_threshold_bytes"]))
+    return environment, ["--trim-heap"] if plan["settings"].get("trim_heap") else []
+
+
+def run(arguments, model_dir: Path, data: Path, flags: list[str], cache: str, extra: dict | None = None) -> dict:
+    """`scripts/finetune.py` with `flags` in a fresh process (`extra`: more environment): its peak RSS above the start
+    and its speed after the first update (None with `failed` where it exits non-zero)."""
     task = ["--task", "causal-lm"] if arguments.model == "lm" else []
     with tempfile.TemporaryDirectory(prefix="grid-run-") as output:
         command = [sys.executable, str(ROOT / "scripts" / "finetune.py"), *task, "--model", str(model_dir),
@@ -170,7 +184,7 @@ def run(arguments, model_dir: Path, data: Path, flags: list[str], cache: str) ->
                    "--eval-split", "0", "--eval-every", "no", "--no-progress-bar", "--seed", "0", "--lr", "1e-5",
                    "--output-dir", output, "--overwrite", *flags]
         environment = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
-                       "TOKENIZERS_PARALLELISM": "false", "LOOPTRAIN_CACHE_DIR": cache}
+                       "TOKENIZERS_PARALLELISM": "false", "LOOPTRAIN_CACHE_DIR": cache, **(extra or {})}
         started = time.perf_counter()
         completed = subprocess.run(command, capture_output=True, text=True, env=environment, cwd=ROOT)
         wall = time.perf_counter() - started
@@ -208,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--updates", type=int, default=3, help="updates per run; the first is not timed")
     parser.add_argument("--workdir", default="/tmp/looptrain-bench-plan-grid")
     parser.add_argument("--precisions", default="", help="comma-separated (default: fp32 and what --amp picks here)")
+    parser.add_argument("--as-planned", action="store_true",
+                        help="run every point with the planned run's process settings (kernel caches capped, glibc's "
+                             "thresholds as the plan fixed them)")
     parser.add_argument("--estimates-only", action="store_true", help="print each point's estimate; run nothing")
     parser.add_argument("--no-planner", action="store_true", help="run the grid only (its --json is read back by "
                                                                   "--points-from)")
@@ -251,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     results = [row for name in arguments.points_from.split(",") if name
                for row in json.loads(Path(name).read_text())["points"]]
     fitted = []  # the settings measured within the budget so far
+    planned_run = next(iter(planned.values()), None) if arguments.as_planned else None
+    environment, process_flags = as_planned((planned_run or {}).get("plan")) if arguments.as_planned else ({}, [])
+    if environment or process_flags:
+        print(f"every point runs as the planned run did: {environment} {process_flags}", flush=True)
     for settings in points if not results else []:
         estimate = estimated_bytes(model_dir, settings, width)
         row = {"settings": describe(settings), "flags": settings.flags(), "estimate": estimate,
@@ -263,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         elif any(less_checkpointed(settings, other) for other in fitted):
             row["skipped"] = "fits with less checkpointing"
         elif not arguments.estimates_only:
-            row.update(run(arguments, model_dir, data, settings.flags(), cache))
+            row.update(run(arguments, model_dir, data, settings.flags() + process_flags, cache, environment))
             if row.get("peak", budget + 1) <= budget:
                 fitted.append(settings)
         results.append(row)

@@ -1598,8 +1598,9 @@ def test_a_search_cut_short_keeps_every_split_it_already_knows_to_fit():
 def test_a_search_out_of_time_still_estimates_the_whole_batch_fused_first_and_keeps_it_when_it_fits():
     """A short run's planning time may be spent before its search starts (the first probe measured again with the
     allocator made leaner): the search then still makes one round of estimates, the whole batch in one micro-batch
-    with the step fused into backward (the fastest numerics first, each from every block checkpointed to none), so
-    that the candidates hold more than the safe default. Without a time limit no such round is asked for."""
+    with the step fused into backward and every block checkpointed beside micro-batch 1 without checkpointing (then
+    the other fused whole batches; the fastest numerics first), and keeps those that fit as candidates, though the
+    bisection of the modes checkpointing more was cut short. Without a time limit no such round is asked for."""
     from looptrain.planning import search as plan_search
 
     class RoundSearch(KnownOnlySearch):
@@ -1609,12 +1610,12 @@ def test_a_search_out_of_time_still_estimates_the_whole_batch_fused_first_and_ke
 
     base = Strategy(batch_size=16, accum_steps=1)
     frontier = plan_search.mode_frontier(base, 16, set())
-    search = RoundSearch(budget=36, known=frontier)  # fused, 16 rows: every block 36, every other 52
+    search = RoundSearch(budget=36, known=frontier[:1])  # fused, 16 rows: every block 36, every other 52; 1 row: 34
     chosen = plan_search.candidate_settings(search, 16, base, Levers(), set(), "cpu").settings
     fused = [(s.batch_size, s.accum_steps, s.gradient_checkpointing, s.checkpoint_every, s.optimizer_in_backward)
              for s in search.forced[0]]
-    assert fused == [(16, 1, True, 1, True), (16, 1, True, 2, True), (16, 1, False, 1, True)]
-    assert search.forced[0][0] in chosen and search.forced[0][1] not in chosen
+    assert fused == [(16, 1, True, 1, True), (1, 16, False, 1, False), (16, 1, True, 2, True), (16, 1, False, 1, True)]
+    assert search.forced[0][0] in chosen and search.forced[0][1] in chosen and search.forced[0][2] not in chosen
     untimed = AffineSearch(budget=36)
     plan_search.candidate_settings(untimed, 16, base, Levers(), set(), "cpu")
     assert untimed.forced == []
