@@ -924,7 +924,10 @@ def test_the_fused_steps_bound_is_the_line_through_two_estimates_not_one_scaled(
 
 def test_with_no_planning_time_the_search_stops_short_and_the_baseline_trains(dataset, monkeypatch, tmp_path):
     """Planning's time (estimates and probes) is bounded: with none left after the first probe and nothing cached,
-    no further split is estimated, the note says so, and the configuration without the planner is the plan."""
+    the search estimates one round more, the whole batch with the step fused into backward (`whole_batch_fused`),
+    and nothing else; the note says so. The configuration without the planner and the prior's favourite among the
+    others (here the lightest split, cut by tokens: less padding at the same speed a token) are both probed, and the
+    faster measured trains."""
     from looptrain.planning import book
 
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cold"))
@@ -932,19 +935,29 @@ def test_with_no_planning_time_the_search_stops_short_and_the_baseline_trains(da
     model = make_tiny_bert(num_labels=2)
     budget = budget_between(model, train_set, collator, 4, 8)
     monkeypatch.setattr(probes, "probe", fake_probe(dict.fromkeys((1, 2, 4, 8, 16), 1.0)))
+    real = book.estimate  # the whole batch fused: over the budget, in no time (a real estimate costs seconds here)
+    monkeypatch.setattr(book, "estimate", lambda model, rows, width, settings, **kwargs: real(
+        model, rows, width, settings, **kwargs) if not settings.optimizer_in_backward else
+        {**row_estimates(model, rows), "peak_memory_bytes": 2 * budget})
     user = Strategy(batch_size=2, accum_steps=8)
     result = plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH, base=user,
                   probe_budget=0.0)
-    # The baseline's own estimate (does it fit), and with two estimate workers the lightest split's beside it.
-    assert result.estimates == book.estimate_workers() and result.cached_estimates == 0
+    # The baseline's own estimate (does it fit), and with two estimate workers the lightest split's beside it; then
+    # one round of the whole batch fused (as many as there are workers).
+    from looptrain.planning.candidates import by_tokens
+    from looptrain.planning.search import CHECKPOINT_MODES, whole_batch_fused
+
+    workers = max(1, book.estimate_workers())
+    fused = whole_batch_fused(user, EFFECTIVE_BATCH, [("fp32", "fp32")], list(reversed(CHECKPOINT_MODES)),
+                              "adamw")[:workers]
+    assert result.estimates == min(2, workers) + len(fused) and result.cached_estimates == 0
     # The candidates are splits those estimates priced (the lightest, where it was estimated beside the baseline)
     # and nothing else; the configuration without the planner, probed, trains.
-    from looptrain.planning.candidates import by_tokens
-
     lightest = by_tokens(Strategy(batch_size=1, accum_steps=EFFECTIVE_BATCH, gradient_checkpointing=True,
                                   checkpoint_every=1), result.worst_width)  # cut by tokens as the planner trains it
-    assert [c.settings for c in result.candidates] == [user, lightest][:result.estimates] and result.winner.baseline
-    assert result.winner.settings == user and result.winner.probed
+    settings = [c.settings for c in result.candidates]
+    assert user in settings and all(s in [user, lightest, *fused] for s in settings)
+    assert result.winner.settings == lightest and all(c.probed for c in result.candidates[:2])
     assert any("the search stopped short of" in note for note in result.notes)
 
 
@@ -1230,9 +1243,13 @@ class AffineSearch:
         self.budget, self.margin, self.overhead, self.measured, self.padded = budget, 0.0, 0, False, False
         self.results, self.estimated, self.cache = {}, [], set()
         self.limit, self.rounds = limit, []  # a time limit (probes follow); the rounds `prefetch_all` was asked for
+        self.forced = []  # the rounds `estimate_round` was asked for
 
     def prefetch_all(self, settings_list) -> None:
         self.rounds.append(list(settings_list))
+
+    def estimate_round(self, settings_list) -> None:
+        self.forced.append(list(settings_list))  # a round made whatever the time: `known` says what it priced
 
     def peak(self, settings) -> int:
         grads = 0 if settings.optimizer_in_backward else 10
@@ -1576,6 +1593,37 @@ def test_a_search_cut_short_keeps_every_split_it_already_knows_to_fit():
     search = KnownOnlySearch(budget=33, known=frontier)  # none at 1 row (34) is over: not a candidate
     assert plan_search.candidate_settings(search, 16, base, Levers(), set(), "cpu").settings == frontier[:2]
     assert all(dataclasses.replace(split, batch_size=1, accum_steps=16) == split for split in frontier)
+
+
+def test_a_search_out_of_time_still_estimates_the_whole_batch_fused_first_and_keeps_it_when_it_fits():
+    """A short run's planning time may be spent before its search starts (the first probe measured again with the
+    allocator made leaner): the search then still makes one round of estimates, the whole batch in one micro-batch
+    with the step fused into backward and every block checkpointed beside micro-batch 1 without checkpointing (then
+    the other fused whole batches; the fastest numerics first), and keeps those that fit as candidates, though the
+    bisection of the modes checkpointing more was cut short. Without a time limit no such round is asked for."""
+    from looptrain.planning import search as plan_search
+
+    class RoundSearch(KnownOnlySearch):
+        def estimate_round(self, settings_list) -> None:
+            super().estimate_round(settings_list)
+            self.known_keys |= {self.key(settings) for settings in settings_list[:2]}  # two workers
+
+    base = Strategy(batch_size=16, accum_steps=1)
+    frontier = plan_search.mode_frontier(base, 16, set())
+    search = RoundSearch(budget=36, known=frontier[:1])  # fused, 16 rows: every block 36, every other 52; 1 row: 34
+    chosen = plan_search.candidate_settings(search, 16, base, Levers(), set(), "cpu").settings
+    fused = [(s.batch_size, s.accum_steps, s.gradient_checkpointing, s.checkpoint_every, s.optimizer_in_backward)
+             for s in search.forced[0]]
+    assert fused == [(16, 1, True, 1, True), (1, 16, False, 1, False), (16, 1, True, 2, True), (16, 1, False, 1, True)]
+    assert search.forced[0][0] in chosen and search.forced[0][1] in chosen and search.forced[0][2] not in chosen
+    untimed = AffineSearch(budget=36)
+    plan_search.candidate_settings(untimed, 16, base, Levers(), set(), "cpu")
+    assert untimed.forced == []
+    # --amp's precision before fp32, bf16 weights last.
+    numerics = [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16")]
+    order = [(s.precision, s.weights) for s in plan_search.whole_batch_fused(base, 16, numerics, [(True, 1)],
+                                                                            "adafactor")]
+    assert order == [("bf16", "fp32"), ("fp32", "fp32"), ("bf16", "bf16")]
 
 
 @pytest.mark.slow  # over 6 s: make test stays under 5 minutes on 2 cores; .ci/run runs it

@@ -178,7 +178,8 @@ def rank(candidates: list[Candidate], prober: Prober, *, epochs: int, probe_budg
          smaller: Callable[[Candidate, list[Candidate]], Candidate | None] = lambda candidate, others: None) -> Ranking:
     """The rank phase: probes candidates within the probe budget and ranks them by the measured speed.
 
-    The baseline (the configuration without the planner) and the prior's favourite are always probed; the others
+    The baseline (the configuration without the planner) and the prior's favourite among the others are always
+    probed; the others
     as `_Probing.run_within` decides. Under a measured meter (`prober.meter`) a candidate fits only when its probe's
     measured peak (with the margin) does: the others are dropped, and a candidate measured over the budget gets a
     stand-in (`_Probing.run`). Unprobed candidates rank after the probed ones; the baseline stays first unless
@@ -191,8 +192,10 @@ def rank(candidates: list[Candidate], prober: Prober, *, epochs: int, probe_budg
     started = time.perf_counter()
     probing = _Probing(candidates, prober, smaller)
     baseline = next((c for c in probing.candidates if c.baseline), None)
-    favourite = probing.candidates[0]
-    for candidate in [baseline] + [favourite] * (favourite is not baseline):
+    # The prior's favourite besides the baseline: where the prior ranks the baseline first, its runner-up, so that
+    # a plan without time for more probes still measures one alternative to the configuration it would keep.
+    favourite = next((c for c in probing.candidates if c is not baseline), None)
+    for candidate in (baseline, favourite):
         if candidate is not None:
             probing.run(candidate)
     budget = probe_budget

@@ -82,6 +82,26 @@ class Search:
             self.book.note_predicted(settings)
         return self.budget.within(peak)
 
+    def estimate_round(self, settings_list: Sequence[Strategy]) -> None:
+        """Estimates the first of `settings_list` not memoised yet, one round (as many as there are workers, at least
+        one), whatever planning's time: a short run's time may be spent before its search starts, and this round is
+        all it then estimates (`candidate_settings`: the step fused into backward at the whole batch)."""
+        book = self.book
+        wanted = [settings for settings in settings_list if not book.memoised(settings)][:max(1, len(book.workers))]
+        limit = book.limit
+        book.limit_time(None)
+        try:
+            book.prefetch(wanted)
+            for settings in wanted:
+                book.peak(settings)
+        finally:
+            book.limit_time(limit)
+
+    @property
+    def padded(self) -> bool:
+        """Whether the worst batch of several rows is padded (`EstimateBook.predict` draws no line from one row)."""
+        return self.book.padded
+
     def fits_or_spent(self, settings: Strategy) -> bool:
         """`fits`, False once planning's time is spent on settings not estimated yet."""
         try:
@@ -187,8 +207,12 @@ def candidate_settings(search: Search, effective_batch: int, base: Strategy, lev
     modes = [(base.gradient_checkpointing, base.checkpoint_every)] if checkpointing_fixed \
         else list(reversed(CHECKPOINT_MODES))  # the most memory saved first
     fused_options = [base.optimizer_in_backward] if "optimizer_in_backward" in fixed else [False, True]
+    numerics = searched_numerics(base, levers, fixed, device_type)
+    if search.limit is not None:
+        search.estimate_round(first_round(search, base, effective_batch, numerics, modes, optimizers[0], fixed,
+                                          fused=True in fused_options and effective_batch in sizes))
     found, failure = Found([]), None  # failure: the last bisection's smallest split that did not fit
-    for precision, weights in searched_numerics(base, levers, fixed, device_type):
+    for precision, weights in numerics:
         reached: dict = {}  # checkpointing mode -> the largest micro-batch an earlier optimizer of the family reached
         for optimizer in optimizers:
             if search.limit is not None:
@@ -200,6 +224,39 @@ def candidate_settings(search: Search, effective_batch: int, base: Strategy, lev
             found = Found(found.settings + modes_found.settings, found.extrapolated + modes_found.extrapolated)
             reached, failure = modes_found.reached, modes_found.failure
     return found
+
+
+def first_round(search: Search, base: Strategy, effective_batch: int, numerics: list[tuple[str, str]], modes: list,
+                optimizer: str, fixed: set, fused: bool) -> list[Strategy]:
+    """What a search under a time limit estimates first, whatever the time (`Search.estimate_round`): the two corners
+    of the fastest numerics, the whole batch fused with every block checkpointed (`whole_batch_fused`) and the least
+    checkpointing at the smallest micro-batch (with an estimate of the same settings at another micro-batch, such as
+    your flags', the line through both predicts every split between: `EstimateBook.predict`), then the other fused
+    whole batches. Those corners are candidates where they fit, beside the safe default a search cut short keeps."""
+    splits = whole_batch_fused(base, effective_batch, numerics, modes, optimizer) if fused else []
+    fastest = sorted(numerics, key=lambda pair: (pair[1] != "fp32", pair[0] == "fp32"))[0]
+    # The smallest micro-batch an estimate can draw a line from: 2 rows where the worst batch is padded (one row is
+    # not, and is no point of the line).
+    rows = divisors(effective_batch)[1] if search.padded and effective_batch > 1 else 1
+    least = [dataclasses.replace(split, batch_size=rows, accum_steps=effective_batch // rows)
+             for split in mode_frontier(base, effective_batch, fixed, precision=fastest[0], weights=fastest[1],
+                                        optimizer=optimizer)[-1:]]
+    return [split for split in splits[:1] + least + splits[1:] if not search.memoised(split)]
+
+
+def whole_batch_fused(base: Strategy, effective_batch: int, numerics: list[tuple[str, str]], modes: list,
+                      optimizer: str) -> list[Strategy]:
+    """The whole batch in one micro-batch with the optimizer step fused into backward (no gradients held: the
+    lightest way to run the largest micro-batch), the fastest numerics first (`--amp`'s precision before fp32, bf16
+    weights last), each from the most checkpointing to the least: what a search cut short by planning's time
+    estimates before anything else (`Search.estimate_round`), so that its candidates hold more than the safe default
+    (docs/plan.md, "The planner against a grid")."""
+    ordered = sorted(numerics, key=lambda pair: (pair[1] != "fp32", pair[0] == "fp32"))
+    splits = [dataclasses.replace(base, batch_size=effective_batch, accum_steps=1, optimizer_in_backward=True,
+                                  gradient_checkpointing=checkpointing, checkpoint_every=every, precision=precision,
+                                  weights=weights, optimizer=optimizer)
+              for precision, weights in ordered for checkpointing, every in modes]
+    return [split for split in splits if valid_settings(split)]
 
 
 @dataclass(frozen=True)
@@ -221,7 +278,10 @@ def _search_modes(search: Search, template: Strategy, modes: list, fused_options
     cap = effective_batch  # the largest micro-batch the previous (more checkpointed) mode fitted
     fused_may_fit = True in fused_options  # the fused step fitted (or was not needed) with the previous mode
     for checkpointing, every in modes:
-        if cap == 0 and not fused_may_fit:
+        # Under a time limit the mode before may have been cut short: this mode's splits known already still count.
+        known = _known_sizes(search, template, (checkpointing, every), sizes, effective_batch) \
+            if search.limit is not None else []
+        if cap == 0 and not fused_may_fit and not known:
             break  # less checkpointing fits nothing that more did not
         unfused_best = 0
         for fused in fused_options:
@@ -239,7 +299,7 @@ def _search_modes(search: Search, template: Strategy, modes: list, fused_options
                     continue
                 options = [effective_batch]
             else:
-                options = [size for size in sizes if floor < size <= cap]
+                options = [size for size in sizes if floor < size and (size <= cap or size in known)]
                 failure = None
             size = None
             if options:
@@ -256,6 +316,15 @@ def _search_modes(search: Search, template: Strategy, modes: list, fused_options
         cap = max(unfused_best, floor if False in fused_options else 0)
         reached[(checkpointing, every)] = max(floor, unfused_best)
     return _ModesFound(settings, extrapolated, reached, failure)
+
+
+def _known_sizes(search: Search, template: Strategy, mode: tuple[bool, int], sizes: list[int],
+                 effective_batch: int) -> list[int]:
+    """The micro-batches of `mode` (unfused) the search knows without an estimate (memoised or predicted)."""
+    unfused = dataclasses.replace(template, gradient_checkpointing=mode[0], checkpoint_every=mode[1],
+                                  optimizer_in_backward=False)
+    return [size for size in sizes
+            if search.known(dataclasses.replace(unfused, batch_size=size, accum_steps=effective_batch // size))]
 
 
 def largest_fitting(search: Search, template: Strategy, sizes: list[int], effective_batch: int) -> Fitting:
