@@ -582,7 +582,8 @@ def test_bf16_weights_are_a_numerics_lever_and_probes_leave_the_fp32_weights_alo
 # ------------------------------------------------------------------------------------------ never loses
 def fake_probe(speeds: dict):
     """A `probes.probe` stand-in: the micro-step seconds per token of each micro-batch size, no optimizer time."""
-    def probe(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None, step_bytes=0, typical=None):
+    def probe(model, settings, batch, device, max_grad_norm, meter=None, ceiling=None, step_bytes=0, typical=None,
+              **cuts):  # truncation=, memory=: a probe cut to what it decides
         tokens = int(batch["input_ids"].numel())
         return {"micro_step_seconds": speeds[settings.batch_size] * tokens, "optimizer_step_seconds": 0.0,
                 "probe_seconds": 0.01, "tokens": tokens, "batch_shape": list(batch["input_ids"].shape)}
