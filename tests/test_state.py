@@ -421,8 +421,13 @@ def test_crash_between_the_renames_of_a_resave_is_recovered(tmp_path, monkeypatc
 def test_writing_a_model_prints_no_bar_of_its_own_and_leaves_transformers_bars_as_they_were(tmp_path, capfd):
     from transformers.utils import logging as transformers_logging
 
-    assert transformers_logging.is_progress_bar_enabled()
-    save_module._save_model_weights(make_tiny_bert(), tmp_path)
-    assert (tmp_path / "model.safetensors").exists()
-    assert "Writing model shards" not in capfd.readouterr().err
-    assert transformers_logging.is_progress_bar_enabled()
+    shown = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.enable_progress_bar()
+    try:
+        save_module._save_model_weights(make_tiny_bert(), tmp_path)
+        assert (tmp_path / "model.safetensors").exists()
+        assert "Writing model shards" not in capfd.readouterr().err
+        assert transformers_logging.is_progress_bar_enabled()
+    finally:
+        if not shown:
+            transformers_logging.disable_progress_bar()

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from looptrain import cache
 from looptrain.memory.allocator import release_freed
-from looptrain.memory.meters import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+from looptrain.memory.meters import current_rss_bytes, proc_status_bytes, reset_peak_rss
 from looptrain.precision import cpu_speed_key
 
 SCRATCH_CACHE_KIND = "matmul_scratch"
@@ -50,7 +50,8 @@ def measure_bf16_matmul_scratch(shape: tuple[int, int, int] = SCRATCH_SHAPE) -> 
             before = current_rss_bytes()
             reset_peak_rss()
             output = torch.mm(left, right)
-            rise = peak_rss_bytes() - before - output.numel() * output.element_size()
+            # the kernel's mark since the reset (not `peak_rss_bytes`, which keeps the process's whole peak)
+            rise = proc_status_bytes("VmHWM") - before - output.numel() * output.element_size()
     except (RuntimeError, OSError):  # no bf16 matmul in this build; no /proc to read
         return 0.0
     finally:
