@@ -100,6 +100,7 @@ def page_commands(page: Path) -> list[list[str]]:
     return [shlex.split(line) for line in lines if line.startswith("looptrain-")]
 
 
+@pytest.mark.slow  # 3.5 s: make test stays under 5 minutes on 2 cores; .ci/run runs it
 @pytest.mark.report  # the page says the run leaves report.png: its runs draw it
 def test_the_sft_page_runs_as_written(tmp_path, monkeypatch):
     """Each command of docs/sft.md, from the checkout's root as the page says, with the recipe of examples/sft/: a

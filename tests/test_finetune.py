@@ -216,6 +216,7 @@ def test_load_best_at_end_puts_the_best_checkpoint_in_final(model_dir, train_csv
     assert_same(final_weights(tmp_path), load_file(str(tmp_path / best / "model.safetensors")), rtol=0, atol=0)
 
 
+@pytest.mark.slow  # 3-4 s a CPU kind: make test stays under 5 minutes on 2 cores; .ci/run runs it
 def test_out_of_memory_reports_estimates_of_lighter_flag_sets(model_dir, train_csv, tmp_path, capsys, monkeypatch,
                                                               cpu_kind):
     from torch._subclasses.fake_tensor import FakeTensor

@@ -444,6 +444,7 @@ def test_every_run_reports_its_estimate_error(model_dir, train_csv, tmp_path):
     assert summary["memory_meter"] == "cpu_tensor_tracker" and abs(summary["estimate_error"]) <= 0.10
 
 
+@pytest.mark.slow  # 3 s: make test stays under 5 minutes on 2 cores; .ci/run runs it
 def test_plan_script_prints_json_and_the_command_line_and_writes_nothing(model_dir, train_csv, tmp_path, capsys):
     from looptrain.cli import plan as plan_script
 
