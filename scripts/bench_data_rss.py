@@ -13,7 +13,7 @@ RSS (after the drop and the trim, minus after the imports): what holding the tok
 Run (one CPU core is enough; the file is about 60 MB a kind)::
 
     PYTHONPATH=. python scripts/bench_data_rss.py --tokens 10000000
-    PYTHONPATH=/work/main python scripts/bench_data_rss.py --tokens 10000000   # another checkout's looptrain
+    PYTHONPATH=../other-checkout python scripts/bench_data_rss.py --tokens 10000000   # another checkout's looptrain
 
 Benchmarks never run in the test suite.
 """
