@@ -16,7 +16,8 @@ from test_causal_lm import PAD, collate, make_causal_lm, max_difference
 from looptrain import Loop, Strategy
 from looptrain.batches import split_by_tokens
 from looptrain.data import DynamicPaddingCollator, TokenizedDataset, make_train_loader
-from looptrain.data.packing import BatchPackingCollator, batch_packed_windows, packing_problem
+from looptrain.data.packing import BatchPackingCollator, packing_problem
+from looptrain.estimation.windows import run_windows
 
 from conftest import quiet_config
 
@@ -91,8 +92,10 @@ def test_a_batch_packed_run_equals_the_unpacked_full_batch_loop_over_the_same_wi
     # The shapes the run's own estimate prices are the micro-batches the Loop ran.
     collator = BatchPackingCollator(DynamicPaddingCollator(PAD, max_length=MAX_LENGTH))
     loader = make_train_loader(dataset_of(samples), 8, collator, seed=0)
-    assert batch_packed_windows(loader.batch_sampler, loader.dataset.lengths, collator, 1, 2 * MAX_LENGTH) == \
-        [[tuple(piece["input_ids"].shape) for piece in split_by_tokens(batch, 2 * MAX_LENGTH)] for batch in loader]
+    windows_priced = run_windows(loader.batch_sampler, loader.dataset.lengths, collator, 1,
+                                 micro_batch_tokens=2 * MAX_LENGTH)
+    assert windows_priced == [[tuple(piece["input_ids"].shape) for piece in split_by_tokens(batch, 2 * MAX_LENGTH)]
+                              for batch in loader]
     assert max_difference(reference, make_causal_lm("llama")) > 1e-2  # the check can fail: training moved them
     assert max_difference(reference, model) < WEIGHT_TOLERANCE
 

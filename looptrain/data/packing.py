@@ -177,32 +177,6 @@ class BatchPackingCollator:
                                           for index in pack]) for pack in packs])
 
 
-def batch_packed_windows(sampler: Any, lengths: Sequence[int], collator: BatchPackingCollator, accum_steps: int,
-                         micro_batch_tokens: int = 0, epochs: int = 1,
-                         max_steps: int = 0) -> list[list[tuple[int, int]]]:
-    """`looptrain.estimation.windows.run_windows` for ``--batch-packing on``: each batch's samples packed into rows
-    (`BatchPackingCollator.row_lengths`), the rows cut as `split_by_tokens` cuts them. Shapes ``(rows, width)``."""
-    from looptrain.batches import token_pieces
-
-    def width(row_lengths: Sequence[int]) -> int:
-        return int(collator.batch_width(row_lengths))
-
-    def micro_batches(batch: Sequence[int]) -> list[tuple[int, int]]:
-        rows = collator.row_lengths([lengths[index] for index in batch])
-        pieces = (token_pieces(rows, micro_batch_tokens, lambda length: width([length])) if micro_batch_tokens
-                  else [range(len(rows))])
-        return [(len(piece), width([rows[row] for row in piece])) for piece in pieces]
-
-    windows: list[list[tuple[int, int]]] = []
-    for epoch in range(epochs):
-        batches = sampler.epoch_batches(epoch)
-        windows.extend([shape for batch in batches[start:start + accum_steps] for shape in micro_batches(batch)]
-                       for start in range(0, len(batches), accum_steps))
-        if 0 < max_steps <= len(windows):
-            return windows[:max_steps]
-    return windows
-
-
 def packing_problem(model: Any) -> str | None:
     """Why `model`'s attention cannot keep packed samples apart, in one line naming the fix; None when it can.
 

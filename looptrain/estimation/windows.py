@@ -18,16 +18,21 @@ def run_windows(sampler: Any, lengths: Sequence[int], collator: Any, accum_steps
     Read from the sampler's own epochs (`epoch_batches(epoch)`: no batch is built, no resume offset is
     consumed), cut into windows as the Loop cuts them (the last one of an epoch may be shorter; with
     `micro_batch_tokens`, each batch into its pieces, `looptrain.batches.token_pieces`), and stopped after
-    `max_steps` windows when that is set.
+    `max_steps` windows when that is set. A collator that packs each batch's samples into rows (``--batch-packing on``:
+    `looptrain.data.packing.BatchPackingCollator`, its ``row_lengths``) gives a batch's rows, cut as
+    `split_by_tokens` cuts them.
     """
     def width(batch_lengths: Sequence[int]) -> int:
         return int(collator.batch_width(batch_lengths))
 
+    rows_of = getattr(collator, "row_lengths", None)  # a collator that packs each batch (`BatchPackingCollator`)
+
     def micro_batches(batch: Sequence[int]) -> list[tuple[int, int]]:
-        batch_lengths = [lengths[index] for index in batch]
-        pieces = (token_pieces(batch_lengths, micro_batch_tokens, lambda length: width([length]))
-                  if micro_batch_tokens else [range(len(batch))])
-        return [(len(piece), width([batch_lengths[row] for row in piece])) for piece in pieces]
+        rows = [lengths[index] for index in batch]
+        rows = list(rows_of(rows)) if rows_of is not None else rows
+        pieces = (token_pieces(rows, micro_batch_tokens, lambda length: width([length]))
+                  if micro_batch_tokens else [range(len(rows))])
+        return [(len(piece), width([rows[row] for row in piece])) for piece in pieces]
 
     windows: list[list[tuple[int, int]]] = []
     for epoch in range(epochs):

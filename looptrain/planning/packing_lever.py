@@ -112,14 +112,14 @@ def trained(settings: Strategy, width: int) -> Strategy:
 def windows(request: Any, settings: Strategy) -> list[list[tuple[int, int]]]:
     """The micro-batch shapes ``(rows, width)`` of every window of a packed candidate as the run trains it."""
     from looptrain import data as data_module
-    from looptrain.data.packing import batch_packed_windows
+    from looptrain.estimation.windows import run_windows
 
     collator = packing_collator(request.collator)
     loader = data_module.make_train_loader(request.dataset, settings.batch_size, collator,
                                            grouping="length" if settings.group_by_length else "random",
                                            seed=request.seed)
-    return batch_packed_windows(loader.batch_sampler, list(request.lengths), collator, settings.accum_steps,
-                                micro_batch_tokens=settings.micro_batch_tokens)
+    return run_windows(loader.batch_sampler, list(request.lengths), collator, settings.accum_steps,
+                       micro_batch_tokens=settings.micro_batch_tokens)
 
 
 def variants(search: Any, found: Sequence[Strategy], effective_batch: int, fixed: Sequence[str] = ()) -> list[Strategy]:

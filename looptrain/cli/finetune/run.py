@@ -389,10 +389,7 @@ def run_estimate(flags, config, inputs: Inputs, train_loader, eval_loader, plan_
     model = inputs.model
     settings = strategy_of(flags, **{**config.loop_fields(), "precision": resolve_precision_name(config)})
     try:
-        from looptrain.data.packing import BatchPackingCollator, batch_packed_windows
-
-        packs = isinstance(train_loader.collate_fn, BatchPackingCollator)
-        windows = (batch_packed_windows if packs else run_windows)(
+        windows = run_windows(  # a batch-packing collator gives each batch's packed rows
             train_loader.batch_sampler, inputs.train_set.lengths, train_loader.collate_fn, config.accum_steps,
             epochs=config.epochs, max_steps=config.max_steps, micro_batch_tokens=config.micro_batch_tokens)
         evaluation = (evaluation_shapes(eval_loader.batch_sampler, inputs.eval_set.lengths, inputs.collator)
