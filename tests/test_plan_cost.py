@@ -119,6 +119,10 @@ def test_a_plan_of_a_deep_model_probes_a_truncated_stack_and_cuts_what_its_time_
     monkeypatch.setattr("looptrain.planning.ranking.predicted_probe_seconds", lambda *args: float("inf"))
     model = tiny_decoder()
     dataset, collator = TokenDataset(32), CausalLMCollator(0, max_length=48)
+    # Rows of one length: every candidate's typical micro-batch is its worst one cut to no narrower, so a probe cut
+    # to what it decides always has a micro-batch to time (whatever the search's favourite is).
+    dataset.input_ids = [ids + [7] * (40 - len(ids)) for ids in dataset.input_ids]
+    dataset.lengths = [len(ids) for ids in dataset.input_ids]
     result = plan(model, dataset, collator, memory_budget=2**30, effective_batch=8,
                   base=Strategy(batch_size=1, accum_steps=8, gradient_checkpointing=True), probe_budget=60)
     print(result.table())
