@@ -15,9 +15,9 @@ import sys
 import torch
 from test_causal_lm import batched, lm_samples, make_causal_lm
 
-from looptrain import Loop, distributed
+from looptrain import Loop
 
-from conftest import quiet_config
+from conftest import exit_rank, leave_group, quiet_config
 
 
 def main(family: str, count: int, output: str) -> int:
@@ -29,19 +29,9 @@ def main(family: str, count: int, output: str) -> int:
     loop = Loop(model, torch.optim.SGD(model.parameters(), lr=1.0), batched(mine, 4),
                 config=quiet_config(accum_steps=share // 4, epochs=2, max_grad_norm=None))
     loop.fit()
-    if rank == 0:
-        torch.save({"state_dict": model.state_dict(), "step": loop.step}, output)
-    # Leave the group together: a rank that exits while gloo's threads still serve the other aborts ("terminate
-    # called without an active exception").
-    distributed.shutdown()
-    assert not torch.distributed.is_initialized(), "shutdown left the group the Loop joined"
+    leave_group(loop, output)
     return 0
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
-    # Skip the interpreter's finalization: a rank aborted there once in a CI run (SIGABRT, "terminate called without
-    # an active exception") although the group had been destroyed; the result is saved, the streams flushed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_rank(main(sys.argv[1], int(sys.argv[2]), sys.argv[3]))

@@ -92,6 +92,43 @@ def run_torchrun(command: list[str], environment: dict, cwd: Path, timeout: floa
     raise AssertionError("unreachable")
 
 
+def run_two_ranks(script: str, arguments: list[str], output: Path) -> dict:
+    """tests/`script` launched on 2 gloo ranks with `arguments` and `output` last (one thread a rank, offline), which
+    must exit 0; returns what rank 0 saved to `output` (`leave_group`)."""
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc_per_node", "2",
+               str(root / "tests" / script), *arguments, str(output)]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"}
+    result = run_torchrun(command, environment, root)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return torch.load(output)
+
+
+def leave_group(loop, output: str) -> None:
+    """The end of a rank launched by `run_two_ranks`: rank 0 saves the trained weights and the step to `output`;
+    then every rank leaves the group together (a rank that exits while gloo's threads still serve the other aborts:
+    "terminate called without an active exception")."""
+    from looptrain import distributed
+
+    if int(os.environ["RANK"]) == 0:
+        torch.save({"state_dict": loop.model.state_dict(), "step": loop.step}, output)
+    distributed.shutdown()
+    assert not torch.distributed.is_initialized(), "shutdown left the group the Loop joined"
+
+
+def exit_rank(code: int) -> None:
+    """Ends a rank without the interpreter's finalization: a rank aborted there once in a CI run (SIGABRT,
+    "terminate called without an active exception") although the group had been destroyed; the result is saved,
+    the streams flushed."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def quiet_config(**fields):
     """A LoopConfig for tests: no bar, no logs, no evaluation schedule, CPU, no tensor tracker (unless given)."""
     from looptrain import LoopConfig

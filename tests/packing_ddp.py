@@ -16,11 +16,11 @@ import torch
 from test_causal_lm import lm_samples, make_causal_lm
 from test_packing import samples_dataset
 
-from looptrain import Loop, distributed
+from looptrain import Loop
 from looptrain.data import make_train_loader
 from looptrain.data.packing import PackedCollator, PackedDataset, packing_problem
 
-from conftest import quiet_config
+from conftest import exit_rank, leave_group, quiet_config
 
 PAD = 0
 
@@ -34,14 +34,9 @@ def main(family: str, count: int, output: str) -> int:
     loop = Loop(model, torch.optim.SGD(model.parameters(), lr=1.0), loader,
                 config=quiet_config(accum_steps=2, epochs=1, max_grad_norm=None))
     loop.fit()
-    if rank == 0:
-        torch.save({"state_dict": model.state_dict(), "step": loop.step}, output)
-    distributed.shutdown()  # leave the group together (see tests/causal_lm_ddp.py)
+    leave_group(loop, output)
     return 0
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_rank(main(sys.argv[1], int(sys.argv[2]), sys.argv[3]))

@@ -16,7 +16,7 @@ from torch import nn
 from looptrain import Loop
 from looptrain.batches import count_items, model_shifts_labels
 
-from conftest import make_tiny_bert, quiet_config, run_torchrun
+from conftest import make_tiny_bert, quiet_config, run_two_ranks
 
 VOCAB = 100
 PAD = 0
@@ -279,18 +279,7 @@ def eval_events(output_dir) -> list[dict]:
 def test_ddp_counts_every_ranks_shifted_labels(tmp_path):
     # 2 ranks x 2 micro-batches of 4 per window; the last window (12 rows) leaves rank 1 one micro-batch. The
     # window's item count is summed over both ranks before any forward: the full-batch reference's update.
-    import os
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    output = tmp_path / "ddp.pt"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc_per_node", "2",
-               str(root / "tests" / "causal_lm_ddp.py"), "qwen2", "60", str(output)]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"}
-    result = run_torchrun(command, environment, root)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    saved = torch.load(output)
+    saved = run_two_ranks("causal_lm_ddp.py", ["qwen2", "60"], tmp_path / "ddp.pt")
     assert saved["step"] == 8
     reference = reference_run("qwen2", lm_samples(60, seed=1), rows_per_update=16, epochs=2, lr=1.0)
     difference = max((value - saved["state_dict"][name]).abs().max().item()

@@ -134,21 +134,11 @@ def test_a_packed_run_equals_the_full_batch_loop_over_the_same_samples_per_windo
 def test_ddp_packs_per_rank_and_equals_the_full_batch_loop(tmp_path):
     # 2 ranks, one pack a micro-batch, accumulation 2: a window is 2 packs of each rank, as looptrain's sampler
     # gives them out. The reference steps once per window on all 4 packs' samples, unpacked, as one batch.
-    import os
-    import sys
-    from pathlib import Path
-
     from looptrain.data import make_train_loader
 
-    from conftest import run_torchrun
+    from conftest import run_two_ranks
 
-    root = Path(__file__).resolve().parent.parent
-    output = tmp_path / "ddp.pt"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc_per_node", "2",
-               str(root / "tests" / "packing_ddp.py"), "qwen2", "40", str(output)]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"}
-    result = run_torchrun(command, environment, root)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    saved = run_two_ranks("packing_ddp.py", ["qwen2", "40"], tmp_path / "ddp.pt")
     samples = lm_samples(40, seed=1)
     packed = PackedDataset(samples_dataset(samples), 32)
     per_rank = [make_train_loader(packed, 1, PackedCollator(PAD, 32), seed=0, num_replicas=2, rank=rank)
@@ -162,7 +152,6 @@ def test_ddp_packs_per_rank_and_equals_the_full_batch_loop(tmp_path):
         reference(**collate([samples[index] for index in window])).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    saved = torch.load(output)
     assert saved["step"] == -(-len(per_rank[0]) // 2)
     difference = max((value - saved["state_dict"][name]).abs().max().item()
                      for name, value in reference.state_dict().items())
