@@ -23,6 +23,7 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -167,16 +168,22 @@ def cpu_matmul_speed() -> dict:
     Returns:
         ``{"fp32", "bf16", "key"}``: FLOP/s (bf16 None where there is no bf16 matmul) and `cpu_speed_key`.
     """
+    return measured_once(SPEED_CACHE_KIND, _SPEEDS, measure_cpu_matmul_speed, "fp32")
+
+
+def measured_once(kind: str, memo: dict, measure: Callable[[], dict], number: str, salt: str = "") -> dict:
+    """What `measure()` returns, measured once per process and CPU kind (`cpu_speed_key`: kept in `memo`) and cached
+    on disk under `kind` (`looptrain.cache`; `salt` names what else the measurement depends on). A disk entry of
+    another key, or without a number at `number`, is measured again. The entry carries its ``"key"``."""
     key = cpu_speed_key()
-    if key in _SPEEDS:
-        return _SPEEDS[key]
-    name = hashlib.sha256(key.encode("utf-8")).hexdigest()[:24]
-    entry = cache.read_entry(SPEED_CACHE_KIND, name)
-    if entry is None or entry.get("key") != key or not isinstance(entry.get("fp32"), (int, float)):
-        entry = {**measure_cpu_matmul_speed(), "key": key}
-        cache.write_entry(SPEED_CACHE_KIND, name, entry)
-    _SPEEDS[key] = entry
-    return entry
+    if key not in memo:
+        name = hashlib.sha256(f"{key}{salt}".encode()).hexdigest()[:24]
+        entry = cache.read_entry(kind, name)
+        if entry is None or entry.get("key") != key or not isinstance(entry.get(number), (int, float)):
+            entry = {**measure(), "key": key}
+            cache.write_entry(kind, name, entry)
+        memo[key] = entry
+    return memo[key]
 
 
 def cpu_bf16_speedup() -> float | None:

@@ -9,19 +9,16 @@ besides tensors").
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from looptrain import cache
 from looptrain.memory.allocator import release_freed
 from looptrain.memory.meters import current_rss_bytes, proc_status_bytes, reset_peak_rss
-from looptrain.precision import cpu_speed_key
+from looptrain.precision import measured_once
 
 SCRATCH_CACHE_KIND = "matmul_scratch"
 SCRATCH_SHAPE = (2048, 16, 8192)  # rows, inner, columns: a 64 MiB fp32 output, 0.5 GFLOP
-_SCRATCH: dict[str, float] = {}
+_SCRATCH: dict[str, dict] = {}  # by `cpu_speed_key`: the measured entry
 
 
 def measure_bf16_matmul_scratch(shape: tuple[int, int, int] = SCRATCH_SHAPE) -> float:
@@ -62,12 +59,7 @@ def measure_bf16_matmul_scratch(shape: tuple[int, int, int] = SCRATCH_SHAPE) -> 
 def cpu_bf16_matmul_scratch() -> int:
     """Bytes per output element a bf16 matmul holds inside on this CPU: `measure_bf16_matmul_scratch` rounded to
     the fp32 buffer it is (4) or to nothing (0); measured once per process and CPU kind, cached on disk."""
-    key = cpu_speed_key()
-    if key not in _SCRATCH:
-        name = hashlib.sha256(f"{key}|{SCRATCH_SHAPE}".encode()).hexdigest()[:24]
-        entry = cache.read_entry(SCRATCH_CACHE_KIND, name)
-        if entry is None or entry.get("key") != key or not isinstance(entry.get("bytes_per_element"), (int, float)):
-            entry = {"bytes_per_element": measure_bf16_matmul_scratch(), "key": key}
-            cache.write_entry(SCRATCH_CACHE_KIND, name, entry)
-        _SCRATCH[key] = entry["bytes_per_element"]
-    return 4 if _SCRATCH[key] >= 2.0 else 0
+    entry = measured_once(SCRATCH_CACHE_KIND, _SCRATCH,
+                          lambda: {"bytes_per_element": measure_bf16_matmul_scratch()}, "bytes_per_element",
+                          salt=f"|{SCRATCH_SHAPE}")
+    return 4 if entry["bytes_per_element"] >= 2.0 else 0
