@@ -113,6 +113,18 @@ def test_the_cache_key_names_dtype_and_capability(fresh_cache, monkeypatch):
     assert len({fp32["key"], bf16["key"], avx2["key"]}) == 3
 
 
+def test_a_cached_peak_a_run_beats_is_measured_again_once_and_the_better_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path))
+    rates = iter([1e9, 4e9, 2e9])  # first measurement beside other work, then a quiet one, then a busy one again
+    monkeypatch.setattr(flops, "_measure", lambda device, dtype, seconds, size: next(rates))
+    cpu = torch.device("cpu")
+    assert flops.matmul_peak_flops(cpu, "fp32")["flops_per_s"] == 1e9
+    assert flops.matmul_peak_flops(cpu, "fp32", at_least=0.9e9)["flops_per_s"] == 1e9  # not beaten: the cache
+    assert flops.matmul_peak_flops(cpu, "fp32", at_least=3e9)["flops_per_s"] == 4e9  # beaten: measured again
+    assert flops.matmul_peak_flops(cpu, "fp32", at_least=5e9)["flops_per_s"] == 4e9  # 2e9 measured, 4e9 kept
+    assert flops.matmul_peak_flops(cpu, "fp32")["flops_per_s"] == 4e9
+
+
 def test_the_cache_off_measures_every_time(fresh_cache, monkeypatch):
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", "off")
     flops.matmul_peak_flops(torch.device("cpu"), "fp32")
@@ -144,6 +156,17 @@ def test_a_fit_reports_mfu_from_its_own_figures():
     assert 0 < summary["mfu"] <= 1
     assert summary["peak_flops_dtype"] == "fp32"
     assert torch.backends.cpu.get_cpu_capability() in summary["peak_flops_device"]
+
+
+def test_a_run_that_beats_its_cached_peak_measures_it_again_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(flops, "_measure", lambda *args: 1.0)  # a peak measured while the cores were busy
+    flops.matmul_peak_flops(torch.device("cpu"), "fp32")
+    calls = []
+    monkeypatch.setattr(flops, "_measure", lambda *args: calls.append(args) or 1e13)
+    summary = _fit(task_batches(2, seed=0, rows=4), log_every=1)
+    assert len(calls) == 1 and summary["peak_flops_per_s"] == 1e13 and 0 < summary["mfu"] < 1
+    assert flops.matmul_peak_flops(torch.device("cpu"), "fp32")["flops_per_s"] == 1e13 and len(calls) == 1
 
 
 def test_measure_mfu_off_leaves_the_figures_none(monkeypatch):
