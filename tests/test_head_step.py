@@ -243,3 +243,27 @@ def test_a_fake_row_chunked_step_skipping_identical_chunks_prices_every_byte_of_
             results.append({key: result[key] for key in ("peak_memory_bytes", "memory_breakdown",
                                                          "phase_peak_bytes")})
         assert results[0] == results[1], mix
+
+
+@pytest.mark.parametrize("clip", ["per_parameter", "previous_global"])
+def test_rows_stepped_under_clipping_equal_torchs_clipped_whole_step(clip):
+    """Clipping with the gradient given by rows: its norm from the chunks' norms, the scale applied to every chunk,
+    against torch's `clip_grad_norm_` of the whole gradient then one SGD step (previous_global: the first step
+    clipped per parameter, later steps by the previous step's norm), to fp32 noise."""
+    weight = torch.nn.Parameter(torch.randn(37, 8, generator=torch.Generator().manual_seed(0)))
+    expected = torch.nn.Parameter(weight.detach().clone())
+    reference = torch.optim.SGD([expected], lr=0.5, momentum=0.9)
+    wrapper = OptimizerInBackward([weight], torch.optim.SGD([weight], lr=0.5, momentum=0.9), max_grad_norm=1.0,
+                                  clip=clip, row_stepped=[weight])
+    previous = None
+    for step in range(3):
+        gradient = 3 * torch.randn(37, 8, generator=torch.Generator().manual_seed(step + 1))
+        expected.grad = gradient.clone()
+        norm = torch.linalg.vector_norm(gradient)
+        reference_norm = norm if clip == "per_parameter" or previous is None else previous
+        expected.grad.mul_(torch.clamp(1.0 / (reference_norm + 1e-6), max=1.0))
+        reference.step()
+        previous = norm
+        hand_over(weight, gradient, 5)
+        assert wrapper.grad_norm.item() == pytest.approx(norm.item(), rel=1e-6)
+    torch.testing.assert_close(weight.detach(), expected.detach(), rtol=0, atol=1e-6)
