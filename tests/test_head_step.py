@@ -214,6 +214,9 @@ def test_lowest_steps_the_vocab_tables_by_rows_with_the_fused_step_where_the_hea
     (1024, 256, 1),  # in `make test`: 8 chunks, Adafactor fused by rows
     pytest.param(1024, 4096, 3, marks=pytest.mark.slow),  # 128 chunks, every mix
     pytest.param(1000, 4096, 3, marks=pytest.mark.slow),  # a chunk is not one whole window of bits
+    pytest.param(3000, 512, 1, marks=pytest.mark.slow),  # some cross a window, some not
+    pytest.param(1500, 4096, 3, marks=pytest.mark.slow),  # every chunk but a few crosses a window's end
+    pytest.param(3000, 4096, 3, marks=pytest.mark.slow),
 ])
 def test_a_fake_row_chunked_step_skipping_identical_chunks_prices_every_byte_of_the_whole_pass(window, vocab, count,
                                                                                               monkeypatch):

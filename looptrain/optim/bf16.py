@@ -90,8 +90,44 @@ class _RoundingNoise:
         return chunk_elements == _ROUNDING_WINDOW and self._used == self._window.numel()
 
     def skip(self, count: int) -> None:
-        """Passes over the next `count` bits (whole windows) without drawing them: `priced_chunks` on fake tensors."""
-        self._undrawn -= count
+        """Passes over the next `count` bits (`priced_chunks` on fake tensors): the window held is let go if they use it
+        up, the windows they use whole are never drawn, and the one they end in is drawn and held, as `pieces` leaves
+        it."""
+        held = self._window.numel() - self._used
+        if count < held:
+            self._used += count
+            return
+        count -= held
+        if held:  # used up: let go, as `pieces` does
+            self._window, self._used = torch.empty(0, dtype=torch.int32, device=self._device), 0
+        whole = count // _ROUNDING_WINDOW * _ROUNDING_WINDOW  # drawn and let go inside the skipped bits: never drawn
+        self._undrawn -= whole
+        for _ in self.pieces(count - whole):  # the window the skipped bits end in, drawn and held
+            pass
+
+    def layouts(self, counts: list[int]) -> list[tuple[tuple, int]]:
+        """For pieces of `counts` bits taken in turn from here, without drawing anything: each one's layout (the
+        window held before it; for each of its pieces, the window drawn first or 0, and whether its window is let go
+        after it) and its first piece's size. Taking bits ops on nothing but these: two takes of one layout run the
+        same ops on tensors of the same sizes, but their first pieces'."""
+        used, size, undrawn = self._used, self._window.numel(), self._undrawn
+        found = []
+        for count in counts:
+            held, pieces, first = size, [], None
+            while count > 0:
+                drawn = 0
+                if used == size:
+                    size = drawn = min(_ROUNDING_WINDOW, undrawn)
+                    undrawn, used = undrawn - size, 0
+                taken = min(count, size - used)
+                used, count = used + taken, count - taken
+                first = taken if first is None else first
+                released = used == size
+                if released:
+                    used = size = 0
+                pieces.append((drawn, released))
+            found.append(((held, tuple(pieces)), first))
+        return found
 
 
 def _round_flat_(target: torch.Tensor, value: torch.Tensor, noise: _RoundingNoise) -> None:
@@ -195,27 +231,57 @@ def _rows_per_chunk(parameter: nn.Parameter, optimizer: torch.optim.Optimizer, c
 
 
 def priced_chunks(chunks: list[slice], storage: torch.Tensor, noise: _RoundingNoise | None = None,
-                  stand_in: Callable[[], None] | None = None):
+                  stand_in: Callable[[], None] | None = None, stand_ins: Callable[[int], None] | None = None):
     """The chunks of rows a pass of a row-chunked step runs: every one, except on the estimator's fake tensors.
 
     There, the full chunks after the second and before the last full one are the same ops on tensors of the same
     sizes as their neighbours, so the same bytes: they are skipped, `stand_in()` once for each (what a skipped
-    chunk leaves behind, such as its 0-d norm), and `noise` passes over their bits. Each skipped chunk holds no
+    chunk leaves behind, such as its 0-d norm; or `stand_ins(count)` once for each run of `count` of them), and
+    `noise` passes over their bits. Each skipped chunk holds no
     more than the one run after them (what chunks leave behind only grows), so the peak and every byte after
-    are the whole pass's. With `noise`, only where each chunk uses one whole window of it (else all chunks run).
+    are the whole pass's. With `noise` (the rounding pass: its chunks leave nothing behind), a chunk's ops also
+    depend on where its bits fall in the windows of random bits (`_RoundingNoise.layouts`): of the middle chunks of
+    one layout, the first whose first piece is the largest runs too (`_rounding_chunks_run`); none is skipped where
+    a chunk holds more bits than a window.
     """
     elements = storage.numel() // max(1, storage.shape[0]) * (chunks[0].stop - chunks[0].start) if chunks else 0
     if (not FAKE_CHUNKS_SKIPPED or len(chunks) < 6 or not is_fake(storage)
-            or (noise is not None and not noise.whole_windows(elements))):
+            or (noise is not None and elements > _ROUNDING_WINDOW)):
         yield from chunks
         return
-    yield from chunks[:2]
-    for _ in chunks[2:-3]:
-        if stand_in is not None:
+    run = {0, 1, *range(len(chunks) - 3, len(chunks))}
+    if noise is not None:
+        run |= _rounding_chunks_run(noise.layouts([elements] * (len(chunks) - 3)))
+    index = 0
+    while index < len(chunks):
+        if index in run:
+            yield chunks[index]
+            index += 1
+            continue
+        skipped = next(later for later in range(index, len(chunks)) if later in run) - index
+        if stand_ins is not None:
+            stand_ins(skipped)
+        for _ in range(skipped if stand_in is not None else 0):
             stand_in()
         if noise is not None:
-            noise.skip(elements)
-    yield from chunks[-3:]
+            noise.skip(skipped * elements)
+        index += skipped
+
+
+def _rounding_chunks_run(layouts: list[tuple[tuple, int]]) -> set[int]:
+    """Which middle chunks (index 2 on) of a rounding pass run, given each full chunk's layout and first piece from
+    the first (`_RoundingNoise.layouts`): for each layout, the first chunk from the second on whose first piece is the
+    largest of that layout's.
+
+    A chunk of at most one window's bits takes one piece, or two across a window's end: its rounded first piece
+    (4 bytes an element) is held while the next window is drawn, the chunk's highest point, and every other op of it
+    has the sizes of its layout's. So the chunk of a layout with the largest first piece holds the most of them.
+    """
+    largest: dict[tuple, tuple[int, int]] = {}
+    for index, (layout, first) in enumerate(layouts[1:], start=1):
+        if layout not in largest or first > largest[layout][0]:
+            largest[layout] = (first, index)
+    return {index for _, index in largest.values() if index >= 2}
 
 
 def _step_in_row_chunks_(parameter: nn.Parameter, optimizer: torch.optim.Optimizer, gradient: torch.Tensor,
@@ -346,10 +412,10 @@ def _step_adafactor_in_row_chunks_(parameter: nn.Parameter, optimizer: torch.opt
     beta2t = 1.0 - math.pow(state["step"], group["decay_rate"])
     parameter_norms = []
     column_sums = torch.zeros(columns, **fp32)
-    def norm_of_a_skipped_chunk(norms: list) -> Callable[[], None]:  # what it leaves: its 0-d norm (`priced_chunks`)
-        return lambda: norms.append(torch.zeros((), **fp32))
+    def norms_of_skipped_chunks(norms: list) -> Callable[[int], None]:  # what they leave: 0-d norms (`priced_chunks`)
+        return lambda count: norms.extend(torch.zeros(count, **fp32).unbind())  # as many bytes, in one op
 
-    for chunk in priced_chunks(chunks, storage, stand_in=norm_of_a_skipped_chunk(parameter_norms)):
+    for chunk in priced_chunks(chunks, storage, stand_ins=norms_of_skipped_chunks(parameter_norms)):
         parameter_norms.append(storage[chunk].float().norm(2))
         squares = (_rows_of(gradient, chunk).float() ** 2) + group["eps"][0]
         exp_avg_sq_row[chunk].mul_(beta2t).add_(squares.mean(dim=-1), alpha=(1.0 - beta2t))
@@ -367,7 +433,7 @@ def _step_adafactor_in_row_chunks_(parameter: nn.Parameter, optimizer: torch.opt
         return torch.mul(row_factor[chunk], column_factor).mul_(_rows_of(gradient, chunk).float())
 
     update_norms: list[torch.Tensor] = []
-    for chunk in priced_chunks(chunks, storage, stand_in=norm_of_a_skipped_chunk(update_norms)):
+    for chunk in priced_chunks(chunks, storage, stand_ins=norms_of_skipped_chunks(update_norms)):
         update_norms.append(update_of(chunk).norm(2))
     clip = (_root_mean_square(update_norms, storage.numel()) / group["clip_threshold"]).clamp_(min=1.0)
     del update_norms
