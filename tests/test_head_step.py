@@ -246,3 +246,26 @@ def test_a_fake_row_chunked_step_skipping_identical_chunks_prices_every_byte_of_
             results.append({key: result[key] for key in ("peak_memory_bytes", "memory_breakdown",
                                                          "phase_peak_bytes")})
         assert results[0] == results[1], mix
+
+
+def test_a_fake_chunked_norm_standing_in_for_its_middle_chunks_holds_every_byte_of_the_whole(monkeypatch):
+    """`bf16.fp32_norm` on a fake bf16 gradient of 20 chunks: with the middle chunks' norms stood in for
+    (`priced_chunks`), the tracker's peak and the bytes left are those of every chunk's norm computed."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from looptrain.memory.tracker import StorageTracker
+    from looptrain.optim import bf16
+
+    seen = []
+    for skipped in (True, False):
+        monkeypatch.setattr(bf16, "FAKE_CHUNKS_SKIPPED", skipped)
+        with FakeTensorMode():
+            gradient = torch.empty(40, 8, dtype=torch.bfloat16)
+            tracker = StorageTracker()
+            tracker.record_timeline()
+            with tracker:
+                norm = bf16.fp32_norm(gradient, chunk_elements=16)
+        norms_run = sum(event[0].startswith("linalg_vector_norm") for event, _, _ in tracker.timeline[1:])
+        seen.append((tracker.peak_bytes, tracker.current_bytes, tuple(norm.shape), norm.dtype, norms_run))
+    assert seen[0][:4] == seen[1][:4] == (seen[1][0], seen[1][1], (), torch.float32)
+    assert seen[1][4] == 21 and seen[0][4] == 6  # 20 chunks and their stack, or 5 of them

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from looptrain.fake import is_fake
+from looptrain.optim.chunk_pricing import rounding_chunks_run, window_layouts, zero_norms
 from looptrain.optim.per_parameter import PerParameterOptimizer
 
 GRAD_DTYPES = ("bf16", "fp32")
@@ -90,9 +91,8 @@ class _RoundingNoise:
         return chunk_elements == _ROUNDING_WINDOW and self._used == self._window.numel()
 
     def skip(self, count: int) -> None:
-        """Passes over the next `count` bits (`priced_chunks` on fake tensors): the window held is let go if they use it
-        up, the windows they use whole are never drawn, and the one they end in is drawn and held, as `pieces` leaves
-        it."""
+        """Passes over the next `count` bits (`priced_chunks` on fakes): the window held is let go if they use it up,
+        those they use whole are never drawn, the one they end in is drawn and held, as `pieces` leaves it."""
         held = self._window.numel() - self._used
         if count < held:
             self._used += count
@@ -106,28 +106,9 @@ class _RoundingNoise:
             pass
 
     def layouts(self, counts: list[int]) -> list[tuple[tuple, int]]:
-        """For pieces of `counts` bits taken in turn from here, without drawing anything: each one's layout (the
-        window held before it; for each of its pieces, the window drawn first or 0, and whether its window is let go
-        after it) and its first piece's size. Taking bits ops on nothing but these: two takes of one layout run the
-        same ops on tensors of the same sizes, but their first pieces'."""
-        used, size, undrawn = self._used, self._window.numel(), self._undrawn
-        found = []
-        for count in counts:
-            held, pieces, first = size, [], None
-            while count > 0:
-                drawn = 0
-                if used == size:
-                    size = drawn = min(_ROUNDING_WINDOW, undrawn)
-                    undrawn, used = undrawn - size, 0
-                taken = min(count, size - used)
-                used, count = used + taken, count - taken
-                first = taken if first is None else first
-                released = used == size
-                if released:
-                    used = size = 0
-                pieces.append((drawn, released))
-            found.append(((held, tuple(pieces)), first))
-        return found
+        """For takes of `counts` bits in turn from here, drawing nothing: each one's layout in the windows and its first
+        piece's size (`chunk_pricing.window_layouts`)."""
+        return window_layouts(self._used, self._window.numel(), self._undrawn, _ROUNDING_WINDOW, counts)
 
 
 def _round_flat_(target: torch.Tensor, value: torch.Tensor, noise: _RoundingNoise) -> None:
@@ -161,13 +142,18 @@ def fp32_norm(tensor: torch.Tensor, chunk_elements: int = STEP_CHUNK_ELEMENTS) -
     On CPU, ``vector_norm`` with ``dtype=float32`` converts a bf16 tensor to fp32 whole before reducing: for
     a tied embedding's ``[151,936 x 1,536]`` gradient, an 890 MiB temporary that no tensor tracker sees (it is
     freed inside the op). Per chunk of about `chunk_elements` elements the copy is a chunk's; the chunks' norms
-    are combined in fp32 (the same value up to fp32 rounding, and a better-conditioned sum).
+    are combined in fp32 (the same value up to fp32 rounding, and a better-conditioned sum). On fake tensors the
+    middle chunks' norms are stood in for (`priced_chunks`: each is a 0-d fp32 tensor, as theirs).
     """
     if tensor.dtype == torch.float32 or tensor.dim() == 0 or tensor.numel() <= chunk_elements:
         return torch.linalg.vector_norm(tensor, 2, dtype=torch.float32)
     rows = max(1, chunk_elements // max(1, tensor[0].numel()))
-    norms = [torch.linalg.vector_norm(chunk, 2, dtype=torch.float32) for chunk in tensor.split(rows)]
+    norms: list[torch.Tensor] = []
+    chunks = [slice(start, start + rows) for start in range(0, tensor.shape[0], rows)]
+    for chunk in priced_chunks(chunks, tensor, stand_ins=zero_norms(norms, tensor.device)):
+        norms.append(torch.linalg.vector_norm(tensor[chunk], 2, dtype=torch.float32))
     return torch.linalg.vector_norm(torch.stack(norms), 2)
+
 
 def step_in_fp32_(parameter: nn.Parameter, optimizer: torch.optim.Optimizer, gradient: torch.Tensor,
                   stochastic_rounding: bool = True, chunk_elements: int | None = None) -> None:
@@ -240,9 +226,9 @@ def priced_chunks(chunks: list[slice], storage: torch.Tensor, noise: _RoundingNo
     `noise` passes over their bits. Each skipped chunk holds no
     more than the one run after them (what chunks leave behind only grows), so the peak and every byte after
     are the whole pass's. With `noise` (the rounding pass: its chunks leave nothing behind), a chunk's ops also
-    depend on where its bits fall in the windows of random bits (`_RoundingNoise.layouts`): of the middle chunks of
-    one layout, the first whose first piece is the largest runs too (`_rounding_chunks_run`); none is skipped where
-    a chunk holds more bits than a window.
+    depend on where its bits fall in the windows (`_RoundingNoise.layouts`): of the middle chunks of one layout, the
+    first with the largest first piece runs too (`chunk_pricing.rounding_chunks_run`); none is skipped where a chunk
+    holds more bits than a window.
     """
     elements = storage.numel() // max(1, storage.shape[0]) * (chunks[0].stop - chunks[0].start) if chunks else 0
     if (not FAKE_CHUNKS_SKIPPED or len(chunks) < 6 or not is_fake(storage)
@@ -251,7 +237,7 @@ def priced_chunks(chunks: list[slice], storage: torch.Tensor, noise: _RoundingNo
         return
     run = {0, 1, *range(len(chunks) - 3, len(chunks))}
     if noise is not None:
-        run |= _rounding_chunks_run(noise.layouts([elements] * (len(chunks) - 3)))
+        run |= rounding_chunks_run(noise.layouts([elements] * (len(chunks) - 3)))
     index = 0
     while index < len(chunks):
         if index in run:
@@ -266,22 +252,6 @@ def priced_chunks(chunks: list[slice], storage: torch.Tensor, noise: _RoundingNo
         if noise is not None:
             noise.skip(skipped * elements)
         index += skipped
-
-
-def _rounding_chunks_run(layouts: list[tuple[tuple, int]]) -> set[int]:
-    """Which middle chunks (index 2 on) of a rounding pass run, given each full chunk's layout and first piece from
-    the first (`_RoundingNoise.layouts`): for each layout, the first chunk from the second on whose first piece is the
-    largest of that layout's.
-
-    A chunk of at most one window's bits takes one piece, or two across a window's end: its rounded first piece
-    (4 bytes an element) is held while the next window is drawn, the chunk's highest point, and every other op of it
-    has the sizes of its layout's. So the chunk of a layout with the largest first piece holds the most of them.
-    """
-    largest: dict[tuple, tuple[int, int]] = {}
-    for index, (layout, first) in enumerate(layouts[1:], start=1):
-        if layout not in largest or first > largest[layout][0]:
-            largest[layout] = (first, index)
-    return {index for _, index in largest.values() if index >= 2}
 
 
 def _step_in_row_chunks_(parameter: nn.Parameter, optimizer: torch.optim.Optimizer, gradient: torch.Tensor,
@@ -412,10 +382,7 @@ def _step_adafactor_in_row_chunks_(parameter: nn.Parameter, optimizer: torch.opt
     beta2t = 1.0 - math.pow(state["step"], group["decay_rate"])
     parameter_norms = []
     column_sums = torch.zeros(columns, **fp32)
-    def norms_of_skipped_chunks(norms: list) -> Callable[[int], None]:  # what they leave: 0-d norms (`priced_chunks`)
-        return lambda count: norms.extend(torch.zeros(count, **fp32).unbind())  # as many bytes, in one op
-
-    for chunk in priced_chunks(chunks, storage, stand_ins=norms_of_skipped_chunks(parameter_norms)):
+    for chunk in priced_chunks(chunks, storage, stand_ins=zero_norms(parameter_norms, storage.device)):
         parameter_norms.append(storage[chunk].float().norm(2))
         squares = (_rows_of(gradient, chunk).float() ** 2) + group["eps"][0]
         exp_avg_sq_row[chunk].mul_(beta2t).add_(squares.mean(dim=-1), alpha=(1.0 - beta2t))
@@ -433,7 +400,7 @@ def _step_adafactor_in_row_chunks_(parameter: nn.Parameter, optimizer: torch.opt
         return torch.mul(row_factor[chunk], column_factor).mul_(_rows_of(gradient, chunk).float())
 
     update_norms: list[torch.Tensor] = []
-    for chunk in priced_chunks(chunks, storage, stand_ins=norms_of_skipped_chunks(update_norms)):
+    for chunk in priced_chunks(chunks, storage, stand_ins=zero_norms(update_norms, storage.device)):
         update_norms.append(update_of(chunk).norm(2))
     clip = (_root_mean_square(update_norms, storage.numel()) / group["clip_threshold"]).clamp_(min=1.0)
     del update_norms
