@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from looptrain.fake import is_fake
-from looptrain.optim.chunk_pricing import rounding_chunks_run, window_layouts, zero_norms
+from looptrain.optim.chunk_pricing import rounding_chunks_run, stack_norms, window_layouts, zero_norms
 from looptrain.optim.per_parameter import PerParameterOptimizer
 
 GRAD_DTYPES = ("bf16", "fp32")
@@ -152,7 +152,7 @@ def fp32_norm(tensor: torch.Tensor, chunk_elements: int = STEP_CHUNK_ELEMENTS) -
     chunks = [slice(start, start + rows) for start in range(0, tensor.shape[0], rows)]
     for chunk in priced_chunks(chunks, tensor, stand_ins=zero_norms(norms, tensor.device)):
         norms.append(torch.linalg.vector_norm(tensor[chunk], 2, dtype=torch.float32))
-    return torch.linalg.vector_norm(torch.stack(norms), 2)
+    return torch.linalg.vector_norm(stack_norms(norms), 2)
 
 
 def step_in_fp32_(parameter: nn.Parameter, optimizer: torch.optim.Optimizer, gradient: torch.Tensor,
@@ -335,7 +335,7 @@ def _is_factored_adafactor(parameter: nn.Parameter, optimizer: torch.optim.Optim
 
 def _root_mean_square(norms: list[torch.Tensor], numel: int) -> torch.Tensor:
     """The RMS of a tensor from the fp32 2-norms of its chunks: Adafactor's `_rms` (`norm(2) / numel**0.5`)."""
-    return torch.linalg.vector_norm(torch.stack(norms).double()).float() / (numel**0.5)
+    return torch.linalg.vector_norm(stack_norms(norms).double()).float() / (numel**0.5)
 
 
 @torch.no_grad()

@@ -49,5 +49,14 @@ def rounding_chunks_run(layouts: list[tuple[tuple, int]]) -> set[int]:
 
 
 def zero_norms(norms: list[torch.Tensor], device: torch.device) -> Callable[[int], None]:
-    """Stand-ins for the 0-d fp32 norms of `count` skipped chunks, appended to `norms`: as many bytes, in one op."""
-    return lambda count: norms.extend(torch.zeros(count, dtype=torch.float32, device=device).unbind())
+    """Stand-ins for the 0-d fp32 norms of `count` skipped chunks, appended to `norms`: one tensor of as many bytes,
+    made in one op (`stack_norms` takes it for them)."""
+    return lambda count: norms.append(torch.zeros(count, dtype=torch.float32, device=device))
+
+
+def stack_norms(norms: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(norms)`` of chunks' 0-d norms, where a 1-d tensor stands for several (`zero_norms`): the same
+    bytes (views of the 0-d ones, concatenated)."""
+    if all(norm.dim() == 0 for norm in norms):
+        return torch.stack(norms)
+    return torch.cat([norm.reshape(1) if norm.dim() == 0 else norm for norm in norms])
