@@ -269,3 +269,30 @@ def test_a_fake_chunked_norm_standing_in_for_its_middle_chunks_holds_every_byte_
         seen.append((tracker.peak_bytes, tracker.current_bytes, tuple(norm.shape), norm.dtype, norms_run))
     assert seen[0][:4] == seen[1][:4] == (seen[1][0], seen[1][1], (), torch.float32)
     assert seen[1][4] == 21 and seen[0][4] == 6  # 20 chunks and their stack, or 5 of them
+
+
+def test_a_fake_rounding_makes_only_its_sums_and_holds_the_same_bytes_at_every_step(monkeypatch):
+    """`bf16._round_flat_` on fakes makes each piece's int32 sum alone (the views, the mask and the copy into the bf16
+    target make no bytes): at each op that makes bytes (the windows, the sums) the tracker's live bytes are the same,
+    in the same order, as with every op run, and so are the peak and the bytes left."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from looptrain.memory.tracker import StorageTracker
+    from looptrain.optim import bf16
+
+    monkeypatch.setattr(bf16, "_ROUNDING_WINDOW", 300)
+    seen = []
+    for shortcut in (True, False):
+        monkeypatch.setattr(bf16, "FAKE_CHUNKS_SKIPPED", shortcut)
+        with FakeTensorMode():
+            target, value = torch.empty(1000, dtype=torch.bfloat16), torch.empty(1000)
+            tracker = StorageTracker()
+            tracker.record_timeline()
+            with tracker:
+                noise = bf16._RoundingNoise(1000, value.device, None)
+                for start in range(0, 1000, 170):  # pieces across the windows' ends
+                    bf16._round_flat_(target[start:start + 170], value[start:start + 170], noise)
+        makers = ("randint.low_generator", "add.Tensor", "empty.memory_format")  # windows, sums (full run), sums (fake)
+        made = [live for event, _, live in tracker.timeline[1:] if event[0] in makers and event[1] > 0]
+        seen.append((made, tracker.peak_bytes, tracker.current_bytes, len(tracker.timeline)))
+    assert seen[0][:3] == seen[1][:3] and len(seen[0][0]) == 13 and seen[0][3] < seen[1][3] / 2

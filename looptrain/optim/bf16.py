@@ -46,7 +46,7 @@ _ROW_WISE_OPTIMIZERS = (torch.optim.AdamW, torch.optim.SGD)
 _ROUNDING_WINDOW = 1 << 22  # random bits drawn per call: bounds the rounding's temporaries to ~48 MiB
 _HIGH_BITS = -65536  # 0xFFFF0000 as an int32: the bits a bf16 keeps of an fp32
 RowSource = Callable[[slice], torch.Tensor]  # rows of a gradient that never exists whole (`step_rows_`)
-FAKE_CHUNKS_SKIPPED = True  # `priced_chunks`: on fake tensors, a row-chunked step runs the chunks that differ only
+FAKE_CHUNKS_SKIPPED = True  # `priced_chunks`, `_round_flat_`: on fakes, only the chunks and ops that differ in bytes
 
 
 class _RoundingNoise:
@@ -105,19 +105,18 @@ class _RoundingNoise:
         for _ in self.pieces(count - whole):  # the window the skipped bits end in, drawn and held
             pass
 
-    def layouts(self, counts: list[int]) -> list[tuple[tuple, int]]:
-        """For takes of `counts` bits in turn from here, drawing nothing: each one's layout in the windows and its first
-        piece's size (`chunk_pricing.window_layouts`)."""
-        return window_layouts(self._used, self._window.numel(), self._undrawn, _ROUNDING_WINDOW, counts)
-
 
 def _round_flat_(target: torch.Tensor, value: torch.Tensor, noise: _RoundingNoise) -> None:
-    """Rounds flat fp32 `value` into flat bf16 `target` stochastically, with the next bits of `noise`."""
-    start = 0
+    """Rounds flat fp32 `value` into flat bf16 `target` stochastically, with the next bits of `noise`. On the
+    estimator's fake tensors (no bits to round) each piece makes only what it holds: its sum, an int32 per element."""
+    start, fake = 0, FAKE_CHUNKS_SKIPPED and is_fake(value)
     for piece in noise.pieces(value.numel()):
         stop = start + piece.numel()
-        rounded = (value[start:stop].view(torch.int32) + piece).bitwise_and_(_HIGH_BITS).view(torch.float32)
-        target[start:stop].copy_(rounded)  # exact: the low 16 bits are zero
+        if fake:
+            rounded = torch.empty(stop - start, dtype=torch.int32, device=value.device)
+        else:
+            rounded = (value[start:stop].view(torch.int32) + piece).bitwise_and_(_HIGH_BITS).view(torch.float32)
+            target[start:stop].copy_(rounded)  # exact: the low 16 bits are zero
         start = stop
 
 
@@ -226,7 +225,7 @@ def priced_chunks(chunks: list[slice], storage: torch.Tensor, noise: _RoundingNo
     `noise` passes over their bits. Each skipped chunk holds no
     more than the one run after them (what chunks leave behind only grows), so the peak and every byte after
     are the whole pass's. With `noise` (the rounding pass: its chunks leave nothing behind), a chunk's ops also
-    depend on where its bits fall in the windows (`_RoundingNoise.layouts`): of the middle chunks of one layout, the
+    depend on where its bits fall in the windows (`chunk_pricing.window_layouts`): of the middle chunks of a layout, the
     first with the largest first piece runs too (`chunk_pricing.rounding_chunks_run`); none is skipped where a chunk
     holds more bits than a window.
     """
@@ -237,7 +236,8 @@ def priced_chunks(chunks: list[slice], storage: torch.Tensor, noise: _RoundingNo
         return
     run = {0, 1, *range(len(chunks) - 3, len(chunks))}
     if noise is not None:
-        run |= rounding_chunks_run(noise.layouts([elements] * (len(chunks) - 3)))
+        run |= rounding_chunks_run(window_layouts(noise._used, noise._window.numel(), noise._undrawn, _ROUNDING_WINDOW,
+                                                  [elements] * (len(chunks) - 3)))
     index = 0
     while index < len(chunks):
         if index in run:
