@@ -66,8 +66,9 @@ class _RoundingNoise:
         self._window = torch.empty(0, dtype=torch.int32, device=device)
         self._used = 0
 
-    def pieces(self, count: int):
-        """Yields the next `count` random integers in [0, 2^16), as int32 pieces of at most one window each."""
+    def pieces(self, count: int, sizes_only: bool = False):
+        """Yields the next `count` random integers in [0, 2^16), as int32 pieces of at most one window each
+        (`sizes_only`: the window each is from and its size, which hold it as long, for the estimator's fakes)."""
         while count > 0:
             if self._used == self._window.numel():
                 if self._undrawn == 0:
@@ -78,17 +79,13 @@ class _RoundingNoise:
                 self._undrawn -= size
                 self._used = 0
             taken = min(count, self._window.numel() - self._used)
-            piece = self._window[self._used:self._used + taken]
+            piece = (self._window, taken) if sizes_only else self._window[self._used:self._used + taken]
             self._used += taken
             if self._used == self._window.numel():  # used up: not held while the next chunk steps
                 self._window = torch.empty(0, dtype=torch.int32, device=self._device)
                 self._used = 0
             count -= taken
             yield piece
-
-    def whole_windows(self, chunk_elements: int) -> bool:
-        """Whether chunks of `chunk_elements` use one whole window each from here on (none is partly used)."""
-        return chunk_elements == _ROUNDING_WINDOW and self._used == self._window.numel()
 
     def skip(self, count: int) -> None:
         """Passes over the next `count` bits (`priced_chunks` on fakes): the window held is let go if they use it up,
@@ -102,7 +99,7 @@ class _RoundingNoise:
             self._window, self._used = torch.empty(0, dtype=torch.int32, device=self._device), 0
         whole = count // _ROUNDING_WINDOW * _ROUNDING_WINDOW  # drawn and let go inside the skipped bits: never drawn
         self._undrawn -= whole
-        for _ in self.pieces(count - whole):  # the window the skipped bits end in, drawn and held
+        for _ in self.pieces(count - whole, sizes_only=True):  # the window the skipped bits end in, drawn and held
             pass
 
 
@@ -110,10 +107,10 @@ def _round_flat_(target: torch.Tensor, value: torch.Tensor, noise: _RoundingNois
     """Rounds flat fp32 `value` into flat bf16 `target` stochastically, with the next bits of `noise`. On the
     estimator's fake tensors (no bits to round) each piece makes only what it holds: its sum, an int32 per element."""
     start, fake = 0, FAKE_CHUNKS_SKIPPED and is_fake(value)
-    for piece in noise.pieces(value.numel()):
-        stop = start + piece.numel()
+    for piece in noise.pieces(value.numel(), sizes_only=fake):
+        stop = start + (piece[1] if fake else piece.numel())
         if fake:
-            rounded = torch.empty(stop - start, dtype=torch.int32, device=value.device)
+            rounded = torch.empty(stop - start, dtype=torch.int32, device=noise._device)
         else:
             rounded = (value[start:stop].view(torch.int32) + piece).bitwise_and_(_HIGH_BITS).view(torch.float32)
             target[start:stop].copy_(rounded)  # exact: the low 16 bits are zero
