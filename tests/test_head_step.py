@@ -214,6 +214,9 @@ def test_lowest_steps_the_vocab_tables_by_rows_with_the_fused_step_where_the_hea
     (1024, 256, 1),  # in `make test`: 8 chunks, Adafactor fused by rows
     pytest.param(1024, 4096, 3, marks=pytest.mark.slow),  # 128 chunks, every mix
     pytest.param(1000, 4096, 3, marks=pytest.mark.slow),  # a chunk is not one whole window of bits
+    pytest.param(3000, 512, 1, marks=pytest.mark.slow),  # some cross a window, some not
+    pytest.param(1500, 4096, 3, marks=pytest.mark.slow),  # every chunk but a few crosses a window's end
+    pytest.param(3000, 4096, 3, marks=pytest.mark.slow),
 ])
 def test_a_fake_row_chunked_step_skipping_identical_chunks_prices_every_byte_of_the_whole_pass(window, vocab, count,
                                                                                               monkeypatch):
@@ -267,3 +270,51 @@ def test_rows_stepped_under_clipping_equal_torchs_clipped_whole_step(clip):
         hand_over(weight, gradient, 5)
         assert wrapper.grad_norm.item() == pytest.approx(norm.item(), rel=1e-6)
     torch.testing.assert_close(weight.detach(), expected.detach(), rtol=0, atol=1e-6)
+def test_a_fake_chunked_norm_standing_in_for_its_middle_chunks_holds_every_byte_of_the_whole(monkeypatch):
+    """`bf16.fp32_norm` on a fake bf16 gradient of 20 chunks: with the middle chunks' norms stood in for
+    (`priced_chunks`), the tracker's peak and the bytes left are those of every chunk's norm computed."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from looptrain.memory.tracker import StorageTracker
+    from looptrain.optim import bf16
+
+    seen = []
+    for skipped in (True, False):
+        monkeypatch.setattr(bf16, "FAKE_CHUNKS_SKIPPED", skipped)
+        with FakeTensorMode():
+            gradient = torch.empty(40, 8, dtype=torch.bfloat16)
+            tracker = StorageTracker()
+            tracker.record_timeline()
+            with tracker:
+                norm = bf16.fp32_norm(gradient, chunk_elements=16)
+        norms_run = sum(event[0].startswith("linalg_vector_norm") for event, _, _ in tracker.timeline[1:])
+        seen.append((tracker.peak_bytes, tracker.current_bytes, tuple(norm.shape), norm.dtype, norms_run))
+    assert seen[0][:4] == seen[1][:4] == (seen[1][0], seen[1][1], (), torch.float32)
+    assert seen[1][4] == 21 and seen[0][4] == 6  # 20 chunks and their stack, or 5 of them
+
+
+def test_a_fake_rounding_makes_only_its_sums_and_holds_the_same_bytes_at_every_step(monkeypatch):
+    """`bf16._round_flat_` on fakes makes each piece's int32 sum alone (the views, the mask and the copy into the bf16
+    target make no bytes): at each op that makes bytes (the windows, the sums) the tracker's live bytes are the same,
+    in the same order, as with every op run, and so are the peak and the bytes left."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from looptrain.memory.tracker import StorageTracker
+    from looptrain.optim import bf16
+
+    monkeypatch.setattr(bf16, "_ROUNDING_WINDOW", 300)
+    seen = []
+    for shortcut in (True, False):
+        monkeypatch.setattr(bf16, "FAKE_CHUNKS_SKIPPED", shortcut)
+        with FakeTensorMode():
+            target, value = torch.empty(1000, dtype=torch.bfloat16), torch.empty(1000)
+            tracker = StorageTracker()
+            tracker.record_timeline()
+            with tracker:
+                noise = bf16._RoundingNoise(1000, value.device, None)
+                for start in range(0, 1000, 170):  # pieces across the windows' ends
+                    bf16._round_flat_(target[start:start + 170], value[start:start + 170], noise)
+        makers = ("randint.low_generator", "add.Tensor", "empty.memory_format")  # windows, sums (full run), sums (fake)
+        made = [live for event, _, live in tracker.timeline[1:] if event[0] in makers and event[1] > 0]
+        seen.append((made, tracker.peak_bytes, tracker.current_bytes, len(tracker.timeline)))
+    assert seen[0][:3] == seen[1][:3] and len(seen[0][0]) == 13 and seen[0][3] < seen[1][3] / 2

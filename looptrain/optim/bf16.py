@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from looptrain.fake import is_fake
+from looptrain.optim.chunk_pricing import rounding_chunks_run, stack_norms, window_layouts, zero_norms
 from looptrain.optim.per_parameter import PerParameterOptimizer
 
 GRAD_DTYPES = ("bf16", "fp32")
@@ -45,7 +46,7 @@ _ROW_WISE_OPTIMIZERS = (torch.optim.AdamW, torch.optim.SGD)
 _ROUNDING_WINDOW = 1 << 22  # random bits drawn per call: bounds the rounding's temporaries to ~48 MiB
 _HIGH_BITS = -65536  # 0xFFFF0000 as an int32: the bits a bf16 keeps of an fp32
 RowSource = Callable[[slice], torch.Tensor]  # rows of a gradient that never exists whole (`step_rows_`)
-FAKE_CHUNKS_SKIPPED = True  # `priced_chunks`: on fake tensors, a row-chunked step runs the chunks that differ only
+FAKE_CHUNKS_SKIPPED = True  # `priced_chunks`, `_round_flat_`: on fakes, only the chunks and ops that differ in bytes
 
 
 class _RoundingNoise:
@@ -65,8 +66,9 @@ class _RoundingNoise:
         self._window = torch.empty(0, dtype=torch.int32, device=device)
         self._used = 0
 
-    def pieces(self, count: int):
-        """Yields the next `count` random integers in [0, 2^16), as int32 pieces of at most one window each."""
+    def pieces(self, count: int, sizes_only: bool = False):
+        """Yields the next `count` random integers in [0, 2^16), as int32 pieces of at most one window each
+        (`sizes_only`: the window each is from and its size, which hold it as long, for the estimator's fakes)."""
         while count > 0:
             if self._used == self._window.numel():
                 if self._undrawn == 0:
@@ -77,7 +79,7 @@ class _RoundingNoise:
                 self._undrawn -= size
                 self._used = 0
             taken = min(count, self._window.numel() - self._used)
-            piece = self._window[self._used:self._used + taken]
+            piece = (self._window, taken) if sizes_only else self._window[self._used:self._used + taken]
             self._used += taken
             if self._used == self._window.numel():  # used up: not held while the next chunk steps
                 self._window = torch.empty(0, dtype=torch.int32, device=self._device)
@@ -85,22 +87,33 @@ class _RoundingNoise:
             count -= taken
             yield piece
 
-    def whole_windows(self, chunk_elements: int) -> bool:
-        """Whether chunks of `chunk_elements` use one whole window each from here on (none is partly used)."""
-        return chunk_elements == _ROUNDING_WINDOW and self._used == self._window.numel()
-
     def skip(self, count: int) -> None:
-        """Passes over the next `count` bits (whole windows) without drawing them: `priced_chunks` on fake tensors."""
-        self._undrawn -= count
+        """Passes over the next `count` bits (`priced_chunks` on fakes): the window held is let go if they use it up,
+        those they use whole are never drawn, the one they end in is drawn and held, as `pieces` leaves it."""
+        held = self._window.numel() - self._used
+        if count < held:
+            self._used += count
+            return
+        count -= held
+        if held:  # used up: let go, as `pieces` does
+            self._window, self._used = torch.empty(0, dtype=torch.int32, device=self._device), 0
+        whole = count // _ROUNDING_WINDOW * _ROUNDING_WINDOW  # drawn and let go inside the skipped bits: never drawn
+        self._undrawn -= whole
+        for _ in self.pieces(count - whole, sizes_only=True):  # the window the skipped bits end in, drawn and held
+            pass
 
 
 def _round_flat_(target: torch.Tensor, value: torch.Tensor, noise: _RoundingNoise) -> None:
-    """Rounds flat fp32 `value` into flat bf16 `target` stochastically, with the next bits of `noise`."""
-    start = 0
-    for piece in noise.pieces(value.numel()):
-        stop = start + piece.numel()
-        rounded = (value[start:stop].view(torch.int32) + piece).bitwise_and_(_HIGH_BITS).view(torch.float32)
-        target[start:stop].copy_(rounded)  # exact: the low 16 bits are zero
+    """Rounds flat fp32 `value` into flat bf16 `target` stochastically, with the next bits of `noise`. On the
+    estimator's fake tensors (no bits to round) each piece makes only what it holds: its sum, an int32 per element."""
+    start, fake = 0, FAKE_CHUNKS_SKIPPED and is_fake(value)
+    for piece in noise.pieces(value.numel(), sizes_only=fake):
+        stop = start + (piece[1] if fake else piece.numel())
+        if fake:
+            rounded = torch.empty(stop - start, dtype=torch.int32, device=noise._device)
+        else:
+            rounded = (value[start:stop].view(torch.int32) + piece).bitwise_and_(_HIGH_BITS).view(torch.float32)
+            target[start:stop].copy_(rounded)  # exact: the low 16 bits are zero
         start = stop
 
 
@@ -125,13 +138,18 @@ def fp32_norm(tensor: torch.Tensor, chunk_elements: int = STEP_CHUNK_ELEMENTS) -
     On CPU, ``vector_norm`` with ``dtype=float32`` converts a bf16 tensor to fp32 whole before reducing: for
     a tied embedding's ``[151,936 x 1,536]`` gradient, an 890 MiB temporary that no tensor tracker sees (it is
     freed inside the op). Per chunk of about `chunk_elements` elements the copy is a chunk's; the chunks' norms
-    are combined in fp32 (the same value up to fp32 rounding, and a better-conditioned sum).
+    are combined in fp32 (the same value up to fp32 rounding, and a better-conditioned sum). On fake tensors the
+    middle chunks' norms are stood in for (`priced_chunks`: each is a 0-d fp32 tensor, as theirs).
     """
     if tensor.dtype == torch.float32 or tensor.dim() == 0 or tensor.numel() <= chunk_elements:
         return torch.linalg.vector_norm(tensor, 2, dtype=torch.float32)
     rows = max(1, chunk_elements // max(1, tensor[0].numel()))
-    norms = [torch.linalg.vector_norm(chunk, 2, dtype=torch.float32) for chunk in tensor.split(rows)]
-    return torch.linalg.vector_norm(torch.stack(norms), 2)
+    norms: list[torch.Tensor] = []
+    chunks = [slice(start, start + rows) for start in range(0, tensor.shape[0], rows)]
+    for chunk in priced_chunks(chunks, tensor, stand_ins=zero_norms(norms, tensor.device)):
+        norms.append(torch.linalg.vector_norm(tensor[chunk], 2, dtype=torch.float32))
+    return torch.linalg.vector_norm(stack_norms(norms), 2)
+
 
 def step_in_fp32_(parameter: nn.Parameter, optimizer: torch.optim.Optimizer, gradient: torch.Tensor,
                   stochastic_rounding: bool = True, chunk_elements: int | None = None) -> None:
@@ -195,27 +213,42 @@ def _rows_per_chunk(parameter: nn.Parameter, optimizer: torch.optim.Optimizer, c
 
 
 def priced_chunks(chunks: list[slice], storage: torch.Tensor, noise: _RoundingNoise | None = None,
-                  stand_in: Callable[[], None] | None = None):
+                  stand_in: Callable[[], None] | None = None, stand_ins: Callable[[int], None] | None = None):
     """The chunks of rows a pass of a row-chunked step runs: every one, except on the estimator's fake tensors.
 
     There, the full chunks after the second and before the last full one are the same ops on tensors of the same
     sizes as their neighbours, so the same bytes: they are skipped, `stand_in()` once for each (what a skipped
-    chunk leaves behind, such as its 0-d norm), and `noise` passes over their bits. Each skipped chunk holds no
+    chunk leaves behind, such as its 0-d norm; or `stand_ins(count)` once for each run of `count` of them), and
+    `noise` passes over their bits. Each skipped chunk holds no
     more than the one run after them (what chunks leave behind only grows), so the peak and every byte after
-    are the whole pass's. With `noise`, only where each chunk uses one whole window of it (else all chunks run).
+    are the whole pass's. With `noise` (the rounding pass: its chunks leave nothing behind), a chunk's ops also
+    depend on where its bits fall in the windows (`chunk_pricing.window_layouts`): of the middle chunks of a layout, the
+    first with the largest first piece runs too (`chunk_pricing.rounding_chunks_run`); none is skipped where a chunk
+    holds more bits than a window.
     """
     elements = storage.numel() // max(1, storage.shape[0]) * (chunks[0].stop - chunks[0].start) if chunks else 0
     if (not FAKE_CHUNKS_SKIPPED or len(chunks) < 6 or not is_fake(storage)
-            or (noise is not None and not noise.whole_windows(elements))):
+            or (noise is not None and elements > _ROUNDING_WINDOW)):
         yield from chunks
         return
-    yield from chunks[:2]
-    for _ in chunks[2:-3]:
-        if stand_in is not None:
+    run = {0, 1, *range(len(chunks) - 3, len(chunks))}
+    if noise is not None:
+        run |= rounding_chunks_run(window_layouts(noise._used, noise._window.numel(), noise._undrawn, _ROUNDING_WINDOW,
+                                                  [elements] * (len(chunks) - 3)))
+    index = 0
+    while index < len(chunks):
+        if index in run:
+            yield chunks[index]
+            index += 1
+            continue
+        skipped = next(later for later in range(index, len(chunks)) if later in run) - index
+        if stand_ins is not None:
+            stand_ins(skipped)
+        for _ in range(skipped if stand_in is not None else 0):
             stand_in()
         if noise is not None:
-            noise.skip(elements)
-    yield from chunks[-3:]
+            noise.skip(skipped * elements)
+        index += skipped
 
 
 def _step_in_row_chunks_(parameter: nn.Parameter, optimizer: torch.optim.Optimizer, gradient: torch.Tensor,
@@ -299,7 +332,7 @@ def _is_factored_adafactor(parameter: nn.Parameter, optimizer: torch.optim.Optim
 
 def _root_mean_square(norms: list[torch.Tensor], numel: int) -> torch.Tensor:
     """The RMS of a tensor from the fp32 2-norms of its chunks: Adafactor's `_rms` (`norm(2) / numel**0.5`)."""
-    return torch.linalg.vector_norm(torch.stack(norms).double()).float() / (numel**0.5)
+    return torch.linalg.vector_norm(stack_norms(norms).double()).float() / (numel**0.5)
 
 
 @torch.no_grad()
@@ -346,10 +379,7 @@ def _step_adafactor_in_row_chunks_(parameter: nn.Parameter, optimizer: torch.opt
     beta2t = 1.0 - math.pow(state["step"], group["decay_rate"])
     parameter_norms = []
     column_sums = torch.zeros(columns, **fp32)
-    def norm_of_a_skipped_chunk(norms: list) -> Callable[[], None]:  # what it leaves: its 0-d norm (`priced_chunks`)
-        return lambda: norms.append(torch.zeros((), **fp32))
-
-    for chunk in priced_chunks(chunks, storage, stand_in=norm_of_a_skipped_chunk(parameter_norms)):
+    for chunk in priced_chunks(chunks, storage, stand_ins=zero_norms(parameter_norms, storage.device)):
         parameter_norms.append(storage[chunk].float().norm(2))
         squares = (_rows_of(gradient, chunk).float() ** 2) + group["eps"][0]
         exp_avg_sq_row[chunk].mul_(beta2t).add_(squares.mean(dim=-1), alpha=(1.0 - beta2t))
@@ -367,7 +397,7 @@ def _step_adafactor_in_row_chunks_(parameter: nn.Parameter, optimizer: torch.opt
         return torch.mul(row_factor[chunk], column_factor).mul_(_rows_of(gradient, chunk).float())
 
     update_norms: list[torch.Tensor] = []
-    for chunk in priced_chunks(chunks, storage, stand_in=norm_of_a_skipped_chunk(update_norms)):
+    for chunk in priced_chunks(chunks, storage, stand_ins=zero_norms(update_norms, storage.device)):
         update_norms.append(update_of(chunk).norm(2))
     clip = (_root_mean_square(update_norms, storage.numel()) / group["clip_threshold"]).clamp_(min=1.0)
     del update_norms
