@@ -43,6 +43,7 @@ from torch import nn
 
 from looptrain.batches import IGNORE_INDEX
 from looptrain.fake import is_fake
+from looptrain.optim.bf16 import priced_chunks
 from looptrain.optim.in_backward import row_stepper
 from looptrain.strategy import CHUNKED_CE_MODES, ConfigError
 
@@ -68,10 +69,10 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         normalisers = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
-            for tokens in _slices(hidden.shape[0], tiling[1]):
+            for tokens in _slices(hidden, tiling[1]):
                 hidden_d, labels_b = hidden[tokens].to(dtype), labels[tokens]
                 lse = target = None
-                for rows in _slices(weight.shape[0], tiling[0]):
+                for rows in _slices(weight, tiling[0]):
                     logits = F.linear(hidden_d, *_rows_in_dtype(weight, bias, rows, dtype)).float()
                     tile_lse = torch.logsumexp(logits, dim=-1)
                     lse = tile_lse if lse is None else torch.logaddexp(lse, tile_lse)
@@ -126,8 +127,7 @@ class _Tiles:
         self.hidden, self.weight, self.labels, self.normalisers = hidden, weight.detach(), labels, normalisers
         self.bias = bias.detach() if bias is not None else None
         self.scale = torch.where(labels != IGNORE_INDEX, grad_total.float(), 0.0)
-        self.rows, self.dtype = tiling[0], dtype
-        self.blocks = list(_slices(hidden.shape[0], tiling[1]))
+        self.tiling, self.dtype = tiling, dtype
 
     def grad_logits(self, hidden_d: torch.Tensor, tokens: slice, rows: slice, head_rows: tuple) -> torch.Tensor:
         """d(loss)/d(logits) of the tokens `tokens` (their hidden states `hidden_d`) at the vocabulary rows `rows`
@@ -144,9 +144,9 @@ class _Tiles:
         where `fresh` (else added), `grad_bias`'s added."""
         if grad_hidden is None and grad_weight is None and grad_bias is None:
             return
-        for block, tokens in enumerate(self.blocks):
+        for block, tokens in enumerate(_slices(self.hidden, self.tiling[1])):
             hidden_d = self.hidden[tokens].to(self.dtype)
-            for index, rows in enumerate(_slices(self.weight.shape[0], self.rows)):
+            for index, rows in enumerate(_slices(self.weight, self.tiling[0])):
                 head_rows = _rows_in_dtype(self.weight, self.bias, rows, self.dtype)
                 grad = self.grad_logits(hidden_d, tokens, rows, head_rows)
                 if grad_hidden is not None:
@@ -159,7 +159,7 @@ class _Tiles:
     def weight_rows(self, rows: slice) -> torch.Tensor:
         """The weight's gradient rows `rows` over every token (`OptimizerInBackward.step_rows`' source)."""
         total = None
-        for tokens in self.blocks:
+        for tokens in _slices(self.hidden, self.tiling[1]):
             hidden_d = self.hidden[tokens].to(self.dtype)
             head_rows = _rows_in_dtype(self.weight, self.bias, rows, self.dtype)
             part = self.grad_logits(hidden_d, tokens, rows, head_rows).t() @ hidden_d
@@ -180,8 +180,12 @@ def _tiling(tokens: int, vocab: int, max_logits: int) -> tuple[int, int]:
     return max(1, min(vocab, max_logits // block)), block
 
 
-def _slices(length: int, step: int) -> Iterator[slice]:
-    return (slice(start, min(start + step, length)) for start in range(0, length, step))
+def _slices(tensor: torch.Tensor, step: int) -> Iterator[slice]:
+    """`tensor`'s rows by `step`; on the estimator's fake tensors the full slices between the first two and the last
+    three are skipped (`looptrain.optim.bf16.priced_chunks`: each leaves what its neighbours leave, so the same
+    bytes)."""
+    return priced_chunks([slice(start, min(start + step, tensor.shape[0]))
+                          for start in range(0, tensor.shape[0], step)], tensor)
 
 
 def _rows_in_dtype(weight: torch.Tensor, bias: torch.Tensor | None, rows: slice, dtype: torch.dtype):
