@@ -133,10 +133,11 @@ class _Tiles:
         """d(loss)/d(logits) of the tokens `tokens` (their hidden states `hidden_d`) at the vocabulary rows `rows`
         (the head's rows there, `_rows_in_dtype`'s `head_rows`)."""
         grad = F.linear(hidden_d, *head_rows).float()
-        grad.sub_(self.normalisers[tokens, None]).exp_()
+        scale = self.scale[tokens]
+        grad.sub_(self.normalisers[tokens, None]).exp_().mul_(scale[:, None])
         column, inside = _in_rows(self.labels[tokens], rows, grad.shape[1])
-        grad.scatter_add_(1, column[:, None], torch.where(inside, -1.0, 0.0)[:, None])  # minus the one-hot
-        return grad.mul_(self.scale[tokens, None]).to(self.dtype)
+        grad.scatter_add_(1, column[:, None], torch.where(inside, -scale, 0.0)[:, None])  # minus the one-hot's
+        return grad.to(self.dtype)
 
     def backward(self, grad_hidden: torch.Tensor | None, grad_weight: torch.Tensor | None,
                  grad_bias: torch.Tensor | None, fresh: bool) -> None:
