@@ -1,25 +1,28 @@
-"""Chunked cross-entropy: a causal LM's head and loss in chunks of tokens, so the [tokens, vocab] logits never exist.
+"""Chunked cross-entropy: a causal LM's head and loss in tiles of the vocabulary, so the [tokens, vocab] logits
+never exist.
 
 A causal LM's own loss computes every position's logits (``[batch, length, vocab]``), upcasts them to fp32 and
 keeps what cross-entropy needs for backward: for a 150k vocabulary at 2048 tokens, over a gigabyte each. Here the
 model's decoder body runs to its last hidden states, the positions whose (shifted) label is -100 are dropped, and
-`chunked_cross_entropy` computes the sum of cross-entropy over chunks of `chunk_tokens` tokens with an autograd
-function that saves only the hidden states, the head's weight (and bias) and the labels; backward recomputes each
-chunk's logits. At most one chunk's logits exist at a time, in forward and in backward. The math is the model's:
-the logits in the dtype the head would compute them in (autocast's, else the weight's), the cross-entropy in fp32
-as transformers takes it, and the head's weight gradient returned to autograd, so tied input/output embeddings
-get the sum of both uses. For a tied ``nn.Embedding`` that sum is made in one tensor: during the training forward
-the lookup runs as `_TiedLookup`, whose backward adds its rows into the head's weight gradient in place, so one
-``[vocab, hidden]`` gradient exists instead of three (the head's, held by autograd through the blocks' backward,
-the lookup's and their sum).
+`chunked_cross_entropy` computes the sum of cross-entropy with an autograd function that goes over the head's
+weight by tiles of vocabulary rows, each tile's logits for all of the micro-batch's tokens at once (for blocks of
+them where there are so many that a tile would be narrower than `MIN_TILE_ROWS`), folded into each token's
+logsumexp; it saves the hidden states, the head's weight (and bias), the labels and the logsumexp, and backward
+recomputes each tile's logits. At most one tile's logits exist at a time (`AUTO_CHUNK_LOGITS`, or the user's
+``ce_chunk_tokens x vocab``), the head's weight is read once per block in forward and once in backward, and its
+gradient's rows are written once per block. The math is the model's: the logits in the dtype the head would
+compute them in (autocast's, else the weight's), the cross-entropy in fp32 as transformers takes it, and the
+head's weight gradient returned to autograd, so tied input/output embeddings get the sum of both uses. For a tied
+``nn.Embedding`` that sum is made in one tensor: during the training forward the lookup runs as `_TiedLookup`,
+whose backward adds its rows into the head's weight gradient in place, so one ``[vocab, hidden]`` gradient exists
+instead of three (the head's, held by autograd through the blocks' backward, the lookup's and their sum).
 
 With ``step_by_rows`` and the fused step (`looptrain.optim.OptimizerInBackward`, which marks the weights it
 takes by rows: `row_stepper`; the other linear layers' are `looptrain.optim.row_linear`'s), an untied head's
-weight gradient is never formed: after the token chunks' pass (which also keeps each token's logsumexp), the
-head is stepped by chunks of vocabulary rows, each chunk's gradient rows computed from its logits for every token
-(`_step_head`); and the untied input embedding's lookup runs as
-`_RowSteppedLookup`, whose backward steps the embedding by chunks of rows from ``nn.Embedding``'s own dense backward
-over each chunk. See docs/memory.md ("Weights stepped by rows").
+weight gradient is never formed: after the tiles' pass for the hidden states' gradient, the head is stepped by
+chunks of vocabulary rows, each chunk's gradient rows computed by the same tiled backward (`_Tiles.weight_rows`);
+and the untied input embedding's lookup runs as `_RowSteppedLookup`, whose backward steps the embedding by chunks
+of rows from ``nn.Embedding``'s own dense backward over each chunk. See docs/memory.md ("Weights stepped by rows").
 
 `ChunkedLMLoss.for_model` decides once, when the Loop is built, whether a model can be served exactly; where it
 cannot (a head that is not a Linear, logit softcapping, no decoder body, a sharded head, a head that does more
@@ -40,101 +43,183 @@ from torch import nn
 
 from looptrain.batches import IGNORE_INDEX
 from looptrain.fake import is_fake
+from looptrain.optim.bf16 import priced_chunks
 from looptrain.optim.in_backward import row_stepper
 from looptrain.strategy import CHUNKED_CE_MODES, ConfigError
 
 # Batch keys the model's own forward takes for its loss or its head, never the decoder body's.
 _HEAD_KEYS = ("labels", "shift_labels", "num_items_in_batch", "logits_to_keep", "return_dict")
-AUTO_CHUNK_LOGITS = 2**23  # ce_chunk_tokens=0: a chunk holds at most this many logits (32 MiB in fp32)
+AUTO_CHUNK_LOGITS = 2**23  # ce_chunk_tokens=0: a tile holds at most this many logits (32 MiB in fp32)
+MIN_TILE_ROWS = 1024  # a tile of fewer vocabulary rows (for all of a micro-batch's tokens) splits the tokens too
 _PROBE_TOKENS = 8  # the first batch's check runs the model on one row of this many tokens
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Sum of cross-entropy of ``hidden @ weight.T + bias`` against `labels`, one chunk of rows at a time."""
+    """Sum of cross-entropy of ``hidden @ weight.T + bias`` against `labels`, one tile of vocabulary rows at a time.
+
+    Forward: per block of tokens (`_tiling`: all of them, unless that would leave tiles under `MIN_TILE_ROWS`
+    rows), each tile's logits for the block fold into each token's logsumexp, and the tile holding a token's label
+    gives its target logit; only the logsumexp (one fp32 a token) is kept for backward, which is `_Tiles`'.
+    """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk_tokens, dtype, tied=None):
-        ctx.save_for_backward(hidden, weight, bias, labels)
-        ctx.chunk_tokens, ctx.dtype, ctx.tied = chunk_tokens, dtype, tied
+    def forward(ctx, hidden, weight, bias, labels, max_logits, dtype, tied=None):
+        _check_labels(labels, weight.shape[0])
+        tiling = _tiling(hidden.shape[0], weight.shape[0], max_logits)
+        normalisers = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
-            weight_c, bias_c = _in_dtype(weight, bias, dtype)
-            for start in range(0, hidden.shape[0], chunk_tokens):
-                logits = F.linear(hidden[start:start + chunk_tokens].to(dtype), weight_c, bias_c)
-                total += F.cross_entropy(logits.float(), labels[start:start + chunk_tokens],
-                                         ignore_index=IGNORE_INDEX, reduction="sum")
+            for tokens in _slices(hidden, tiling[1]):
+                hidden_d, labels_b = hidden[tokens].to(dtype), labels[tokens]
+                lse = target = None
+                for rows in _slices(weight, tiling[0]):
+                    logits = F.linear(hidden_d, *_rows_in_dtype(weight, bias, rows, dtype)).float()
+                    tile_lse = torch.logsumexp(logits, dim=-1)
+                    lse = tile_lse if lse is None else torch.logaddexp(lse, tile_lse)
+                    column, inside = _in_rows(labels_b, rows, logits.shape[1])
+                    picked = logits.gather(1, column[:, None])[:, 0]
+                    target = torch.where(inside, picked, 0.0 if target is None else target)
+                    del logits, tile_lse, picked
+                normalisers[tokens] = lse
+                total += torch.where(labels_b != IGNORE_INDEX, lse - target, 0.0).sum()
+        ctx.save_for_backward(hidden, weight, bias, labels, normalisers)
+        ctx.tiling, ctx.dtype, ctx.tied = tiling, dtype, tied
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
-        hidden, weight, bias, labels = ctx.saved_tensors
-        chunk_tokens, dtype = ctx.chunk_tokens, ctx.dtype
+        hidden, weight, bias, labels, normalisers = ctx.saved_tensors
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        grad_hidden = torch.empty_like(hidden) if needs_hidden else None
         tied = ctx.tied if ctx.tied is not None and not ctx.tied.consumed else None
-        # step_by_rows: the fused step takes the weight's gradient by rows of the vocabulary (`_step_head`)
+        # step_by_rows: the fused step takes the weight's gradient by rows of the vocabulary (`_Tiles.weight_rows`)
         stepper = row_stepper(weight) if needs_weight and ctx.tied is None else None
-        normalisers = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device) if stepper else None
-        grad_weight = None
+        grad_weight, fresh = None, False
         if needs_weight and stepper is None:
-            grad_weight = tied.gradient if tied is not None and tied.gradient is not None else torch.zeros_like(weight)
+            grad_weight = tied.gradient if tied is not None else None
+            if grad_weight is None:  # written by the first block of tokens (zeros where there is none)
+                grad_weight, fresh = (torch.empty_like if hidden.shape[0] else torch.zeros_like)(weight), True
+        grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if needs_hidden else None
         grad_bias = torch.zeros_like(bias) if needs_bias else None
+        tiles = _Tiles(hidden, weight, bias, labels, normalisers, grad_total, ctx.tiling, ctx.dtype)
         with torch.autocast(hidden.device.type, enabled=False):
-            weight_c, bias_c = _in_dtype(weight, bias, dtype)
-            for start in range(0, hidden.shape[0], chunk_tokens):
-                rows = slice(start, start + chunk_tokens)
-                hidden_c, labels_c = hidden[rows].to(dtype), labels[rows]
-                # d(sum CE)/d(logits) = softmax - one_hot, per scored row, in fp32 (the loss's dtype) ...
-                logits = F.linear(hidden_c, weight_c, bias_c).float()
-                if normalisers is not None:
-                    normalisers[rows] = torch.logsumexp(logits, dim=-1)
-                grad_logits = torch.softmax(logits, dim=-1)
-                del logits
-                scored = labels_c != IGNORE_INDEX
-                grad_logits[torch.arange(labels_c.shape[0], device=labels_c.device), labels_c.clamp(min=0)] -= 1.0
-                grad_logits.mul_((scored * grad_total)[:, None])
-                grad_logits = grad_logits.to(dtype)  # ... then back to the logits' dtype, as autograd's .float() does
-                if needs_hidden:
-                    grad_hidden[rows] = grad_logits @ weight_c
-                if grad_weight is not None:
-                    _accumulate(grad_weight, grad_logits.t(), hidden_c)
-                if needs_bias:
-                    grad_bias += grad_logits.sum(0).to(grad_bias.dtype)
-            if stepper is not None:  # after grad_hidden, which needs the weight before its step; the token
-                del weight_c, bias_c, hidden_c, grad_logits  # chunks' temporaries freed first
-                _step_head(stepper, weight, bias, hidden, labels, normalisers, grad_total, dtype)
+            tiles.backward(grad_hidden, grad_weight, grad_bias, fresh)
+            if stepper is not None:  # after grad_hidden, which needs the weight before its step
+                stepper(weight, tiles.weight_rows, ctx.tiling[0])
         if tied is not None and grad_weight is not None:  # the lookup's backward (next) adds its rows and returns it
             tied.gradient, grad_weight = grad_weight, None
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.to(hidden.dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
-def _step_head(stepper: Callable, weight: torch.Tensor, bias: torch.Tensor | None, hidden: torch.Tensor,
-               labels: torch.Tensor, normalisers: torch.Tensor, grad_total: torch.Tensor, dtype: torch.dtype) -> None:
-    """The head's weight stepped by the fused step from its gradient by rows of the vocabulary (`step_by_rows`).
+class _Tiles:
+    """The chunked cross-entropy's backward, by blocks of tokens and tiles of vocabulary rows (`_tiling`).
 
-    A chunk of vocabulary rows gets its logits for every token (``hidden @ weight[rows].T``, in `dtype`), their
-    softmax from the tokens' log-normalisers (logsumexp over the whole vocabulary, from the token chunks' pass),
-    minus one at the tokens whose label falls in the chunk, times the loss's gradient where scored; its gradient rows
-    are that ``[tokens, rows]`` gradient, in `dtype`, transposed times the hidden states. Each chunk holds at most
-    ``AUTO_CHUNK_LOGITS`` logits; the stepper calls it per pass of its row-chunked step (`OptimizerInBackward.
-    step_rows`), always before the chunk's rows are written.
+    A tile's gradient of the summed loss with respect to its logits is ``exp(logit - logsumexp)`` (the softmax, from
+    the forward's logsumexp over the whole vocabulary) minus one at the tokens whose label is in the tile, times
+    the loss's gradient where scored, in fp32, then in the logits' dtype (as autograd's ``.float()`` gives it back).
+    `backward` runs every tile once: its rows of the weight's gradient written (or added), its part of the hidden
+    states' gradient added; `weight_rows` gives any rows' gradient over every token, for the fused step by rows.
     """
-    storage = weight.detach()  # the rows as they are now: the step swaps the parameter's .data while it runs
-    bias_rows = bias.detach() if bias is not None else None
-    hidden_d = hidden.to(dtype)
-    scale = ((labels != IGNORE_INDEX) * grad_total).float()[:, None]
 
-    def rows_of(rows: slice) -> torch.Tensor:
-        logits = F.linear(hidden_d, storage[rows].to(dtype), None if bias_rows is None else bias_rows[rows].to(dtype))
-        grad_logits = logits.float().sub_(normalisers[:, None]).exp_()  # the softmax's columns of these rows
-        width = grad_logits.shape[1]
-        target = labels - rows.start
-        inside = ((target >= 0) & (target < width)).to(grad_logits.dtype)
-        grad_logits.scatter_add_(1, target.clamp(0, width - 1)[:, None], -inside[:, None])  # minus the one-hot
-        grad_logits.mul_(scale)
-        return grad_logits.to(dtype).t() @ hidden_d
+    def __init__(self, hidden, weight, bias, labels, normalisers, grad_total, tiling, dtype):
+        # the weight as it is now: a step by rows swaps the parameter's .data while it runs
+        self.hidden, self.weight, self.labels, self.normalisers = hidden, weight.detach(), labels, normalisers
+        self.bias = bias.detach() if bias is not None else None
+        self.scale = torch.where(labels != IGNORE_INDEX, grad_total.float(), 0.0)
+        self.tiling, self.dtype = tiling, dtype
 
-    stepper(weight, rows_of, max(1, AUTO_CHUNK_LOGITS // max(1, hidden.shape[0])))
+    def grad_logits(self, hidden_d: torch.Tensor, tokens: slice, rows: slice, head_rows: tuple) -> torch.Tensor:
+        """d(loss)/d(logits) of the tokens `tokens` (their hidden states `hidden_d`) at the vocabulary rows `rows`
+        (the head's rows there, `_rows_in_dtype`'s `head_rows`)."""
+        grad = F.linear(hidden_d, *head_rows).float()
+        scale = self.scale[tokens]
+        grad.sub_(self.normalisers[tokens, None]).exp_().mul_(scale[:, None])
+        column, inside = _in_rows(self.labels[tokens], rows, grad.shape[1])
+        grad.scatter_add_(1, column[:, None], torch.where(inside, -scale, 0.0)[:, None])  # minus the one-hot's
+        return grad.to(self.dtype)
+
+    def backward(self, grad_hidden: torch.Tensor | None, grad_weight: torch.Tensor | None,
+                 grad_bias: torch.Tensor | None, fresh: bool) -> None:
+        """Each tile once per block: `grad_hidden` (fp32) written, `grad_weight`'s rows written by the first block
+        where `fresh` (else added), `grad_bias`'s added."""
+        if grad_hidden is None and grad_weight is None and grad_bias is None:
+            return
+        for block, tokens in enumerate(_slices(self.hidden, self.tiling[1])):
+            hidden_d = self.hidden[tokens].to(self.dtype)
+            for index, rows in enumerate(_slices(self.weight, self.tiling[0])):
+                head_rows = _rows_in_dtype(self.weight, self.bias, rows, self.dtype)
+                grad = self.grad_logits(hidden_d, tokens, rows, head_rows)
+                if grad_hidden is not None:
+                    _add_product(grad_hidden[tokens], grad, head_rows[0], index == 0)
+                if grad_weight is not None:
+                    _add_product(grad_weight[rows], grad.t(), hidden_d, fresh and block == 0)
+                if grad_bias is not None:
+                    grad_bias[rows] += grad.sum(0).to(grad_bias.dtype)
+
+    def weight_rows(self, rows: slice) -> torch.Tensor:
+        """The weight's gradient rows `rows` over every token (`OptimizerInBackward.step_rows`' source)."""
+        total = None
+        for tokens in _slices(self.hidden, self.tiling[1]):
+            hidden_d = self.hidden[tokens].to(self.dtype)
+            head_rows = _rows_in_dtype(self.weight, self.bias, rows, self.dtype)
+            part = self.grad_logits(hidden_d, tokens, rows, head_rows).t() @ hidden_d
+            total = part if total is None else total.float().add_(part)
+        if total is None:
+            return self.weight.new_zeros(self.weight[rows].shape, dtype=self.dtype)
+        return total
+
+
+def _tiling(tokens: int, vocab: int, max_logits: int) -> tuple[int, int]:
+    """(vocabulary rows a tile, tokens a block): a tile's logits ``[block, rows]`` hold at most `max_logits`.
+
+    A block is every token, unless its tiles would then be narrower than `MIN_TILE_ROWS` rows (or the whole
+    vocabulary, if smaller): then as many tokens as keep tiles of that width within `max_logits`.
+    """
+    floor = min(vocab, MIN_TILE_ROWS)
+    block = max(1, tokens) if tokens * floor <= max_logits else max(1, max_logits // floor)
+    return max(1, min(vocab, max_logits // block)), block
+
+
+def _slices(tensor: torch.Tensor, step: int) -> Iterator[slice]:
+    """`tensor`'s rows by `step`; on the estimator's fake tensors the full slices between the first two and the last
+    three are skipped (`looptrain.optim.bf16.priced_chunks`: each leaves what its neighbours leave, so the same
+    bytes)."""
+    return priced_chunks([slice(start, min(start + step, tensor.shape[0]))
+                          for start in range(0, tensor.shape[0], step)], tensor)
+
+
+def _rows_in_dtype(weight: torch.Tensor, bias: torch.Tensor | None, rows: slice, dtype: torch.dtype):
+    return weight[rows].to(dtype), (bias[rows].to(dtype) if bias is not None else None)
+
+
+def _in_rows(labels: torch.Tensor, rows: slice, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each label's column within the vocabulary rows `rows` (clamped into them), and whether it falls in them."""
+    column = labels - rows.start
+    return column.clamp(0, width - 1), (column >= 0) & (column < width)
+
+
+def _add_product(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor, first: bool) -> None:
+    """``total = left @ right`` where `first`, else ``total += left @ right``; without a temporary where the dtypes
+    agree (else the product in `left`'s dtype, as autograd gives it, then into `total`)."""
+    if total.dtype == left.dtype:
+        if first:
+            torch.mm(left, right, out=total)
+        else:
+            total.addmm_(left, right)
+    elif first:
+        total.copy_(left @ right)
+    else:
+        total += left @ right
+
+
+def _check_labels(labels: torch.Tensor, vocab: int) -> None:
+    """As ``F.cross_entropy``: a scored label outside the vocabulary is an error (not checked on fake tensors)."""
+    if is_fake(labels) or not labels.numel():
+        return
+    outside = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab))
+    if bool(outside.any()):
+        raise IndexError(f"Target {int(labels[outside][0])} is out of bounds (vocabulary of {vocab}).")
 
 
 class _TiedGradient:
@@ -221,39 +306,29 @@ class _RowSteppedLookup(torch.autograd.Function):
         return None, None, None
 
 
-def _in_dtype(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
-    return weight.to(dtype), (bias.to(dtype) if bias is not None else None)
-
-
-def _accumulate(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
-    """``total += left @ right``, without a temporary when the dtypes agree."""
-    if total.dtype == left.dtype:
-        total.addmm_(left, right)
-    else:
-        total += left @ right
-
-
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                          labels: torch.Tensor, chunk_tokens: int = 256,
+                          labels: torch.Tensor, chunk_tokens: int = 0,
                           tied: _TiedGradient | None = None) -> torch.Tensor:
-    """Sum over rows of cross-entropy of ``F.linear(hidden, weight, bias)`` against `labels`, in chunks of rows.
+    """Sum over rows of cross-entropy of ``F.linear(hidden, weight, bias)`` against `labels`, by tiles of the
+    vocabulary (`_ChunkedCrossEntropy`).
 
     Equal to ``F.cross_entropy(F.linear(hidden, weight, bias).float(), labels, ignore_index=-100,
     reduction="sum")`` (under autocast, the linear in autocast's dtype), without the ``[rows, vocab]`` logits
-    ever existing: backward recomputes each chunk's logits.
+    ever existing: at most one tile's logits exist at a time, and backward recomputes them.
 
     Args:
         hidden: ``[rows, hidden_size]`` hidden states.
         weight: the head's ``[vocab, hidden_size]`` weight (a tied embedding gets its gradient summed by autograd).
         bias: the head's ``[vocab]`` bias, or None.
         labels: ``[rows]`` target ids; -100 is not scored.
-        chunk_tokens: rows per chunk.
+        chunk_tokens: the logits held at once are at most ``chunk_tokens x vocab`` (0: `AUTO_CHUNK_LOGITS`).
         tied: the `_TiedGradient` of the `_TiedLookup` of `weight` that `hidden` was computed from: the weight's
             gradient is then left there for that lookup's backward instead of returned to autograd.
     """
     device_type = hidden.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
-    return _ChunkedCrossEntropy.apply(hidden, weight, bias, labels, chunk_tokens, dtype, tied)
+    max_logits = chunk_tokens * weight.shape[0] if chunk_tokens else AUTO_CHUNK_LOGITS
+    return _ChunkedCrossEntropy.apply(hidden, weight, bias, labels, max_logits, dtype, tied)
 
 
 class ChunkedLMLoss:
@@ -289,7 +364,7 @@ class ChunkedLMLoss:
             model: the bare model.
             config: the `LoopConfig`: its `chunked_ce` (``auto``: on for causal LMs whose loss shifts labels;
                 ``on``: the same, and a model it cannot serve exactly is an error; ``off``) and `ce_chunk_tokens`
-                (0: ``AUTO_CHUNK_LOGITS // vocab``).
+                (the logits held at once: at most ``ce_chunk_tokens x vocab``; 0: ``AUTO_CHUNK_LOGITS``).
             shifts_labels: `looptrain.batches.model_shifts_labels(model)`.
             echo: prints one line (the notice).
 
@@ -310,7 +385,6 @@ class ChunkedLMLoss:
         reason = _structural_problem(model, shifts_labels)
         if reason is None:
             head = model.get_output_embeddings()
-            chunk_tokens = chunk_tokens or max(1, AUTO_CHUNK_LOGITS // head.out_features)
             return cls(model, model.get_decoder(), head, chunk_tokens, mode == "on", notice)
         if mode == "on":
             raise ConfigError(f"chunked_ce='on' (--chunked-ce on): {reason}; use --chunked-ce auto or off")

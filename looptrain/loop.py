@@ -129,7 +129,7 @@ class Loop:
         self.interrupted: str | None = None
         self.run = Run(self.config, is_main=self._place.is_main, save_final=save_final)
         self._log = self.run.log  # the events the loop itself reports (unfreezing, auto_batch, skipped windows)
-        # None: the model's own loss. Else a causal LM's head and loss in chunks of tokens (--chunked-ce).
+        # None: the model's own loss. Else a causal LM's head and loss in tiles of the vocabulary (--chunked-ce).
         self._lm_loss = lm_loss.ChunkedLMLoss.for_model(self.model, self.config, self._shifted_labels, self._log.echo)
         self._signals = SignalGuard(echo=self._log.echo)
         self._bad_windows = BadWindowGuard(self.config.max_bad_windows)

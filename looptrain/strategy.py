@@ -165,13 +165,14 @@ class LoopLevers:
                             help="with --weights bf16: gradients accumulate in bf16 (2 B/param) or fp32 (4 B/param, "
                                  "for long accumulation windows)")
     chunked_ce: str = lever("auto", flag="--chunked-ce", choices=CHUNKED_CE_MODES,
-                            help="causal LMs: the LM head and cross-entropy in chunks of tokens, so the [tokens x "
-                                 "vocab] logits never exist (same loss and gradients); auto: on for causal LMs whose "
-                                 "loss shifts labels, the model's own loss with a notice where it cannot be exact; "
-                                 "on: that notice is an error")
+                            help="causal LMs: the LM head and cross-entropy in tiles of the vocabulary, so the "
+                                 "[tokens x vocab] logits never exist (same loss and gradients); auto: on for causal "
+                                 "LMs whose loss shifts labels, the model's own loss with a notice where it cannot be "
+                                 "exact; on: that notice is an error")
     ce_chunk_tokens: int = lever(0, flag="--ce-chunk-tokens", minimum=0,
-                                 help="with --chunked-ce: tokens per chunk (a chunk's logits are tokens x vocab); 0: "
-                                      "as many as keep a chunk within 8M logits (32 MiB in fp32)")
+                                 help="with --chunked-ce: the logits held at once are at most N x vocab (a tile of "
+                                      "vocabulary rows for all of a micro-batch's tokens); 0: 8M logits (32 MiB in "
+                                      "fp32)")
     step_by_rows: bool = lever(False, flag="--step-by-rows",
                                help="with --optim-in-backward and the chunked cross-entropy: the untied LM head, the "
                                     "input embedding and every linear layer step by chunks of rows inside backward, "

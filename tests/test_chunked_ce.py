@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from looptrain import Loop, lm_loss
@@ -340,3 +341,50 @@ def test_through_a_wrapper_the_models_own_forward_runs_with_its_head_standing_as
     torch.testing.assert_close(wrapped, direct, rtol=1e-6, atol=1e-6)
     for name, grad in gradients(model).items():
         torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("chunk_tokens, min_rows, tiling", [
+    (10, 16, (24, 40)),  # 4 tiles of 24 vocabulary rows, each for all 40 tokens
+    (9, 16, (21, 40)),  # 5 tiles, the last of 12 rows: the vocabulary is no multiple of the tile
+    (5, 20, (20, 24)),  # two levels: blocks of 24 and 16 tokens, each over tiles of 20 rows and a last of 16
+])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_vocabulary_tiles_equal_torchs_unchunked_cross_entropy(chunk_tokens, min_rows, tiling, precision,
+                                                                    monkeypatch):
+    """`chunked_cross_entropy` on 40 tokens (every fifth label -100) against ``F.linear`` + ``F.cross_entropy``
+    over the whole vocabulary and autograd: the loss, the hidden states', weight's and bias's gradients, untied and
+    tied (the hidden states come through the embedding's fused lookup, `_TiedLookup`)."""
+    monkeypatch.setattr(lm_loss, "MIN_TILE_ROWS", min_rows)
+    assert lm_loss._tiling(40, VOCAB, chunk_tokens * VOCAB) == tiling
+    generator = torch.Generator().manual_seed(0)
+    base, weight = torch.randn(40, 32, generator=generator), torch.randn(VOCAB, 32, generator=generator)
+    bias, ids = torch.randn(VOCAB, generator=generator), torch.randint(0, VOCAB, (40,), generator=generator)
+    labels = torch.randint(0, VOCAB, (40,), generator=generator)
+    labels[::5] = -100
+    # bf16: each tile's part of the hidden states' gradient is rounded to bf16 before their fp32 sum
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if precision == "fp32" else {"rtol": 2e-2, "atol": 1e-2}
+    for tied in (False, True):
+        results = []
+        for chunked in (False, True):
+            leaves = [tensor.clone().requires_grad_() for tensor in (base, weight, bias)]
+            fused = lm_loss._TiedGradient() if chunked and tied else None
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                hidden = leaves[0]
+                if tied:
+                    lookup = lm_loss._TiedLookup.apply(ids, leaves[1], None, fused) if chunked else F.embedding(
+                        ids, leaves[1])
+                    hidden = hidden + lookup
+                loss = (lm_loss.chunked_cross_entropy(hidden, leaves[1], leaves[2], labels, chunk_tokens, fused)
+                        if chunked else F.cross_entropy(F.linear(hidden, leaves[1], leaves[2]).float(), labels,
+                                                        ignore_index=-100, reduction="sum"))
+            loss.backward()
+            results.append([loss.detach()] + [leaf.grad for leaf in leaves])
+        for name, expected, got in zip(("loss", "hidden", "weight", "bias"), *results):
+            scale = expected.abs().max()
+            torch.testing.assert_close(got / scale, expected / scale, **tolerance, msg=f"{name}, tied={tied}")
+
+
+def test_a_label_outside_the_vocabulary_is_an_error_as_in_torchs_cross_entropy():
+    hidden, weight = torch.randn(4, 32), torch.randn(VOCAB, 32)
+    with pytest.raises(IndexError, match=f"Target {VOCAB} is out of bounds"):
+        lm_loss.chunked_cross_entropy(hidden, weight, None, torch.tensor([1, -100, VOCAB, 2]))

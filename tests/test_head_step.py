@@ -2,7 +2,7 @@
 
 References are torch's own: the model's full logits, ``F.cross_entropy`` over them and autograd's whole gradient,
 stepped by torch's (or Hugging Face's) optimizer over the whole model. Tiny random Llama / Qwen2 (untied) configs;
-``lm_loss.AUTO_CHUNK_LOGITS`` lowered so that the head's 96 rows go in chunks of a few rows, an uneven last one too.
+``lm_loss.MIN_TILE_ROWS`` lowered so that the head's 96 rows go in tiles of a few rows, an uneven last one too.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def lever_run(model, name: str, batches: list[dict], **fields) -> Loop:
                                           pytest.param("qwen2-untied", "adamw", marks=pytest.mark.slow),
                                           pytest.param("llama", "adafactor", marks=pytest.mark.slow)])
 def test_the_head_stepped_by_rows_equals_torchs_unchunked_cross_entropy_and_step(family, name, monkeypatch):
-    monkeypatch.setattr(lm_loss, "AUTO_CHUNK_LOGITS", 5 * 46)  # 5 vocab rows a chunk for 46 tokens: 20 chunks
+    monkeypatch.setattr(lm_loss, "MIN_TILE_ROWS", 5)  # 7 x 96 logits a tile: 33 and 22 rows for 20 and 30 tokens
     batches = [make_batch(rows=4, seed=seed) for seed in range(2)]
     steps = []
     monkeypatch.setattr(OptimizerInBackward, "step_rows", _counted(OptimizerInBackward.step_rows, steps))
@@ -151,7 +151,8 @@ def test_the_estimate_prices_the_vocab_tables_stepped_by_rows(monkeypatch):
         config.vocab_size = 4096  # the head's gradient (4096 x 32 bf16, 256 KiB) stands out of the tiny blocks
         return config
 
-    monkeypatch.setattr(lm_loss, "AUTO_CHUNK_LOGITS", 63 * 256)  # the head's 4096 rows in 16 chunks
+    monkeypatch.setattr(lm_loss, "AUTO_CHUNK_LOGITS", 63 * 256)  # the head's 4096 rows in 16 tiles of 63 tokens
+    monkeypatch.setattr(lm_loss, "MIN_TILE_ROWS", 256)
     options = {"weights": "bf16", "optimizer": "adafactor", "optimizer_in_backward": True,
                "gradient_checkpointing": True, "chunked_ce": "on"}
     whole = estimation.estimate(causal_lm(wide), 1, 64, cache=False, **options)["peak_memory_bytes"]
@@ -233,7 +234,8 @@ def test_a_fake_row_chunked_step_skipping_identical_chunks_prices_every_byte_of_
 
     monkeypatch.setattr(bf16, "STEP_CHUNK_ELEMENTS", 1024)
     monkeypatch.setattr(bf16, "_ROUNDING_WINDOW", window)
-    monkeypatch.setattr(lm_loss, "AUTO_CHUNK_LOGITS", 31 * 32)
+    monkeypatch.setattr(lm_loss, "AUTO_CHUNK_LOGITS", 31 * 32)  # tiles of 32 rows for 31 tokens
+    monkeypatch.setattr(lm_loss, "MIN_TILE_ROWS", 32)
     mixes = [{"optimizer": "adafactor", "optimizer_in_backward": True, "step_by_rows": True},
              {"optimizer": "adamw", "optimizer_in_backward": True},
              {"optimizer": "adafactor"}]
