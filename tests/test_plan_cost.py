@@ -212,3 +212,20 @@ def test_a_cut_probe_is_priced_by_the_line_of_a_probe_alike_and_never_stands_for
     third = Candidate(Strategy(batch_size=2, accum_steps=4, gradient_checkpointing=True), 150)
     assert predicted_probe_seconds(third, [other]) == 0.0
     assert predicted_probe_seconds(third, [other, alike]) == pytest.approx(9.0 * 2 * 1.35)
+
+
+def test_a_typical_micro_batch_wider_than_the_longest_rows_but_one_is_the_longest_row_repeated():
+    from test_estimate_causal_lm import CausalLMCollator, TokenDataset
+
+    from looptrain.planning.plans import Candidate
+    from looptrain.planning.timing import typical_batch
+
+    dataset, collator = TokenDataset(32), CausalLMCollator(0, max_length=48)  # one sample of 40 tokens, the rest < 20
+    order = sorted(range(len(dataset.lengths)), key=lambda index: -dataset.lengths[index])
+    batch = typical_batch(Candidate(Strategy(batch_size=4), 0, typical_shape=(4, 30)), dataset, collator, order)
+    assert batch["input_ids"].tolist() == [dataset.input_ids[5][:30]] * 4
+    assert batch["attention_mask"].all()
+    # Rows long enough: the longest rows themselves, cut to the width.
+    batch = typical_batch(Candidate(Strategy(batch_size=2), 0, typical_shape=(2, 12)), dataset, collator, order)
+    assert batch["input_ids"].tolist() == [dataset.input_ids[index][:12] for index in order[:2]]
+    assert typical_batch(Candidate(Strategy(batch_size=2), 0, typical_shape=(2, 41)), dataset, collator, order) is None
