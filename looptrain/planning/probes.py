@@ -28,7 +28,14 @@ from looptrain.memory import allocator
 from looptrain.memory.meters import current_rss_bytes, proc_status_bytes, reset_peak_rss
 from looptrain.optim import inner_optimizers
 from looptrain.planning.errors import PlanError
-from looptrain.planning.truncation import BlockClock, Truncation, scaled_seconds, trainable_numel, truncated
+from looptrain.planning.truncation import (
+    BlockClock,
+    Truncation,
+    hold_set_aside,
+    scaled_seconds,
+    trainable_numel,
+    truncated,
+)
 from looptrain.precision import resolve_device
 from looptrain.strategy import Strategy
 
@@ -160,6 +167,8 @@ def probe(model: nn.Module, settings: Strategy, batch: dict, device: str, max_gr
     if key is None:
         return measure_probe(model, settings, batch, device, max_grad_norm, meter, ceiling, step_bytes, typical=typical,
                              **truncated_only)
+    if truncation is not None and meter is not None:
+        hold_set_aside(model, truncation.depth)  # held when measured, as when read back: what `held` counts
     held = held_bytes(meter)
     cached = cached_probe(key, held)
     if cached is not None and not (cached.get("stopped") and (ceiling is None or ceiling > cached["ceiling"])):
@@ -356,19 +365,23 @@ def _measure_truncated(model: nn.Module, settings: Strategy, batch: dict, device
                        truncation: Truncation) -> dict:
     """`_measure_probe` on `truncation.depth` of the model's blocks, scaled to the whole stack
     (`looptrain.planning.truncation`): the micro-batches by their blocks' seconds, the optimizer step by the trainable
-    parameters, the peak by the estimate's `shift_bytes` (the ceiling too, and the step's bytes by the parameters)."""
+    parameters, the peak by the estimate's `shift_bytes` less the set-aside blocks' tensors the process holds
+    (`hold_set_aside`; the ceiling too, and the step's bytes by the parameters)."""
     whole = trainable_numel(model)
+    shift = truncation.shift_bytes
+    if meter is not None:  # the meter counts the set-aside blocks' weights: the shift prices them too
+        shift = max(0, shift - hold_set_aside(model, truncation.depth))
     with truncated(model, truncation.depth) as blocks:
         clock = BlockClock(blocks)
         ratio = whole / max(1, trainable_numel(model))
         try:
             result = _measure_probe(model, settings, batch, device, max_grad_norm, meter,
-                                    None if ceiling is None else ceiling - truncation.shift_bytes,
+                                    None if ceiling is None else ceiling - shift,
                                     int(step_bytes / ratio), typical, (clock, truncation, ratio))
         finally:
             clock.remove()
     if "measured_peak_bytes" in result:
-        result["measured_peak_bytes"] += truncation.shift_bytes
+        result["measured_peak_bytes"] += shift
     if result.get("stopped"):
         result["ceiling"] = ceiling
     if "before_step_bytes" in result:

@@ -36,13 +36,18 @@ def prior_seconds(candidate: Candidate, model: Any, device_type: str) -> float:
 
 def typical_batch(candidate: Candidate, dataset, collator, order) -> dict | None:
     """A micro-batch of `candidate.typical_shape` for its probe to time: its rows of the longest samples (`order`),
-    cut to its width in real tokens (`probes.warm_up_batch`); None without a shape, or where those rows are too short
-    to cut (the probe then prices the run by its worst batch)."""
+    cut to its width in real tokens (`probes.warm_up_batch`); where those rows are too short to cut, the longest
+    sample as every row, cut alike (the same shape and work, all of it real tokens: a probe cut to what it decides
+    then never falls back to its worst batch). None without a shape, or where even the longest sample is too short
+    (the probe then prices the run by its worst batch)."""
     if candidate.typical_shape is None:
         return None
     rows, width = candidate.typical_shape
-    batch = probes.warm_up_batch(collator([dataset[index] for index in order[:rows]]), width)
-    return batch if probes.batch_shape(batch) == [rows, width] else None
+    for indices in (order[:rows], [order[0]] * rows):
+        batch = probes.warm_up_batch(collator([dataset[index] for index in indices]), width)
+        if probes.batch_shape(batch) == [rows, width]:
+            return batch
+    return None
 
 
 def has_line(probe: dict) -> bool:

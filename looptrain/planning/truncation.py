@@ -7,8 +7,9 @@ set aside and put back), times the blocks' share of each micro-batch (`BlockCloc
 input to the last block's output, backward from the gradient of the last block's output to the gradient of the first
 block's input, recompute included), and scales (`scaled_seconds`): each micro-batch's seconds plus ``N / depth - 1``
 times its blocks' seconds, the optimizer step by the trainable parameters' count. Its measured peak moves by what
-the estimator priced between the truncated and the whole stack (`Truncation.shift_bytes`), and its ceiling by the
-same, so the verdict is the whole model's (docs/plan.md, 'What planning costs').
+the estimator priced between the truncated and the whole stack (`Truncation.shift_bytes`) less what the process
+holds of the blocks set aside while it runs (`hold_set_aside`: their weights, read in first), and its ceiling by
+the same, so the verdict is the whole model's (docs/plan.md, 'What planning costs').
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from looptrain.freeze import find_transformer_blocks
 # A model of fewer blocks is probed whole: the head and the embedding dominate a shallow stack's time, and the
 # estimator prices no truncated stack of it (`looptrain.estimation.blocks.FEWEST_BLOCKS`).
 FEWEST_BLOCKS = 16
+PAGE_BYTES = 4096  # the smallest page a CPU maps: reading a byte every this many reads in every page
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,29 @@ def truncated(model: nn.Module, depth: int) -> Iterator[nn.ModuleList]:
         yield blocks
     finally:
         blocks.extend(removed)
+
+
+def hold_set_aside(model: nn.Module, depth: int) -> int:
+    """The bytes of the tensors (parameters and buffers, each once) of `model`'s blocks past the first `depth`, each
+    of their pages read first, so that the process holds them while a truncated probe runs.
+
+    A measured meter counts the weights a probe's process holds, and the estimate of the whole stack less the
+    truncated one (`Truncation.shift_bytes`) prices the set-aside blocks' weights too: the probe's shift is that less
+    these bytes. Read in, they are held whatever touched them before (a model loaded from a memory-mapped file holds
+    a page only once it is read: the packing lever's check reads every weight, a plan without it none), so the
+    verdict does not depend on it; the run reads them all anyway."""
+    seen, total = set(), 0
+    with torch.no_grad():
+        for block in list(find_transformer_blocks(model))[depth:]:
+            for tensor in [*block.parameters(), *block.buffers()]:
+                if (tensor.data_ptr(), tensor.numel()) in seen or tensor.numel() == 0:
+                    continue
+                seen.add((tensor.data_ptr(), tensor.numel()))
+                total += tensor.numel() * tensor.element_size()
+                if tensor.device.type == "cpu":  # one byte of each page read: the page is mapped in
+                    flat = tensor.detach()
+                    (flat.reshape(-1).view(torch.uint8)[::PAGE_BYTES] if flat.is_contiguous() else flat).sum()
+    return total
 
 
 def _first_tensor(value) -> torch.Tensor | None:
