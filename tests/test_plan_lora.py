@@ -181,6 +181,7 @@ def test_finetune_with_lora_and_a_budget_plans_and_trains(model_dir, tmp_path, c
     assert summary["peak_memory_bytes"] <= 2 * 2**20
 
 
+@pytest.mark.slow
 def test_finetune_with_qlora_and_a_budget_plans_and_trains(tmp_path, capsys):
     """--qlora with --memory-budget failed on its first estimate (bitsandbytes' Params4bit cannot hold a FakeTensor):
     the planner now prices the 4-bit model the run trains, keeps --qlora, and trains."""

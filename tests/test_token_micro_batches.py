@@ -85,7 +85,8 @@ def full_batch_reference(batches: list[dict], lr: float) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("tokens", [40, 19, 1])
+@pytest.mark.parametrize("tokens", [pytest.param(40, marks=pytest.mark.slow), 19,
+                                    pytest.param(1, marks=pytest.mark.slow)])
 def test_token_micro_batches_train_the_weights_a_full_batch_step_trains(tokens):
     batches = random_token_batches([LENGTHS, [6, 2, 11, 8, 3, 9, 1, 5]], vocab_size=30, seed=3)
     reference = full_batch_reference(batches, lr=0.5)
