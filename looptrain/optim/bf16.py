@@ -213,12 +213,12 @@ def _rows_per_chunk(parameter: nn.Parameter, optimizer: torch.optim.Optimizer, c
 
 
 def priced_chunks(chunks: list[slice], storage: torch.Tensor, noise: _RoundingNoise | None = None,
-                  stand_in: Callable[[], None] | None = None, stand_ins: Callable[[int], None] | None = None):
+                  stand_ins: Callable[[int], None] | None = None):
     """The chunks of rows a pass of a row-chunked step runs: every one, except on the estimator's fake tensors.
 
     There, the full chunks after the second and before the last full one are the same ops on tensors of the same
-    sizes as their neighbours, so the same bytes: they are skipped, `stand_in()` once for each (what a skipped
-    chunk leaves behind, such as its 0-d norm; or `stand_ins(count)` once for each run of `count` of them), and
+    sizes as their neighbours, so the same bytes: they are skipped, `stand_ins(count)` once for each run of `count`
+    of them (what skipped chunks leave behind, such as their 0-d norms: `chunk_pricing.zero_norms`), and
     `noise` passes over their bits. Each skipped chunk holds no
     more than the one run after them (what chunks leave behind only grows), so the peak and every byte after
     are the whole pass's. With `noise` (the rounding pass: its chunks leave nothing behind), a chunk's ops also
@@ -244,8 +244,6 @@ def priced_chunks(chunks: list[slice], storage: torch.Tensor, noise: _RoundingNo
         skipped = next(later for later in range(index, len(chunks)) if later in run) - index
         if stand_ins is not None:
             stand_ins(skipped)
-        for _ in range(skipped if stand_in is not None else 0):
-            stand_in()
         if noise is not None:
             noise.skip(skipped * elements)
         index += skipped

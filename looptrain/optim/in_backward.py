@@ -16,6 +16,7 @@ from torch import nn
 
 from looptrain.optim import bf16 as bf16_steps
 from looptrain.optim.bf16 import RowSource, fp32_norm, step_in_fp32_, step_rows_, steps_in_rows
+from looptrain.optim.chunk_pricing import stack_norms, zero_norms
 from looptrain.optim.per_parameter import PerParameterOptimizer
 
 CLIP_MODES = ("per_parameter", "previous_global")
@@ -199,10 +200,9 @@ class OptimizerInBackward(PerParameterOptimizer):
         rows_per_chunk = max(1, min(rows_per_chunk, bf16_steps.STEP_CHUNK_ELEMENTS // row_numel))
         chunks = [slice(start, start + rows_per_chunk) for start in range(0, parameter.shape[0], rows_per_chunk)]
         norms: list[torch.Tensor] = []
-        skipped = lambda: norms.append(torch.zeros((), dtype=torch.float32, device=parameter.device))  # noqa: E731
-        for chunk in bf16_steps.priced_chunks(chunks, parameter, stand_in=skipped):  # all but on fake tensors
-            norms.append(torch.linalg.vector_norm(rows_of(chunk), 2, dtype=torch.float32))
-        parameter_norm = torch.linalg.vector_norm(torch.stack(norms), 2)
+        for chunk in bf16_steps.priced_chunks(chunks, parameter, stand_ins=zero_norms(norms, parameter.device)):
+            norms.append(torch.linalg.vector_norm(rows_of(chunk), 2, dtype=torch.float32))  # all but on fakes
+        parameter_norm = torch.linalg.vector_norm(stack_norms(norms), 2)
         self._square_sum = self._square_sum + parameter_norm.to(self._square_sum.device) ** 2
         if not self.is_finite(parameter_norm):  # never write a non-finite update into the weights
             return
