@@ -159,10 +159,9 @@ class _Tiles:
 
     def weight_rows(self, rows: slice) -> torch.Tensor:
         """The weight's gradient rows `rows` over every token (`OptimizerInBackward.step_rows`' source)."""
-        total = None
+        total, head_rows = None, _rows_in_dtype(self.weight, self.bias, rows, self.dtype)
         for tokens in _slices(self.hidden, self.tiling[1]):
             hidden_d = self.hidden[tokens].to(self.dtype)
-            head_rows = _rows_in_dtype(self.weight, self.bias, rows, self.dtype)
             part = self.grad_logits(hidden_d, tokens, rows, head_rows).t() @ hidden_d
             total = part if total is None else total.float().add_(part)
         if total is None:
