@@ -156,6 +156,16 @@ def live_loops_and_optimizers() -> tuple[int, int]:
             sum(isinstance(item, torch.optim.Optimizer) for item in objects))
 
 
+def settled_rss_meter():
+    """An RSS meter counting from the RSS after the heap's free pages are given back, as each probe's own start gives
+    them back (`Meter.settle`): a baseline taken before would leave every ceiling and peak as much off as earlier
+    tests left freed."""
+    from looptrain.planning import probes
+
+    probes.Meter("rss", 0).settle()
+    return probes.Meter("rss", probes.rss_baseline_bytes())
+
+
 def make_tiny_bert(num_labels: int = 3, num_layers: int = 2, seed: int = 0, **overrides):
     """A tiny BertForSequenceClassification with dropout off (deterministic)."""
     from transformers import BertConfig, BertForSequenceClassification

@@ -16,7 +16,7 @@ from looptrain.optim import build_optimizer
 from looptrain.planning import Levers, PlanError, parse_size, plan, probes
 from looptrain.strategy import Strategy
 
-from conftest import live_loops_and_optimizers, make_tiny_bert, make_tiny_tokenizer, write_csv
+from conftest import live_loops_and_optimizers, make_tiny_bert, make_tiny_tokenizer, settled_rss_meter, write_csv
 
 EFFECTIVE_BATCH = 16
 
@@ -1682,20 +1682,16 @@ def test_a_probe_stops_at_its_ceiling_and_leaves_the_model_as_it_was():
     taken the process past it (docs/plan.md). Its peak is past the ceiling and far below the whole update's, it has
     no timings, and the model keeps its weights and holds no gradients. The batch's wide layers (16 x 256 tokens x
     4096 features: 64 MiB a tensor) are served by mmap whatever the heap holds, so RSS follows them. Each meter counts
-    from the RSS after the heap's free pages are given back, as the probe's own start gives them back (`settle`): a
-    baseline taken before would leave the ceiling as much higher as earlier tests left freed."""
-    def meter():
-        probes.Meter("rss", 0).settle()
-        return probes.Meter("rss", probes.rss_baseline_bytes())
-
+    from the RSS after the heap's free pages are given back, as the probe's own start gives them back
+    (`settled_rss_meter`)."""
     model = make_tiny_bert(num_labels=2, max_position_embeddings=256, intermediate_size=4096)
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     ids = torch.randint(5, 20, (16, 256), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.zeros(16, dtype=torch.long)}
     settings = Strategy(batch_size=16, accum_steps=2, optimizer="sgd")
     mib = 2**20
-    stopped = probes.measure_probe(model, settings, batch, "cpu", 1.0, meter(), 48 * mib)
-    whole = probes.measure_probe(model, settings, batch, "cpu", 1.0, meter())
+    stopped = probes.measure_probe(model, settings, batch, "cpu", 1.0, settled_rss_meter(), 48 * mib)
+    whole = probes.measure_probe(model, settings, batch, "cpu", 1.0, settled_rss_meter())
     assert stopped["stopped"] is True and stopped["ceiling"] == 48 * mib
     assert "micro_step_seconds" not in stopped and "stopped" not in whole and whole["micro_step_seconds"] > 0
     assert whole["measured_peak_bytes"] > 200 * mib  # what the update holds at its worst

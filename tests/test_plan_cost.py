@@ -14,6 +14,8 @@ from looptrain.planning import probes
 from looptrain.planning.truncation import Truncation, truncated, truncation_for
 from looptrain.strategy import Strategy
 
+from conftest import settled_rss_meter
+
 BLOCKS = 16
 SHALLOW = 8
 
@@ -81,7 +83,7 @@ def test_a_truncated_probes_peak_and_ceiling_move_by_the_estimates_difference(mo
     much."""
     model = tiny_decoder(SHALLOW)
     settings = Strategy(batch_size=1, accum_steps=2, optimizer="adamw")
-    meter = probes.Meter("rss", probes.rss_baseline_bytes())
+    meter = settled_rss_meter()
     shift = 64 * 2**20
     probed = probes.measure_probe(model, settings, token_batch(1, 24), "cpu", 1.0, meter,
                                   truncation=Truncation(2, SHALLOW, shift))
@@ -110,7 +112,7 @@ def test_a_truncated_probes_peak_does_not_depend_on_whether_the_set_aside_weight
     aside = [p for block in model.model.layers[3:] for p in block.parameters()]
     aside_bytes = sum(p.numel() * p.element_size() for p in aside)
     settings = Strategy(batch_size=1, accum_steps=2, optimizer="sgd")
-    meter = probes.Meter("rss", probes.rss_baseline_bytes())
+    meter = settled_rss_meter()
     truncation = Truncation(3, BLOCKS, aside_bytes + 2**20)  # the estimate's difference prices the weights too
 
     def peak() -> int:
