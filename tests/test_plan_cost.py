@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 
@@ -214,6 +215,41 @@ def test_a_cut_probe_is_priced_by_the_line_of_a_probe_alike_and_never_stands_for
     third = Candidate(Strategy(batch_size=2, accum_steps=4, gradient_checkpointing=True), 150)
     assert predicted_probe_seconds(third, [other]) == 0.0
     assert predicted_probe_seconds(third, [other, alike]) == pytest.approx(9.0 * 2 * 1.35)
+
+
+def test_a_fused_steps_cut_probe_is_priced_by_the_line_of_its_settings_stepped_after_backward(monkeypatch):
+    """Where planning's time cannot pay for a probe, a candidate that steps inside backward is priced by the line of
+    the same settings stepping after it (the same forward and backward, the same per-parameter optimizer work, timed
+    as that probe's step), and nothing runs; a whole probe is never priced so (its line would leave out the step)."""
+    from looptrain.flops import ModelFlops
+    from looptrain.planning.budget import Budget
+    from looptrain.planning.plans import Candidate
+    from looptrain.planning.ranking import Prober
+    from looptrain.planning.timing import record_probe, steps_alike
+
+    after = Strategy(batch_size=1, accum_steps=8, gradient_checkpointing=True)
+    fused = Strategy(batch_size=8, accum_steps=1, gradient_checkpointing=True, optimizer_in_backward=True)
+    assert steps_alike(fused, after) and not steps_alike(after, fused)
+    assert not steps_alike(dataclasses.replace(fused, gradient_checkpointing=False), after)
+    flops = ModelFlops(1e6, 0.0)
+    whole = {"small_step_seconds": 0.2, "small_batch_shape": [1, 16], "typical_step_seconds": 1.2,
+             "typical_batch_shape": [1, 256], "micro_step_seconds": 4.0, "optimizer_step_seconds": 0.5,
+             "probe_seconds": 9.0, "tokens": 1000, "batch_shape": [1, 1000]}
+    baseline = Candidate(after, 100, micro_batches=48, flops=48 * 2.56e8, updates=6)
+    record_probe(baseline, whole, flops)
+    probed = []
+    monkeypatch.setattr(probes, "probe", lambda *args, **options: probed.append(options) or dict(whole))
+    for seconds_left, runs in ((0.0, 0), (None, 1)):
+        candidate = Candidate(fused, 100, micro_batches=6, flops=48 * 2.56e8, updates=6)
+        Prober(None, None, None, [0] * 8, "cpu", 1.0, None, Budget(2**30, 0.0), flops,
+               seconds_left=seconds_left, batches={8: {}}).probe(candidate, [baseline, candidate])
+        assert len(probed) == runs
+    # The line: fixed 0.2 - 16e6 / 240e6 s a micro-batch, 1 s per 240e6 FLOPs; the step, the baseline's, 6 times.
+    cut = Candidate(fused, 100, micro_batches=6, flops=48 * 2.56e8, updates=6)
+    Prober(None, None, None, [0] * 8, "cpu", 1.0, None, Budget(2**30, 0.0), flops, seconds_left=0.0).probe(
+        cut, [baseline, cut])
+    assert cut.probe["line_only"] and cut.probe["probe_seconds"] == 0.0
+    assert cut.seconds_per_epoch == pytest.approx((0.2 - 16e6 / 240e6) * 6 + 48 * 2.56e8 / 240e6 + 0.5 * 6)
 
 
 def test_a_typical_micro_batch_wider_than_the_longest_rows_but_one_is_the_longest_row_repeated():

@@ -316,8 +316,9 @@ def _cut_probe_notes(candidates: list[Candidate]) -> list[str]:
     notes = []
     if lined:
         notes.append(f"not probed: {', '.join(lined)}: planning's time left could not pay for a probe, the estimate "
-                     "decides the memory with room to spare, and a probe of the same kernels drew the line that "
-                     "prices its micro-batches (its optimizer step is that probe's)")
+                     "decides the memory with room to spare, and a probe of the same kernels (for a fused step, of "
+                     "its settings stepping after backward) drew the line that prices its micro-batches (its "
+                     "optimizer step is that probe's)")
     if timed:
         notes.append(f"probed without the worst batch: {', '.join(timed)}: planning's time left could not pay for "
                      "a whole probe, and the estimate decides the memory with room to spare: only the micro-batches "

@@ -21,6 +21,7 @@ from looptrain.planning.timing import (
     record_probe,
     same_kernels,
     scale_priors,
+    steps_alike,
     timed,
     typical_batch,
 )
@@ -69,12 +70,16 @@ class Prober:
         alike = next((other for other in candidates if has_line(other.probe)
                       and same_kernels(other.settings, candidate.settings)), None)
         # Where planning's time left cannot pay for the whole probe and the estimate decides the memory: priced by the
-        # line of a probe of the same kernels, else timed without the worst batch (docs/plan.md, 'What planning costs').
+        # line of a probe of the same kernels (a fused step's: of its settings stepped after backward), else timed
+        # without the worst batch (docs/plan.md, 'What planning costs').
         cut = self.seconds_left is not None and self.budget.decides(candidate.estimated_peak_bytes) \
             and predicted_probe_seconds(candidate, candidates) > self.seconds_left - sum(self.spent)
-        priced = line_priced(alike, self.flops) if cut and alike is not None else None
+        lined = None if not cut else alike if alike is not None else next(
+            (other for other in candidates
+             if has_line(other.probe) and steps_alike(candidate.settings, other.settings)), None)
+        priced = line_priced(lined, self.flops) if lined is not None else None
         if priced is not None:
-            record_probe(candidate, priced, self.flops, alike.probe)
+            record_probe(candidate, priced, self.flops, lined.probe)
             return
         typical = typical_batch(candidate, self.dataset, self.collator, self.order) \
             if alike is None or cut else None

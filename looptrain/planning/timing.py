@@ -63,6 +63,15 @@ def same_kernels(one: Strategy, other: Strategy) -> bool:
     return kernels(one) == kernels(other)
 
 
+def steps_alike(one: Strategy, other: Strategy) -> bool:
+    """Whether a line of costs drawn by a probe of `other` prices `one`: the same kernels (`same_kernels`), or `one`
+    steps each parameter inside backward where `other` steps after it: its micro-batches run the same forward and
+    backward, and its update the same per-parameter optimizer work, which `other`'s probe times as its optimizer
+    step (`line_priced`)."""
+    return same_kernels(one, other) or (one.optimizer_in_backward and not other.optimizer_in_backward
+                                        and same_kernels(dataclasses.replace(one, optimizer_in_backward=False), other))
+
+
 def record_probe(candidate: Candidate, probe: dict, flops: ModelFlops | None = None,
                  line_from: dict | None = None) -> None:
     """A probe's measurements on its candidate, and the epoch's time they predict (`epoch_seconds`)."""
