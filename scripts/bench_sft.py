@@ -61,6 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--looptrain-flags", default="",
                         help="more looptrain-finetune flags for every looptrain run, one string (e.g. "
                              "\"--ce-chunk-tokens 1024\")")
+    parser.add_argument("--bf16", action="store_true",
+                        help="both trainers in bf16 autocast: TRL's bf16=True, looptrain's --amp (fp32 weights in "
+                             "both; under a budget, --amp lets the planner choose the precision)")
     parser.add_argument("--budget", help="looptrain-budget's --memory-budget when no TRL run is in --runs (else the "
                                          "lower of TRL's peaks)")
     return parser.parse_args(argv)
@@ -132,7 +135,7 @@ def run_trl(model_dir: Path, data: Path, out: Path, args: argparse.Namespace, pa
     config = SFTConfig(output_dir=str(out), per_device_train_batch_size=BATCH,
                        gradient_accumulation_steps=args.accum, gradient_checkpointing=True, optim="adafactor",
                        learning_rate=LR, max_length=args.max_length, packing=packed, max_steps=args.updates,
-                       logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
+                       logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=args.bf16,
                        dataloader_num_workers=0, seed=0)
     trainer = SFTTrainer(model=model, args=config, train_dataset=datasets.load_dataset("json", data_files=str(data),
                                                                                        split="train"),
@@ -149,7 +152,8 @@ def run_looptrain(model_dir: Path, data: Path, out: Path, args: argparse.Namespa
             "--overwrite", "--max-length", str(args.max_length), "--batch-size", str(BATCH), "--accum", str(args.accum),
             *([] if "--memory-budget" in extra else ["--grad-checkpoint"]),  # under a budget: the planner's choice
             "--optim", "adafactor", "--lr", str(LR), "--max-steps", str(args.updates),
-            "--eval-every", "no", "--no-progress-bar", "--seed", "0", *args.looptrain_flags.split(), *extra]
+            "--eval-every", "no", "--no-progress-bar", "--seed", "0", *(["--amp"] if args.bf16 else []),
+            *args.looptrain_flags.split(), *extra]
     if finetune.main(argv) != 0:
         raise SystemExit(f"looptrain-finetune {' '.join(argv)} failed")
     summary = json.loads((out / "summary.json").read_text())
@@ -220,6 +224,7 @@ def main(argv=None) -> int:
         command = [sys.executable, __file__, "--child", run, "--updates", str(args.updates), "--rows", str(args.rows),
                    "--workdir", str(workdir), "--layers", str(args.layers), "--max-length", str(args.max_length),
                    "--accum", str(args.accum), *(["--profile"] if args.profile else []),
+                   *(["--bf16"] if args.bf16 else []),
                    f"--looptrain-flags={args.looptrain_flags}"]
         if run == "looptrain-budget":
             trl_peaks = [result["peak_rss_above_baseline_mib"] for result in results if result["run"].startswith("trl")]
@@ -237,7 +242,7 @@ def main(argv=None) -> int:
         print(json.dumps(result), flush=True)
     print(f"\nCPU: {torch.backends.cpu.get_cpu_capability()}, native bf16: {'yes' if cpu_has_native_bf16() else 'no'}, "
           f"{torch.get_num_threads()} threads; {args.layers} blocks, {args.updates} updates of {args.accum} rows, "
-          f"max length {args.max_length}\n")
+          f"max length {args.max_length}{', bf16 autocast' if args.bf16 else ''}\n")
     print("| run | tokens | train s | tokens/s | peak RSS above baseline (MiB) |\n|---|---|---|---|---|")
     for result in results:
         print(f"| {result['run']} | {result['tokens']:,} | {result['seconds']} | {result['tokens_per_s']} | "
