@@ -273,6 +273,7 @@ def test_command_line_sizes_are_checked_before_estimating(capsys, flags, message
     assert re.search(message, err) and "Traceback" not in err
 
 
+@pytest.mark.slow  # among the costliest fast checks (docs/results.md): .ci/run runs it, make test leaves it out
 def test_a_process_started_from_a_large_one_reports_its_own_peak_rss():
     """On Linux ``ru_maxrss`` survives exec: a run launched by subprocess from a large process (a test runner, a
     sweep driver) reported that process's peak as its own. The peak is the kernel's VmHWM of this process."""
@@ -315,6 +316,7 @@ def test_a_cuda_estimate_keeps_no_attention_probabilities():
     assert torch.nn.functional.scaled_dot_product_attention is original  # given back
 
 
+@pytest.mark.slow  # among the costliest fast checks (docs/results.md): .ci/run runs it, make test leaves it out
 def test_a_cuda_estimate_prices_adamws_foreach_step():
     """torch's AdamW steps every tensor at once on CUDA (foreach, its default there): the step holds temporaries for
     all the parameters together (sqrt of the second moments, ...), where the CPU's per-tensor step holds one tensor's.

@@ -250,6 +250,7 @@ def test_adafactor_takes_hugging_faces_options_and_refuses_what_it_refuses():
                 optimizer_class([parameter], **options)
 
 
+@pytest.mark.slow  # among the costliest fast checks (docs/results.md): .ci/run runs it, make test leaves it out
 def test_building_adafactor_imports_neither_peft_nor_bitsandbytes():
     """`transformers.optimization` imports `transformers.trainer_utils`, peft and bitsandbytes (55 MiB of resident
     modules on a CPU, which a budget of process RSS pays for); looptrain's Adafactor is built without any of them."""

@@ -704,7 +704,7 @@ def rss_probe(held: dict):
     return probe
 
 
-@pytest.mark.parametrize("holes", [False, True])
+@pytest.mark.parametrize("holes", [False, pytest.param(True, marks=pytest.mark.slow)])  # one case in make test
 def test_the_allocator_is_made_lean_only_when_the_first_probe_does_not_fit_with_its_own(dataset, monkeypatch,
                                                                                         tmp_path, holes):
     """glibc's own thresholds keep freed blocks resident (more RSS) but train faster: `make_lean` is asked only when
@@ -746,7 +746,7 @@ def test_the_allocator_is_made_lean_only_when_the_first_probe_does_not_fit_with_
                    for note in result.notes)
 
 
-@pytest.mark.parametrize("middle_fits", [True, False])
+@pytest.mark.parametrize("middle_fits", [pytest.param(True, marks=pytest.mark.slow), False])  # one case in make test
 def test_the_allocator_is_made_only_as_lean_as_the_first_probe_needs(dataset, monkeypatch, tmp_path, middle_fits):
     """`make_lean` goes one step leaner a call (`allocator.fix_thresholds`: 1 MiB with the heap trimmed, which trains
     nearly as fast as glibc's own thresholds, then 128 KiB): the planner stops asking once the first probe fits, and
@@ -824,7 +824,7 @@ def test_a_first_probe_stopped_at_its_ceiling_makes_the_allocator_lean_and_is_me
     assert reference.probe["measured_peak_bytes"] == 100 * 2**20 + reference.settings.batch_size * 2**20
 
 
-@pytest.mark.parametrize("holes", [False, True])
+@pytest.mark.parametrize("holes", [pytest.param(False, marks=pytest.mark.slow), True])  # one case in make test
 def test_a_rerun_measures_again_the_cached_first_probe_that_makes_the_allocator_lean(dataset, monkeypatch, tmp_path,
                                                                                     holes):
     """The first probe under glibc's own thresholds leaves freed chunks in the heap, which the run reuses once the
@@ -978,6 +978,7 @@ def one_second_estimates(dataset, monkeypatch):
     return train_set, collator, model, budget
 
 
+@pytest.mark.slow  # among the costliest fast checks (docs/results.md): .ci/run runs it, make test leaves it out
 def test_a_rerun_on_the_cache_takes_the_same_decisions_in_a_fraction_of_the_time(dataset, monkeypatch, tmp_path):
     """Planning's time counts each estimate at what computing it cost, one read from the cache at its recorded cost:
     a rerun on the cache stops where the first run stopped (it does not spend the time again on splits the first did
@@ -1806,6 +1807,7 @@ def test_the_optimizer_steps_bytes_come_from_the_estimate():
     assert search.step_bytes(Strategy(batch_size=2, accum_steps=4, optimizer="sgd")) == 0  # not estimated
 
 
+@pytest.mark.slow  # among the costliest fast checks (docs/results.md): .ci/run runs it, make test leaves it out
 def test_a_stopped_probe_is_read_from_the_cache_only_for_a_ceiling_no_higher(monkeypatch, tmp_path):
     """A probe stopped at its ceiling says its peak passes that ceiling, not where it ends: a plan with a lower
     ceiling reads it from the cache, one with a higher ceiling measures it again."""

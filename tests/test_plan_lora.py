@@ -74,6 +74,7 @@ def test_with_lora_the_rest_is_planned_and_lora_is_kept(long_set):
     assert any("lora_A" in name for name in trainable) and not any("word_embeddings" in name for name in trainable)
 
 
+@pytest.mark.slow  # among the costliest fast checks (docs/results.md): .ci/run runs it, make test leaves it out
 def test_where_lora_pays_the_note_says_how_much(short_set):
     """6 tokens, micro-batch 1: the weights' gradients and AdamW's state dominate, LoRA saves much of the peak."""
     train_set, collator = short_set
@@ -149,6 +150,7 @@ def test_when_nothing_fits_qlora_is_suggested_with_its_estimate(nothing_fits):
     assert qlora <= mib(r"fits with --lora 16 \(est\. ([0-9.]+) MiB\)", message)
 
 
+@pytest.mark.slow  # among the costliest fast checks (docs/results.md): .ci/run runs it, make test leaves it out
 def test_with_lora_nothing_fits_suggests_no_freezing(short_set):
     """Freezing and LoRA do not mix: with --lora the advice is the numerics (and --qlora where it can be
     estimated), never a freeze."""

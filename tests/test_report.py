@@ -173,6 +173,7 @@ def test_a_picture_that_cannot_be_written_never_fails_the_finished_run(model_dir
     assert not (output_dir / "report.png").exists() and not list(output_dir.glob(".report.png.tmp-*"))
 
 
+@pytest.mark.slow  # among the costliest fast checks (docs/results.md): .ci/run runs it, make test leaves it out
 def test_a_real_write_failure_leaves_the_old_picture_whole_and_no_temporary_file(finished_run, tmp_path):
     """A file-size limit (RLIMIT_FSIZE) fails the picture's write as a full disk does, in a child process: exit 2,
     one line naming the fix; the rename never happened, so the previous report.png is intact."""

@@ -113,6 +113,7 @@ def test_an_update_is_set_aside_only_when_every_micro_batch_is_covered():
     assert memory.make_meter("cpu", track_every_update=True).track_every_update
 
 
+@pytest.mark.slow  # among the costliest fast checks (docs/results.md): .ci/run runs it, make test leaves it out
 def test_the_command_line_says_how_many_updates_it_tracked(model_dir, tmp_path, capsys):
     from looptrain.cli import finetune
 

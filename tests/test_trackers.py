@@ -99,6 +99,7 @@ def wandb_history(run_dir: Path) -> dict[tuple[str, int], float]:
             for key, value in record["history"]["item"].items() if not key.startswith("_")}
 
 
+@pytest.mark.slow  # among the costliest fast checks (docs/results.md): .ci/run runs it, make test leaves it out
 def test_wandb_offline_run_holds_every_logged_number_the_config_and_the_summary(offline_wandb, tmp_path):
     summary = train(tmp_path / "run", "wandb")
     [run_dir] = (tmp_path / "run" / "wandb").glob("offline-run-*")
@@ -212,6 +213,7 @@ def test_the_command_line_reports_to_wandb_and_mlflow_at_once(offline_wandb, loc
     assert wandb_history(run_dir) == logged
 
 
+@pytest.mark.slow  # among the costliest fast checks (docs/results.md): .ci/run runs it, make test leaves it out
 def test_importing_looptrain_and_checking_trackers_imports_none_of_them(tmp_path):
     """wandb and mlflow take a second or more to import: only a run that reports to them imports them."""
     code = ("import sys; import looptrain, looptrain.loop, looptrain.cli.finetune; "
