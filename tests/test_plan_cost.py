@@ -19,6 +19,10 @@ from conftest import settled_rss_meter
 
 BLOCKS = 16
 SHALLOW = 8
+# A whole probe that drew a line: the small micro-batch (16 tokens) and a typical one (256), and a step of 0.5 s.
+WHOLE_PROBE = {"small_step_seconds": 0.2, "small_batch_shape": [1, 16], "typical_step_seconds": 1.2,
+               "typical_batch_shape": [1, 256], "micro_step_seconds": 4.0, "optimizer_step_seconds": 0.5,
+               "probe_seconds": 9.0, "tokens": 1000, "batch_shape": [1, 1000]}
 
 
 def tiny_decoder(blocks: int = BLOCKS) -> nn.Module:
@@ -197,11 +201,8 @@ def test_a_cut_probe_is_priced_by_the_line_of_a_probe_alike_and_never_stands_for
     from looptrain.planning.timing import line_priced, predicted_probe_seconds, record_probe
 
     flops = ModelFlops(1e6, 0.0)
-    whole = {"small_step_seconds": 0.2, "small_batch_shape": [1, 16], "typical_step_seconds": 1.2,
-             "typical_batch_shape": [1, 256], "micro_step_seconds": 4.0, "optimizer_step_seconds": 0.5,
-             "probe_seconds": 9.0, "tokens": 1000, "batch_shape": [1, 1000]}
     alike = Candidate(Strategy(batch_size=1, accum_steps=8), 100, micro_batches=48, flops=48 * 2.56e8, updates=6)
-    record_probe(alike, whole, flops)
+    record_probe(alike, dict(WHOLE_PROBE), flops)
     other = Candidate(Strategy(batch_size=2, accum_steps=4), 200, micro_batches=24, flops=48 * 2.56e8, updates=6)
     priced = line_priced(alike, flops)
     assert priced["line_only"] and priced["optimizer_step_seconds"] == 0.5 and priced["probe_seconds"] == 0.0
@@ -232,22 +233,18 @@ def test_a_fused_steps_cut_probe_is_priced_by_the_line_of_its_settings_stepped_a
     assert steps_alike(fused, after) and not steps_alike(after, fused)
     assert not steps_alike(dataclasses.replace(fused, gradient_checkpointing=False), after)
     flops = ModelFlops(1e6, 0.0)
-    whole = {"small_step_seconds": 0.2, "small_batch_shape": [1, 16], "typical_step_seconds": 1.2,
-             "typical_batch_shape": [1, 256], "micro_step_seconds": 4.0, "optimizer_step_seconds": 0.5,
-             "probe_seconds": 9.0, "tokens": 1000, "batch_shape": [1, 1000]}
     baseline = Candidate(after, 100, micro_batches=48, flops=48 * 2.56e8, updates=6)
-    record_probe(baseline, whole, flops)
+    record_probe(baseline, dict(WHOLE_PROBE), flops)
     probed = []
-    monkeypatch.setattr(probes, "probe", lambda *args, **options: probed.append(options) or dict(whole))
+    monkeypatch.setattr(probes, "probe", lambda *args, **options: probed.append(options) or dict(WHOLE_PROBE))
+    priced = {}
     for seconds_left, runs in ((0.0, 0), (None, 1)):
-        candidate = Candidate(fused, 100, micro_batches=6, flops=48 * 2.56e8, updates=6)
+        candidate = priced[seconds_left] = Candidate(fused, 100, micro_batches=6, flops=48 * 2.56e8, updates=6)
         Prober(None, None, None, [0] * 8, "cpu", 1.0, None, Budget(2**30, 0.0), flops,
                seconds_left=seconds_left, batches={8: {}}).probe(candidate, [baseline, candidate])
         assert len(probed) == runs
     # The line: fixed 0.2 - 16e6 / 240e6 s a micro-batch, 1 s per 240e6 FLOPs; the step, the baseline's, 6 times.
-    cut = Candidate(fused, 100, micro_batches=6, flops=48 * 2.56e8, updates=6)
-    Prober(None, None, None, [0] * 8, "cpu", 1.0, None, Budget(2**30, 0.0), flops, seconds_left=0.0).probe(
-        cut, [baseline, cut])
+    cut = priced[0.0]
     assert cut.probe["line_only"] and cut.probe["probe_seconds"] == 0.0
     assert cut.seconds_per_epoch == pytest.approx((0.2 - 16e6 / 240e6) * 6 + 48 * 2.56e8 / 240e6 + 0.5 * 6)
 
