@@ -103,7 +103,7 @@ def test_a_truncated_probes_peak_and_ceiling_move_by_the_estimates_difference(mo
     assert len(model.model.layers) == SHALLOW
 
 
-@pytest.mark.slow  # two probes under the RSS meter of a 16-block model: about 7 s on 2 shared cores
+@pytest.mark.slow  # two probes under the RSS meter of a 16-block model, each settling the process
 def test_a_truncated_probes_peak_does_not_depend_on_whether_the_set_aside_weights_were_read_before(tmp_path):
     """A model loaded from a memory-mapped file holds a weight's pages only once read: the truncated probe reads the
     set-aside blocks' weights in and takes them off the shift, so its peak is the same either way (left unread and
