@@ -147,13 +147,17 @@ def as_loss_sum(loss: Any, items: Items, device: torch.device) -> tuple[torch.Te
 def samples_and_tokens(batch: Any) -> tuple[int, int]:
     """(samples, real tokens) of a batch, for throughput; tokens are 0 when the batch has no token ids.
 
-    Tokens are the attention mask's ones; without a mask, the elements of `input_ids`; for a
-    tensor, list or tuple batch (`(x, y)` of token ids), the elements of its first 2-D integer tensor.
+    Tokens are the attention mask's ones; for packed rows (`is_packed`), the tokens before each row's padding
+    and the sequences in them (`packed_samples_and_tokens`); without a mask, the elements of `input_ids`; for a
+    tensor, list or tuple batch (`(x, y)` of token ids), the elements of its first 2-D integer tensor. Samples are
+    rows, except for packed rows.
     """
     samples = first_dimension(batch)
     if isinstance(batch, Mapping):
         if isinstance(batch.get("attention_mask"), torch.Tensor):
             return samples, int(batch["attention_mask"].sum())
+        if is_packed(batch):
+            return packed_samples_and_tokens(batch["position_ids"], batch["labels"])
         if isinstance(batch.get("input_ids"), torch.Tensor):
             return samples, batch["input_ids"].numel()
         return samples, 0
@@ -162,6 +166,31 @@ def samples_and_tokens(batch: Any) -> tuple[int, int]:
         if tensor.dim() >= 2 and not tensor.is_floating_point() and not tensor.is_complex():
             return samples, tensor.numel()
     return samples, 0
+
+
+def is_packed(batch: Any) -> bool:
+    """Whether a batch is packed rows (`data.packing.PackedCollator`): a dict with a 2-D ``input_ids``, no
+    ``attention_mask``, and ``position_ids`` and ``labels`` of the same shape."""
+    input_ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 \
+            or isinstance(batch.get("attention_mask"), torch.Tensor):
+        return False
+    return all(isinstance(batch.get(key), torch.Tensor) and batch[key].shape == input_ids.shape
+               for key in ("position_ids", "labels"))
+
+
+def packed_samples_and_tokens(position_ids: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
+    """(samples, real tokens) of packed rows: a row's tokens run up to its padding (`packed_row_lengths`), and its
+    samples are the sequences among them, a new one wherever a position is not its predecessor's plus one (as
+    transformers reads them: ``masking_utils.find_packed_sequence_indices``).
+
+    A sample with no scored label that ends a row with no padding reads as padding: looptrain's tokenization
+    drops such samples (`data.tokenize.tokenize_lm`: nothing to predict), so its packed rows never hold one."""
+    lengths = torch.tensor(packed_row_lengths(position_ids, labels), device=position_ids.device)
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    real = torch.arange(position_ids.shape[1], device=position_ids.device) < lengths[:, None]
+    return int((starts & real).sum()), int(lengths.sum())
 
 
 def move_to(batch: Any, device: torch.device) -> Any:
@@ -255,8 +284,7 @@ def split_by_tokens(batch: Any, max_tokens: int, multiple: int | None = None, tr
     rows, width = input_ids.shape
     mask = batch.get("attention_mask")
     has_mask = isinstance(mask, torch.Tensor) and mask.shape == input_ids.shape
-    packed = not has_mask and isinstance(batch.get("position_ids"), torch.Tensor) \
-        and isinstance(batch.get("labels"), torch.Tensor) and batch["labels"].shape == input_ids.shape
+    packed = not has_mask and is_packed(batch)
     if has_mask:  # a row's length: up to its last real token (a mask with zeros inside a row keeps them)
         real = mask != 0
         lengths = torch.where(real.any(dim=1), width - real.flip(1).int().argmax(dim=1), 0).tolist()

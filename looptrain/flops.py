@@ -22,7 +22,8 @@ MFU = achieved model FLOP/s / peak FLOP/s. Both sides are counted here, apart fr
   gets its own peak. A cached peak that a run then beats (MFU above 100%: it was measured while other work held
   the cores) is measured again once, and the better of the two kept (`matmul_peak_flops(..., at_least=)`).
 
-Tokens are the run's real tokens (the attention mask's ones, `looptrain.batches.samples_and_tokens`):
+Tokens are the run's real tokens (the attention mask's ones, or a packed row's tokens before its padding, and its
+samples the sequences packed: `looptrain.batches.samples_and_tokens`):
 padding is computed but is not the model's work, so a padded run shows it as a lower MFU. Batches
 without token ids count samples instead. The attention term uses the mean real length of a sample.
 """

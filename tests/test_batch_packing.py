@@ -58,8 +58,9 @@ def reference_run(family: str, samples, windows) -> torch.nn.Module:
     return model
 
 
-def packed_run(family: str, dataset, settings: Strategy) -> tuple[torch.nn.Module, list[list[int]]]:
-    """`settings` trained by the Loop on batch-packed batches; returns the model and the windows' samples."""
+def packed_run(family: str, dataset, settings: Strategy) -> tuple[torch.nn.Module, list[list[int]], dict]:
+    """`settings` trained by the Loop on batch-packed batches; returns the model, the windows' samples and the run's
+    summary."""
     model = make_causal_lm(family)
     assert packing_problem(model) is None
     collator = BatchPackingCollator(DynamicPaddingCollator(PAD, max_length=MAX_LENGTH))
@@ -67,8 +68,8 @@ def packed_run(family: str, dataset, settings: Strategy) -> tuple[torch.nn.Modul
     windows = [[index for batch in loader.batch_sampler.epoch_batches(0)[start:start + settings.accum_steps]
                 for index in batch] for start in range(0, len(loader), settings.accum_steps)]
     config = quiet_config(**{**settings.loop_fields(), "epochs": 1, "max_grad_norm": None, "chunked_ce": "auto"})
-    Loop(model, torch.optim.SGD(model.parameters(), lr=1.0), loader, config=config).fit()
-    return model, windows
+    summary = Loop(model, torch.optim.SGD(model.parameters(), lr=1.0), loader, config=config).fit()
+    return model, windows, summary
 
 
 def test_a_packed_batch_is_cut_into_rows_without_its_padding():
@@ -87,8 +88,11 @@ def test_a_batch_packed_run_equals_the_unpacked_full_batch_loop_over_the_same_wi
     # 32 skewed samples, windows of 8 (one batch each), its rows cut into micro-batches of at most 2 x 32 tokens.
     samples = skewed_samples(32, seed=1)
     settings = Strategy(batch_size=8, accum_steps=1, micro_batch_tokens=2 * MAX_LENGTH, batch_packing="on")
-    model, windows = packed_run("llama", dataset_of(samples), settings)
+    model, windows, summary = packed_run("llama", dataset_of(samples), settings)
     reference = reference_run("llama", samples, windows)
+    # The summary counts samples and their tokens, as the unpacked run does: not packed rows, not their padding.
+    assert sorted(index for window in windows for index in window) == list(range(32))
+    assert summary["train_samples"] == 32 and summary["train_tokens"] == sum(len(ids) for ids, _ in samples)
     # The shapes the run's own estimate prices are the micro-batches the Loop ran.
     collator = BatchPackingCollator(DynamicPaddingCollator(PAD, max_length=MAX_LENGTH))
     loader = make_train_loader(dataset_of(samples), 8, collator, seed=0)
@@ -124,7 +128,7 @@ def test_the_plan_packs_skewed_batches_and_its_run_equals_the_unpacked_run():
     assert packed.padded_tokens < plain.padded_tokens / 2
     assert "batches packed" in result.table() and "--batch-packing on" in " ".join(winner.flags())
     settings = dataclasses.replace(winner, optimizer="sgd")
-    model, windows = packed_run("qwen2", dataset, settings)
+    model, windows, _ = packed_run("qwen2", dataset, settings)
     assert max_difference(reference_run("qwen2", samples, windows), model) < WEIGHT_TOLERANCE
 
 

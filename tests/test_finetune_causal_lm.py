@@ -299,6 +299,9 @@ def test_each_lever_trains_a_causal_lm(lever, llama_dir, tmp_path):
                "--log-every", "1", *LEVERS[lever]) == 0
     losses = [record["loss"] for record in events(tmp_path / "out") if record["event"] == "train"]
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
+    if lever in ("packing", "batch-packing"):  # samples, not packed rows: every one of 16; 2 updates of 4
+        summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+        assert summary["train_samples"] == (16 if lever == "packing" else 8)
 
 
 def test_checkpointed_run_equals_the_plain_run(llama_dir, tmp_path):

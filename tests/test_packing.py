@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from test_causal_lm import FAMILIES, PAD, collate, lm_samples, make_causal_lm, max_difference
 
 from looptrain import Loop
-from looptrain.data import DataError, TokenizedDataset
-from looptrain.data.packing import PackedCollator, PackedDataset, pack_best_fit, packing_problem
+from looptrain.batches import samples_and_tokens
+from looptrain.data import DataError, DynamicPaddingCollator, TokenizedDataset
+from looptrain.data.packing import BatchPackingCollator, PackedCollator, PackedDataset, pack_best_fit, packing_problem
 
 from conftest import quiet_config
 
@@ -52,6 +53,30 @@ def test_a_pack_concatenates_its_samples_with_their_first_labels_ignored_and_pos
     assert "attention_mask" in PackedCollator(PAD, 6)([dataset[0], dataset[1]])  # unpacked items: padded as usual
     with pytest.raises(DataError, match="one label per sample: drop --packing"):
         PackedDataset(TokenizedDataset([[5, 6]], None, [1]), 6)
+
+
+def test_a_packed_batch_counts_its_samples_and_their_tokens_not_its_rows_and_padding():
+    # Samples of 5, 3, 8, 2, 6 and 4 tokens in rows of 10 (packs worked out by hand above): rows of 10, 10 and 8
+    # tokens. Six samples, 28 tokens, whatever padding the rows get: none in the two full rows (each ending in a
+    # short sample: 2 and 4 tokens), 2 tokens at width 10; 6, 6 and 8 at width 16.
+    lengths = [5, 3, 8, 2, 6, 4]
+    ids = [list(range(3, 3 + length)) for length in lengths]
+    labels = [[-100] * (length - 2) + row[-2:] if index % 2 else row for index, (length, row) in
+              enumerate(zip(lengths, ids))]  # every other sample scores only its last 2 tokens (a masked prompt)
+    packed = PackedDataset(TokenizedDataset(ids, None, labels, max_length=10), 10)
+    for width, multiple in ((10, None), (16, 16)):
+        batch = PackedCollator(PAD, width, pad_to_multiple_of=multiple)([packed[index] for index in range(3)])
+        assert batch["input_ids"].shape == (3, width)
+        assert samples_and_tokens(batch) == (6, 28)
+    features = [{"input_ids": row, "labels": row} for row in ids]  # a batch packed by itself (--batch-packing on)
+    assert samples_and_tokens(BatchPackingCollator(DynamicPaddingCollator(PAD, max_length=10))(features)) == (6, 28)
+    # Unpacked batches count as they did: rows and the mask's ones; rows and every id without a mask.
+    unpacked = DynamicPaddingCollator(PAD, max_length=10)(features)
+    assert unpacked["input_ids"].shape == (6, 8) and samples_and_tokens(unpacked) == (6, 28)
+    whole = {"input_ids": unpacked["input_ids"], "labels": unpacked["input_ids"],
+             "position_ids": torch.arange(8).repeat(6, 1)}  # positions from 0 in every row, no mask: 6 whole rows
+    assert samples_and_tokens(whole) == (6, 48)
+    assert samples_and_tokens((unpacked["input_ids"], unpacked["input_ids"])) == (6, 48)
 
 
 def packed_model(family: str):
@@ -118,7 +143,10 @@ def test_a_packed_run_equals_the_full_batch_loop_over_the_same_samples_per_windo
     assert packing_problem(model) is None
     loop = Loop(model, torch.optim.SGD(model.parameters(), lr=1.0), batches,
                 config=quiet_config(accum_steps=2, epochs=1, max_grad_norm=None))
-    loop.fit()
+    summary = loop.fit()
+    # The summary counts the samples and their tokens: 40 samples, not the 18 rows; no padding among the tokens.
+    assert len(packed) == 18 and summary["train_samples"] == len(samples) == 40
+    assert summary["train_tokens"] == sum(len(ids) for ids, _ in samples) == 557
     reference = make_causal_lm(family)
     optimizer = torch.optim.SGD(reference.parameters(), lr=1.0)
     for window in windows:
