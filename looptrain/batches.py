@@ -186,7 +186,7 @@ def packed_samples_and_tokens(position_ids: torch.Tensor, labels: torch.Tensor) 
 
     A sample with no scored label that ends a row with no padding reads as padding: looptrain's tokenization
     drops such samples (`data.tokenize.tokenize_lm`: nothing to predict), so its packed rows never hold one."""
-    lengths = torch.tensor(packed_row_lengths(position_ids, labels), device=position_ids.device)
+    lengths = _packed_lengths(position_ids, labels)
     starts = torch.ones_like(position_ids, dtype=torch.bool)
     starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
     real = torch.arange(position_ids.shape[1], device=position_ids.device) < lengths[:, None]
@@ -254,12 +254,18 @@ def packed_row_lengths(position_ids: torch.Tensor, labels: torch.Tensor) -> list
 
     Dropping such a sequence changes nothing: it comes last, so no other token attends to it, and its first label is
     -100, so the token before it scores nothing either."""
-    lengths = []
-    for positions, row_labels in zip(position_ids.tolist(), labels.tolist()):
-        start = len(positions) - 1 - positions[::-1].index(0) if 0 in positions else 0
-        padding = start and all(label == IGNORE_INDEX for label in row_labels[start:])
-        lengths.append(start if padding else len(positions))
-    return lengths
+    return _packed_lengths(position_ids, labels).tolist()
+
+
+def _packed_lengths(position_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """`packed_row_lengths` as a tensor, on the batch's device."""
+    rows, width = position_ids.shape
+    if width == 0:
+        return torch.zeros(rows, dtype=torch.long, device=position_ids.device)
+    columns = torch.arange(width, device=position_ids.device)
+    start = torch.where(position_ids == 0, columns, 0).amax(dim=1)  # the last sequence's start (0: none later)
+    last_scored = torch.where(labels != IGNORE_INDEX, columns, -1).amax(dim=1)
+    return torch.where((start > 0) & (last_scored < start), start, width)
 
 
 def split_by_tokens(batch: Any, max_tokens: int, multiple: int | None = None, trim: bool = True) -> list:
