@@ -81,6 +81,39 @@ def test_a_truncated_probe_scaled_to_the_whole_stack_predicts_the_whole_probe(wo
     assert all(torch.equal(weights[name], tensor) for name, tensor in model.state_dict().items())
 
 
+def test_a_probe_that_samples_its_heads_tiles_predicts_the_probe_of_every_tile(monkeypatch):
+    """On a clock of matmul work (each ``F.linear`` advances it by its rows times its output features), a probe whose
+    head computes a sample of its vocabulary tiles (every 8th after the first two, `probes.HEAD_TILE_EVERY`) times
+    every micro-batch as the probe of every tile does, and leaves the weights as they were (no skipped row of a
+    gradient holds garbage: the learning rate is 0)."""
+    import torch.nn.functional as F
+
+    from looptrain import lm_loss
+
+    now = [0.0]
+    linear = F.linear
+
+    def timed_linear(input, weight, bias=None):
+        now[0] += input.shape[:-1].numel() * weight.shape[0] * 1e-9
+        return linear(input, weight, bias)
+
+    monkeypatch.setattr(F, "linear", timed_linear)
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(lm_loss, "MIN_TILE_ROWS", 16)  # 4 tokens a logit row of 256: tiles of 16 rows
+    model = tiny_decoder(2)
+    settings = Strategy(batch_size=2, accum_steps=4, ce_chunk_tokens=4, optimizer="adamw")
+    batch, typical = token_batch(2, 40), token_batch(2, 24)
+    weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    monkeypatch.setattr(probes, "HEAD_TILE_EVERY", 1)
+    every = probes.measure_probe(model, settings, batch, "cpu", 1.0, typical=typical)
+    monkeypatch.setattr(probes, "HEAD_TILE_EVERY", 8)
+    sampled = probes.measure_probe(model, settings, batch, "cpu", 1.0, typical=typical)
+    assert sampled["head_tiles_sampled"] == 8 and "head_tiles_sampled" not in every
+    for key in ("micro_step_seconds", "small_step_seconds", "typical_step_seconds"):
+        assert sampled[key] == pytest.approx(every[key], rel=1e-9), key
+    assert all(torch.equal(weights[name], tensor) for name, tensor in model.state_dict().items())
+
+
 @pytest.mark.slow  # two probes under the RSS meter, each settling the process (collections, a trimmed heap)
 def test_a_truncated_probes_peak_and_ceiling_move_by_the_estimates_difference(monkeypatch):
     """Under a measured meter, the truncated probe's peak is the whole stack's: what it measured plus what the
