@@ -192,9 +192,11 @@ def test_only_a_deep_stack_whose_estimate_priced_truncated_depths_is_probed_trun
 def test_a_plan_of_a_deep_model_probes_a_truncated_stack_and_cuts_what_its_time_cannot_pay_for(monkeypatch, tmp_path):
     from test_estimate_causal_lm import CausalLMCollator, TokenDataset
 
+    from looptrain import lm_loss
     from looptrain.planning import plan
 
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(lm_loss, "MIN_TILE_ROWS", 16)  # 4 tokens a logit row of 256 (below): tiles of 16 rows
     # Every probe after the first predicted past planning's time left.
     monkeypatch.setattr("looptrain.planning.ranking.predicted_probe_seconds", lambda *args: float("inf"))
     model = tiny_decoder()
@@ -204,12 +206,16 @@ def test_a_plan_of_a_deep_model_probes_a_truncated_stack_and_cuts_what_its_time_
     dataset.input_ids = [ids + [7] * (40 - len(ids)) for ids in dataset.input_ids]
     dataset.lengths = [len(ids) for ids in dataset.input_ids]
     result = plan(model, dataset, collator, memory_budget=2**30, effective_batch=8,
-                  base=Strategy(batch_size=1, accum_steps=8, gradient_checkpointing=True), probe_budget=60)
+                  base=Strategy(batch_size=1, accum_steps=8, gradient_checkpointing=True, ce_chunk_tokens=4),
+                  probe_budget=60)
     print(result.table())
     probed = [c for c in result.candidates if c.probed]
     baseline = next(c for c in probed if c.baseline)
     assert baseline.probe["truncated"]["depth"] == 3 and baseline.probe["truncated"]["blocks"] == BLOCKS
     assert any(re.search(r"ran 3 of the model's 16 identical blocks and were scaled", note) for note in result.notes)
+    assert baseline.probe["head_tiles_sampled"] == probes.HEAD_TILE_EVERY == 8
+    assert any(re.search(r"computed their head's first two vocabulary tiles and every 8th after", note)
+               for note in result.notes)
     # Planning's time is spent before the search's favourite: the estimate decides every candidate's memory (the
     # tensors meter), so it is priced by the line of the baseline's kernels, or timed without its worst batch.
     cut = [c for c in probed if c.probe.get("memory") == "decided by the estimate"]

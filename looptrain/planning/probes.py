@@ -421,7 +421,9 @@ def _measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: st
     the worst batch on (`_Ceiling`): the result then says ``"stopped": True`` and holds the ceiling and the peak
     measured when it stopped (past it, or with ``"before_step_bytes"`` before an optimizer step of `step_bytes`
     that would have taken it past), but no timings. `scaling` (`_measure_truncated`): the micro-batches' seconds and
-    the step's are scaled to the whole stack of blocks.
+    the step's are scaled to the whole stack of blocks. On a CPU a causal LM's chunked head computes a sample of its
+    vocabulary tiles (`HEAD_TILE_EVERY`, `looptrain.tile_sample`), and each micro-batch's seconds get the skipped
+    tiles' seconds back (``"head_tiles_sampled"`` says so).
     """
     plan = _probe_windows(settings, batch, typical)
     config = LoopConfig(**settings.loop_fields() | {"accum_steps": len(plan.windows[0])}, max_grad_norm=max_grad_norm,
