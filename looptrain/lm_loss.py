@@ -34,6 +34,7 @@ its head standing aside), so gradients are synced as usual. See docs/causal_lm.m
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -46,6 +47,7 @@ from looptrain.fake import is_fake
 from looptrain.optim.bf16 import priced_chunks
 from looptrain.optim.in_backward import row_stepper
 from looptrain.strategy import CHUNKED_CE_MODES, ConfigError
+from looptrain.tile_sample import TileSample, active
 
 # Batch keys the model's own forward takes for its loss or its head, never the decoder body's.
 _HEAD_KEYS = ("labels", "shift_labels", "num_items_in_batch", "logits_to_keep", "return_dict")
@@ -66,13 +68,14 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, max_logits, dtype, tied=None):
         _check_labels(labels, weight.shape[0])
         tiling = _tiling(hidden.shape[0], weight.shape[0], max_logits)
+        sample = active()  # a probe's: a sample of the tiles, the others' seconds recorded (`looptrain.tile_sample`)
         normalisers = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             for tokens in _slices(hidden, tiling[1]):
                 hidden_d, labels_b = hidden[tokens].to(dtype), labels[tokens]
                 lse = target = None
-                for rows in _slices(weight, tiling[0]):
+                for _, rows in _tile_loop(weight, tiling[0], sample):
                     logits = F.linear(hidden_d, *_rows_in_dtype(weight, bias, rows, dtype)).float()
                     tile_lse = torch.logsumexp(logits, dim=-1)
                     lse = tile_lse if lse is None else torch.logaddexp(lse, tile_lse)
@@ -83,7 +86,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 normalisers[tokens] = lse
                 total += torch.where(labels_b != IGNORE_INDEX, lse - target, 0.0).sum()
         ctx.save_for_backward(hidden, weight, bias, labels, normalisers)
-        ctx.tiling, ctx.dtype, ctx.tied = tiling, dtype, tied
+        ctx.tiling, ctx.dtype, ctx.tied, ctx.sample = tiling, dtype, tied, sample
         return total
 
     @staticmethod
@@ -96,11 +99,13 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad_weight, fresh = None, False
         if needs_weight and stepper is None:
             grad_weight = tied.gradient if tied is not None else None
-            if grad_weight is None:  # written by the first block of tokens (zeros where there is none)
-                grad_weight, fresh = (torch.empty_like if hidden.shape[0] else torch.zeros_like)(weight), True
+            if grad_weight is None:  # written by the first block of tokens (zeros where none, or tiles are skipped)
+                skips = ctx.sample is not None and ctx.sample.skips(math.ceil(weight.shape[0] / ctx.tiling[0]))
+                fill = torch.empty_like if hidden.shape[0] and not skips else torch.zeros_like
+                grad_weight, fresh = fill(weight), True
         grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if needs_hidden else None
         grad_bias = torch.zeros_like(bias) if needs_bias else None
-        tiles = _Tiles(hidden, weight, bias, labels, normalisers, grad_total, ctx.tiling, ctx.dtype)
+        tiles = _Tiles(hidden, weight, bias, labels, normalisers, grad_total, ctx.tiling, ctx.dtype, ctx.sample)
         with torch.autocast(hidden.device.type, enabled=False):
             tiles.backward(grad_hidden, grad_weight, grad_bias, fresh)
             if stepper is not None:  # after grad_hidden, which needs the weight before its step
@@ -122,12 +127,13 @@ class _Tiles:
     states' gradient added; `weight_rows` gives any rows' gradient over every token, for the fused step by rows.
     """
 
-    def __init__(self, hidden, weight, bias, labels, normalisers, grad_total, tiling, dtype):
+    def __init__(self, hidden, weight, bias, labels, normalisers, grad_total, tiling, dtype,
+                 sample: TileSample | None = None):
         # the weight as it is now: a step by rows swaps the parameter's .data while it runs
         self.hidden, self.weight, self.labels, self.normalisers = hidden, weight.detach(), labels, normalisers
         self.bias = bias.detach() if bias is not None else None
         self.scale = torch.where(labels != IGNORE_INDEX, grad_total.float(), 0.0)
-        self.tiling, self.dtype = tiling, dtype
+        self.tiling, self.dtype, self.sample = tiling, dtype, sample
 
     def grad_logits(self, hidden_d: torch.Tensor, tokens: slice, rows: slice, head_rows: tuple) -> torch.Tensor:
         """d(loss)/d(logits) of the tokens `tokens` (their hidden states `hidden_d`) at the vocabulary rows `rows`
@@ -147,7 +153,7 @@ class _Tiles:
             return
         for block, tokens in enumerate(_slices(self.hidden, self.tiling[1])):
             hidden_d = self.hidden[tokens].to(self.dtype)
-            for index, rows in enumerate(_slices(self.weight, self.tiling[0])):
+            for index, rows in _tile_loop(self.weight, self.tiling[0], self.sample):
                 head_rows = _rows_in_dtype(self.weight, self.bias, rows, self.dtype)
                 grad = self.grad_logits(hidden_d, tokens, rows, head_rows)
                 if grad_hidden is not None:
@@ -186,6 +192,12 @@ def _slices(tensor: torch.Tensor, step: int) -> Iterator[slice]:
     bytes)."""
     return priced_chunks([slice(start, min(start + step, tensor.shape[0]))
                           for start in range(0, tensor.shape[0], step)], tensor)
+
+
+def _tile_loop(weight: torch.Tensor, rows: int, sample: TileSample | None) -> Iterator[tuple[int, slice]]:
+    """The vocabulary tiles of `rows` rows of `weight` to compute, as (index, rows): every one, or `sample`'s."""
+    tiles = list(_slices(weight, rows))
+    return enumerate(tiles) if sample is None else sample.loop(tiles)
 
 
 def _rows_in_dtype(weight: torch.Tensor, bias: torch.Tensor | None, rows: slice, dtype: torch.dtype):

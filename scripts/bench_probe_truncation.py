@@ -4,8 +4,10 @@
 The model is scripts/bench_sft.py's Qwen2.5-0.5B shape (24 blocks, random weights); the probe is the one the
 planner makes first for `--batch-size 1 --accum 8 --grad-checkpoint --optim adafactor` at max length 1024: the worst
 batch (one row of `--width` tokens), the warm-up and small step (16 tokens), a typical micro-batch (`--typical`
-tokens), the Adafactor step. Each repetition runs the whole probe, then the truncated one (`--depth` of the 24
-blocks, scaled: looptrain.planning.truncation), and prints their timings side by side and the probes' own seconds.
+tokens), the Adafactor step. Each repetition runs the whole probe (every block, every vocabulary tile of the head),
+then the planner's (`--depth` of the 24 blocks, and a sample of the head's tiles, every `--head-tiles-every`-th:
+both scaled, looptrain.planning.truncation and looptrain.tile_sample), and prints their timings side by side and the
+probes' own seconds.
 
     PYTHONPATH=. python scripts/bench_probe_truncation.py --repeats 2 [--workdir /tmp/looptrain-bench-sft]
 
@@ -37,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--width", type=int, default=959, help="the worst batch's tokens")
     parser.add_argument("--typical", type=int, default=195, help="the typical micro-batch's tokens")
+    parser.add_argument("--head-tiles-every", type=int, default=None,
+                        help="the planner's probe samples the head's tiles this sparsely (default: the planner's)")
     arguments = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import torch
@@ -55,8 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     settings = Strategy(batch_size=1, accum_steps=8, gradient_checkpointing=True, optimizer="adafactor")
     batch, typical = token_batch(1, arguments.width, vocab, 0), token_batch(1, arguments.typical, vocab, 1)
     print(f"CPU: {cpu_description()}, {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads")
+    sampled = arguments.head_tiles_every or probes.HEAD_TILE_EVERY
     for repeat in range(arguments.repeats):
+        probes.HEAD_TILE_EVERY = 1  # every tile
         whole = probes.measure_probe(model, settings, batch, "cpu", 1.0, typical=typical)
+        probes.HEAD_TILE_EVERY = sampled
         part = probes.measure_probe(model, settings, batch, "cpu", 1.0, typical=typical,
                                     truncation=Truncation(arguments.depth, len(model.model.layers)))
         print(json.dumps({"repeat": repeat, **{key: [round(whole[key], 3), round(part[key], 3),

@@ -17,7 +17,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "looptrain"
 LEAVES = ("config", "precision", "guards", "run_log", "resume", "checkpoint", "metrics", "freeze", "unfreeze",
           "gradient_checkpointing", "distributed", "optim", "data", "memory", "batches", "ledger", "seeding",
           "strategy", "lm_loss", "lora", "errors", "cache", "compilation", "embedding_grad", "fake", "flops",
-          "progress", "report", "run", "run_files", "trackers")
+          "progress", "report", "run", "run_files", "tile_sample", "trackers")
 ABOVE_THE_LEAVES = ("looptrain.loop", "looptrain.estimation", "looptrain.planning", "looptrain.cli")
 TESTS = Path(__file__).resolve().parent
 # The one test that runs `python scripts/finetune.py` from a checkout, the public shim (tests/test_cli.py).

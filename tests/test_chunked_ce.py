@@ -388,3 +388,48 @@ def test_a_label_outside_the_vocabulary_is_an_error_as_in_torchs_cross_entropy()
     hidden, weight = torch.randn(4, 32), torch.randn(VOCAB, 32)
     with pytest.raises(IndexError, match=f"Target {VOCAB} is out of bounds"):
         lm_loss.chunked_cross_entropy(hidden, weight, None, torch.tensor([1, -100, VOCAB, 2]))
+
+
+def test_a_probes_sample_of_the_tiles_is_the_cross_entropy_over_the_computed_tiles_rows(monkeypatch):
+    """Inside `sampled_tiles(2)` a loop of 5 tiles of 21 vocabulary rows (the last 12) computes tiles 0, 1 and 3
+    only: the loss and every gradient are those of ``F.linear`` + logsumexp over those 63 rows alone, by autograd
+    (a label outside them scores its logsumexp alone), the other rows' weight gradient is zero, and the skipped
+    tiles' seconds are recorded once per loop (forward, backward)."""
+    from looptrain.tile_sample import sampled_tiles
+
+    monkeypatch.setattr(lm_loss, "MIN_TILE_ROWS", 16)
+    assert lm_loss._tiling(40, VOCAB, 9 * VOCAB) == (21, 40)
+    computed = torch.cat([torch.arange(0, 42), torch.arange(63, 84)])
+    generator = torch.Generator().manual_seed(0)
+    base, weight = torch.randn(40, 32, generator=generator), torch.randn(VOCAB, 32, generator=generator)
+    bias, ids = torch.randn(VOCAB, generator=generator), torch.randint(0, VOCAB, (40,), generator=generator)
+    labels = torch.randint(0, VOCAB, (40,), generator=generator)
+    labels[::5] = -100
+    for tied in (False, True):
+        results = []
+        for sampled in (True, False):
+            leaves = [tensor.clone().requires_grad_() for tensor in (base, weight, bias)]
+            fused = lm_loss._TiedGradient() if sampled and tied else None
+            hidden = leaves[0]
+            if tied:
+                hidden = hidden + (lm_loss._TiedLookup.apply(ids, leaves[1], None, fused) if sampled
+                                   else F.embedding(ids, leaves[1]))
+            if sampled:
+                with sampled_tiles(2) as sample:
+                    loss = lm_loss.chunked_cross_entropy(hidden, leaves[1], leaves[2], labels, 9, fused)
+                    loss.backward()
+                assert len(sample.added) == 2 and all(seconds >= 0 for _, seconds in sample.added)
+            else:  # the reference: the same head over the computed rows alone
+                logits = F.linear(hidden, leaves[1][computed], leaves[2][computed])
+                inside = (labels[:, None] == computed[None, :])
+                target = torch.where(inside, logits, 0.0).sum(dim=1)
+                loss = torch.where(labels != -100, torch.logsumexp(logits, dim=1) - target, 0.0).sum()
+                loss.backward()
+            results.append([loss.detach()] + [leaf.grad for leaf in leaves])
+        for name, got, expected in zip(("loss", "hidden", "weight", "bias"), *results):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=f"{name}, tied={tied}")
+        skipped = torch.ones(VOCAB, dtype=torch.bool)
+        skipped[computed] = False
+        if not tied:  # a tied weight's skipped rows still get the lookup's gradient
+            assert torch.count_nonzero(results[0][2][skipped]) == 0
+        assert torch.count_nonzero(results[0][3][skipped]) == 0

@@ -1251,8 +1251,8 @@ class AffineSearch:
     def prefetch_all(self, settings_list) -> None:
         self.rounds.append(list(settings_list))
 
-    def estimate_round(self, settings_list) -> None:
-        self.forced.append(list(settings_list))  # a round made whatever the time: `known` says what it priced
+    def estimate_round(self, settings_list, rounds=1) -> None:
+        self.forced.append(list(settings_list))  # the search's first round: `known` says what it priced
 
     def peak(self, settings) -> int:
         grads = 0 if settings.optimizer_in_backward else 10
@@ -1448,6 +1448,36 @@ def test_the_search_decides_steps_by_prediction_and_estimates_the_split_a_predic
     assert search.candidate_peak(Strategy(batch_size=16, accum_steps=8)) == 76 * 2**20 and calls == [8, 32]
 
 
+def test_a_first_round_of_estimates_is_made_only_within_planning_time(monkeypatch):
+    """`Search.estimate_round` (the rounds a search asks before anything else) keeps planning's time: with 2.5 s for
+    estimates of 1 s each, one at a time, it makes two and stops short of the third (counted as skipped, no error),
+    and asked again makes none; with 1.5 s it makes one; `rounds=1` makes one round."""
+    from looptrain.planning import book
+    from looptrain.planning import search as plan_search
+    from looptrain.planning.budget import Budget
+
+    splits = [Strategy(batch_size=rows, accum_steps=128 // rows) for rows in (1, 2, 4, 8)]
+
+    def search_of(limit: float):
+        stand_in, calls = phased_estimates(seconds=1.0)
+        monkeypatch.setattr(book, "estimate", stand_in)
+        estimates = book.EstimateBook(torch.nn.Linear(1, 1), 32)
+        estimates.limit_time(limit)
+        return plan_search.Search(estimates, Budget(2**30, 0.0)), estimates, calls
+
+    search, estimates, calls = search_of(2.5)
+    search.estimate_round(splits, rounds=None)
+    assert (calls, estimates.skipped) == ([1, 2], 1)
+    search.estimate_round(splits[2:])  # no room for a third
+    assert (calls, estimates.skipped) == ([1, 2], 2)
+    search, estimates, calls = search_of(1.5)
+    search.estimate_round(splits, rounds=None)
+    assert (calls, estimates.skipped) == ([1], 1)
+    search, estimates, calls = search_of(2.5)
+    search.estimate_round(splits, rounds=1)
+    assert (calls, estimates.skipped) == ([1], 0)
+
+
 def test_the_search_finds_the_lightest_mode_first_and_never_estimates_a_split_more_checkpointing_ruled_out():
     """Checkpointing modes are searched from every block to none, so a search cut short has found the splits most
     likely to fit; a mode checkpointing less is estimated only up to the largest micro-batch the mode before it
@@ -1501,26 +1531,27 @@ def test_under_a_time_limit_the_search_asks_first_which_checkpointing_modes_fit_
 
 
 @pytest.mark.slow  # over 10 s: make test stays under 5 minutes on 2 cores; .ci/run runs it
-def test_when_your_flags_do_not_fit_each_modes_lightest_split_is_estimated_before_the_first_probe(dataset, monkeypatch,
-                                                                                                     tmp_path):
-    """With the default planning time, flags that do not fit make the planner ask, before its first probe and whatever
-    the time, which checkpointing modes fit at their lightest split (one round, side by side); with `--plan-time`
-    (a probe budget) it does not."""
-    monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / "cold"))
+def test_when_your_flags_do_not_fit_each_modes_lightest_split_is_estimated_first_within_planning_time(
+        dataset, monkeypatch, tmp_path):
+    """Flags that do not fit make the planner ask first, after its first probe, which checkpointing modes fit at
+    their lightest split (side by side), within planning's time: with the default time (the 10-s floor, every estimate
+    costed at 1 s) those are the first estimates after your flags' and the lightest split's; with `--plan-time 0`
+    none is made (planning keeps its bound)."""
     train_set, collator, model, budget = one_second_estimates(dataset, monkeypatch)
     user = Strategy(batch_size=16, accum_steps=1)  # over the budget (micro-batch 8 is)
     for probe_budget in (None, 0.0):
+        monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path / f"cold {probe_budget}"))
         lines: list[str] = []
         plan(model, train_set, collator, memory_budget=budget, effective_batch=EFFECTIVE_BATCH, base=user,
              probe_budget=probe_budget, echo=lines.append)
-        first_probe = next(index for index, line in enumerate(lines) if line.lstrip().startswith("probe "))
-        before = [line for line in lines[:first_probe] if line.lstrip().startswith("estimate ")]
-        modes = {words for words in ("checkpointing all blocks", "checkpointing every 2", "checkpointing none")
-                 if any(f"estimate 1 x {EFFECTIVE_BATCH}, fp32, adamw, {words}:" in line for line in before)}
+        estimates = [line for line in lines if line.lstrip().startswith("estimate ")]
+        modes = [next((words for words in ("all blocks", "every 2", "none")
+                       if f"estimate 1 x {EFFECTIVE_BATCH}, fp32, adamw, checkpointing {words}:" in line), None)
+                 for line in estimates]
         if probe_budget is None:
-            assert modes == {"checkpointing all blocks", "checkpointing every 2", "checkpointing none"}, before
+            assert modes[:4] == [None, "all blocks", "every 2", "none"], estimates
         else:
-            assert modes == {"checkpointing all blocks"}, before
+            assert modes == [None, "all blocks"], estimates
 
 
 @pytest.mark.parametrize("smaller_prior, stand_in", [(2.0, 16), (1.2, 2)], ids=["runner-up", "smaller split"])
@@ -1598,17 +1629,17 @@ def test_a_search_cut_short_keeps_every_split_it_already_knows_to_fit():
     assert all(dataclasses.replace(split, batch_size=1, accum_steps=16) == split for split in frontier)
 
 
-def test_a_search_out_of_time_still_estimates_the_whole_batch_fused_first_and_keeps_it_when_it_fits():
-    """A short run's planning time may be spent before its search starts (the first probe measured again with the
-    allocator made leaner): the search then still makes one round of estimates, the whole batch in one micro-batch
-    with the step fused into backward and every block checkpointed beside micro-batch 1 without checkpointing (then
-    the other fused whole batches; the fastest numerics first), and keeps those that fit as candidates, though the
-    bisection of the modes checkpointing more was cut short. Without a time limit no such round is asked for."""
+def test_a_search_under_a_time_limit_estimates_the_whole_batch_fused_first_and_keeps_it_when_it_fits():
+    """Under planning's time limit the search's first round (`Search.estimate_round`, within that time) is the whole
+    batch in one micro-batch with the step fused into backward and every block checkpointed beside micro-batch 1
+    without checkpointing (then the other fused whole batches; the fastest numerics first), and it keeps those that
+    fit as candidates, though the bisection of the modes checkpointing more was cut short by the time. Without a time
+    limit no such round is asked for."""
     from looptrain.planning import search as plan_search
 
     class RoundSearch(KnownOnlySearch):
-        def estimate_round(self, settings_list) -> None:
-            super().estimate_round(settings_list)
+        def estimate_round(self, settings_list, rounds=1) -> None:
+            super().estimate_round(settings_list, rounds)
             self.known_keys |= {self.key(settings) for settings in settings_list[:2]}  # two workers
 
     base = Strategy(batch_size=16, accum_steps=1)

@@ -81,6 +81,39 @@ def test_a_truncated_probe_scaled_to_the_whole_stack_predicts_the_whole_probe(wo
     assert all(torch.equal(weights[name], tensor) for name, tensor in model.state_dict().items())
 
 
+def test_a_probe_that_samples_its_heads_tiles_predicts_the_probe_of_every_tile(monkeypatch):
+    """On a clock of matmul work (each ``F.linear`` advances it by its rows times its output features), a probe whose
+    head computes a sample of its vocabulary tiles (every 8th after the first two, `probes.HEAD_TILE_EVERY`) times
+    every micro-batch as the probe of every tile does, and leaves the weights as they were (no skipped row of a
+    gradient holds garbage: the learning rate is 0)."""
+    import torch.nn.functional as F
+
+    from looptrain import lm_loss
+
+    now = [0.0]
+    linear = F.linear
+
+    def timed_linear(input, weight, bias=None):
+        now[0] += input.shape[:-1].numel() * weight.shape[0] * 1e-9
+        return linear(input, weight, bias)
+
+    monkeypatch.setattr(F, "linear", timed_linear)
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(lm_loss, "MIN_TILE_ROWS", 16)  # 4 tokens a logit row of 256: tiles of 16 rows
+    model = tiny_decoder(2)
+    settings = Strategy(batch_size=2, accum_steps=4, ce_chunk_tokens=4, optimizer="adamw")
+    batch, typical = token_batch(2, 40), token_batch(2, 24)
+    weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    monkeypatch.setattr(probes, "HEAD_TILE_EVERY", 1)
+    every = probes.measure_probe(model, settings, batch, "cpu", 1.0, typical=typical)
+    monkeypatch.setattr(probes, "HEAD_TILE_EVERY", 8)
+    sampled = probes.measure_probe(model, settings, batch, "cpu", 1.0, typical=typical)
+    assert sampled["head_tiles_sampled"] == 8 and "head_tiles_sampled" not in every
+    for key in ("micro_step_seconds", "small_step_seconds", "typical_step_seconds"):
+        assert sampled[key] == pytest.approx(every[key], rel=1e-9), key
+    assert all(torch.equal(weights[name], tensor) for name, tensor in model.state_dict().items())
+
+
 @pytest.mark.slow  # two probes under the RSS meter, each settling the process (collections, a trimmed heap)
 def test_a_truncated_probes_peak_and_ceiling_move_by_the_estimates_difference(monkeypatch):
     """Under a measured meter, the truncated probe's peak is the whole stack's: what it measured plus what the
@@ -159,9 +192,11 @@ def test_only_a_deep_stack_whose_estimate_priced_truncated_depths_is_probed_trun
 def test_a_plan_of_a_deep_model_probes_a_truncated_stack_and_cuts_what_its_time_cannot_pay_for(monkeypatch, tmp_path):
     from test_estimate_causal_lm import CausalLMCollator, TokenDataset
 
+    from looptrain import lm_loss
     from looptrain.planning import plan
 
     monkeypatch.setenv("LOOPTRAIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(lm_loss, "MIN_TILE_ROWS", 16)  # 4 tokens a logit row of 256 (below): tiles of 16 rows
     # Every probe after the first predicted past planning's time left.
     monkeypatch.setattr("looptrain.planning.ranking.predicted_probe_seconds", lambda *args: float("inf"))
     model = tiny_decoder()
@@ -171,12 +206,16 @@ def test_a_plan_of_a_deep_model_probes_a_truncated_stack_and_cuts_what_its_time_
     dataset.input_ids = [ids + [7] * (40 - len(ids)) for ids in dataset.input_ids]
     dataset.lengths = [len(ids) for ids in dataset.input_ids]
     result = plan(model, dataset, collator, memory_budget=2**30, effective_batch=8,
-                  base=Strategy(batch_size=1, accum_steps=8, gradient_checkpointing=True), probe_budget=60)
+                  base=Strategy(batch_size=1, accum_steps=8, gradient_checkpointing=True, ce_chunk_tokens=4),
+                  probe_budget=60)
     print(result.table())
     probed = [c for c in result.candidates if c.probed]
     baseline = next(c for c in probed if c.baseline)
     assert baseline.probe["truncated"]["depth"] == 3 and baseline.probe["truncated"]["blocks"] == BLOCKS
     assert any(re.search(r"ran 3 of the model's 16 identical blocks and were scaled", note) for note in result.notes)
+    assert baseline.probe["head_tiles_sampled"] == probes.HEAD_TILE_EVERY == 8
+    assert any(re.search(r"computed their head's first two vocabulary tiles and every 8th after", note)
+               for note in result.notes)
     # Planning's time is spent before the search's favourite: the estimate decides every candidate's memory (the
     # tensors meter), so it is priced by the line of the baseline's kernels, or timed without its worst batch.
     cut = [c for c in probed if c.probe.get("memory") == "decided by the estimate"]

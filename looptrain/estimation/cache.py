@@ -233,13 +233,15 @@ def model_digest(model: nn.Module) -> str:
 
 
 def probe_key(model: str, strategy: Strategy, batch: dict, *, max_grad_norm: float | None, meter: str,
-              warm_up_width: int, allocator: str, typical: dict | None = None) -> str:
+              warm_up_width: int, allocator: str, typical: dict | None = None,
+              head_tile_every: int | None = None) -> str:
     """The cache key of one planner probe on this CPU: `strategy`'s update of the model on `batch`, under `meter`.
 
     `model` is the model's `model_digest`, taken when planning starts: a probe changes what a description reads
     (transformers turns the config's ``use_cache`` off under checkpointing), and a rerun starts from a fresh model.
     The batch is described by each tensor's shape and, with an attention mask, each row's length (the probe's
-    batch is the run's worst: its longest samples), the probe's warm-up by its width, and its `typical` micro-batch
+    batch is the run's worst: its longest samples), the probe's warm-up by its width, its head's tiles by how many it
+    samples (`head_tile_every`), and its `typical` micro-batch
     by its tensors' shapes (cut from the same longest samples, so their shapes say it all). The CPU's name and the
     number of threads join the CPU's capability, since a probe measures speed; the C allocator's state
     (`looptrain.memory.allocator.describe`) joins them, since it moves both the RSS a probe measures and its time.
@@ -253,6 +255,7 @@ def probe_key(model: str, strategy: Strategy, batch: dict, *, max_grad_norm: flo
         "max_grad_norm": max_grad_norm,
         "meter": meter,
         "warm_up_width": warm_up_width,
+        "head_tile_every": head_tile_every,
         "typical": _shapes(typical) if typical is not None else None,
         "allocator": allocator,
         "versions": _versions(),

@@ -55,10 +55,6 @@ def first_probe(request: Request, search: Search) -> FirstProbe:
               if s is not None and valid_settings(s)]
     search.prefetch(firsts)  # side by side: the lightest is needed when the baseline does not fit
     first = next((s for s in firsts if search.fits(s)), None)
-    if first is not None and first != baseline and request.probe_budget is None:
-        # Your flags do not fit: which checkpointing modes do, at their lightest split? One round, side by side,
-        # whatever planning's time (`--plan-time` bounds it: then the search asks, within its time).
-        search.prefetch_all(mode_frontier(request.base, request.effective_batch, set(request.fixed)))
     if first is None:
         return FirstProbe(None, request.budget)
     reference = costed(search, first, request, as_given=first == baseline)
@@ -74,6 +70,10 @@ def first_probe(request: Request, search: Search) -> FirstProbe:
     search.book.limit_time(max(search.book.charged, estimate_seconds(
         total, probed["probe_seconds"], MIN_PLANNING_SECONDS if request.probe_budget is None else 0.0,
         spent=charged)))
+    if first != baseline:
+        # Your flags do not fit: which checkpointing modes do, at their lightest split? Asked first, side by side,
+        # within planning's time (docs/plan.md, 'Which checkpointing modes fit is asked first').
+        search.estimate_round(mode_frontier(request.base, request.effective_batch, set(request.fixed)), rounds=None)
     budget = request.budget
     if request.meter is not None:
         measured_peak = reference.probe["measured_peak_bytes"]

@@ -287,6 +287,11 @@ def explain(request: Request, search: Search, first: FirstProbe, searched: Searc
                      "identical blocks and were scaled to the whole stack: each micro-batch's blocks' seconds "
                      f"x {truncated[0]['blocks'] / truncated[0]['depth']:.1f}, the optimizer step by the parameters, "
                      "the measured peak by what the estimate prices between the two stacks")
+    sampled = [c.probe["head_tiles_sampled"] for c in ranked.candidates if c.probe.get("head_tiles_sampled")]
+    if sampled:
+        notes.append(f"{len(sampled)} probe(s) computed their head's first two vocabulary tiles and every "
+                     f"{sampled[0]}th after, and priced the others at those tiles' seconds per vocabulary row: a "
+                     "tile's work is its rows' share of the head's, its memory one tile whichever")
     if realised:
         notes.append(f"{realised} candidate(s) train each window as one batch cut into micro-batches "
                      "of at most (micro-batch x the worst width) padded tokens: short rows run many to a "

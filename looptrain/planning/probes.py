@@ -10,6 +10,7 @@ process held at its worst. Probes on a CPU are cached on disk beside the estimat
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import time
@@ -38,6 +39,7 @@ from looptrain.planning.truncation import (
 )
 from looptrain.precision import resolve_device
 from looptrain.strategy import Strategy
+from looptrain.tile_sample import TileSample, sampled_tiles
 
 # A probe read from the cache under the RSS meter: the process may hold at most this more above the start than when
 # the probe was measured (the same command holds the same or less; another program may hold more).
@@ -46,6 +48,9 @@ PROBE_HELD_TOLERANCE = 32 * 1024**2
 # leaves the gradients (their size does not depend on the width) and pays the first-call costs, for a fraction of
 # a worst-width micro-batch. Compiled probes warm up at the worst width: that first micro-batch compiles the graph.
 PROBE_WARM_UP_WIDTH = 16
+# A probe on a CPU computes its head's first two vocabulary tiles and every this-many-th after, and prices the others
+# from them (`looptrain.tile_sample`): a tile's work is its rows' share of the head's, its memory the same whichever.
+HEAD_TILE_EVERY = 8
 # A probe with a ceiling reads its meter at most this often (before and after each module's forward, as each
 # gradient is accumulated, before the optimizer's step): the process outgrows the ceiling only by what it allocates
 # in between, and the checks stay a small share of the timed worst micro-batch (docs/plan.md, 'How "fits" is
@@ -217,7 +222,7 @@ def probe_key(model: nn.Module, settings: Strategy, batch: dict, device: str, ma
     return estimate_cache.probe_key(digest, settings, batch, max_grad_norm=max_grad_norm,
                                     meter=meter.kind if meter is not None else "tensors",
                                     warm_up_width=PROBE_WARM_UP_WIDTH, allocator=allocator.describe(),
-                                    typical=typical)
+                                    typical=typical, head_tile_every=HEAD_TILE_EVERY)
 
 
 def held_bytes(meter: Meter | None) -> int:
@@ -343,6 +348,10 @@ class _Watch:
         loop.run_update(window)
         return _window_seconds(self.marks, time.perf_counter(), fused)
 
+    def starts(self) -> list[float]:
+        """When each micro-batch of the last update started (its `compute_loss`)."""
+        return sorted(when for kind, when in self.marks if kind == "loss")
+
     def remove(self) -> None:
         for hook in self.hooks + self.watching:
             hook.remove()
@@ -412,7 +421,9 @@ def _measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: st
     the worst batch on (`_Ceiling`): the result then says ``"stopped": True`` and holds the ceiling and the peak
     measured when it stopped (past it, or with ``"before_step_bytes"`` before an optimizer step of `step_bytes`
     that would have taken it past), but no timings. `scaling` (`_measure_truncated`): the micro-batches' seconds and
-    the step's are scaled to the whole stack of blocks.
+    the step's are scaled to the whole stack of blocks. On a CPU a causal LM's chunked head computes a sample of its
+    vocabulary tiles (`HEAD_TILE_EVERY`, `looptrain.tile_sample`), and each micro-batch's seconds get the skipped
+    tiles' seconds back (``"head_tiles_sampled"`` says so).
     """
     plan = _probe_windows(settings, batch, typical)
     config = LoopConfig(**settings.loop_fields() | {"accum_steps": len(plan.windows[0])}, max_grad_norm=max_grad_norm,
@@ -429,15 +440,18 @@ def _measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: st
     loop = _TimedLoop(model, optimizer, [], config=config, on_loss=watch.on_loss)
     watch.mark_steps(inner_optimizers(loop.optimizer))
     timed: list[tuple[list[float], float]] = []  # per update: `_window_seconds`
+    sampling = sampled_tiles(HEAD_TILE_EVERY) if resolve_device(device).type == "cpu" else contextlib.nullcontext()
     try:
-        for window in plan.windows:
-            seconds, optimizer_seconds = watch.window(loop, window, settings.optimizer_in_backward)
-            if scaling is not None:
-                clock, truncation, ratio = scaling
-                starts = sorted(when for kind, when in watch.marks if kind == "loss")
-                seconds = scaled_seconds(seconds, starts, clock, truncation)
-                optimizer_seconds *= ratio
-            timed.append((seconds, optimizer_seconds))
+        with sampling as sample:
+            for window in plan.windows:
+                seconds, optimizer_seconds = watch.window(loop, window, settings.optimizer_in_backward)
+                if sample is not None:
+                    seconds = _with_skipped_tiles(seconds, watch.starts(), sample)
+                if scaling is not None:
+                    clock, truncation, ratio = scaling
+                    seconds = scaled_seconds(seconds, watch.starts(), clock, truncation)
+                    optimizer_seconds *= ratio
+                timed.append((seconds, optimizer_seconds))
     except Exception:
         if guard is None or not guard.tripped:  # autograd may re-raise a hook's exception as its own
             raise
@@ -454,8 +468,15 @@ def _measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: st
     if guard is not None and guard.tripped:
         return {"stopped": True, "ceiling": ceiling, "measured_peak_bytes": max(peak, ceiling + 1),
                 **({"before_step_bytes": step_bytes} if guard.before_step else {}), **measured}
+    sampled = {"head_tiles_sampled": HEAD_TILE_EVERY} if sample is not None and sample.added else {}
     return {**_timings(settings, plan, timed), **({"measured_peak_bytes": peak} if peak is not None else {}),
-            **measured}
+            **sampled, **measured}
+
+
+def _with_skipped_tiles(seconds: list[float], starts: list[float], sample: TileSample) -> list[float]:
+    """Each micro-batch's seconds (starting at `starts`) with the seconds of the head's tiles it skipped."""
+    bounds = [*starts[1:], float("inf")]
+    return [spent + sample.seconds_within(start, end) for spent, start, end in zip(seconds, starts, bounds)]
 
 
 def _timings(settings: Strategy, plan: _Windows, timed: list[tuple[list[float], float]]) -> dict:

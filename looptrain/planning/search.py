@@ -82,20 +82,23 @@ class Search:
             self.book.note_predicted(settings)
         return self.budget.within(peak)
 
-    def estimate_round(self, settings_list: Sequence[Strategy]) -> None:
-        """Estimates the first of `settings_list` not memoised yet, one round (as many as there are workers, at least
-        one), whatever planning's time: a short run's time may be spent before its search starts, and this round is
-        all it then estimates (`candidate_settings`: the step fused into backward at the whole batch)."""
+    def estimate_round(self, settings_list: Sequence[Strategy], rounds: int | None = 1) -> None:
+        """Estimates those of `settings_list` not memoised yet, a round at a time (as many as there are workers, at
+        least one), at most `rounds` rounds (None: all of them), before anything else the search asks and within
+        planning's time (`EstimateBook.spent`): what a search that planning's time cuts short should know first
+        (which checkpointing modes fit, `first_probe`; the step fused into backward at the whole batch,
+        `candidate_settings`). A round planning's time has no room for is not made: planning stays within its bound,
+        and the table notes the estimates it stopped short of."""
         book = self.book
-        wanted = [settings for settings in settings_list if not book.memoised(settings)][:max(1, len(book.workers))]
-        limit = book.limit
-        book.limit_time(None)
+        wanted = [settings for settings in settings_list if not book.memoised(settings)]
+        size = max(1, len(book.workers))
         try:
-            book.prefetch(wanted)
-            for settings in wanted:
-                book.peak(settings)
-        finally:
-            book.limit_time(limit)
+            for start in range(0, len(wanted), size)[:rounds]:
+                book.prefetch(wanted[start:start + size])
+                for settings in wanted[start:start + size]:
+                    book.peak(settings)
+        except SearchTimeSpent:
+            pass
 
     @property
     def padded(self) -> bool:
