@@ -214,7 +214,7 @@ def test_a_plan_of_a_deep_model_probes_a_truncated_stack_and_cuts_what_its_time_
     assert baseline.probe["truncated"]["depth"] == 3 and baseline.probe["truncated"]["blocks"] == BLOCKS
     assert any(re.search(r"ran 3 of the model's 16 identical blocks and were scaled", note) for note in result.notes)
     assert baseline.probe["head_tiles_sampled"] == probes.HEAD_TILE_EVERY == 8
-    assert any(re.search(r"computed their head's first two vocabulary tiles and every 8th after", note)
+    assert any(re.search(r"computed their head's first two vocabulary tiles and one in every 8 after", note)
                for note in result.notes)
     # Planning's time is spent before the search's favourite: the estimate decides every candidate's memory (the
     # tensors meter), so it is priced by the line of the baseline's kernels, or timed without its worst batch.

@@ -289,8 +289,8 @@ def explain(request: Request, search: Search, first: FirstProbe, searched: Searc
                      "the measured peak by what the estimate prices between the two stacks")
     sampled = [c.probe["head_tiles_sampled"] for c in ranked.candidates if c.probe.get("head_tiles_sampled")]
     if sampled:
-        notes.append(f"{len(sampled)} probe(s) computed their head's first two vocabulary tiles and every "
-                     f"{sampled[0]}th after, and priced the others at those tiles' seconds per vocabulary row: a "
+        notes.append(f"{len(sampled)} probe(s) computed their head's first two vocabulary tiles and one in every "
+                     f"{sampled[0]} after, and priced the others at those tiles' seconds per vocabulary row: a "
                      "tile's work is its rows' share of the head's, its memory one tile whichever")
     if realised:
         notes.append(f"{realised} candidate(s) train each window as one batch cut into micro-batches "
