@@ -34,12 +34,13 @@ from looptrain.planning.truncation import (
     Truncation,
     hold_set_aside,
     scaled_seconds,
+    seconds_plus,
     trainable_numel,
     truncated,
 )
 from looptrain.precision import resolve_device
 from looptrain.strategy import Strategy
-from looptrain.tile_sample import TileSample, sampled_tiles
+from looptrain.tile_sample import sampled_tiles
 
 # A probe read from the cache under the RSS meter: the process may hold at most this more above the start than when
 # the probe was measured (the same command holds the same or less; another program may hold more).
@@ -350,7 +351,7 @@ class _Watch:
 
     def starts(self) -> list[float]:
         """When each micro-batch of the last update started (its `compute_loss`)."""
-        return sorted(when for kind, when in self.marks if kind == "loss")
+        return _loss_starts(self.marks)
 
     def remove(self) -> None:
         for hook in self.hooks + self.watching:
@@ -445,11 +446,12 @@ def _measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: st
         with sampling as sample:
             for window in plan.windows:
                 seconds, optimizer_seconds = watch.window(loop, window, settings.optimizer_in_backward)
-                if sample is not None:
-                    seconds = _with_skipped_tiles(seconds, watch.starts(), sample)
+                starts = watch.starts()
+                if sample is not None:  # the head's skipped tiles, in the micro-batch they fell in
+                    seconds = seconds_plus(seconds, starts, sample.seconds_within)
                 if scaling is not None:
                     clock, truncation, ratio = scaling
-                    seconds = scaled_seconds(seconds, watch.starts(), clock, truncation)
+                    seconds = scaled_seconds(seconds, starts, clock, truncation)
                     optimizer_seconds *= ratio
                 timed.append((seconds, optimizer_seconds))
     except Exception:
@@ -471,12 +473,6 @@ def _measure_probe(model: nn.Module, settings: Strategy, batch: dict, device: st
     sampled = {"head_tiles_sampled": HEAD_TILE_EVERY} if sample is not None and sample.added else {}
     return {**_timings(settings, plan, timed), **({"measured_peak_bytes": peak} if peak is not None else {}),
             **sampled, **measured}
-
-
-def _with_skipped_tiles(seconds: list[float], starts: list[float], sample: TileSample) -> list[float]:
-    """Each micro-batch's seconds (starting at `starts`) with the seconds of the head's tiles it skipped."""
-    bounds = [*starts[1:], float("inf")]
-    return [spent + sample.seconds_within(start, end) for spent, start, end in zip(seconds, starts, bounds)]
 
 
 def _timings(settings: Strategy, plan: _Windows, timed: list[tuple[list[float], float]]) -> dict:
@@ -501,7 +497,7 @@ def _window_seconds(marks: list[tuple[str, float]], ended: float, fused: bool) -
     """One update's micro-batches, each timed from its `compute_loss` to the next one's (the last one: to the
     optimizer step, or to the update's end, `ended`, where the steps run inside backward: `fused`), and its
     optimizer steps' seconds (from their hooks' marks)."""
-    starts = sorted(when for kind, when in marks if kind == "loss")
+    starts = _loss_starts(marks)
     steps = [(kind, when) for kind, when in marks if kind in ("step", "stepped") and when > starts[-1]]
     if fused or not steps:
         stepping, optimizer_seconds = ended, 0.0
@@ -509,6 +505,11 @@ def _window_seconds(marks: list[tuple[str, float]], ended: float, fused: bool) -
         stepping = min(when for _, when in steps)
         optimizer_seconds = sum(when if kind == "stepped" else -when for kind, when in steps)
     return [end - start for start, end in zip(starts, [*starts[1:], stepping])], optimizer_seconds
+
+
+def _loss_starts(marks: list[tuple[str, float]]) -> list[float]:
+    """When each micro-batch among `marks` started (its `compute_loss`), in order."""
+    return sorted(when for kind, when in marks if kind == "loss")
 
 
 def batch_shape(batch: dict) -> list[int]:

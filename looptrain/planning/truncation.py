@@ -167,9 +167,15 @@ def scaled_seconds(micro_seconds: list[float], starts: list[float], clock: Block
                    truncation: Truncation) -> list[float]:
     """Each micro-batch's seconds (starting at `starts`) as the whole stack would take them: plus
     ``N / depth - 1`` times the blocks' seconds the clock measured in it."""
+    return seconds_plus(micro_seconds, starts,
+                        lambda start, end: (truncation.scale - 1) * clock.seconds_within(start, end))
+
+
+def seconds_plus(micro_seconds: list[float], starts: list[float], within) -> list[float]:
+    """Each micro-batch's seconds (starting at `starts`; the last runs to the update's end) plus ``within(start,
+    end)``, the seconds a clock adds to what started in that span."""
     bounds = [*starts[1:], float("inf")]
-    return [seconds + (truncation.scale - 1) * clock.seconds_within(start, end)
-            for seconds, start, end in zip(micro_seconds, starts, bounds)]
+    return [seconds + within(start, end) for seconds, start, end in zip(micro_seconds, starts, bounds)]
 
 
 def trainable_numel(model: nn.Module) -> int:
